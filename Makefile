@@ -1,0 +1,51 @@
+# hettrain — the two commands a person needs: `make demo` and `make test`.
+# Every target sets itself up on a fresh machine (venv, Python deps, control plane build).
+
+SHELL := /bin/bash
+PY_VERSION ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.deps-stamp
+PYTEST_ARGS ?=
+
+.PHONY: help venv lint test test-unit demo plan-examples bench clean
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+$(PY):
+	$(PY_VERSION) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Reinstall only when pyproject.toml changes; torch is pinned so pip keeps it (and its cache).
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q -e '.[viz,operator,runtime,test,lint]'
+	touch $(STAMP)
+
+venv: $(STAMP)  ## create .venv with the project and all test/lint deps
+
+lint: $(STAMP)  ## ruff + import-linter contracts (pure core stays pure)
+	$(VENV)/bin/ruff check operator tests e2e bench
+	$(VENV)/bin/lint-imports
+
+test: lint  ## lint, then every test (unit, multi-process runtime, real control plane)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: $(STAMP)  ## tests that need no control plane
+	$(PY) -m pytest -m 'not k8s' $(PYTEST_ARGS)
+
+plan-examples: $(STAMP)  ## plan every example job against its cluster
+	@for job in examples/jobs/*.yaml; do \
+	  cluster=$$(sed -n 's/^# cluster: *//p' $$job); \
+	  echo "=== $$job on $$cluster"; \
+	  $(VENV)/bin/hettrain plan $$job --cluster $$cluster || exit 1; \
+	done
+
+demo: plan-examples  ## the main job on the embedded local default
+
+bench: $(STAMP)  ## run the benchmarks (ratios, medians of repeats)
+	$(PY) bench/plan_scale.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""kopf handlers: thin wrappers over :mod:`hettrain.reconcile`."""

@@ -1,0 +1,1 @@
+"""Pure builders: (job, Plan, config) -> Kubernetes objects as plain dicts."""

@@ -1,0 +1,1 @@
+"""The pure planning core: device catalog, inventory, cost model, planner, plan schema."""

@@ -1,0 +1,202 @@
+"""The Plan: the one contract between the planner, the operator's manifests and the runtime.
+
+A plan is JSON-serialisable and versioned (``PLAN_VERSION``). The operator stores it in the job's
+plan ConfigMap under ``plan.json``; the runtime reads it back with :meth:`Plan.from_json`.
+
+Layout model: every data-parallel replica is the same pipeline of ``pp`` stages. Stage ``s`` holds
+layers ``[layer_start, layer_end)`` and runs on one device type with its own tensor-parallel
+degree ``tp``; its ``dp`` replicas may come from several pools of that device type (then the
+stage's DP all-reduce is hierarchical across pools or datacenters). Each rank is one GPU with
+coordinates ``(stage, dp, tp)``; ranks are numbered so that a node hosts consecutive ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from hettrain.api.spec import ModelSpec, TrainingSpec
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """One pipeline stage: a contiguous layer range on one device type."""
+
+    index: int
+    device: str
+    vendor: str
+    backend: str  # pool-local collective backend: nccl (CUDA/ROCm), hccl, gloo
+    pools: tuple[str, ...]  # pools contributing replicas of this stage
+    datacenters: tuple[str, ...]
+    layer_start: int
+    layer_end: int  # exclusive
+    tp: int
+    memory_gib: float  # predicted peak per device
+    capacity_gib: float  # device HBM
+    time_ms: float  # forward+backward of one microbatch on this stage
+    has_embedding: bool = False
+    has_head: bool = False
+
+    @property
+    def layers(self) -> int:
+        """Number of transformer layers in this stage."""
+        return self.layer_end - self.layer_start
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """One GPU: where it runs and which (stage, dp, tp) coordinate it owns."""
+
+    rank: int
+    node: str
+    pool: str
+    datacenter: str
+    local_rank: int  # GPU index on the node
+    stage: int
+    dp: int
+    tp: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """Predicted performance of one optimizer step (seconds unless stated)."""
+
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float  # model FLOPs / (step time * peak FLOPs of all used devices)
+    compute_s: float = 0.0
+    bubble_s: float = 0.0
+    tp_comm_s: float = 0.0
+    pp_comm_s: float = 0.0
+    dp_comm_s: float = 0.0
+    cross_dc_bytes_per_step: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A complete placement + parallelism plan for one job."""
+
+    job: str
+    model: ModelSpec
+    training: TrainingSpec
+    dp: int
+    pp: int
+    micro_batch: int  # sequences per microbatch
+    num_microbatches: int  # per replica per optimizer step (gradient accumulation)
+    schedule: str  # 1f1b | interleaved | zb-h1
+    stages: tuple[StagePlan, ...]
+    ranks: tuple[RankPlan, ...]
+    predicted: Prediction
+    cross_dc: dict[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # why the planner chose this (and what it rejected)
+    virtual_stages: int = 1  # interleaved schedule: model chunks per rank
+    version: int = PLAN_VERSION
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks (GPUs)."""
+        return len(self.ranks)
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: dp * micro_batch * num_microbatches."""
+        return self.dp * self.micro_batch * self.num_microbatches
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        """Distinct pools used, in stage order."""
+        seen: dict[str, None] = {}
+        for s in self.stages:
+            for p in s.pools:
+                seen.setdefault(p, None)
+        return tuple(seen)
+
+    @property
+    def datacenters(self) -> tuple[str, ...]:
+        """Distinct datacenters used, in stage order."""
+        seen: dict[str, None] = {}
+        for s in self.stages:
+            for d in s.datacenters:
+                seen.setdefault(d, None)
+        return tuple(seen)
+
+    def nodes(self) -> tuple[str, ...]:
+        """Distinct nodes in rank order."""
+        return tuple(dict.fromkeys(r.node for r in self.ranks))
+
+    def ranks_on(self, node: str) -> tuple[RankPlan, ...]:
+        """Ranks hosted by one node, in rank order."""
+        return tuple(r for r in self.ranks if r.node == node)
+
+    # ------------------------------------------------------------ serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (tuples become lists)."""
+        return _jsonable(asdict(self))
+
+    def to_json(self, indent: int | None = None) -> str:
+        """Canonical JSON (sorted keys)."""
+        return json.dumps(self.to_dict(), sort_keys=True, indent=indent)
+
+    def fingerprint(self) -> str:
+        """Short stable hash of the layout (not predictions or notes): same layout, same hash."""
+        d = self.to_dict()
+        for k in ("predicted", "notes"):
+            d.pop(k, None)
+        for s in d["stages"]:
+            for k in ("memory_gib", "time_ms"):
+                s.pop(k, None)
+        blob = json.dumps(d, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """Inverse of :meth:`to_dict`; rejects other plan versions."""
+        version = d.get("version")
+        if version != PLAN_VERSION:
+            raise ValueError(
+                f"plan version {version!r} unsupported; this build reads {PLAN_VERSION}"
+            )
+        return cls(
+            job=d["job"],
+            model=ModelSpec(**d["model"]),
+            training=TrainingSpec(**d["training"]),
+            dp=d["dp"],
+            pp=d["pp"],
+            micro_batch=d["micro_batch"],
+            num_microbatches=d["num_microbatches"],
+            schedule=d["schedule"],
+            stages=tuple(_build(StagePlan, s) for s in d["stages"]),
+            ranks=tuple(RankPlan(**r) for r in d["ranks"]),
+            predicted=Prediction(**d["predicted"]),
+            cross_dc=dict(d.get("cross_dc", {})),
+            notes=tuple(d.get("notes", ())),
+            virtual_stages=d.get("virtual_stages", 1),
+            version=version,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Parse :meth:`to_json` output."""
+        return cls.from_dict(json.loads(text))
+
+
+def _build(cls: type, d: dict[str, Any]) -> Any:
+    kwargs = {}
+    for f in fields(cls):
+        if f.name in d:
+            v = d[f.name]
+            kwargs[f.name] = tuple(v) if isinstance(v, list) else v
+    return cls(**kwargs)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    return obj

@@ -1,0 +1,1 @@
+"""The training runtime (pods' entrypoint): imports torch, never the operator side."""
