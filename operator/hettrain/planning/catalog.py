@@ -1,0 +1,116 @@
+"""Device catalog: public peak specs of the accelerators hettrain plans for.
+
+Numbers are vendor datasheet values for dense (non-sparse) BF16 math:
+- NVIDIA H100 SXM5: 989 TFLOP/s, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s bidirectional
+  (450 GB/s per direction). H200: same compute, 141 GB HBM3e at 4.8 TB/s.
+  A100 80GB SXM: 312 TFLOP/s, 2.04 TB/s, NVLink 3 600 GB/s (300 per direction).
+  L40S: 362 TFLOP/s dense BF16, 48 GB GDDR6 at 864 GB/s, PCIe Gen4 x16 (~32 GB/s).
+- AMD Instinct MI300X: 1307 TFLOP/s, 192 GB HBM3 at 5.3 TB/s, 7 Infinity Fabric links of
+  64 GB/s (448 GB/s). MI250X: 383 TFLOP/s, 128 GB HBM2e at 3.2 TB/s, 8 IF links (~400 GB/s).
+- Intel Gaudi 2: ~432 TFLOP/s BF16 (MME), 96 GB HBM2e at 2.46 TB/s, 21x100 GbE scale-up
+  (~262 GB/s). Gaudi 3: 1835 TFLOP/s, 128 GB HBM2e at 3.7 TB/s, 21x200 GbE (~525 GB/s).
+- Huawei Ascend 910B: ~320 TFLOP/s FP16/BF16, 64 GB HBM2e at 1.6 TB/s, HCCS 392 GB/s.
+
+Achievable efficiency is never the peak: ``efficiency`` is the fraction of peak a well-tuned
+transformer layer reaches on the device (explicit and overridable per cluster).
+Unknown devices must be declared in the cluster YAML ``devices:``; they are never guessed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hettrain.planning.errors import PlanningInputError
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """One accelerator model's public specs (dense BF16)."""
+
+    name: str
+    vendor: str
+    bf16_tflops: float
+    hbm_gib: float
+    hbm_tbps: float
+    intra_node_gbps: float  # GB/s per GPU, per direction, inside a node
+    backend: str  # torch.distributed backend inside a pool: nccl (CUDA and ROCm), hccl, gloo
+    efficiency: float = 0.45  # achievable fraction of peak on transformer layers
+    pcie_gbps: float = 25.0  # GB/s device<->host for host-staged transfers
+
+    @property
+    def flops(self) -> float:
+        """Peak dense BF16 FLOP/s."""
+        return self.bf16_tflops * 1e12
+
+    @property
+    def effective_flops(self) -> float:
+        """FLOP/s the cost model assumes (peak times efficiency)."""
+        return self.flops * self.efficiency
+
+    @property
+    def hbm_bytes(self) -> float:
+        """Device memory in bytes."""
+        return self.hbm_gib * 2**30
+
+
+_GB = 1000**3 / 2**30  # GB (datasheet) -> GiB
+
+CATALOG: dict[str, DeviceSpec] = {
+    d.name: d
+    for d in (
+        DeviceSpec("H100-SXM", "nvidia", 989, 80 * _GB, 3.35, 450, "nccl", 0.45, 55),
+        DeviceSpec("H200", "nvidia", 989, 141 * _GB, 4.8, 450, "nccl", 0.47, 55),
+        DeviceSpec("A100-80GB", "nvidia", 312, 80 * _GB, 2.04, 300, "nccl", 0.50, 25),
+        DeviceSpec("L40S", "nvidia", 362, 48 * _GB, 0.864, 32, "nccl", 0.40, 25),
+        DeviceSpec("MI300X", "amd", 1307, 192 * _GB, 5.3, 448, "nccl", 0.35, 55),
+        DeviceSpec("MI250X", "amd", 383, 128 * _GB, 3.2, 400, "nccl", 0.35, 25),
+        DeviceSpec("Gaudi2", "intel", 432, 96 * _GB, 2.46, 262, "hccl", 0.40, 25),
+        DeviceSpec("Gaudi3", "intel", 1835, 128 * _GB, 3.7, 525, "hccl", 0.35, 55),
+        DeviceSpec("Ascend-910B", "huawei", 320, 64 * _GB, 1.6, 392, "hccl", 0.40, 25),
+        # A pseudo-device for CPU demos and tests (gloo); tiny numbers, never a real plan target.
+        DeviceSpec("CPU", "cpu", 1.0, 16, 0.05, 5, "gloo", 0.5, 5),
+    )
+}
+
+_REQUIRED = ("vendor", "bf16Tflops", "hbmGiB", "hbmTBps", "intraNodeGBps", "backend")
+
+
+def device_from_yaml(doc: Mapping[str, Any], where: str) -> DeviceSpec:
+    """A user-declared device from a cluster YAML ``devices:`` entry (camelCase)."""
+    name = doc.get("name")
+    if not isinstance(name, str) or not name:
+        raise PlanningInputError(f"{where}.name", "is required (the device model name)")
+    missing = [k for k in _REQUIRED if k not in doc]
+    if missing:
+        raise PlanningInputError(
+            f"{where}.{missing[0]}", f"is required for device {name!r}; give {', '.join(_REQUIRED)}"
+        )
+    try:
+        return DeviceSpec(
+            name=name,
+            vendor=str(doc["vendor"]),
+            bf16_tflops=float(doc["bf16Tflops"]),
+            hbm_gib=float(doc["hbmGiB"]),
+            hbm_tbps=float(doc["hbmTBps"]),
+            intra_node_gbps=float(doc["intraNodeGBps"]),
+            backend=str(doc["backend"]),
+            efficiency=float(doc.get("efficiency", 0.45)),
+            pcie_gbps=float(doc.get("pcieGBps", 25.0)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise PlanningInputError(where, f"device {name!r} has a non-numeric spec: {exc}") from exc
+
+
+def resolve_device(name: str, devices: Mapping[str, DeviceSpec], where: str) -> DeviceSpec:
+    """Look a device up in user devices first, then the catalog; unknown is an error."""
+    if name in devices:
+        return devices[name]
+    if name in CATALOG:
+        return CATALOG[name]
+    raise PlanningInputError(
+        where,
+        f"device {name!r} is not in the catalog ({', '.join(CATALOG)}); declare it under "
+        "devices: with name, vendor, bf16Tflops, hbmGiB, hbmTBps, intraNodeGBps, backend",
+    )

@@ -1,0 +1,227 @@
+"""Cost model: FLOPs, memory and communication of a GPT training step. Pure arithmetic.
+
+Notation: ``b`` microbatch (sequences), ``s`` sequence length, ``h`` hidden, ``a`` heads,
+``f`` FFN hidden, ``V`` vocab, ``t`` tensor-parallel degree, ``p`` pipeline stages,
+``m`` microbatches per step.
+
+FLOPs (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", SC'21, §5.1): a matmul of (x, k)·(k, n) costs 2·x·k·n FLOPs; backward costs twice
+forward. Per layer and token the forward pass costs ``2·P_matmul + 4·s·h`` where ``P_matmul`` are
+the layer's matmul weights (q/k/v/o with GQA, 2 or 3 MLP matrices) and ``4·s·h`` are the attention
+score and value products. For a plain GPT this is the paper's ``24·b·s·h²·(1 + s/6h)`` per layer
+forward+backward/3 — :func:`layer_flops` reduces to it (tested). The LM head costs ``2·h·V`` per
+token forward.
+
+Activation memory (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models", MLSys'23, Table 2), bytes per layer with tensor and sequence parallelism:
+``s·b·h·(34 + 5·a·s/h)/t`` without recompute, ``34·s·b·h/t`` with selective recompute, and
+``2·s·b·h/t`` (the layer input) with full recompute. In 1F1B stage ``i`` keeps ``p − i``
+microbatches in flight (Narayanan et al. §2.2.1).
+
+Model state bytes per parameter (Rajbhandari et al., ZeRO, SC'20, §3): bf16/fp16 mixed precision
+keeps 2 (weights) + 4 (fp32 gradients, Megatron's main grads) + 12 (fp32 master, Adam m and v);
+the distributed optimizer (ZeRO-1) shards the 12 over data-parallel ranks. fp32 training keeps
+4 + 4 + 8.
+
+Communication uses the α–β model (Hockney; Thakur et al., "Optimization of Collective
+Communication Operations in MPICH", 2005): a ring all-reduce of ``n`` bytes over ``k`` ranks costs
+``2·(k−1)·α + 2·(k−1)/k · n/β``; reduce-scatter and all-gather cost half of that each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hettrain.api.spec import ModelSpec, TrainingSpec
+from hettrain.planning.catalog import DeviceSpec
+
+GIB = 2**30
+FRAMEWORK_OVERHEAD_BYTES = 3 * GIB  # CUDA/ROCm context, allocator, comm buffers
+MEMORY_HEADROOM = 0.92  # fraction of HBM the planner is allowed to fill (fragmentation)
+COLLECTIVE_LATENCY_S = 20e-6  # α for one ring step inside a datacenter
+HOST_STAGING_LATENCY_S = 50e-6  # extra per transfer for device->host->device staging
+
+
+def precision_bytes(training: TrainingSpec) -> int:
+    """Bytes of one activation / weight element."""
+    return 4 if training.precision == "fp32" else 2
+
+
+# ---------------------------------------------------------------- FLOPs
+
+
+def layer_matmul_params(model: ModelSpec) -> int:
+    """Matmul weights of one transformer layer (q, k, v, o projections and MLP)."""
+    h = model.hidden
+    kv = model.kv_heads * model.head_dim
+    mlp = (3 if model.gated_mlp else 2) * h * model.ffn_hidden
+    return 2 * h * h + 2 * h * kv + mlp
+
+
+def layer_params(model: ModelSpec) -> int:
+    """All parameters of one transformer layer (matmuls + 2 norms)."""
+    return layer_matmul_params(model) + 2 * model.hidden
+
+
+def layer_forward_flops(model: ModelSpec, tokens: int) -> float:
+    """Forward FLOPs of one layer for ``tokens`` tokens (attention term counted in full)."""
+    return tokens * (2.0 * layer_matmul_params(model) + 4.0 * model.seq_len * model.hidden)
+
+
+def head_forward_flops(model: ModelSpec, tokens: int) -> float:
+    """Forward FLOPs of the LM head (logits) for ``tokens`` tokens."""
+    return 2.0 * tokens * model.hidden * model.vocab
+
+
+def recompute_forward_flops(model: ModelSpec, tokens: int, mode: str) -> float:
+    """Extra forward FLOPs per layer spent recomputing activations in the backward pass."""
+    if mode == "full":
+        return layer_forward_flops(model, tokens)
+    if mode == "selective":  # only the attention core (Korthikanti §4.2)
+        return tokens * 4.0 * model.seq_len * model.hidden
+    return 0.0
+
+
+def layer_flops(model: ModelSpec, tokens: int, recompute: str = "none") -> float:
+    """Forward+backward FLOPs of one layer, including recomputation."""
+    return 3.0 * layer_forward_flops(model, tokens) + recompute_forward_flops(
+        model, tokens, recompute
+    )
+
+
+def model_flops_per_step(model: ModelSpec, global_batch: int) -> float:
+    """Useful FLOPs of one optimizer step (no recomputation): the numerator of MFU."""
+    tokens = global_batch * model.seq_len
+    return 3.0 * (model.layers * layer_forward_flops(model, tokens) +
+                  head_forward_flops(model, tokens))
+
+
+# ---------------------------------------------------------------- memory
+
+
+def state_bytes_per_param(training: TrainingSpec, dp: int) -> float:
+    """Weights + gradients + optimizer bytes per parameter on one rank."""
+    if training.precision == "fp32":
+        weights, grads, optim = 4.0, 4.0, 8.0
+    else:
+        weights, grads, optim = 2.0, 4.0, 12.0
+    if training.optimizer_sharding:
+        optim /= dp
+    return weights + grads + optim
+
+
+def activation_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, recompute: str,
+                               elem_bytes: int = 2) -> float:
+    """Korthikanti et al. activation bytes of one layer for one microbatch (TP + SP)."""
+    s, b, h, a = model.seq_len, micro_batch, model.hidden, model.heads
+    scale = elem_bytes / 2  # the paper's constants assume 2-byte activations
+    if recompute == "full":
+        return 2.0 * s * b * h / tp * scale
+    if recompute == "selective":
+        return 34.0 * s * b * h / tp * scale
+    return s * b * h * (34.0 + 5.0 * a * s / h) / tp * scale
+
+
+def embedding_params(model: ModelSpec) -> int:
+    """Token embedding (first stage) or LM head (last stage) parameters."""
+    return model.vocab * model.hidden
+
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """Affine memory model of one stage: ``fixed + per_layer · layers`` bytes per device."""
+
+    fixed: float
+    per_layer: float
+
+    def bytes_for(self, layers: int) -> float:
+        """Peak bytes with ``layers`` layers."""
+        return self.fixed + self.per_layer * layers
+
+
+def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, micro_batch: int,
+                 in_flight: int, first: bool, last: bool) -> StageMemory:
+    """Per-device memory of a stage as a function of its layer count."""
+    per_param = state_bytes_per_param(training, dp)
+    eb = precision_bytes(training)
+    act = activation_bytes_per_layer(model, micro_batch, tp, training.recompute, eb) * in_flight
+    per_layer = layer_params(model) / tp * per_param + act
+    fixed = float(FRAMEWORK_OVERHEAD_BYTES)
+    tokens_bytes = model.seq_len * micro_batch * model.hidden * eb
+    if first:
+        fixed += embedding_params(model) / tp * per_param + tokens_bytes * in_flight / tp
+    if last:
+        fixed += embedding_params(model) / tp * per_param
+        # fp32 logits for the loss of one microbatch (vocab-parallel cross entropy)
+        fixed += model.seq_len * micro_batch * model.vocab / tp * 4.0 * 2
+    return StageMemory(fixed, per_layer)
+
+
+# ---------------------------------------------------------------- communication
+
+
+def ring_all_reduce_s(nbytes: float, ranks: int, gbytes_per_s: float,
+                      latency_s: float = COLLECTIVE_LATENCY_S) -> float:
+    """α–β time of a ring all-reduce."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (ranks - 1) * latency_s + 2 * (ranks - 1) / ranks * nbytes / (gbytes_per_s * 1e9)
+
+
+def ring_reduce_scatter_s(nbytes: float, ranks: int, gbytes_per_s: float,
+                          latency_s: float = COLLECTIVE_LATENCY_S) -> float:
+    """α–β time of a ring reduce-scatter (an all-gather costs the same)."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return (ranks - 1) * latency_s + (ranks - 1) / ranks * nbytes / (gbytes_per_s * 1e9)
+
+
+def transfer_s(nbytes: float, gbytes_per_s: float, latency_s: float) -> float:
+    """Point-to-point transfer time."""
+    return latency_s + nbytes / (gbytes_per_s * 1e9)
+
+
+def host_staged_gbytes(src: DeviceSpec, dst: DeviceSpec, network_gbytes: float) -> float:
+    """Effective bandwidth of a cross-vendor hop: device→host, network, host→device in series."""
+    return 1.0 / (1.0 / src.pcie_gbps + 1.0 / network_gbytes + 1.0 / dst.pcie_gbps)
+
+
+def tp_comm_per_layer_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
+                        elem_bytes: int = 2) -> float:
+    """Megatron TP(+SP): 2 all-reduce-equivalents forward and 2 backward per layer."""
+    if tp <= 1:
+        return 0.0
+    nbytes = model.seq_len * micro_batch * model.hidden * elem_bytes
+    return 4 * ring_all_reduce_s(nbytes, tp, device.intra_node_gbps, 5e-6)
+
+
+def activation_bytes(model: ModelSpec, micro_batch: int, elem_bytes: int = 2) -> float:
+    """Bytes of one microbatch's activations crossing a pipeline boundary (one direction)."""
+    return float(model.seq_len * micro_batch * model.hidden * elem_bytes)
+
+
+# ---------------------------------------------------------------- schedules
+
+
+def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, schedule: str,
+                    virtual_stages: int = 1) -> tuple[float, float]:
+    """Time of the pipelined part of a step and its bubble, for heterogeneous stages.
+
+    1F1B: ``(m−1)·max + Σ`` over stages and boundary transfers (a slow link is a stage of its
+    own). Interleaved with ``v`` chunks divides the bubble ``Σ − max`` by ``v`` (Narayanan §2.2.2)
+    at ``v``× the boundary traffic. ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism",
+    ICLR'24) splits backward into input- and weight-gradient passes and fills about two thirds
+    of the 1F1B bubble at the same peak memory: bubble ``(Σ − max)/3``.
+    Returns (total seconds, bubble seconds).
+    """
+    boundaries = list(boundary_s)
+    if schedule == "interleaved":
+        boundaries = [b * virtual_stages for b in boundaries]
+    slowest = max(stage_s + boundaries)
+    total = sum(stage_s) + sum(boundaries)
+    bubble = total - slowest
+    if schedule == "interleaved":
+        bubble /= virtual_stages
+    elif schedule == "zb-h1":
+        bubble /= 3.0
+    return m * slowest + bubble, bubble

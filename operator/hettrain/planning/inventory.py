@@ -1,0 +1,315 @@
+"""Cluster inventory: pools of identical nodes, datacenters and the links between them.
+
+Two ways in, one frozen result (:class:`ClusterInventory`):
+- :func:`load_cluster` reads the offline cluster YAML (docs/contracts.md §2);
+- :func:`inventory_from_nodes` reads Kubernetes Node objects (plain dicts as the API returns them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hettrain.api import constants as c
+from hettrain.planning.catalog import DeviceSpec, device_from_yaml, resolve_device
+from hettrain.planning.errors import PlanningInputError
+
+DEFAULT_NIC_GBPS = 400.0  # per node, when a node does not say
+INTRA_DC_LATENCY_MS = 0.01
+DEFAULT_INTER_DC = (10.0, 50.0)  # Gbps, ms: a pessimistic default for an undeclared DC pair
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """Identical nodes of one device model in one datacenter (and zone)."""
+
+    name: str
+    device: DeviceSpec
+    datacenter: str
+    zone: str
+    nodes: tuple[str, ...]
+    gpus_per_node: int
+    nic_gbps: float = DEFAULT_NIC_GBPS  # per node
+
+    @property
+    def vendor(self) -> str:
+        """Vendor of the pool's device."""
+        return self.device.vendor
+
+    @property
+    def gpus(self) -> int:
+        """Total GPUs in the pool."""
+        return len(self.nodes) * self.gpus_per_node
+
+    @property
+    def nic_gbytes_per_gpu(self) -> float:
+        """Scale-out bandwidth per GPU in GB/s (node NIC shared by its GPUs)."""
+        return self.nic_gbps / 8 / self.gpus_per_node
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A network link between two datacenters."""
+
+    a: str
+    b: str
+    bandwidth_gbps: float
+    latency_ms: float
+
+    @property
+    def gbytes(self) -> float:
+        """Bandwidth in GB/s."""
+        return self.bandwidth_gbps / 8
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterInventory:
+    """Everything the planner knows about the cluster. Frozen; derive new ones with methods."""
+
+    pools: tuple[Pool, ...]
+    links: tuple[Link, ...] = ()
+    devices: Mapping[str, DeviceSpec] = field(default_factory=dict)
+    name: str = "cluster"
+
+    @property
+    def gpus(self) -> int:
+        """Total GPUs."""
+        return sum(p.gpus for p in self.pools)
+
+    @property
+    def datacenters(self) -> tuple[str, ...]:
+        """Datacenters with at least one pool, sorted."""
+        return tuple(sorted({p.datacenter for p in self.pools}))
+
+    def pool(self, name: str) -> Pool:
+        """Pool by name (KeyError if absent)."""
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def link(self, dc_a: str, dc_b: str) -> Link:
+        """The link between two datacenters; same DC is a fast local fabric."""
+        if dc_a == dc_b:
+            return Link(dc_a, dc_b, 1e9, INTRA_DC_LATENCY_MS)
+        for link in self.links:
+            if {link.a, link.b} == {dc_a, dc_b}:
+                return link
+        bw, lat = DEFAULT_INTER_DC
+        return Link(dc_a, dc_b, bw, lat)
+
+    def without_nodes(self, names: Iterable[str]) -> ClusterInventory:
+        """A copy without the given nodes (failed or drained); empty pools are dropped."""
+        gone = set(names)
+        pools = []
+        for p in self.pools:
+            kept = tuple(n for n in p.nodes if n not in gone)
+            if kept:
+                pools.append(replace(p, nodes=kept))
+        return replace(self, pools=tuple(pools))
+
+    def node_names(self) -> tuple[str, ...]:
+        """All node names, pool by pool."""
+        return tuple(n for p in self.pools for n in p.nodes)
+
+
+# ---------------------------------------------------------------- cluster YAML
+
+
+def _links_from(docs: Any, where: str) -> tuple[Link, ...]:
+    links = []
+    for i, d in enumerate(docs or []):
+        between = d.get("between") if isinstance(d, Mapping) else None
+        if not isinstance(between, list) or len(between) != 2:
+            raise PlanningInputError(f"{where}[{i}].between", "must list exactly two datacenters")
+        try:
+            links.append(
+                Link(str(between[0]), str(between[1]), float(d["bandwidthGbps"]),
+                     float(d.get("latencyMs", 1.0)))
+            )
+        except KeyError as exc:
+            raise PlanningInputError(f"{where}[{i}].{exc.args[0]}", "is required") from exc
+    return tuple(links)
+
+
+def _devices_from(docs: Any, where: str) -> dict[str, DeviceSpec]:
+    out: dict[str, DeviceSpec] = {}
+    for i, d in enumerate(docs or []):
+        dev = device_from_yaml(d, f"{where}[{i}]")
+        out[dev.name] = dev
+    return out
+
+
+def node_name(pool: str, index: int) -> str:
+    """Deterministic node name used by the cluster YAML and the kwok node helper."""
+    return f"{pool}-{index:03d}"
+
+
+def load_cluster(source: str | Path | Mapping[str, Any]) -> ClusterInventory:
+    """Read a cluster YAML (path or already-parsed dict) into a :class:`ClusterInventory`."""
+    if isinstance(source, Mapping):
+        doc: Any = source
+    else:
+        path = Path(source)
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            msg = f"cannot read cluster file: {exc.strerror}"
+            raise PlanningInputError(str(path), msg) from exc
+        except yaml.YAMLError as exc:
+            raise PlanningInputError(str(path), f"is not valid YAML: {exc}") from exc
+    if not isinstance(doc, Mapping) or doc.get("kind") != c.CLUSTER_KIND:
+        raise PlanningInputError("kind", f"a cluster file must have kind: {c.CLUSTER_KIND}")
+    devices = _devices_from(doc.get("devices"), "devices")
+    dcs = {d["name"] for d in doc.get("datacenters") or [] if isinstance(d, Mapping)}
+    pools = []
+    seen: set[str] = set()
+    for i, p in enumerate(doc.get("pools") or []):
+        where = f"pools[{i}]"
+        if not isinstance(p, Mapping):
+            raise PlanningInputError(where, "must be a mapping")
+        for key in ("name", "datacenter", "device", "nodes", "gpusPerNode"):
+            if key not in p:
+                raise PlanningInputError(f"{where}.{key}", "is required")
+        name = str(p["name"])
+        if name in seen:
+            raise PlanningInputError(f"{where}.name", f"duplicate pool name {name!r}")
+        seen.add(name)
+        if dcs and p["datacenter"] not in dcs:
+            raise PlanningInputError(
+                f"{where}.datacenter", f"{p['datacenter']!r} is not listed under datacenters:"
+            )
+        device = resolve_device(str(p["device"]), devices, f"{where}.device")
+        if "vendor" in p and p["vendor"] != device.vendor:
+            raise PlanningInputError(
+                f"{where}.vendor",
+                f"{p['vendor']!r} contradicts device {device.name} (vendor {device.vendor})",
+            )
+        n, g = p["nodes"], p["gpusPerNode"]
+        if not isinstance(n, int) or n < 1 or not isinstance(g, int) or g < 1:
+            msg = "nodes and gpusPerNode must be integers >= 1"
+            raise PlanningInputError(f"{where}.nodes", msg)
+        pools.append(
+            Pool(
+                name=name, device=device, datacenter=str(p["datacenter"]),
+                zone=str(p.get("zone", "")), nodes=tuple(node_name(name, k) for k in range(n)),
+                gpus_per_node=g, nic_gbps=float(p.get("nicGbps", DEFAULT_NIC_GBPS)),
+            )
+        )
+    if not pools:
+        raise PlanningInputError("pools", "the cluster has no pools")
+    name = str((doc.get("metadata") or {}).get("name", "cluster"))
+    return ClusterInventory(tuple(pools), _links_from(doc.get("links"), "links"), devices, name)
+
+
+# ---------------------------------------------------------------- Kubernetes Nodes
+
+# Vendor product labels set by the vendors' device plugins / feature discovery.
+_PRODUCT_LABELS = (
+    "nvidia.com/gpu.product",
+    "amd.com/gpu.product-name",
+    "habana.ai/device.type",
+    "huawei.com/npu.product",
+)
+_PRODUCT_ALIASES = {
+    "NVIDIA-H100-80GB-HBM3": "H100-SXM",
+    "NVIDIA-H200": "H200",
+    "NVIDIA-A100-SXM4-80GB": "A100-80GB",
+    "NVIDIA-L40S": "L40S",
+    "AMD-Instinct-MI300X": "MI300X",
+    "AMD-Instinct-MI250X": "MI250X",
+}
+_SCHEDULING_EFFECTS = {"NoSchedule", "NoExecute"}
+
+
+def _node_is_usable(node: Mapping[str, Any], tolerated: set[str]) -> bool:
+    spec = node.get("spec") or {}
+    if spec.get("unschedulable"):
+        return False
+    for taint in spec.get("taints") or []:
+        if taint.get("effect") in _SCHEDULING_EFFECTS and taint.get("key") not in tolerated:
+            return False
+    for cond in (node.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Ready":
+            return cond.get("status") == "True"
+    return False
+
+
+def _quantity(value: Any) -> int:
+    try:
+        return int(str(value))
+    except ValueError:
+        return 0
+
+
+def _accelerator(node: Mapping[str, Any]) -> tuple[str, int] | None:
+    alloc = (node.get("status") or {}).get("allocatable") or {}
+    for vendor, resource in c.VENDOR_RESOURCES.items():
+        count = _quantity(alloc.get(resource, 0))
+        if count > 0:
+            return vendor, count
+    return None
+
+
+def inventory_from_nodes(
+    nodes: Iterable[Mapping[str, Any]],
+    links: Iterable[Link] = (),
+    devices: Mapping[str, DeviceSpec] | None = None,
+    tolerated_taints: Iterable[str] = (),
+) -> ClusterInventory:
+    """Build the inventory from Node objects; skips NotReady, cordoned and tainted nodes.
+
+    Device model: label ``hettrain.dev/device`` or a vendor product label; GPU count: the
+    vendor's extended resource in ``allocatable``; datacenter/zone: topology labels; pool: label
+    ``hettrain.dev/pool`` or ``<device>-<region>-<zone>``; NIC: label ``hettrain.dev/nic-gbps``.
+    """
+    devices = dict(devices or {})
+    tolerated = set(tolerated_taints)
+    groups: dict[str, dict[str, Any]] = {}
+    for node in nodes:
+        meta = node.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        acc = _accelerator(node)
+        if acc is None or not _node_is_usable(node, tolerated):
+            continue
+        vendor, count = acc
+        model = labels.get(c.LABEL_DEVICE)
+        if model is None:
+            for key in _PRODUCT_LABELS:
+                if key in labels:
+                    model = _PRODUCT_ALIASES.get(labels[key], labels[key])
+                    break
+        name = str(meta.get("name"))
+        if model is None:
+            raise PlanningInputError(
+                f"node {name}", f"has {vendor} GPUs but no {c.LABEL_DEVICE} label; label it "
+                "with the device model (e.g. H100-SXM)",
+            )
+        device = resolve_device(model, devices, f"node {name} label {c.LABEL_DEVICE}")
+        region = labels.get(c.LABEL_REGION, "default")
+        zone = labels.get(c.LABEL_ZONE, "")
+        pool = labels.get(c.LABEL_POOL) or "-".join(x for x in (model, region, zone) if x).lower()
+        nic = float(labels.get(c.LABEL_NIC_GBPS, DEFAULT_NIC_GBPS))
+        g = groups.setdefault(
+            f"{pool}/{count}",
+            dict(pool=pool, device=device, dc=region, zone=zone, gpn=count, nic=nic, nodes=[]),
+        )
+        g["nic"] = min(g["nic"], nic)
+        g["nodes"].append(name)
+    pools = []
+    names = {g["pool"] for g in groups.values()}
+    for key in sorted(groups):
+        g = groups[key]
+        suffix = "" if sum(1 for k in groups if k.startswith(g["pool"] + "/")) == 1 else (
+            f"-x{g['gpn']}"
+        )
+        pname = g["pool"] + suffix if g["pool"] + suffix not in names or not suffix else key
+        pools.append(
+            Pool(pname, g["device"], g["dc"], g["zone"], tuple(sorted(g["nodes"])), g["gpn"],
+                 g["nic"])
+        )
+    return ClusterInventory(tuple(pools), tuple(links), devices)

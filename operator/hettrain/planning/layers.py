@@ -1,0 +1,138 @@
+"""Non-uniform layer split across heterogeneous pipeline stages.
+
+Stage ``i`` with ``n`` layers has compute time ``t_i(n) = a_i·n + b_i``, data-parallel
+all-reduce time ``d_i(n) = c_i·n + e_i`` and memory ``mem_i(n) = f_i + g_i·n ≤ cap_i``. The step
+time to minimise is ``T(n) = (m−1)·max(max_i t_i, P) + Σ_i t_i + max_i d_i`` with ``Σ n_i = L``,
+``n_i ≥ lo`` (``P`` is the slowest boundary transfer, a constant here).
+
+:func:`split_layers` is exact: the optimum has some bottleneck values ``(C, D) = (max t, max d)``;
+for a candidate pair the layer caps are ``n_i ≤ min(mem, t⁻¹(C), d⁻¹(D))`` and, with caps fixed,
+``Σ a_i n_i`` is minimised greedily (fill the cheapest stages first). Enumerating candidate pairs in
+ascending order with a lower bound ``(m−1)·max(C, P) + Σ_min + D`` prunes almost all of them.
+:func:`split_layers_brute_force` enumerates every composition; tests check both agree.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """Affine costs of one stage as functions of its layer count."""
+
+    a: float  # seconds per layer (per microbatch, fwd+bwd)
+    b: float  # fixed seconds (embedding / head)
+    c: float  # DP all-reduce seconds per layer
+    e: float  # fixed DP seconds
+    max_layers: int  # memory cap (layers that fit)
+
+    def time(self, n: int) -> float:
+        """Compute time with ``n`` layers."""
+        return self.a * n + self.b
+
+    def dp(self, n: int) -> float:
+        """Gradient all-reduce time with ``n`` layers."""
+        return self.c * n + self.e
+
+
+def step_time(stages: Sequence[StageCost], split: Sequence[int], m: int, boundary: float) -> float:
+    """The objective ``T`` for one split."""
+    times = [s.time(n) for s, n in zip(stages, split, strict=True)]
+    dps = [s.dp(n) for s, n in zip(stages, split, strict=True)]
+    return (m - 1) * max(max(times), boundary) + sum(times) + max(dps)
+
+
+def _greedy(stages: Sequence[StageCost], caps: Sequence[int], total: int,
+            lo: int, order: Sequence[int]) -> list[int] | None:
+    if sum(caps) < total or min(caps) < lo:
+        return None
+    split = [lo] * len(stages)
+    left = total - lo * len(stages)
+    for i in order:
+        take = min(left, caps[i] - lo)
+        split[i] += take
+        left -= take
+        if not left:
+            break
+    return split
+
+
+def _cap(slope: float, fixed: float, limit: float, hard: int) -> int:
+    if slope <= 0:
+        return hard if fixed <= limit + 1e-15 else 0
+    return min(hard, int((limit - fixed) / slope + 1e-9))
+
+
+def split_layers(stages: Sequence[StageCost], total: int, m: int, boundary: float = 0.0,
+                 lo: int = 1) -> tuple[float, list[int]] | None:
+    """Optimal split of ``total`` layers; None when memory cannot hold them."""
+    k = len(stages)
+    hard = [min(s.max_layers, total - lo * (k - 1)) for s in stages]
+    if any(h < lo for h in hard) or sum(hard) < total:
+        return None
+    order = sorted(range(k), key=lambda i: (stages[i].a, i))
+    base = _greedy(stages, hard, total, lo, order)
+    assert base is not None
+    sigma_min = sum(s.time(n) for s, n in zip(stages, base, strict=True))
+    d_min = max(s.dp(lo) for s in stages)
+    c_values = sorted({stages[i].time(n) for i in range(k) for n in range(lo, hard[i] + 1)})
+    d_values = sorted({stages[i].dp(n) for i in range(k) for n in range(lo, hard[i] + 1)})
+    best: tuple[float, list[int]] | None = None
+
+    def caps_for(cap_c: float) -> list[int]:
+        return [_cap(s.a, s.b, cap_c, h) for s, h in zip(stages, hard, strict=True)]
+
+    def feasible(caps: list[int]) -> bool:
+        return sum(caps) >= total and min(caps) >= lo
+
+    # Feasibility is monotone in the cap: bisect to the smallest feasible bottleneck.
+    first = bisect.bisect_left(range(len(c_values)), True,
+                               key=lambda j: feasible(caps_for(c_values[j])))
+    for cap_c in c_values[first:]:
+        lower = (m - 1) * max(cap_c, boundary) + sigma_min + d_min
+        if best is not None and lower >= best[0] - 1e-15:
+            break
+        caps_c = caps_for(cap_c)
+        if not feasible(caps_c):
+            continue
+
+        def caps_cd(cap_d: float, caps_c: list[int] = caps_c) -> list[int]:
+            return [min(cc, _cap(s.c, s.e, cap_d, cc)) for s, cc in zip(stages, caps_c,
+                                                                        strict=True)]
+
+        first_d = bisect.bisect_left(range(len(d_values)), True,
+                                     key=lambda j: feasible(caps_cd(d_values[j])))
+        for cap_d in d_values[first_d:]:
+            if best is not None and (m - 1) * max(cap_c, boundary) + sigma_min + cap_d >= (
+                best[0] - 1e-15
+            ):
+                break
+            split = _greedy(stages, caps_cd(cap_d), total, lo, order)
+            if split is None:
+                continue
+            t = step_time(stages, split, m, boundary)
+            if best is None or t < best[0] - 1e-15:
+                best = (t, split)
+    return best
+
+
+def split_layers_brute_force(stages: Sequence[StageCost], total: int, m: int,
+                             boundary: float = 0.0, lo: int = 1) -> tuple[float, list[int]] | None:
+    """Every composition of ``total`` into ``len(stages)`` parts ≥ ``lo``: the reference."""
+    k = len(stages)
+    best: tuple[float, list[int]] | None = None
+    if total < k * lo:
+        return None
+    for cuts in itertools.combinations(range(1, total - k * (lo - 1)), k - 1):
+        parts = [b - a for a, b in zip((0, *cuts), (*cuts, total - k * (lo - 1)), strict=True)]
+        split = [p + lo - 1 for p in parts]
+        if any(n > s.max_layers for n, s in zip(split, stages, strict=True)):
+            continue
+        t = step_time(stages, split, m, boundary)
+        if best is None or t < best[0] - 1e-15:
+            best = (t, split)
+    return best
