@@ -1,0 +1,312 @@
+"""The ``hettrain`` command line: plan, validate, simulate and demo, all offline.
+
+``plan`` and ``validate`` live here. Other subcommands are hooks into modules owned elsewhere
+(:data:`EXTERNAL_COMMANDS`): a module is imported only when its subcommand is chosen, so this file
+never imports kopf or kubernetes, and a missing module gives a clear message, not a traceback.
+
+Exit codes: 0 success, 2 bad input or no plan (one line on stderr naming the field or resource and
+the fix), 1 reserved for the hooked subcommands' own failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from hettrain.api.spec import JobSpec, SpecError, parse_job_manifest
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ExternalCommand:
+    """A subcommand implemented by ``module.add_arguments(parser)`` and ``module.run(args)``."""
+
+    module: str
+    help: str
+    extra: str  # pip extra that provides the module's dependencies
+
+
+# Subcommand → implementing module. Adding one is one line.
+EXTERNAL_COMMANDS: dict[str, ExternalCommand] = {
+    "simulate": ExternalCommand("hettrain.sim.cli", "simulate training under failures offline",
+                                "viz"),
+    "demo": ExternalCommand("hettrain.demo", "run the end-to-end demo on a local control plane",
+                            "operator"),
+}
+
+
+class CliError(Exception):
+    """Bad input: the message names the file/field and the fix; exits 2 without a traceback."""
+
+
+# ---------------------------------------------------------------- input loading
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def load_yaml_documents(path: str) -> list[Any]:
+    """All YAML documents of ``path`` (``-`` is stdin), empty documents dropped."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except FileNotFoundError:
+        raise CliError(f"{path}: no such file; check the path") from None
+    except IsADirectoryError:
+        raise CliError(f"{path}: is a directory; give a YAML file") from None
+    except OSError as exc:
+        raise CliError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        docs = list(yaml.safe_load_all(text))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        raise CliError(f"{where}: invalid YAML: {_one_line(exc.problem or str(exc))}") from None
+    except yaml.YAMLError as exc:
+        raise CliError(f"{path}: invalid YAML: {_one_line(str(exc))}") from None
+    return [d for d in docs if d is not None]
+
+
+def _parse_job_doc(doc: Any) -> tuple[str, JobSpec]:
+    if not isinstance(doc, dict):
+        raise SpecError("(document)", f"must be a mapping with kind: HetTrainingJob "
+                                      f"(got {type(doc).__name__})")
+    return parse_job_manifest(doc)
+
+
+def load_job(path: str) -> tuple[str, JobSpec]:
+    """The single HetTrainingJob in ``path``; raises :class:`CliError` naming the field."""
+    docs = load_yaml_documents(path)
+    if len(docs) != 1:
+        raise CliError(f"{path}: holds {len(docs)} YAML documents; plan takes exactly one "
+                       "HetTrainingJob (use 'hettrain validate' for multi-document files)")
+    try:
+        return _parse_job_doc(docs[0])
+    except SpecError as exc:
+        raise CliError(f"{path}: {_one_line(str(exc))}") from None
+
+
+def load_inventory(path: str) -> Any:
+    """The cluster description in ``path`` as a ``ClusterInventory``."""
+    from hettrain.planning.errors import PlanningError
+    from hettrain.planning.inventory import load_cluster
+
+    if not Path(path).is_file():
+        raise CliError(f"{path}: no such cluster file; check the --cluster path")
+    try:
+        return load_cluster(path)
+    except (PlanningError, SpecError, ValueError, KeyError) as exc:
+        raise CliError(f"{path}: {_one_line(str(exc))}") from None
+
+
+def make_plan(name: str, spec: JobSpec, inventory: Any, exhaustive: bool, where: str) -> Any:
+    """Run the planner; a ``PlanningError`` becomes a :class:`CliError` with its reason."""
+    from hettrain.planning.errors import PlanningError
+    from hettrain.planning.planner import plan_job
+
+    try:
+        return plan_job(name, spec, inventory, exhaustive=exhaustive)
+    except PlanningError as exc:
+        raise CliError(f"{where}: no plan ({exc.reason}): {_one_line(str(exc))}") from None
+
+
+# ---------------------------------------------------------------- subcommands
+
+
+def cmd_plan(args: argparse.Namespace, out: IO[str]) -> int:
+    """``hettrain plan``: plan one job on a cluster and print it (table or JSON), maybe draw it."""
+    name, spec = load_job(args.job)
+    inventory = load_inventory(args.cluster)
+    plan = make_plan(name, spec, inventory, args.exhaustive, args.job)
+    picture = args.svg or args.png
+    if picture:
+        from hettrain.render.figure import render_plan_figure
+
+        try:
+            render_plan_figure(plan, picture, fmt="svg" if args.svg else "png")
+        except OSError as exc:
+            raise CliError(f"{picture}: cannot write the picture: {exc.strerror or exc}") from None
+    target = out
+    if args.out:
+        try:
+            target = open(args.out, "w")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            raise CliError(f"{args.out}: cannot write: {exc.strerror or exc}") from None
+    try:
+        if args.json:
+            target.write(plan.to_json(indent=2) + "\n")
+        else:
+            from hettrain.render.table import print_plan
+
+            on_terminal = getattr(target, "isatty", lambda: False)()
+            print_plan(plan, file=target, width=None if on_terminal else 140)
+            if picture:
+                target.write(f"picture written to {picture}\n")
+    finally:
+        if target is not out:
+            target.close()
+    return EXIT_OK
+
+
+def cmd_validate(args: argparse.Namespace, out: IO[str]) -> int:
+    """``hettrain validate``: check every document (and plan each one with ``--cluster``)."""
+    docs = load_yaml_documents(args.job)
+    if not docs:
+        raise CliError(f"{args.job}: holds no YAML documents; give at least one HetTrainingJob")
+    inventory = load_inventory(args.cluster) if args.cluster else None
+    errors: list[str] = []
+    for i, doc in enumerate(docs, start=1):
+        label = f"{args.job}[{i}]"
+        try:
+            name, spec = _parse_job_doc(doc)
+        except SpecError as exc:
+            errors.append(f"{label}: {_one_line(str(exc))}")
+            continue
+        label = f"{label} {name}"
+        if inventory is None:
+            out.write(f"OK {label}\n")
+            continue
+        try:
+            plan = make_plan(name, spec, inventory, False, label)
+        except CliError as exc:
+            errors.append(str(exc))
+            continue
+        from hettrain.render.table import layout_summary
+
+        out.write(f"OK {label}: DP×PP×TP {layout_summary(plan)} on {plan.world_size} GPUs, "
+                  f"step {plan.predicted.step_time_s:.3f} s\n")
+    for line in errors:
+        print(f"error: {line}", file=sys.stderr)
+    return EXIT_USAGE if errors else EXIT_OK
+
+
+# ---------------------------------------------------------------- external hooks
+
+
+def _load_external(name: str, cmd: ExternalCommand) -> tuple[Any | None, str]:
+    """(module, "") or (None, why it is unavailable)."""
+    try:
+        module = importlib.import_module(cmd.module)
+    except ModuleNotFoundError as exc:
+        if exc.name and (cmd.module == exc.name or cmd.module.startswith(exc.name + ".")):
+            return None, (f"'hettrain {name}' is not available in this build "
+                          f"(module {cmd.module} is missing)")
+        return None, (f"'hettrain {name}' needs the Python package {exc.name!r}; "
+                      f"install it with: pip install 'hettrain[{cmd.extra}]'")
+    missing = [f for f in ("add_arguments", "run") if not callable(getattr(module, f, None))]
+    if missing:
+        return None, (f"'hettrain {name}' is not available: {cmd.module} lacks "
+                      f"{' and '.join(missing)}()")
+    return module, ""
+
+
+def _unavailable(why: str) -> Callable[[argparse.Namespace, IO[str]], int]:
+    def run(args: argparse.Namespace, out: IO[str]) -> int:
+        raise CliError(why)
+
+    return run
+
+
+def _external_runner(module: Any) -> Callable[[argparse.Namespace, IO[str]], int]:
+    def run(args: argparse.Namespace, out: IO[str]) -> int:
+        code = module.run(args)
+        return EXIT_OK if code is None else int(code)
+
+    return run
+
+
+def _chosen_command(argv: Sequence[str]) -> str | None:
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg
+    return None
+
+
+# ---------------------------------------------------------------- parser
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The argument parser; the hooked module of the subcommand named in ``argv`` is loaded."""
+    from hettrain import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="hettrain",
+        description="Plan and check LLM training jobs across heterogeneous, multi-vendor, "
+                    "multi-datacenter GPU pools, offline.",
+    )
+    parser.add_argument("--version", action="version", version=f"hettrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    plan = sub.add_parser(
+        "plan", help="compute the placement plan of a job on a cluster",
+        description="Plan one HetTrainingJob on a cluster description and print the plan: one "
+                    "row per pipeline stage, a summary with the predicted step time, tokens/s "
+                    "and MFU, and the planner's notes.",
+    )
+    plan.add_argument("job", metavar="JOB.yaml", help="HetTrainingJob manifest (one document)")
+    plan.add_argument("--cluster", required=True, metavar="CLUSTER.yaml",
+                      help="cluster description (kind: Cluster), e.g. examples/clusters/*.yaml")
+    plan.add_argument("--json", action="store_true",
+                      help="print only the plan as JSON (what the operator stores in the "
+                           "plan ConfigMap)")
+    plan.add_argument("--exhaustive", action="store_true",
+                      help="search every layout instead of the pruned search (slower)")
+    pictures = plan.add_mutually_exclusive_group()
+    pictures.add_argument("--svg", metavar="FILE",
+                          help="also draw the placement map and pipeline schedule as SVG")
+    pictures.add_argument("--png", metavar="FILE", help="same picture as PNG")
+    plan.add_argument("--out", metavar="FILE", help="write the table or JSON to FILE, not stdout")
+    plan.set_defaults(func=cmd_plan)
+
+    validate = sub.add_parser(
+        "validate", help="check job manifests (and that they can be planned)",
+        description="Check every HetTrainingJob in a (multi-document) YAML file with the spec "
+                    "parser; with --cluster also plan each one. Prints OK per document, or every "
+                    "error (one per document) on stderr and exits 2.",
+    )
+    validate.add_argument("job", metavar="JOB.yaml", help="one or more HetTrainingJob documents")
+    validate.add_argument("--cluster", metavar="CLUSTER.yaml",
+                          help="also plan each job on this cluster description")
+    validate.set_defaults(func=cmd_validate)
+
+    chosen = _chosen_command(argv)
+    for name, cmd in EXTERNAL_COMMANDS.items():
+        sp = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        if name != chosen:
+            continue
+        module, why = _load_external(name, cmd)
+        if module is None:
+            sp.description = f"{cmd.help}. Unavailable here: {why}."
+            sp.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            sp.set_defaults(func=_unavailable(why))
+        else:
+            module.add_arguments(sp)
+            sp.set_defaults(func=_external_runner(module))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: IO[str] | None = None) -> int:
+    """Entry point of the ``hettrain`` script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out = out or sys.stdout
+    args = build_parser(argv).parse_args(argv)
+    try:
+        return args.func(args, out)
+    except CliError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # `hettrain plan ... | head`
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Terminal view of a plan: a per-stage table, a summary and the planner's notes (rich)."""
+
+from __future__ import annotations
+
+from typing import IO
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from hettrain.planning.plan import Plan
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` → ``1.5 KiB``; binary units, one decimal."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_rate(tokens_per_s: float) -> str:
+    """``123456`` → ``123.5k``."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if tokens_per_s >= scale:
+            return f"{tokens_per_s / scale:.1f}{suffix}"
+    return f"{tokens_per_s:.1f}"
+
+
+def tp_summary(plan: Plan) -> str:
+    """The TP degree, or the per-stage degrees when stages differ (``{8,4}``)."""
+    degrees = sorted({s.tp for s in plan.stages}, reverse=True)
+    if len(degrees) == 1:
+        return str(degrees[0])
+    return "{" + ",".join(str(d) for d in degrees) + "}"
+
+
+def layout_summary(plan: Plan) -> str:
+    """``DP×PP×TP``, e.g. ``2×4×8``."""
+    return f"{plan.dp}×{plan.pp}×{tp_summary(plan)}"
+
+
+def schedule_summary(plan: Plan) -> str:
+    """The schedule, with its virtual stages when interleaved."""
+    if plan.schedule == "interleaved" and plan.virtual_stages > 1:
+        return f"interleaved (v={plan.virtual_stages})"
+    return plan.schedule
+
+
+def layer_range(start: int, end: int) -> str:
+    """Inclusive layer range of ``[start, end)``: ``0–7``, or ``30`` for a single layer."""
+    return str(start) if end - start == 1 else f"{start}–{end - 1}"
+
+
+def stage_table(plan: Plan) -> Table:
+    """One row per pipeline stage."""
+    table = Table(title=f"Plan for {plan.job}: {plan.model.name}", title_justify="left")
+    for name, justify in (
+        ("stage", "right"), ("device", "left"), ("vendor", "left"), ("pools", "left"),
+        ("DCs", "left"), ("layers", "right"), ("#", "right"), ("TP", "right"),
+        ("DP", "right"), ("memory GiB", "right"), ("time ms", "right"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for s in plan.stages:
+        extras = "".join(mark for flag, mark in ((s.has_embedding, " +emb"), (s.has_head, " +head"))
+                         if flag)
+        memory = Text(f"{s.memory_gib:.1f}/{s.capacity_gib:.0f}")
+        if s.capacity_gib and s.memory_gib > 0.9 * s.capacity_gib:
+            memory.stylize("bold yellow")
+        table.add_row(
+            str(s.index), s.device, s.vendor, ", ".join(s.pools), ", ".join(s.datacenters),
+            f"{layer_range(s.layer_start, s.layer_end)}{extras}", str(s.layers), str(s.tp),
+            str(plan.dp), memory, f"{s.time_ms:.1f}",
+        )
+    return table
+
+
+def summary_table(plan: Plan) -> Table:
+    """Key/value summary of the whole plan and its predicted performance."""
+    p = plan.predicted
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    rows = [
+        ("world size", f"{plan.world_size} ranks (one per device) on {len(plan.nodes())} nodes"),
+        ("DP×PP×TP", layout_summary(plan)),
+        ("microbatch", f"{plan.micro_batch} seq × {plan.num_microbatches} per replica "
+                       f"(global batch {plan.global_batch})"),
+        ("schedule", schedule_summary(plan)),
+        ("step time", f"{p.step_time_s:.3f} s"
+                      f" (compute {p.compute_s:.3f}, bubble {p.bubble_s:.3f}, "
+                      f"TP {p.tp_comm_s:.3f}, PP {p.pp_comm_s:.3f}, DP {p.dp_comm_s:.3f})"),
+        ("tokens/s", human_rate(p.tokens_per_s)),
+        ("MFU", f"{100 * p.mfu:.1f}%"),
+        ("cross-DC / step", human_bytes(p.cross_dc_bytes_per_step)),
+    ]
+    if plan.cross_dc:
+        settings = ", ".join(f"{k}={v}" for k, v in sorted(plan.cross_dc.items()))
+        rows.append(("cross-DC", settings))
+    rows.append(("fingerprint", plan.fingerprint()))
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def notes_text(plan: Plan) -> Text:
+    """The planner's notes as a bullet list (empty text when there are none)."""
+    text = Text()
+    if plan.notes:
+        text.append("notes\n", style="bold")
+        for note in plan.notes:
+            text.append(f" • {note}\n")
+    return text
+
+
+def plan_view(plan: Plan) -> Group:
+    """Everything ``hettrain plan`` prints, as one renderable."""
+    return Group(stage_table(plan), summary_table(plan), notes_text(plan))
+
+
+def print_plan(plan: Plan, file: IO[str] | None = None, width: int | None = None) -> None:
+    """Print :func:`plan_view` to ``file`` (stdout by default); colour only on a terminal."""
+    console = Console(file=file, width=width, soft_wrap=False)
+    console.print(plan_view(plan))
