@@ -213,6 +213,7 @@ def _unavailable(why: str) -> Callable[[argparse.Namespace, IO[str]], int]:
     def run(args: argparse.Namespace, out: IO[str]) -> int:
         raise CliError(why)
 
+    run.ignores_arguments = True  # type: ignore[attr-defined]
     return run
 
 
@@ -286,7 +287,6 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         module, why = _load_external(name, cmd)
         if module is None:
             sp.description = f"{cmd.help}. Unavailable here: {why}."
-            sp.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
             sp.set_defaults(func=_unavailable(why))
         else:
             module.add_arguments(sp)
@@ -298,7 +298,10 @@ def main(argv: Sequence[str] | None = None, out: IO[str] | None = None) -> int:
     """Entry point of the ``hettrain`` script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     out = out or sys.stdout
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args.func, "ignores_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args, out)
     except CliError as exc:

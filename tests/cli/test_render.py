@@ -1,0 +1,118 @@
+"""Plan rendering: the rich table's content and the SVG/PNG picture's elements."""
+
+from __future__ import annotations
+
+import io
+import struct
+import xml.etree.ElementTree as ET
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+
+from hettrain.planning.plan import Plan
+from hettrain.render.figure import render_plan_figure
+from hettrain.render.table import human_bytes, layout_summary, print_plan
+
+SVG_NS = "{http://www.w3.org/2000/svg}"
+
+
+def svg_ids(path: Path) -> list[str]:
+    """Every element id in an SVG file (parsed as XML, so it must be well-formed)."""
+    root = ET.parse(path).getroot()
+    assert root.tag == f"{SVG_NS}svg"
+    return [el.get("id", "") for el in root.iter()]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_table_shows_every_stage_summary_and_notes(make_plan: Callable[..., Plan]) -> None:
+    plan = make_plan(pp=4, dp=2, microbatches=8)
+    buf = io.StringIO()
+    print_plan(plan, file=buf, width=160)
+    text = buf.getvalue()
+    for s in plan.stages:
+        row = next(line for line in text.splitlines() if line.startswith(f"│     {s.index} │"))
+        for cell in (s.device, s.vendor, s.pools[0], s.datacenters[0], str(s.layers),
+                     f"{s.memory_gib:.1f}/{s.capacity_gib:.0f}", f"{s.time_ms:.1f}"):
+            assert cell in row, (cell, row)
+        assert f"{s.layer_start}–{s.layer_end - 1}" in row
+    assert "+emb" in text and "+head" in text
+    assert f"{plan.world_size} ranks" in text
+    assert layout_summary(plan) == "2×4×{8,4,2}"
+    assert "2×4×{8,4,2}" in text
+    assert "1 seq × 8 per replica (global batch 16)" in text
+    assert "52.4k" in text and "41.0%" in text and "3.5 GiB" in text
+    assert plan.fingerprint() in text
+    for note in plan.notes:
+        assert note in text
+
+
+def test_human_bytes() -> None:
+    assert human_bytes(0) == "0 B"
+    assert human_bytes(1536) == "1.5 KiB"
+    assert human_bytes(3 * 2**40) == "3.0 TiB"
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "m", "v", "bars_per_mb_stage"),
+    [("1f1b", 4, 8, 1, 2), ("zb-h1", 3, 6, 1, 3), ("interleaved", 3, 6, 2, 4)],
+)
+def test_svg_has_one_cell_per_gpu_and_one_bar_per_operation(
+    tmp_path: Path, make_plan: Callable[..., Plan], schedule: str, pp: int, m: int, v: int,
+    bars_per_mb_stage: int,
+) -> None:
+    plan = make_plan(pp=pp, dp=2, microbatches=m, schedule=schedule, virtual_stages=v)
+    out = tmp_path / "plan.svg"
+    timeline = render_plan_figure(plan, out)
+    assert timeline is not None
+    ids = svg_ids(out)
+    cells = [i for i in ids if i.startswith("gpu-r")]
+    assert sorted(cells) == sorted(f"gpu-r{r.rank}" for r in plan.ranks)
+    bars = [i for i in ids if i.startswith("gantt-")]
+    assert len(bars) == bars_per_mb_stage * pp * m  # 2·pp·m for 1F1B
+    kinds = Counter(b.split("-")[1] for b in bars)
+    assert kinds["F"] == pp * m * v
+    assert kinds["B"] == pp * m * v
+    assert kinds["W"] == (pp * m if schedule == "zb-h1" else 0)
+    text = out.read_text()
+    for s in plan.stages:
+        assert s.device in text  # stage labels and legend
+    for node in plan.nodes():
+        assert node in text
+
+
+def test_png_is_readable_and_sized_to_the_plan(tmp_path: Path,
+                                               make_plan: Callable[..., Plan]) -> None:
+    small, big = tmp_path / "small.png", tmp_path / "big.png"
+    render_plan_figure(make_plan(pp=2, dp=1, microbatches=4), small)
+    render_plan_figure(make_plan(pp=4, dp=4, microbatches=8), big)
+    (w1, h1), (w2, h2) = png_size(small), png_size(big)
+    assert w1 == w2 == 14 * 110  # 14 inches at 110 dpi
+    assert h2 > h1  # more stages and nodes: a taller picture
+    pixels = imread(big)
+    assert pixels.shape[:2] == (h2, w2)
+    assert pixels.std() > 0.05  # not blank
+
+
+def test_undrawable_schedule_still_writes_the_map(tmp_path: Path,
+                                                  make_plan: Callable[..., Plan]) -> None:
+    plan = make_plan(pp=3, dp=1, microbatches=4, schedule="interleaved", virtual_stages=2)
+    out = tmp_path / "plan.svg"
+    assert render_plan_figure(plan, out) is None
+    ids = svg_ids(out)
+    assert sum(i.startswith("gpu-r") for i in ids) == plan.world_size
+    assert not any(i.startswith("gantt-") for i in ids)
+    assert "schedule not drawn" in out.read_text()
+
+
+def test_bad_picture_format_names_the_fix(tmp_path: Path, make_plan: Callable[..., Plan]) -> None:
+    with pytest.raises(ValueError, match=r"\.svg or \.png"):
+        render_plan_figure(make_plan(), tmp_path / "plan.gif")
