@@ -127,10 +127,11 @@ def draw_gantt(ax: Axes, plan: Plan, timeline: Timeline) -> int:
     colors = stage_colors(plan.pp)
     makespan = timeline.makespan_ms or 1.0
     label_bars = len(timeline.ops) <= 400
+    edge = 0.4 if label_bars else 0.0  # thousands of thin bars: white edges would hide them
     for op in timeline.ops:
         face = _bar_color(KIND_STYLE[op.kind][0], op.chunk, timeline.chunks)
         bar = Rectangle((op.start_ms, op.stage - 0.38), op.duration_ms, 0.76, facecolor=face,
-                        edgecolor="white", linewidth=0.4)
+                        edgecolor="white", linewidth=edge)
         bar.set_gid(f"gantt-{op.kind}-s{op.stage}-m{op.microbatch}-c{op.chunk}")
         ax.add_patch(bar)
         if label_bars and op.duration_ms / makespan > 0.012:
