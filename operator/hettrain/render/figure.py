@@ -23,7 +23,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from hettrain.planning.plan import Plan, RankPlan
 from hettrain.render.schedule import BACKWARD, FORWARD, WEIGHT, Timeline, build_timeline
-from hettrain.render.table import layout_summary, schedule_summary
+from hettrain.render.table import layer_range, layout_summary, schedule_summary
 
 FORMATS = ("svg", "png")
 NODES_PER_ROW = 8
@@ -88,13 +88,14 @@ def draw_placement(ax: Axes, plan: Plan) -> int:
             for i, (node, ranks) in enumerate(nodes.items()):
                 row, col = divmod(i, NODES_PER_ROW)
                 x0, y0 = col * node_w, y + row
-                ax.add_patch(Rectangle((x0 - 0.1, y0 - 0.05), gpus_per_node + 0.2, 0.95,
+                ax.add_artist(Rectangle((x0 - 0.1, y0 - 0.05), gpus_per_node + 0.2, 0.95,
                                        fill=False, edgecolor="#555555", linewidth=0.6))
                 for r in ranks:
                     cell = Rectangle((x0 + r.local_rank, y0 + 0.05), 0.9, 0.6,
                                      facecolor=colors[r.stage], edgecolor="white", linewidth=0.3)
                     cell.set_gid(f"gpu-r{r.rank}")
-                    ax.add_patch(cell)
+                    cell.set_in_layout(False)  # inside the axes; keeps layout fast
+                    ax.add_artist(cell)
                     cells += 1
                 first, last = ranks[0].rank, ranks[-1].rank
                 span = f"r{first}" if first == last else f"r{first}–{last}"
@@ -107,7 +108,7 @@ def draw_placement(ax: Axes, plan: Plan) -> int:
     ax.set_ylim(y + 0.2, -0.4)
     ax.set_axis_off()
     legend = [Patch(facecolor=colors[s.index], label=f"stage {s.index}: {s.device} tp{s.tp}, "
-                    f"layers {s.layer_start}–{s.layer_end - 1}") for s in plan.stages]
+                    f"layers {layer_range(s.layer_start, s.layer_end)}") for s in plan.stages]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
               frameon=False, title="placement", title_fontsize=8)
     ax.set_title(f"{plan.job}: {plan.world_size} GPUs, DP×PP×TP = {layout_summary(plan)}",
@@ -133,7 +134,8 @@ def draw_gantt(ax: Axes, plan: Plan, timeline: Timeline) -> int:
         bar = Rectangle((op.start_ms, op.stage - 0.38), op.duration_ms, 0.76, facecolor=face,
                         edgecolor="white", linewidth=edge)
         bar.set_gid(f"gantt-{op.kind}-s{op.stage}-m{op.microbatch}-c{op.chunk}")
-        ax.add_patch(bar)
+        bar.set_in_layout(False)
+        ax.add_artist(bar)
         if label_bars and op.duration_ms / makespan > 0.012:
             ax.text(op.start_ms + op.duration_ms / 2, op.stage, str(op.microbatch),
                     ha="center", va="center", fontsize=6, color="white")
