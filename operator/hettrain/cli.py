@@ -129,8 +129,11 @@ def cmd_plan(args: argparse.Namespace, out: IO[str]) -> int:
     plan = make_plan(name, spec, inventory, args.exhaustive, args.job)
     picture = args.svg or args.png
     if picture:
-        from hettrain.render.figure import render_plan_figure
-
+        try:
+            from hettrain.render.figure import render_plan_figure
+        except ModuleNotFoundError as exc:
+            raise CliError(f"--svg/--png need the Python package {exc.name!r}; install it with: "
+                           "pip install 'hettrain[viz]'") from None
         try:
             render_plan_figure(plan, picture, fmt="svg" if args.svg else "png")
         except OSError as exc:
