@@ -1,0 +1,308 @@
+"""Benchmark the heterogeneous collective layer; prints ratios measured side by side in one run.
+
+Part 1: hierarchical and leader-based all-reduce vs flat gloo ``all_reduce`` (2 pools x 2 ranks)
+for 1/4/16/64 MiB, on loopback and over an emulated slow inter-pool link: two network namespaces
+joined by a veth pair (10.250.0.1/30 <-> 10.250.0.2/30, both ends in namespaces this script
+creates and deletes) shaped with ``tc netem rate 1gbit delay 5ms``. Pool A's ranks run in
+namespace A, pool B's in B: intra-pool traffic stays on each namespace's local addresses, only
+inter-pool traffic crosses the veth.
+Part 2: cross-DC bytes per step and final loss for plain DP vs bf16/int8 compression vs DiLoCo
+(H=10, 50; and H=50 with int8 pseudo-gradients) training a small MLP on 2 DCs x 2 ranks.
+
+Usage: ``python bench/collectives.py [--repeats 5] [--steps 300] [--skip-netns]`` (netns needs
+root and iproute2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES_MIB = (1, 4, 16, 64)
+NS = ("hxbench-a", "hxbench-b")
+VETH = ("hxveth-a", "hxveth-b")
+ADDR = ("10.250.0.1", "10.250.0.2")
+
+
+# ----------------------------------------------------------------------------- workers
+
+def _init(rank: int, world: int, addr: str, port: int):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
+                            world_size=world)
+    return dist
+
+
+def worker_allreduce(rank: int, world: int, addr: str, port: int, repeats: int) -> dict:
+    """Time flat / hierarchical / leader all-reduce for every size; ranks 0..w/2-1 = pool A."""
+    import torch
+
+    from hettrain.runtime.collectives import (
+        bridged_all_reduce_,
+        hierarchical_all_reduce_,
+        leader_all_reduce_,
+    )
+    dist = _init(rank, world, addr, port)
+    half = world // 2
+    blocks = [list(range(half)), list(range(half, world))]
+    intra = [dist.new_group(b) for b in blocks][rank // half]
+    inters = [dist.new_group([j, j + half]) for j in range(half)]
+    inter = inters[rank % half]
+    leaders = inters[0] if rank % half == 0 else None
+
+    def bridge(buf, group):
+        bridged_all_reduce_(buf, group)
+
+    algos = {
+        "flat": lambda t: dist.all_reduce(t),
+        "hierarchical": lambda t: hierarchical_all_reduce_(t, intra, inter, inter_op=bridge),
+        "leader": lambda t: leader_all_reduce_(t, intra, leaders, leader=(rank // half) * half,
+                                               inter_op=bridge),
+    }
+    out: dict = {}
+    for mib in SIZES_MIB:
+        base = torch.ones(mib * (1 << 20) // 4)
+        for name, fn in algos.items():
+            times = []
+            for _ in range(repeats + 1):  # first one warms up connections and buffers
+                t = base.clone()
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn(t)
+                dist.barrier()
+                times.append(time.perf_counter() - t0)
+                if t[0].item() != world:
+                    raise RuntimeError(f"{name} {mib} MiB: wrong sum {t[0].item()}")
+            out[f"{mib}:{name}"] = statistics.median(times[1:])
+    dist.destroy_process_group()
+    return out
+
+
+def worker_train(rank: int, world: int, addr: str, port: int, steps: int, variant: str) -> dict:
+    """Train a small MLP regressor data-parallel over 2 DCs; report loss and cross-DC bytes."""
+    import torch
+
+    from hettrain.runtime.collectives import DiLoCo, HetCommunicator, Tier
+    sys.path.insert(0, str(ROOT / "bench"))
+    from collectives import _plan
+    dist = _init(rank, world, addr, port)
+    kind, _, arg = variant.partition(":")
+    cross = {"mode": "sync"}
+    if kind == "compress":
+        cross = {"mode": "compress", "compression": arg}
+    plan = _plan(world, cross)
+    comm = HetCommunicator.from_plan(plan, rank)
+    torch.manual_seed(0)  # same init everywhere; data differs per rank
+    teacher = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    params = list(model.parameters())
+    diloco = None
+    if kind == "diloco":
+        h, _, codec = arg.partition("+")
+        diloco = DiLoCo(params, comm, outer_steps=int(h), outer_lr=0.7, outer_momentum=0.9,
+                        compress=bool(codec))
+        if codec:
+            from hettrain.runtime.collectives import Codec
+            comm.codec = Codec(codec)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    eval_x = torch.randn(4096, 32, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        eval_y = teacher(eval_x)
+    for step in range(steps):
+        x = torch.randn(64, 32, generator=gen)
+        with torch.no_grad():
+            y = teacher(x) + 0.05 * torch.randn(64, 1, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if diloco:
+            diloco.sync_gradients()
+        else:
+            comm.dp_all_reduce_([p.grad for p in params])
+        opt.step()
+        if diloco:
+            diloco.step(step)
+    with torch.no_grad():
+        loss = torch.nn.functional.mse_loss(model(eval_x), eval_y).item()
+    cross_bytes = torch.tensor(float(comm.stats[Tier.CROSS_DC].bytes))
+    dist.all_reduce(cross_bytes)
+    dist.destroy_process_group()
+    return {"loss": loss, "cross_dc_bytes_per_step": cross_bytes.item() / steps,
+            "param_bytes": sum(p.numel() * 4 for p in params)}
+
+
+def _plan(world: int, cross_dc: dict):
+    from hettrain.api.spec import ModelSpec, TrainingSpec
+    from hettrain.planning.plan import Plan, Prediction, RankPlan, StagePlan
+    half = world // 2
+    model = ModelSpec(layers=2, hidden=128, heads=1, seq_len=1, vocab=1, ffn_hidden=128,
+                      kv_heads=1)
+    stage = StagePlan(index=0, device="cpu", vendor="nvidia", backend="gloo",
+                      pools=("pool-east", "pool-west"), datacenters=("east", "west"),
+                      layer_start=0, layer_end=2, tp=1, memory_gib=1, capacity_gib=1, time_ms=1)
+    ranks = tuple(RankPlan(rank=r, node=f"n{r}", pool="pool-east" if r < half else "pool-west",
+                           datacenter="east" if r < half else "west", local_rank=0, stage=0,
+                           dp=r, tp=0) for r in range(world))
+    return Plan(job="bench", model=model, training=TrainingSpec(global_batch=world, steps=1),
+                dp=world, pp=1, micro_batch=1, num_microbatches=1, schedule="1f1b",
+                stages=(stage,), ranks=ranks, predicted=Prediction(1, 1, 0.1),
+                cross_dc=cross_dc)
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(world: int, addr: str, job: list[str], prefix=None, env_for=None) -> list[dict]:
+    """Run ``world`` worker subprocesses; ``prefix(rank)`` wraps the command (ip netns exec)."""
+    port = _free_port()
+    tmp = Path(tempfile.mkdtemp(prefix="hxbench"))
+    procs = []
+    for r in range(world):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_worker", str(r), str(world),
+               addr, str(port), str(tmp / f"{r}.json"), *job]
+        env = dict(os.environ, PYTHONPATH=f"{ROOT / 'operator'}", OMP_NUM_THREADS="1",
+                   **(env_for(r) if env_for else {"GLOO_SOCKET_IFNAME": "lo"}))
+        procs.append(subprocess.Popen((prefix(r) if prefix else []) + cmd, env=env,
+                                      stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=900)[1] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("worker failed:\n" + "\n".join(e[-2000:] for e in errs if e))
+    out = [json.loads((tmp / f"{r}.json").read_text()) for r in range(world)]
+    shutil.rmtree(tmp)
+    return out
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def netns_up() -> str:
+    """Create the two namespaces, the shaped veth pair; returns the netem line used."""
+    netns_down()
+    for ns in NS:
+        _sh("ip", "netns", "add", ns)
+        _sh("ip", "-n", ns, "link", "set", "lo", "up")
+    _sh("ip", "link", "add", VETH[0], "netns", NS[0], "type", "veth", "peer", "name", VETH[1],
+        "netns", NS[1])
+    for ns, dev, addr in zip(NS, VETH, ADDR, strict=True):
+        _sh("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+        _sh("ip", "-n", ns, "link", "set", dev, "up")
+    shaping = "netem rate 1gbit delay 5ms"
+    try:
+        for ns, dev in zip(NS, VETH, strict=True):
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
+                *shaping.split())
+    except subprocess.CalledProcessError as e:
+        print(f"netem unavailable ({e.stderr.strip()}); falling back to tbf rate limiting")
+        shaping = "tbf rate 1gbit burst 256kb latency 50ms (no delay)"
+        for ns, dev in zip(NS, VETH, strict=True):
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+                "rate", "1gbit", "burst", "256kb", "latency", "50ms")
+    return shaping
+
+
+def netns_down() -> None:
+    """Delete the namespaces (and with them the veth pair)."""
+    for ns in NS:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _table(title: str, rows: list[list[str]], head: list[str]) -> None:
+    print(f"\n{title}")
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
+    for row in [head, *rows]:
+        print("  ".join(str(x).rjust(w) for x, w in zip(row, widths, strict=True)))
+
+
+def _allreduce_table(title: str, res: list[dict]) -> dict:
+    med = {k: max(r[k] for r in res) for k in res[0]}  # slowest rank = collective time
+    rows, ratios = [], {}
+    for mib in SIZES_MIB:
+        f, h, lead = (med[f"{mib}:{a}"] for a in ("flat", "hierarchical", "leader"))
+        ratios[mib] = f / h
+        rows.append([f"{mib} MiB", f"{f * 1e3:.1f}", f"{h * 1e3:.1f}", f"{lead * 1e3:.1f}",
+                     f"{f / h:.2f}x", f"{f / lead:.2f}x"])
+    _table(title, rows, ["size", "flat ms", "hier ms", "leader ms", "flat/hier", "flat/leader"])
+    return ratios
+
+
+def main() -> None:
+    """Run every part and print the tables."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--skip-netns", action="store_true")
+    ap.add_argument("--skip-train", action="store_true")
+    args = ap.parse_args()
+    world = 4
+    print(f"hettrain collectives bench: {world} ranks = 2 pools x 2, gloo, medians of "
+          f"{args.repeats} repeats")
+    loop = _allreduce_table("all-reduce on loopback",
+                            _launch(world, "127.0.0.1", ["allreduce", str(args.repeats)]))
+    print("  loopback: hierarchical slowdown vs flat (target <= 1.1x): "
+          + ", ".join(f"{m} MiB {1 / r:.2f}x" for m, r in loop.items()))
+    if not args.skip_netns:
+        try:
+            shaping = netns_up()
+
+            def prefix(r):
+                return ["ip", "netns", "exec", NS[r // 2]]
+
+            res = _launch(world, ADDR[0], ["allreduce", str(args.repeats)], prefix=prefix,
+                          env_for=lambda r: {"GLOO_SOCKET_IFNAME": VETH[r // 2]})
+            slow = _allreduce_table(f"all-reduce with pools in two netns, veth shaped `{shaping}`",
+                                    res)
+            print("  slow link: hierarchical speed-up vs flat (target >= 1.5x): "
+                  + ", ".join(f"{m} MiB {r:.2f}x" for m, r in slow.items()))
+        finally:
+            netns_down()
+    if not args.skip_train:
+        variants = ["dp", "compress:bf16", "compress:int8", "diloco:10", "diloco:50",
+                    "diloco:50+int8"]
+        results = {v: _launch(world, "127.0.0.1", ["train", str(args.steps), v])
+                   for v in variants}
+        base = results["dp"][0]
+        dp_loss = statistics.mean(r["loss"] for r in results["dp"])
+        rows = []
+        for v, res in results.items():
+            loss = statistics.mean(r["loss"] for r in res)
+            b = res[0]["cross_dc_bytes_per_step"]
+            rows.append([v, f"{b / 1e3:.1f}", f"{base['cross_dc_bytes_per_step'] / b:.1f}x",
+                         f"{loss:.5f}", f"{100 * (loss / dp_loss - 1):+.2f}%"])
+        _table(f"training {args.steps} steps, MLP {base['param_bytes'] / 1e3:.0f} kB fp32 params, "
+               "2 DCs x 2 ranks (cross-DC bytes summed over ranks)",
+               rows, ["variant", "xDC kB/step", "fewer bytes", "eval loss", "loss gap"])
+
+
+def _worker_main(argv: list[str]) -> None:
+    rank, world, addr, port, out = int(argv[0]), int(argv[1]), argv[2], int(argv[3]), argv[4]
+    job = argv[5:]
+    if job[0] == "allreduce":
+        res = worker_allreduce(rank, world, addr, port, int(job[1]))
+    else:
+        res = worker_train(rank, world, addr, port, int(job[1]), job[2])
+    Path(out).write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_worker":
+        _worker_main(sys.argv[2:])
+    else:
+        main()
