@@ -1,0 +1,186 @@
+"""Child objects of a HetTrainingJob as plain dicts: headless Service, plan ConfigMap, gang Pods.
+
+Names are deterministic (same job, attempt and plan → same names), so a restarted operator finds
+what it already created instead of duplicating it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hettrain.api import constants as c
+from hettrain.api.spec import JobSpec
+from hettrain.planning.plan import Plan
+
+MAX_NAME = 63
+PLAN_MOUNT_DIR = "/etc/hettrain"
+CHECKPOINT_MOUNT_DIR = "/checkpoints"
+COMPONENT_WORKER = "worker"
+MANAGED_BY = "hettrain-operator"
+
+
+@dataclass(frozen=True, slots=True)
+class JobRef:
+    """Identity of the owning HetTrainingJob (from its metadata)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> JobRef:
+        """Read name/namespace/uid from a CR body."""
+        meta = body.get("metadata") or {}
+        return cls(str(meta["name"]), str(meta.get("namespace") or "default"),
+                   str(meta.get("uid") or ""))
+
+
+def dns_name(*parts: str | int, limit: int = MAX_NAME) -> str:
+    """A DNS-1123 label from parts; too long → truncated with a stable 6-hex hash suffix."""
+    raw = "-".join(str(p) for p in parts).lower()
+    name = re.sub(r"[^a-z0-9-]+", "-", raw).strip("-")
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(raw.encode()).hexdigest()[:6]
+    return f"{name[: limit - 7].rstrip('-')}-{digest}"
+
+
+def service_name(job: str) -> str:
+    """Headless rendezvous Service of a job."""
+    return dns_name(job, "ranks")
+
+
+def configmap_name(job: str, attempt: int) -> str:
+    """Plan ConfigMap of one attempt."""
+    return dns_name(job, "plan", f"a{attempt}", limit=253)
+
+
+def pod_name(job: str, attempt: int, rank_start: int) -> str:
+    """Pod hosting ranks starting at ``rank_start`` in one attempt."""
+    return dns_name(job, f"a{attempt}", f"r{rank_start}")
+
+
+def owner_reference(job: JobRef) -> dict[str, Any]:
+    """controller=true ownerReference so children are garbage-collected with the job."""
+    return {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": job.name, "uid": job.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def common_labels(job: str, component: str) -> dict[str, str]:
+    """app.kubernetes.io/* and hettrain.dev/job labels."""
+    return {c.LABEL_APP_NAME: "hettrain", c.LABEL_APP_INSTANCE: job,
+            c.LABEL_APP_COMPONENT: component, c.LABEL_APP_MANAGED_BY: MANAGED_BY,
+            c.LABEL_JOB: job}
+
+
+def _meta(job: JobRef, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": job.namespace, "labels": labels,
+            "ownerReferences": [owner_reference(job)]}
+
+
+def build_service(job: JobRef) -> dict[str, Any]:
+    """Headless Service giving each pod a stable DNS name (subdomain) for rendezvous."""
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _meta(job, service_name(job.name), common_labels(job.name, "rendezvous")),
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                 "selector": {c.LABEL_JOB: job.name},
+                 "ports": [{"name": "rendezvous", "port": c.DEFAULT_MASTER_PORT}]},
+    }
+
+
+def build_configmap(job: JobRef, plan: Plan, attempt: int) -> dict[str, Any]:
+    """ConfigMap holding ``plan.json`` for one attempt."""
+    labels = common_labels(job.name, "plan")
+    labels[c.LABEL_PLAN_HASH] = plan.fingerprint()
+    labels[c.LABEL_ATTEMPT] = str(attempt)
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _meta(job, configmap_name(job.name, attempt), labels),
+            "data": {c.PLAN_CONFIGMAP_KEY: plan.to_json(indent=1)}}
+
+
+def master_addr(job: JobRef, plan: Plan, attempt: int) -> str:
+    """DNS name of the pod hosting rank 0 (hostname.subdomain.namespace.svc)."""
+    first = plan.ranks_on(plan.ranks[0].node)[0].rank
+    return f"{pod_name(job.name, attempt, first)}.{service_name(job.name)}.{job.namespace}.svc"
+
+
+def build_pods(job: JobRef, spec: JobSpec, plan: Plan, attempt: int,
+               resume: bool) -> list[dict[str, Any]]:
+    """One Pod per planned node, hosting that node's consecutive ranks, pinned to the node."""
+    stages = {s.index: s for s in plan.stages}
+    addr = master_addr(job, plan, attempt)
+    pods = []
+    for node in plan.nodes():
+        ranks = plan.ranks_on(node)
+        start = ranks[0].rank
+        if [r.rank for r in ranks] != list(range(start, start + len(ranks))):
+            raise ValueError(f"plan: ranks on node {node} are not consecutive; re-plan")
+        stage = stages[ranks[0].stage]
+        resource = c.VENDOR_RESOURCES.get(stage.vendor)
+        name = pod_name(job.name, attempt, start)
+        labels = common_labels(job.name, COMPONENT_WORKER)
+        labels.update({c.LABEL_RANK: str(start), c.LABEL_STAGE: str(stage.index),
+                       c.LABEL_PLAN_HASH: plan.fingerprint(), c.LABEL_ATTEMPT: str(attempt),
+                       c.LABEL_POOL: ranks[0].pool})
+        env = {
+            c.ENV_PLAN_PATH: f"{PLAN_MOUNT_DIR}/{c.PLAN_CONFIGMAP_KEY}",
+            c.ENV_MASTER_ADDR: addr,
+            c.ENV_MASTER_PORT: str(c.DEFAULT_MASTER_PORT),
+            c.ENV_WORLD_SIZE: str(plan.world_size),
+            c.ENV_NODE_RANK_START: str(start),
+            c.ENV_LOCAL_WORLD_SIZE: str(len(ranks)),
+            c.ENV_BACKEND: stage.backend,
+            c.ENV_RESUME: "1" if resume else "0",
+            "HETTRAIN_CHECKPOINT_INTERVAL": str(spec.checkpoint.interval_steps),
+            "HETTRAIN_JOB": job.name,
+            "HETTRAIN_ATTEMPT": str(attempt),
+        }
+        volumes: list[dict[str, Any]] = [
+            {"name": "plan", "configMap": {"name": configmap_name(job.name, attempt)}}]
+        mounts: list[dict[str, Any]] = [
+            {"name": "plan", "mountPath": PLAN_MOUNT_DIR, "readOnly": True}]
+        if spec.checkpoint.pvc:
+            volumes.append({"name": "checkpoints",
+                            "persistentVolumeClaim": {"claimName": spec.checkpoint.pvc}})
+            mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT_DIR})
+            env[c.ENV_CHECKPOINT_URI] = CHECKPOINT_MOUNT_DIR
+        elif spec.checkpoint.uri:
+            env[c.ENV_CHECKPOINT_URI] = spec.checkpoint.uri
+        container: dict[str, Any] = {
+            "name": "trainer", "image": spec.image,
+            "env": [{"name": k, "value": v} for k, v in env.items()],
+            "volumeMounts": mounts,
+            "ports": [{"name": "rendezvous", "containerPort": c.DEFAULT_MASTER_PORT},
+                      {"name": "metrics", "containerPort": 9400}],
+        }
+        if resource:
+            qty = str(len(ranks))
+            container["resources"] = {"requests": {resource: qty}, "limits": {resource: qty}}
+        if spec.command:
+            container["command"] = list(spec.command)
+        if spec.args:
+            container["args"] = list(spec.args)
+        pod_spec: dict[str, Any] = {
+            "restartPolicy": "Never",
+            "hostname": name,
+            "subdomain": service_name(job.name),
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": c.LABEL_HOSTNAME, "operator": "In", "values": [node]}]}]}}},
+            "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists",
+                             "effect": "NoSchedule"}],
+            "containers": [container],
+            "volumes": volumes,
+        }
+        if spec.priority_class_name:
+            pod_spec["priorityClassName"] = spec.priority_class_name
+        if spec.scheduler_name:
+            pod_spec["schedulerName"] = spec.scheduler_name
+        pods.append({"apiVersion": "v1", "kind": "Pod",
+                     "metadata": _meta(job, name, labels), "spec": pod_spec})
+    return pods

@@ -1,0 +1,369 @@
+"""Pure reconcile: (job body, observed pods and nodes, current plan) → a Decision to apply.
+
+No I/O here: the kopf handlers (:mod:`hettrain.handlers`) observe, call :func:`reconcile`, and
+apply the decision with :mod:`hettrain.kube`. Because pod names are deterministic and decisions
+are made from observed state only, re-running a decision (after an operator restart or a 409)
+never duplicates or loses pods.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from hettrain.api import constants as c
+from hettrain.api import status as st
+from hettrain.api.spec import JobSpec, SpecError, parse_job_spec
+from hettrain.manifests.builders import (
+    JobRef,
+    build_configmap,
+    build_pods,
+    build_service,
+    configmap_name,
+)
+from hettrain.planning.errors import PlanningError
+from hettrain.planning.inventory import ClusterInventory, inventory_from_nodes
+from hettrain.planning.plan import Plan
+from hettrain.planning.planner import plan_job
+
+TERMINAL = (c.PHASE_SUCCEEDED, c.PHASE_FAILED)
+CAPACITY_RETRY_SECONDS = 15.0
+CAUSE_POD_DELETED = "PodDeleted"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A Kubernetes Event to post on the job."""
+
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(slots=True)
+class Decision:
+    """What to do: create objects (in order, gang-style), delete objects, patch status, events."""
+
+    create: list[dict[str, Any]] = field(default_factory=list)
+    delete: list[tuple[str, str]] = field(default_factory=list)  # (kind, name)
+    status: dict[str, Any] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    retry_after: float | None = None  # re-run reconcile after this many seconds
+    plan: Plan | None = None  # the plan of the (new) current attempt
+    plan_seconds: float | None = None
+    repair_cause: str | None = None
+    plan_failure: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """Observed children and cluster: the job's pods, all nodes, and the current plan."""
+
+    pods: Sequence[Mapping[str, Any]]
+    nodes: Sequence[Mapping[str, Any]]
+    plan: Plan | None = None
+    now: float = field(default_factory=time.time)
+
+
+Planner = Callable[[str, JobSpec, ClusterInventory, Plan | None], Plan]
+
+
+def default_planner(name: str, spec: JobSpec, inv: ClusterInventory, prev: Plan | None) -> Plan:
+    """The real planner (``hettrain.planning.planner.plan_job``)."""
+    return plan_job(name, spec, inv, previous=prev)
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse_iso(text: str | None) -> float | None:
+    if not text:
+        return None
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
+def _pod_attempt(pod: Mapping[str, Any]) -> int:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    try:
+        return int(labels.get(c.LABEL_ATTEMPT, "-1"))
+    except ValueError:
+        return -1
+
+
+def _pod_phase(pod: Mapping[str, Any]) -> str:
+    return str((pod.get("status") or {}).get("phase") or "Pending")
+
+
+def _pod_node(pod: Mapping[str, Any]) -> str | None:
+    """The node a pod is bound to, else the node its affinity pins it to."""
+    spec = pod.get("spec") or {}
+    if spec.get("nodeName"):
+        return str(spec["nodeName"])
+    try:
+        terms = spec["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        return str(terms[0]["matchExpressions"][0]["values"][0])
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def node_ready(node: Mapping[str, Any]) -> bool:
+    """Ready condition True."""
+    for cond in (node.get("status") or {}).get("conditions") or ():
+        if cond.get("type") == "Ready":
+            return cond.get("status") == "True"
+    return False
+
+
+class _Builder:
+    """Accumulates the status patch on top of the old status."""
+
+    def __init__(self, body: Mapping[str, Any], now: float) -> None:
+        self.old = dict(body.get("status") or {})
+        self.generation = int((body.get("metadata") or {}).get("generation") or 1)
+        self.now = _iso(now)
+        self.patch: dict[str, Any] = {}
+        self.conditions = list(self.old.get("conditions") or [])
+
+    def cond(self, ctype: str, value: bool, reason: str, message: str = "") -> None:
+        self.conditions = st.set_condition(self.conditions, ctype, value, reason, message,
+                                           self.generation, self.now)
+        self.patch["conditions"] = self.conditions
+
+    def phase(self, phase: str) -> None:
+        self.patch["phase"] = phase
+
+
+def _fail(b: _Builder, d: Decision, reason: str, message: str, delete: Iterable[str] = ()
+          ) -> Decision:
+    b.phase(c.PHASE_FAILED)
+    b.cond(c.COND_FAILED, True, reason, message)
+    b.cond(c.COND_RUNNING, False, reason, message)
+    b.patch["completionTime"] = b.now
+    b.patch["observedGeneration"] = b.generation
+    d.delete.extend(("Pod", n) for n in delete)
+    d.events.append(Event("Warning", reason, message))
+    d.status = b.patch
+    return d
+
+
+def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
+            planner: Planner, previous: Plan | None, attempt: int, resume: bool,
+            exclude: Sequence[str]) -> Decision:
+    inv = inventory_from_nodes(obs.nodes)
+    if exclude:
+        inv = inv.without_nodes([n for n in exclude if n in inv.node_names()])
+    t0 = time.perf_counter()
+    try:
+        plan = planner(job.name, spec, inv, previous)
+    except PlanningError as err:
+        d.plan_failure = err.reason
+        if err.reason == c.REASON_INSUFFICIENT_CAPACITY:
+            b.phase(c.PHASE_PENDING)
+            b.cond(c.COND_PLANNED, False, err.reason, err.message)
+            d.status = b.patch
+            d.retry_after = CAPACITY_RETRY_SECONDS
+            d.events.append(Event("Warning", err.reason, err.message))
+            return d
+        b.cond(c.COND_PLANNED, False, err.reason, err.message)
+        return _fail(b, d, err.reason, err.message)
+    d.plan_seconds = time.perf_counter() - t0
+    if plan.world_size < spec.failure_policy.min_gpus:
+        msg = (f"plan uses {plan.world_size} GPUs, below spec.failurePolicy.minGPUs "
+               f"({spec.failure_policy.min_gpus})")
+        b.cond(c.COND_PLANNED, False, c.REASON_INSUFFICIENT_CAPACITY, msg)
+        return _fail(b, d, c.REASON_INSUFFICIENT_CAPACITY, msg)
+    d.plan = plan
+    cm = configmap_name(job.name, attempt)
+    d.create.append(build_service(job))
+    d.create.append(build_configmap(job, plan, attempt))
+    d.create.extend(build_pods(job, spec, plan, attempt, resume))
+    msg = (f"dp={plan.dp} pp={plan.pp} tp={[s.tp for s in plan.stages]} on "
+           f"{plan.world_size} GPUs in {','.join(plan.pools)}; predicted "
+           f"{plan.predicted.tokens_per_s:.0f} tokens/s")
+    b.cond(c.COND_PLANNED, True, c.REASON_PLAN_FOUND, msg)
+    b.cond(c.COND_PODS_READY, False, c.REASON_PODS_CREATED,
+           f"{len(plan.nodes())} pods created for attempt {attempt}")
+    b.cond(c.COND_FAILED, False, c.REASON_PLAN_FOUND)
+    b.phase(c.PHASE_LAUNCHING)
+    b.patch.update(attempt=attempt, worldSize=plan.world_size,
+                   plan=st.plan_summary(plan, cm), observedGeneration=b.generation,
+                   failureSince=None, failureCause=None, failureNodes=None)
+    if not b.old.get("startTime"):
+        b.patch["startTime"] = b.now
+    d.events.append(Event("Normal", c.REASON_PLAN_FOUND, msg))
+    d.status = b.patch
+    return d
+
+
+def _failures(pods: Sequence[Mapping[str, Any]], expected: set[str],
+              nodes: Mapping[str, Mapping[str, Any]], launching: bool
+              ) -> tuple[str | None, list[str]]:
+    """(cause, failed nodes) of the current attempt, or (None, [])."""
+    cause: str | None = None
+    bad: list[str] = []
+    seen = set()
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        seen.add(name)
+        node = _pod_node(pod)
+        if node is not None and (node not in nodes or not node_ready(nodes[node])):
+            cause = cause or c.REASON_NODE_LOST
+            bad.append(node)
+        elif _pod_phase(pod) == "Failed":
+            cause = cause or c.REASON_POD_FAILED
+            if node:
+                bad.append(node)
+    if not launching and expected - seen and cause is None:
+        cause = CAUSE_POD_DELETED
+    return cause, sorted(set(bad))
+
+
+def reconcile(body: Mapping[str, Any], obs: Observed,
+              planner: Planner = default_planner) -> Decision:
+    """Decide the next step for one HetTrainingJob from its body and observed state."""
+    job = JobRef.from_body(body)
+    b = _Builder(body, obs.now)
+    d = Decision()
+    old = b.old
+    phase = old.get("phase")
+    attempt = int(old.get("attempt") or 0)
+    generation_changed = old.get("observedGeneration") not in (None, b.generation)
+    if phase in TERMINAL and not generation_changed:
+        return d
+    try:
+        spec = parse_job_spec(body.get("spec"))
+    except SpecError as err:
+        b.cond(c.COND_PLANNED, False, c.REASON_INVALID_SPEC, str(err))
+        return _fail(b, d, c.REASON_INVALID_SPEC, str(err), _names(obs.pods))
+    current = [p for p in obs.pods if _pod_attempt(p) == attempt]
+    stale = [p["metadata"]["name"] for p in obs.pods if _pod_attempt(p) != attempt]
+    d.delete.extend(("Pod", n) for n in stale)
+
+    if spec.suspend:
+        if phase != c.PHASE_SUSPENDED or current:
+            d.delete.extend(("Pod", n) for n in _names(current))
+            b.phase(c.PHASE_SUSPENDED)
+            b.cond(c.COND_SUSPENDED, True, c.REASON_SUSPENDED, "spec.suspend is true")
+            b.cond(c.COND_RUNNING, False, c.REASON_SUSPENDED, "spec.suspend is true")
+            b.patch["observedGeneration"] = b.generation
+            d.events.append(Event("Normal", c.REASON_SUSPENDED, "pods deleted; job suspended"))
+            d.status = b.patch
+        return d
+    if phase == c.PHASE_SUSPENDED or generation_changed or attempt == 0 or obs.plan is None:
+        # first launch, resume after suspend, spec change, or lost plan → plan a new attempt
+        if attempt > 0:
+            d.delete.extend(("Pod", n) for n in _names(current))
+            d.delete.append(("ConfigMap", configmap_name(job.name, attempt)))
+            b.cond(c.COND_SUSPENDED, False, "Resumed")
+        return _launch(job, spec, b, d, obs, planner, obs.plan, attempt + 1, attempt > 0,
+                       old.get("failedNodes") or [])
+
+    plan = obs.plan
+    nodes = {str(n["metadata"]["name"]): n for n in obs.nodes}
+    expected = {p["metadata"]["name"] for p in build_pods(job, spec, plan, attempt, False)}
+    launching = phase in (c.PHASE_LAUNCHING, c.PHASE_PENDING, c.PHASE_PLANNING)
+    cause, bad = _failures(current, expected, nodes, launching)
+    if cause is None:
+        return _progress(job, spec, b, d, obs, plan, attempt, current, expected, launching)
+    return _repair(job, spec, b, d, obs, planner, plan, attempt, current, cause, bad)
+
+
+def _names(pods: Iterable[Mapping[str, Any]]) -> list[str]:
+    return [p["metadata"]["name"] for p in pods]
+
+
+def _progress(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed, plan: Plan,
+              attempt: int, current: Sequence[Mapping[str, Any]], expected: set[str],
+              launching: bool) -> Decision:
+    seen = set(_names(current))
+    missing = expected - seen
+    if missing and launching:  # operator restarted mid-launch: create the rest of the gang
+        d.create.append(build_service(job))
+        d.create.append(build_configmap(job, plan, attempt))
+        d.create.extend(p for p in build_pods(job, spec, plan, attempt, attempt > 1)
+                        if p["metadata"]["name"] in missing)
+        return d
+    phases = [_pod_phase(p) for p in current]
+    if phases and all(ph == "Succeeded" for ph in phases) and not missing:
+        b.phase(c.PHASE_SUCCEEDED)
+        b.cond(c.COND_SUCCEEDED, True, c.REASON_COMPLETED, "all pods succeeded")
+        b.cond(c.COND_RUNNING, False, c.REASON_COMPLETED)
+        b.patch["completionTime"] = b.now
+        d.events.append(Event("Normal", c.REASON_COMPLETED, "training finished"))
+        d.status = b.patch
+        return d
+    running = phases and all(ph in ("Running", "Succeeded") for ph in phases)
+    if running and b.old.get("phase") != c.PHASE_RUNNING:
+        b.phase(c.PHASE_RUNNING)
+        b.cond(c.COND_PODS_READY, True, c.REASON_ALL_PODS_READY, f"{len(phases)} pods running")
+        b.cond(c.COND_RUNNING, True, c.REASON_ALL_PODS_READY)
+        b.cond(c.COND_REPAIRING, False, c.REASON_ALL_PODS_READY)
+        d.status = b.patch
+    return d
+
+
+def _repair(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
+            planner: Planner, plan: Plan, attempt: int, current: Sequence[Mapping[str, Any]],
+            cause: str, bad: list[str]) -> Decision:
+    pol = spec.failure_policy
+    cause = b.old.get("failureCause") or cause
+    bad = sorted(set(bad) | set(b.old.get("failureNodes") or []))
+    since = _parse_iso(b.old.get("failureSince"))
+    if since is None:
+        since = obs.now
+        b.patch.update(failureSince=b.now, failureCause=cause)
+    if bad != sorted(b.old.get("failureNodes") or []):
+        b.patch["failureNodes"] = bad
+    d.status = b.patch
+    wait = since + pol.debounce_seconds - obs.now
+    if wait > 0:  # debounce: a burst of failures becomes one repair
+        if b.old.get("phase") != c.PHASE_REPAIRING:
+            b.phase(c.PHASE_REPAIRING)
+            b.cond(c.COND_REPAIRING, True, cause, f"failure on {', '.join(bad) or 'pods'}")
+            d.events.append(Event("Warning", cause,
+                                  f"failure on {', '.join(bad) or 'pods'}; repairing"))
+        d.retry_after = wait
+        return d
+    repairs = dict(b.old.get("repairs") or {})
+    if int(repairs.get("count") or 0) >= pol.max_repairs:
+        msg = (f"{cause}: spec.failurePolicy.maxRepairs ({pol.max_repairs}) reached; "
+               "raise it to keep repairing")
+        return _fail(b, d, c.REASON_MAX_REPAIRS, msg, _names(current))
+    failed = sorted(set(b.old.get("failedNodes") or []) | set(bad))
+    exclude = list(failed)
+    if pol.mode == "WaitForReplacement":
+        inv = inventory_from_nodes(obs.nodes)
+        usable = inv.gpus - _gpus_on(inv, exclude)
+        if usable < plan.world_size and obs.now - since < pol.wait_seconds:
+            b.phase(c.PHASE_REPAIRING)
+            b.cond(c.COND_REPAIRING, True, c.REASON_WAITING_REPLACEMENT,
+                   f"waiting up to {pol.wait_seconds}s for replacement nodes")
+            d.delete.extend(("Pod", n) for n in _names(current))
+            d.retry_after = min(10.0, since + pol.wait_seconds - obs.now)
+            return d
+    d.repair_cause = cause
+    d.delete.extend(("Pod", n) for n in _names(current))
+    d.delete.append(("ConfigMap", configmap_name(job.name, attempt)))
+    b.patch["repairs"] = st.add_repair(repairs, cause, bad, plan.world_size, 0, b.now)
+    b.patch["restarts"] = int(b.old.get("restarts") or 0) + 1
+    b.patch["failedNodes"] = failed
+    b.phase(c.PHASE_REPAIRING)
+    b.cond(c.COND_REPAIRING, True, cause, f"re-planning without {', '.join(bad) or 'pods'}")
+    d.events.append(Event("Warning", cause,
+                          f"repair {b.patch['repairs']['count']}: re-planning without "
+                          f"{', '.join(bad) or 'failed pods'}"))
+    out = _launch(job, spec, b, d, obs, planner, plan, attempt + 1, True, exclude)
+    if out.plan is not None:
+        out.status["repairs"]["history"][-1]["toWorldSize"] = out.plan.world_size
+        out.status["phase"] = c.PHASE_LAUNCHING
+    return out
+
+
+def _gpus_on(inv: ClusterInventory, nodes: Sequence[str]) -> int:
+    names = set(nodes)
+    return sum(p.gpus_per_node for p in inv.pools for n in p.nodes if n in names)
