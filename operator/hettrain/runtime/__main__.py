@@ -1,0 +1,30 @@
+"""``python -m hettrain.runtime``: train this pod's ranks of the plan (one process per rank)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from hettrain.api import constants as C
+from hettrain.runtime.config import RuntimeConfig
+from hettrain.runtime.trainer import run_rank
+
+
+def main() -> int:
+    """Run one rank in-process, or spawn ``LOCAL_WORLD_SIZE`` children and wait for them."""
+    cfg = RuntimeConfig.from_env()
+    if cfg.local_world_size == 1 or os.environ.get(C.ENV_RANK):
+        rank = int(os.environ.get(C.ENV_RANK) or cfg.rank_start)
+        run_rank(cfg, rank)
+        return 0
+    procs = []
+    for i in range(cfg.local_world_size):
+        env = dict(os.environ, **{C.ENV_RANK: str(cfg.rank_start + i)})
+        procs.append(subprocess.Popen([sys.executable, "-m", "hettrain.runtime"], env=env))
+    codes = [p.wait() for p in procs]
+    return next((c for c in codes if c), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

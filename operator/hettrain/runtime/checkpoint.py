@@ -1,0 +1,88 @@
+"""Resharding checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+State is keyed by GLOBAL names (``layers.7.attn.q.weight`` and
+``optim.layers.7.attn.q.weight.exp_avg``), so a checkpoint written by one pipeline layout loads
+into any other: every rank just asks for the keys its stage owns. Replicas of a key (DP) are
+written once (DCP's default planner de-duplicates).
+
+Atomicity: all ranks write into ``step-N.tmp/``; after DCP has committed its metadata, rank 0
+renames it to ``step-N/`` and replaces the ``latest`` pointer file with ``os.replace``. A crash
+at any moment leaves ``latest`` naming a complete checkpoint (or none).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+LATEST = "latest"
+DEFAULT_INTERVAL = 100
+
+
+def checkpoint_root(uri: str) -> Path:
+    """A local directory from a path or ``file://`` URI."""
+    if not uri:
+        raise ValueError("HETTRAIN_CHECKPOINT_URI is empty: set a directory or file:// URI")
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        return Path(parsed.path if parsed.scheme else uri)
+    raise ValueError(f"HETTRAIN_CHECKPOINT_URI scheme {parsed.scheme!r} unsupported: "
+                     "use a local path or file:// URI")
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer,
+           *, materialise: bool) -> dict[str, torch.Tensor]:
+    """Flat DCP state: model tensors + AdamW moments keyed by global parameter names."""
+    state: dict[str, torch.Tensor] = dict(model.state_dict())
+    for name, p in model.named_parameters():
+        st = opt.state.get(p)
+        if not st and materialise:
+            st = opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                 "exp_avg_sq": torch.zeros_like(p)}
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            if st and k in st:
+                state[f"optim.{name}.{k}"] = st[k]
+    return state
+
+
+def save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Path:
+    """Collective: write step ``step`` atomically; returns the final directory."""
+    final = root / f"step-{step}"
+    tmp = root / f"step-{step}.tmp"
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    dcp.save(_state(model, opt, materialise=False), checkpoint_id=str(tmp))
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer = root / f"{LATEST}.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, root / LATEST)
+    dist.barrier()
+    return final
+
+
+def latest_step(root: Path) -> int | None:
+    """Step of the newest complete checkpoint under ``root``, or None."""
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    name = pointer.read_text().strip()
+    if not (root / name / ".metadata").exists():
+        return None
+    return int(name.removeprefix("step-"))
+
+
+def load(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Collective: load step ``step`` into this rank's slice (any layout)."""
+    state = _state(model, opt, materialise=True)
+    dcp.load(state, checkpoint_id=str(root / f"step-{step}"))
+    model.load_state_dict({k: v for k, v in state.items() if not k.startswith("optim.")})

@@ -1,0 +1,79 @@
+"""Runtime settings from the pod env contract (docs/contracts.md §4)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from hettrain.api import constants as C
+from hettrain.planning.plan import Plan
+from hettrain.runtime.checkpoint import DEFAULT_INTERVAL
+from hettrain.runtime.metrics import DEFAULT_PORT
+
+ENV_CHECKPOINT_INTERVAL = "HETTRAIN_CHECKPOINT_INTERVAL"
+ENV_METRICS_PORT = "HETTRAIN_METRICS_PORT"
+ENV_LOSS_LOG = "HETTRAIN_LOSS_LOG"  # optional JSON-lines file: one {"step", "loss"} per step
+ENV_STEP_SLEEP = "HETTRAIN_STEP_SLEEP"  # optional seconds to sleep per step (tests, demos)
+
+
+def _int(env: dict[str, str], name: str, default: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise ValueError(f"env {name} is required")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"env {name}={raw!r} must be an integer") from None
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything one pod's runtime reads from its environment."""
+
+    plan: Plan
+    master_addr: str
+    master_port: int
+    world_size: int
+    rank_start: int
+    local_world_size: int
+    resume: bool
+    checkpoint_uri: str
+    checkpoint_interval: int
+    metrics_port: int
+    loss_log: str
+    step_sleep: float
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> RuntimeConfig:
+        """Parse and validate; every error names the variable."""
+        env = dict(os.environ if env is None else env)
+        path = env.get(C.ENV_PLAN_PATH)
+        if not path:
+            raise ValueError(f"env {C.ENV_PLAN_PATH} is required (path of plan.json)")
+        plan = Plan.from_json(Path(path).read_text())
+        world = _int(env, C.ENV_WORLD_SIZE, plan.world_size)
+        if world != plan.world_size:
+            raise ValueError(f"env {C.ENV_WORLD_SIZE}={world} but the plan has "
+                             f"{plan.world_size} ranks")
+        cfg = cls(
+            plan=plan,
+            master_addr=env.get(C.ENV_MASTER_ADDR, "127.0.0.1"),
+            master_port=_int(env, C.ENV_MASTER_PORT, 29500),
+            world_size=world,
+            rank_start=_int(env, C.ENV_NODE_RANK_START, _int(env, C.ENV_RANK, 0)),
+            local_world_size=_int(env, C.ENV_LOCAL_WORLD_SIZE, 1),
+            resume=env.get(C.ENV_RESUME, "0") not in ("", "0", "false", "False"),
+            checkpoint_uri=env.get(C.ENV_CHECKPOINT_URI, ""),
+            checkpoint_interval=_int(env, ENV_CHECKPOINT_INTERVAL, DEFAULT_INTERVAL),
+            metrics_port=_int(env, ENV_METRICS_PORT, DEFAULT_PORT),
+            loss_log=env.get(ENV_LOSS_LOG, ""),
+            step_sleep=float(env.get(ENV_STEP_SLEEP, "0") or 0),
+        )
+        if not 0 <= cfg.rank_start < world:
+            raise ValueError(f"env {C.ENV_NODE_RANK_START}={cfg.rank_start} outside [0, {world})")
+        if cfg.checkpoint_interval < 1:
+            raise ValueError(f"env {ENV_CHECKPOINT_INTERVAL} must be >= 1")
+        return cfg

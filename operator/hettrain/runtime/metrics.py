@@ -1,0 +1,62 @@
+"""Runtime Prometheus metrics (names and labels from docs/contracts.md §5)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from hettrain.runtime.collectives import CommStats
+
+LABELS = ("job", "rank", "stage", "pool")
+DEFAULT_PORT = 9400
+
+
+class RuntimeMetrics:
+    """One rank's metrics on its own registry; ``port`` 0 disables the HTTP endpoint."""
+
+    def __init__(self, job: str, rank: int, stage: int, pool: str, port: int) -> None:
+        self.registry = CollectorRegistry()
+        lab = dict(job=job, rank=str(rank), stage=str(stage), pool=pool)
+        r = self.registry
+        self.step = Gauge("hettrain_runtime_step", "Last completed optimizer step",
+                          LABELS, registry=r).labels(**lab)
+        self.loss = Gauge("hettrain_runtime_loss", "Global-batch mean loss of the last step",
+                          LABELS, registry=r).labels(**lab)
+        self.step_seconds = Histogram(
+            "hettrain_runtime_step_seconds", "Optimizer step wall time", LABELS, registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        ).labels(**lab)
+        self.tokens = Gauge("hettrain_runtime_tokens_per_second", "Global tokens per second",
+                            LABELS, registry=r).labels(**lab)
+        self.mfu = Gauge("hettrain_runtime_mfu", "Achieved model FLOPs utilisation",
+                         LABELS, registry=r).labels(**lab)
+        self._bytes = Counter("hettrain_runtime_collective_bytes", "Collective bytes sent",
+                              (*LABELS, "tier"), registry=r)
+        self._secs = Counter("hettrain_runtime_collective_seconds", "Collective seconds",
+                             (*LABELS, "tier"), registry=r)
+        self.last_ckpt = Gauge("hettrain_runtime_last_checkpoint_step",
+                               "Step of the last complete checkpoint", LABELS, registry=r
+                               ).labels(**lab)
+        self._lab = lab
+        self._seen: dict[str, tuple[int, float]] = {}
+        self.port = port
+        if port:
+            start_http_server(port, registry=r)
+
+    def observe_step(self, step: int, loss: float, seconds: float, tokens: int,
+                     flops: float, peak_flops: float) -> None:
+        """Record one finished optimizer step."""
+        self.step.set(step)
+        self.loss.set(loss)
+        self.step_seconds.observe(seconds)
+        self.tokens.set(tokens / seconds if seconds > 0 else 0.0)
+        self.mfu.set(flops / seconds / peak_flops if seconds > 0 and peak_flops > 0 else 0.0)
+
+    def observe_comm(self, stats: CommStats) -> None:
+        """Advance the per-tier counters to the communicator's running totals."""
+        for tier, s in stats.items():
+            b0, t0 = self._seen.get(tier.value, (0, 0.0))
+            if s.bytes > b0:
+                self._bytes.labels(**self._lab, tier=tier.value).inc(s.bytes - b0)
+            if s.seconds > t0:
+                self._secs.labels(**self._lab, tier=tier.value).inc(s.seconds - t0)
+            self._seen[tier.value] = (max(s.bytes, b0), max(s.seconds, t0))

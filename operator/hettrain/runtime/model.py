@@ -1,0 +1,157 @@
+"""Tiny GPT (nanoGPT-style, pre-LN) that can be built whole or as a pipeline slice of layers.
+
+Initialisation is seeded per global layer index (``seed * 1000 + layer``; embedding and head
+have their own seeds), so a model built in slices holds exactly the weights of the whole model.
+Parameter names use GLOBAL layer indices (``layers.7.attn.q.weight``), which is what lets a
+checkpoint be resharded onto a different pipeline layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hettrain.api.spec import ModelSpec
+
+EMBED_SEED_OFFSET = 997
+HEAD_SEED_OFFSET = 998
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention with optional grouped-query (``kv_heads < heads``)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
+            raise ValueError(f"model: hidden ({spec.hidden}) must divide by heads ({spec.heads})"
+                             f" and heads by kv_heads ({spec.kv_heads})")
+        self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, spec.head_dim
+        self.q = nn.Linear(spec.hidden, spec.hidden, bias=False)
+        self.kv = nn.Linear(spec.hidden, 2 * spec.kv_heads * spec.head_dim, bias=False)
+        self.o = nn.Linear(spec.hidden, spec.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q = self.q(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, self.kv_heads, self.head_dim).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        rep = self.heads // self.kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, h))
+
+
+class MLP(nn.Module):
+    """GELU MLP, or SwiGLU when ``spec.gated_mlp``."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gated = spec.gated_mlp
+        self.up = nn.Linear(spec.hidden, spec.ffn_hidden, bias=False)
+        if self.gated:
+            self.gate = nn.Linear(spec.hidden, spec.ffn_hidden, bias=False)
+        self.down = nn.Linear(spec.ffn_hidden, spec.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(spec.hidden)
+        self.attn = CausalSelfAttention(spec)
+        self.ln2 = nn.LayerNorm(spec.hidden)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def _seeded_init(module: nn.Module, seed: int, n_layers: int) -> None:
+    """Deterministic init from one generator: N(0, 0.02) weights, residual outputs scaled."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.split(".")[-2].startswith("ln"):
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+                continue
+            std = 0.02
+            if name.endswith(("o.weight", "down.weight")):
+                std = 0.02 / math.sqrt(2 * n_layers)
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+class Embedding(nn.Module):
+    """Token + learned position embedding (first stage only)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(spec.vocab, spec.hidden)
+        self.wpe = nn.Embedding(spec.seq_len, spec.hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.wte(tokens) + self.wpe(pos)
+
+
+class Head(nn.Module):
+    """Final LayerNorm + untied output projection (last stage only)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(spec.hidden)
+        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class StageModel(nn.Module):
+    """Layers ``[layer_start, layer_end)`` of the GPT, plus embedding/head when asked."""
+
+    def __init__(self, spec: ModelSpec, layer_start: int, layer_end: int, *,
+                 has_embedding: bool, has_head: bool, seed: int) -> None:
+        super().__init__()
+        if not 0 <= layer_start < layer_end <= spec.layers:
+            raise ValueError(f"stage layers [{layer_start}, {layer_end}) must lie within "
+                             f"[0, {spec.layers}) and be non-empty")
+        self.spec, self.layer_start, self.layer_end = spec, layer_start, layer_end
+        self.embed = Embedding(spec) if has_embedding else None
+        if self.embed is not None:
+            _seeded_init(self.embed, seed * 1000 + EMBED_SEED_OFFSET, spec.layers)
+        self.layers = nn.ModuleDict()
+        for i in range(layer_start, layer_end):
+            blk = Block(spec)
+            _seeded_init(blk, seed * 1000 + i, spec.layers)
+            self.layers[str(i)] = blk
+        self.head = Head(spec) if has_head else None
+        if self.head is not None:
+            _seeded_init(self.head, seed * 1000 + HEAD_SEED_OFFSET, spec.layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or hidden states in; hidden states or logits out."""
+        if self.embed is not None:
+            x = self.embed(x)
+        for blk in self.layers.values():
+            x = blk(x)
+        return self.head(x) if self.head is not None else x
+
+
+def whole_model(spec: ModelSpec, seed: int) -> StageModel:
+    """The full GPT in one module (the single-process reference)."""
+    return StageModel(spec, 0, spec.layers, has_embedding=True, has_head=True, seed=seed)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

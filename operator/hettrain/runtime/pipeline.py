@@ -1,0 +1,124 @@
+"""Pipeline schedules for one stage of one replica: 1F1B (warm-up / steady / cool-down) and
+GPipe (all forwards, then all backwards).
+
+Activations go forward and gradients backward with non-blocking sends (``dist.isend``) and
+blocking receives, which is deadlock-free for both schedules: a receive only waits for work its
+peer has already been scheduled to do. Traffic is accounted in the communicator's ``stats``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hettrain.planning.plan import Plan
+from hettrain.runtime.collectives import Tier, peer_rank
+from hettrain.runtime.model import lm_loss
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def warmup_count(schedule: str, stage: int, pp: int, num_microbatches: int) -> int:
+    """Forwards a stage runs before its first backward."""
+    if schedule == "gpipe":
+        return num_microbatches
+    if schedule == "1f1b":
+        return min(pp - stage - 1, num_microbatches)
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+
+def schedule_order(schedule: str, stage: int, pp: int, m: int) -> list[tuple[str, int]]:
+    """The ordered list of ``("F"|"B", microbatch)`` a stage executes in one step."""
+    warm = warmup_count(schedule, stage, pp, m)
+    order = [("F", i) for i in range(warm)]
+    for i in range(m - warm):
+        order += [("F", warm + i), ("B", i)]
+    return order + [("B", i) for i in range(m - warm, m)]
+
+
+class StageRunner:
+    """Runs one stage's share of a step; the last stage returns the summed microbatch loss."""
+
+    def __init__(self, plan: Plan, rank: int, model: torch.nn.Module, stats=None,
+                 schedule: str | None = None) -> None:
+        self.plan, self.rank, self.model = plan, rank, model
+        self.me = plan.ranks[rank]
+        self.stage, self.pp = self.me.stage, plan.pp
+        self.first, self.last = self.stage == 0, self.stage == plan.pp - 1
+        self.stats = stats
+        sched = schedule or plan.schedule
+        self.schedule = sched if sched in SCHEDULES else "1f1b"
+        self.next_peer = None if self.last else peer_rank(plan, rank, self.stage + 1)
+        self.prev_peer = None if self.first else peer_rank(plan, rank, self.stage - 1)
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def _tier(self, peer: int) -> Tier:
+        other = self.plan.ranks[peer]
+        if other.datacenter != self.me.datacenter:
+            return Tier.CROSS_DC
+        return Tier.INTER_POOL if other.pool != self.me.pool else Tier.INTRA_POOL
+
+    def _send(self, t: torch.Tensor, peer: int) -> None:
+        buf = t.detach().contiguous()
+        t0 = time.perf_counter()
+        self._pending.append((dist.isend(buf, dst=peer), buf))
+        if self.stats is not None:
+            self.stats.add(self._tier(peer), buf.numel() * buf.element_size(),
+                           time.perf_counter() - t0)
+
+    def _recv(self, shape: Sequence[int], peer: int) -> torch.Tensor:
+        buf = torch.empty(tuple(shape), dtype=torch.float32)
+        t0 = time.perf_counter()
+        dist.recv(buf, src=peer)
+        if self.stats is not None:
+            self.stats.add(self._tier(peer), 0, time.perf_counter() - t0)
+        return buf
+
+    def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+            loss_scale: float) -> float:
+        """Forward+backward every microbatch; gradients accumulate in the model's ``.grad``.
+
+        Each microbatch loss is multiplied by ``loss_scale`` before backward (1/M for a mean
+        over microbatches). Returns the sum of unscaled microbatch losses (last stage; else 0).
+        """
+        m = len(batches)
+        spec = self.plan.model
+        act_shape = (batches[0][0].shape[0], batches[0][0].shape[1], spec.hidden)
+        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        total = 0.0
+
+        def forward(i: int) -> None:
+            nonlocal total
+            if self.first:
+                x_in = None
+                out = self.model(batches[i][0])
+            else:
+                x_in = self._recv(act_shape, self.prev_peer).requires_grad_()
+                out = self.model(x_in)
+            if self.last:
+                loss = lm_loss(out, batches[i][1])
+                total += loss.item()
+                out = loss * loss_scale
+            else:
+                self._send(out, self.next_peer)
+            saved[i] = (x_in, out)
+
+        def backward(i: int) -> None:
+            x_in, out = saved.pop(i)
+            if self.last:
+                out.backward()
+            else:
+                out.backward(self._recv(out.shape, self.next_peer))
+            if x_in is not None:
+                self._send(x_in.grad, self.prev_peer)
+
+        ops: dict[str, Callable[[int], None]] = {"F": forward, "B": backward}
+        for kind, i in schedule_order(self.schedule, self.stage, self.pp, m):
+            ops[kind](i)
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        return total
