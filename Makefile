@@ -46,6 +46,7 @@ demo: plan-examples  ## the main job on the embedded local default
 
 bench: $(STAMP)  ## run the benchmarks (ratios, medians of repeats)
 	$(PY) bench/plan_scale.py
+	$(PY) bench/collectives.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
