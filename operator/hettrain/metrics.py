@@ -1,0 +1,59 @@
+"""Operator Prometheus metrics (names per docs/contracts.md §5), served on :8080/metrics."""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from hettrain.api.constants import PHASES
+
+JOBS = Gauge("hettrain_jobs", "HetTrainingJobs by phase", ["phase"])
+PLAN_DURATION = Histogram("hettrain_plan_duration_seconds", "Time to compute one plan",
+                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+REPAIRS = Counter("hettrain_repairs_total", "Repairs after failures",
+                  ["namespace", "job", "cause"])
+TOKENS = Gauge("hettrain_job_predicted_tokens_per_second", "Predicted tokens/s",
+               ["namespace", "job"])
+MFU = Gauge("hettrain_job_predicted_mfu", "Predicted MFU", ["namespace", "job"])
+WORLD = Gauge("hettrain_job_world_size", "Ranks (GPUs) of the current plan", ["namespace", "job"])
+PHASE = Gauge("hettrain_job_phase", "1 for the job's current phase", ["namespace", "job", "phase"])
+PLAN_FAILURES = Counter("hettrain_plan_failures_total", "Plans that failed",
+                        ["namespace", "job", "reason"])
+RECONCILE_ERRORS = Counter("hettrain_reconcile_errors_total", "Errors in handlers", ["handler"])
+
+_phases: dict[tuple[str, str], str] = {}
+
+
+def serve(port: int = 8080) -> None:
+    """Start the /metrics HTTP server."""
+    start_http_server(port)
+
+
+def set_phase(namespace: str, job: str, phase: str | None) -> None:
+    """Record a job's phase (None: the job is gone) and refresh hettrain_jobs{phase}."""
+    key = (namespace, job)
+    if phase is None:
+        _phases.pop(key, None)
+        for p in PHASES:
+            with contextlib.suppress(KeyError):
+                PHASE.remove(namespace, job, p)
+        for g in (TOKENS, MFU, WORLD):
+            with contextlib.suppress(KeyError):
+                g.remove(namespace, job)
+    else:
+        _phases[key] = phase
+        for p in PHASES:
+            PHASE.labels(namespace, job, p).set(1.0 if p == phase else 0.0)
+    for p in PHASES:
+        JOBS.labels(p).set(sum(1 for v in _phases.values() if v == p))
+
+
+def set_plan(namespace: str, job: str, world: int, tokens: float, mfu: float,
+             seconds: float | None) -> None:
+    """Record the current plan's predictions."""
+    WORLD.labels(namespace, job).set(world)
+    TOKENS.labels(namespace, job).set(tokens)
+    MFU.labels(namespace, job).set(mfu)
+    if seconds is not None:
+        PLAN_DURATION.observe(seconds)
