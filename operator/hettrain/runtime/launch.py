@@ -27,7 +27,11 @@ def free_port() -> int:
 
 def launch_local(plan: Plan, workdir: Path,
                  env_extra: Mapping[str, str] | None = None) -> list[subprocess.Popen]:
-    """One process per rank; ``workdir/plan.json`` is the plan, ``workdir/rank-R.log`` logs."""
+    """One process per rank; ``workdir/plan.json`` is the plan, ``workdir/rank-R.log`` logs.
+
+    A non-zero ``HETTRAIN_METRICS_PORT`` in ``env_extra`` is a base: rank ``r`` serves on
+    ``base + r``.
+    """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     plan_path = workdir / "plan.json"
@@ -42,6 +46,9 @@ def launch_local(plan: Plan, workdir: Path,
                     C.ENV_NODE_RANK_START: str(r), C.ENV_LOCAL_WORLD_SIZE: "1",
                     C.ENV_RANK: str(r), "OMP_NUM_THREADS": "1"})
         env.update(env_extra or {})
+        base = int(env.get("HETTRAIN_METRICS_PORT", "0") or 0)
+        if base:  # one port per rank: the pod-local offset would be 0 for every process here
+            env["HETTRAIN_METRICS_PORT"] = str(base + r)
         log = open(workdir / f"rank-{r}.log", "w")  # noqa: SIM115 - owned by the child
         procs.append(subprocess.Popen([sys.executable, "-m", "hettrain.runtime"], env=env,
                                       stdout=log, stderr=subprocess.STDOUT))
