@@ -13,7 +13,7 @@ from hettrain.runtime.metrics import DEFAULT_PORT
 
 ENV_CHECKPOINT_INTERVAL = "HETTRAIN_CHECKPOINT_INTERVAL"
 ENV_METRICS_PORT = "HETTRAIN_METRICS_PORT"
-ENV_LOSS_LOG = "HETTRAIN_LOSS_LOG"  # optional JSON-lines file: one {"step", "loss"} per step
+ENV_LOSS_LOG = "HETTRAIN_LOSS_LOG"  # optional JSON lines {"step", "loss", "seconds"} (rank 0)
 ENV_STEP_SLEEP = "HETTRAIN_STEP_SLEEP"  # optional seconds to sleep per step (tests, demos)
 
 

@@ -121,12 +121,14 @@ class Trainer:
             dist.broadcast(loss, src=self.loss_src)
             losses.append(loss.item())
             done = step + 1
-            self.metrics.observe_step(done, loss.item(), time.perf_counter() - t0,
+            seconds = time.perf_counter() - t0
+            self.metrics.observe_step(done, loss.item(), seconds,
                                       plan.global_batch * plan.model.seq_len, flops, peak)
             self.metrics.observe_comm(self.comm.stats)
             if self.rank == 0 and self.cfg.loss_log:
                 with open(self.cfg.loss_log, "a") as f:
-                    f.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
+                    rec = {"step": step, "loss": loss.item(), "seconds": seconds}
+                    f.write(json.dumps(rec) + "\n")
             if self.root is not None and (done % self.cfg.checkpoint_interval == 0
                                           or done == t.steps):
                 ckpt.save(self.root, done, self.model, self.opt)

@@ -40,12 +40,11 @@ def test_two_pool_pipeline_matches_reference_and_serves_metrics(tmp_path):
     base = free_port()
     procs = launch_local(plan, tmp_path, {
         "HETTRAIN_LOSS_LOG": str(tmp_path / "loss.jsonl"), "HETTRAIN_METRICS_PORT": str(base),
-        "HETTRAIN_STEP_SLEEP": "0.2"})
+        "HETTRAIN_STEP_SLEEP": "0.1"})
     text, deadline = "", time.monotonic() + 90
     while time.monotonic() < deadline and all(p.poll() is None for p in procs):
         text = _scrape(base + 3)  # rank 3: last stage, pool-b, dp 1
-        if 'hettrain_runtime_step{' in text and "hettrain_runtime_step{" in text and \
-                _value(text, "hettrain_runtime_step") >= 2:
+        if _value(text, "hettrain_runtime_step") >= 2:
             break
         time.sleep(0.2)
     codes = wait_all(procs, 120)
@@ -75,22 +74,22 @@ def _value(text, name, extra=""):
 
 
 def test_sigkill_then_resume_on_a_smaller_different_layout(tmp_path):
-    steps = 12
+    steps = 9
     first = tiny_plan([(0, 3, "pool-a"), (3, 4, "pool-b")], dp=2, steps=steps)
     ck = tmp_path / "ckpt"
     env = {"HETTRAIN_CHECKPOINT_URI": f"file://{ck}", "HETTRAIN_CHECKPOINT_INTERVAL": "3",
-           "HETTRAIN_METRICS_PORT": "0", "HETTRAIN_STEP_SLEEP": "0.4",
+           "HETTRAIN_METRICS_PORT": "0", "HETTRAIN_STEP_SLEEP": "0.3",
            "HETTRAIN_LOSS_LOG": str(tmp_path / "before.jsonl")}
     procs = launch_local(first, tmp_path / "run1", env)
     deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and not (ck / "step-6").exists():
+    while time.monotonic() < deadline and not (ck / "step-3").exists():
         assert all(p.poll() is None for p in procs), _logs(tmp_path / "run1")
         time.sleep(0.1)
     kill_rank(procs, 1)  # real SIGKILL of a stage-0 replica mid-run
     codes = wait_all(procs, 5)  # the gang is torn down, as the operator would
     assert codes[1] == -9
     done = int((ck / "latest").read_text().removeprefix("step-"))
-    assert 6 <= done < steps
+    assert 3 <= done < steps
     # re-plan on survivors: 2 ranks, 1 replica, layers re-split 1+3, twice the microbatches,
     # the GPipe schedule -- the same global batch of 16 sequences
     second = tiny_plan([(0, 1, "pool-a"), (1, 4, "pool-b")], dp=1, steps=steps,

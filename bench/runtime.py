@@ -1,0 +1,94 @@
+"""Runtime overhead: tokens/s of ``python -m hettrain.runtime`` vs a plain single-process torch
+loop of the same model, optimizer and global batch (the baseline), measured side by side.
+
+Layouts: 1 rank (pp=1, dp=1) and 2 pools x 2 stages (pp=2, dp=2, uneven 3+1 layer split).
+Each runtime step time is the median over steps after warm-up; each configuration is repeated
+and the median of the repeats reported. On 2 CPU cores the 4-rank layout oversubscribes the
+machine, so its ratio measures pipeline + all-reduce overhead plus contention, not scaling.
+
+    .venv/bin/python bench/runtime.py [--repeats 3] [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "operator"), str(ROOT)]
+
+import torch  # noqa: E402
+from tests.runtime.training.plans import TINY, tiny_plan  # noqa: E402
+
+from hettrain.runtime.data import microbatches  # noqa: E402
+from hettrain.runtime.launch import launch_local, wait_all  # noqa: E402
+from hettrain.runtime.model import lm_loss, whole_model  # noqa: E402
+from hettrain.runtime.trainer import make_optimizer  # noqa: E402
+
+WARMUP = 3
+
+
+def plain_loop(plan, steps: int) -> float:
+    """Median step seconds of a bare torch loop over the same global batches."""
+    torch.set_num_threads(1)
+    t = plan.training
+    model = whole_model(plan.model, t.seed)
+    opt = make_optimizer(model, t.learning_rate)
+    times = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        for x, y in microbatches(t.seed, step, dp=1, dp_index=0,
+                                 micro_batch=plan.global_batch, num_microbatches=1,
+                                 seq_len=plan.model.seq_len, vocab=plan.model.vocab):
+            lm_loss(model(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[WARMUP:])
+
+
+def runtime(plan, steps: int) -> float:
+    """Median step seconds of the real runtime (rank 0's timings)."""
+    with tempfile.TemporaryDirectory() as d:
+        log = Path(d) / "loss.jsonl"
+        codes = wait_all(launch_local(plan, Path(d), {"HETTRAIN_LOSS_LOG": str(log),
+                                                      "HETTRAIN_METRICS_PORT": "0"}), 600)
+        if any(codes):
+            raise SystemExit(f"runtime failed: exit codes {codes}")
+        secs = [json.loads(line)["seconds"] for line in log.read_text().splitlines()]
+    return statistics.median(secs[WARMUP:])
+
+
+def main() -> None:
+    """Print the table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12)
+    a = ap.parse_args()
+    model = TINY
+    layouts = {
+        "1 rank (pp1 dp1)": tiny_plan([(0, 4, "pool-a")], dp=1, steps=a.steps,
+                                      num_microbatches=8, model=model),
+        "2 pools x 2 stages (pp2 dp2, 3+1)": tiny_plan(
+            [(0, 3, "pool-a"), (3, 4, "pool-b")], dp=2, steps=a.steps, model=model),
+    }
+    tokens = next(iter(layouts.values())).global_batch * model.seq_len
+    print(f"model {model.layers}L h{model.hidden} seq{model.seq_len}; global batch "
+          f"{tokens // model.seq_len} seqs = {tokens} tokens/step; median of {a.repeats}")
+    print(f"{'layout':36} {'plain tok/s':>12} {'runtime tok/s':>14} {'ratio':>7}")
+    for name, plan in layouts.items():
+        base, rt = [], []
+        for _ in range(a.repeats):  # interleaved so drift hits both alike
+            base.append(plain_loop(plan, a.steps))
+            rt.append(runtime(plan, a.steps))
+        b, r = tokens / statistics.median(base), tokens / statistics.median(rt)
+        print(f"{name:36} {b:12.0f} {r:14.0f} {r / b:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
