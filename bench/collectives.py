@@ -252,7 +252,7 @@ def main() -> None:
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-allreduce", action="store_true")
     ap.add_argument("--variants", default="dp,compress:bf16,compress:int8,diloco:10,diloco:50,"
-                    "diloco:25+int8,diloco:50+int8",
+                    "diloco:25+int8,diloco:30+int8,diloco:50+int8",
                     help="training variants: dp | compress:CODEC | diloco:H[+CODEC]")
     args = ap.parse_args()
     world = 4
