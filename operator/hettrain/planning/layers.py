@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,7 +40,8 @@ class StageCost:
         return self.c * n + self.e
 
 
-def step_time(stages: Sequence[StageCost], split: Sequence[int], m: int, boundary: float) -> float:
+def step_time(stages: Sequence[StageCost], split: Sequence[int], m: float,
+              boundary: float) -> float:
     """The objective ``T`` for one split."""
     times = [s.time(n) for s, n in zip(stages, split, strict=True)]
     dps = [s.dp(n) for s, n in zip(stages, split, strict=True)]
@@ -67,9 +69,33 @@ def _cap(slope: float, fixed: float, limit: float, hard: int) -> int:
     return min(hard, int((limit - fixed) / slope + 1e-9))
 
 
-def split_layers(stages: Sequence[StageCost], total: int, m: int, boundary: float = 0.0,
-                 lo: int = 1) -> tuple[float, list[int]] | None:
-    """Optimal split of ``total`` layers; None when memory cannot hold them."""
+def lower_bound(stages: Sequence[StageCost], total: int, m: float, boundary: float = 0.0,
+                lo: int = 1) -> float:
+    """A valid lower bound on the optimal ``T`` (inf when memory cannot hold the layers).
+
+    The bottleneck ``X`` satisfies ``Σ (X − b_i)/a_i ≥ total``; ``Σ t`` is at least its
+    minimum under the memory caps; ``max d`` is at least every stage's ``d(lo)``.
+    """
+    k = len(stages)
+    hard = [min(s.max_layers, total - lo * (k - 1)) for s in stages]
+    if any(h < lo for h in hard) or sum(hard) < total:
+        return math.inf
+    order = sorted(range(k), key=lambda i: (stages[i].a, i))
+    base = _greedy(stages, hard, total, lo, order)
+    assert base is not None
+    sigma_min = sum(s.time(n) for s, n in zip(stages, base, strict=True))
+    if all(s.a > 0 for s in stages):
+        x_lb = (total + sum(s.b / s.a for s in stages)) / sum(1 / s.a for s in stages)
+    else:
+        x_lb = 0.0
+    x_lb = max(x_lb, max(s.time(lo) for s in stages))
+    return (m - 1) * max(x_lb, boundary) + sigma_min + max(s.dp(lo) for s in stages)
+
+
+def split_layers(stages: Sequence[StageCost], total: int, m: float, boundary: float = 0.0,
+                 lo: int = 1, bound: float = math.inf) -> tuple[float, list[int]] | None:
+    """Optimal split of ``total`` layers; None when memory cannot hold them, or when no split
+    beats ``bound`` (an incumbent from elsewhere in a search)."""
     k = len(stages)
     hard = [min(s.max_layers, total - lo * (k - 1)) for s in stages]
     if any(h < lo for h in hard) or sum(hard) < total:
@@ -82,6 +108,7 @@ def split_layers(stages: Sequence[StageCost], total: int, m: int, boundary: floa
     c_values = sorted({stages[i].time(n) for i in range(k) for n in range(lo, hard[i] + 1)})
     d_values = sorted({stages[i].dp(n) for i in range(k) for n in range(lo, hard[i] + 1)})
     best: tuple[float, list[int]] | None = None
+    incumbent = bound
 
     def caps_for(cap_c: float) -> list[int]:
         return [_cap(s.a, s.b, cap_c, h) for s, h in zip(stages, hard, strict=True)]
@@ -94,7 +121,7 @@ def split_layers(stages: Sequence[StageCost], total: int, m: int, boundary: floa
                                key=lambda j: feasible(caps_for(c_values[j])))
     for cap_c in c_values[first:]:
         lower = (m - 1) * max(cap_c, boundary) + sigma_min + d_min
-        if best is not None and lower >= best[0] - 1e-15:
+        if lower >= incumbent - 1e-15:
             break
         caps_c = caps_for(cap_c)
         if not feasible(caps_c):
@@ -107,20 +134,18 @@ def split_layers(stages: Sequence[StageCost], total: int, m: int, boundary: floa
         first_d = bisect.bisect_left(range(len(d_values)), True,
                                      key=lambda j: feasible(caps_cd(d_values[j])))
         for cap_d in d_values[first_d:]:
-            if best is not None and (m - 1) * max(cap_c, boundary) + sigma_min + cap_d >= (
-                best[0] - 1e-15
-            ):
+            if (m - 1) * max(cap_c, boundary) + sigma_min + cap_d >= incumbent - 1e-15:
                 break
             split = _greedy(stages, caps_cd(cap_d), total, lo, order)
             if split is None:
                 continue
             t = step_time(stages, split, m, boundary)
-            if best is None or t < best[0] - 1e-15:
-                best = (t, split)
+            if t < incumbent - 1e-15:
+                best, incumbent = (t, split), t
     return best
 
 
-def split_layers_brute_force(stages: Sequence[StageCost], total: int, m: int,
+def split_layers_brute_force(stages: Sequence[StageCost], total: int, m: float,
                              boundary: float = 0.0, lo: int = 1) -> tuple[float, list[int]] | None:
     """Every composition of ``total`` into ``len(stages)`` parts ≥ ``lo``: the reference."""
     k = len(stages)

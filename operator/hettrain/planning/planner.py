@@ -1,0 +1,464 @@
+"""The heterogeneous planner: DP×PP×TP, stage order over pools, non-uniform layers, microbatches.
+
+Search space (docs/planning.md): data-parallel degree ``dp`` (a divisor of the global batch), per
+unit a tensor-parallel degree (a power of two within a node) and a number of stages ``k_u``, an
+order of the used units along the pipeline, microbatch size, and schedule. Each candidate's layer
+split is solved exactly (:mod:`hettrain.planning.layers`).
+
+Fast mode is branch and bound: candidates ``(dp, tp, k)`` are visited in ascending order of a
+valid lower bound (all work spread perfectly over the replica's effective FLOP/s), and a
+candidate whose bound is not below the best step time so far is skipped with everything under it.
+Large pools are searched only near full use (``k_u`` within ``K_FULL_WINDOW`` of its maximum, or
+0), and with more than ``MAX_PERMUTED_UNITS`` units the stage order is fixed (datacenter by
+datacenter, fastest devices first). ``exhaustive=True`` drops all of that and brute-forces the
+layer splits too: the reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from hettrain.api.spec import JobSpec
+from hettrain.planning import cost
+from hettrain.planning.errors import PlanningError, no_plan
+from hettrain.planning.inventory import ClusterInventory
+from hettrain.planning.layers import (
+    StageCost,
+    lower_bound,
+    split_layers,
+    split_layers_brute_force,
+)
+from hettrain.planning.placement import moved_ranks, place_ranks
+from hettrain.planning.plan import Plan, Prediction, StagePlan
+from hettrain.planning.units import Unit, build_units, filter_pools, spans_datacenters
+
+K_FULL_WINDOW = 3
+MAX_PERMUTED_UNITS = 5
+MAX_MICRO_BATCH = 16
+INTERLEAVE_CHUNKS = 2
+REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the best
+SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One fully evaluated layout."""
+
+    step_time_s: float
+    dp: int
+    micro_batch: int
+    schedule: str
+    units: tuple[Unit, ...]  # per stage
+    tps: tuple[int, ...]  # per stage
+    split: tuple[int, ...]
+    stage_s: tuple[float, ...]
+    stage_dp_s: tuple[float, ...]
+    boundary_s: tuple[float, ...]
+    bubble_s: float
+    memory: tuple[float, ...]
+    grouping: str  # "split" or "merged"
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages."""
+        return len(self.units)
+
+    def sort_key(self) -> tuple:
+        """Deterministic preference: faster, then fewer stages, then names."""
+        return (round(self.step_time_s, 12), self.pp, self.dp, self.micro_batch, self.schedule,
+                tuple(u.key for u in self.units), self.tps, self.split)
+
+
+class _Search:
+    """State of one planning run (best so far, the reasons things did not fit)."""
+
+    def __init__(self, spec: JobSpec, exhaustive: bool) -> None:
+        self.spec = spec
+        self.exhaustive = exhaustive
+        self.best: Candidate | None = None
+        self.near: list[Candidate] = []  # within REPLAN_TOLERANCE of the best (for re-plans)
+        self.memory_shortfall: tuple[float, str] | None = None  # (GiB needed, device)
+        self.evaluated = 0
+
+    def offer(self, cand: Candidate) -> None:
+        if self.best is None or cand.sort_key() < self.best.sort_key():
+            self.best = cand
+        self.near.append(cand)
+        limit = self.best.step_time_s * REPLAN_TOLERANCE
+        if len(self.near) > 64:
+            self.near = [c for c in self.near if c.step_time_s <= limit]
+
+    def bound(self) -> float:
+        return math.inf if self.best is None else self.best.step_time_s
+
+
+# ---------------------------------------------------------------- stage costs
+
+
+def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
+                      spec: JobSpec) -> tuple[float, float, float]:
+    """(latency seconds, seconds per byte, cross-DC bytes per byte) of a stage's grad sync."""
+    if dp <= 1:
+        return 0.0, 0.0, 0.0
+    same_node = dp * tp <= unit.gpus_per_node
+    bw = unit.device.intra_node_gbps if same_node else unit.nic_gbytes_per_gpu
+    dcs = unit.datacenters
+    # distributed optimizer: reduce-scatter fp32 grads + all-gather bf16 params = 3/4 all-reduce
+    factor = 0.75 if spec.training.optimizer_sharding else 1.0
+    if len(dcs) == 1:
+        lat = 2 * (dp - 1) * cost.COLLECTIVE_LATENCY_S
+        return lat, factor * 2 * (dp - 1) / dp / (bw * 1e9), 0.0
+    # hierarchical: intra-DC reduce-scatter, inter-DC all-reduce of shards, intra-DC all-gather
+    k = len(dcs)
+    local = max(1, dp // k)
+    intra = 2 * (local - 1) / local / (bw * 1e9) if local > 1 else 0.0
+    link = min((inv.link(a, b) for a, b in itertools.combinations(dcs, 2)),
+               key=lambda lk: lk.gbytes)
+    cross = 2 * (k - 1) / k  # bytes crossing per byte of one DC's gradient
+    mode = spec.cross_dc
+    shrink = {"sync": 1.0, "compress": 0.5 if mode.compression == "bf16" else 0.25,
+              "diloco": 1.0 / max(1, mode.outer_steps)}[mode.mode]
+    # every TP rank's shard owners share the link: tp·(1/tp of the grads) = the whole stage
+    per_byte_inter = cross * shrink * tp / (link.gbytes * 1e9)
+    lat = 2 * (local - 1) * cost.COLLECTIVE_LATENCY_S + 2 * (k - 1) * link.latency_ms / 1e3
+    return lat, factor * (intra + per_byte_inter), cross * shrink * tp
+
+
+def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_batch: int,
+                inv: ClusterInventory, spec: JobSpec) -> float:
+    """Forward + backward transfer time of one microbatch across a stage boundary."""
+    eb = cost.precision_bytes(spec.training)
+    tp = max(1, min(tp_src, tp_dst))
+    nbytes = cost.activation_bytes(spec.model, micro_batch, eb) / tp
+    nic = min(src.nic_gbytes_per_gpu, dst.nic_gbytes_per_gpu)
+    lat = cost.COLLECTIVE_LATENCY_S
+    shared_dcs = set(src.datacenters) & set(dst.datacenters)
+    if not shared_dcs:
+        link = inv.link(src.datacenters[0], dst.datacenters[0])
+        nic = min(nic, link.gbytes / (dp * tp))
+        lat = link.latency_ms / 1e3
+    if src.device.vendor != dst.device.vendor:
+        bw = cost.host_staged_gbytes(src.device, dst.device, nic)
+        lat += cost.HOST_STAGING_LATENCY_S
+    else:
+        bw = nic
+    return 2 * cost.transfer_s(nbytes, bw, lat)
+
+
+def _in_flight(stage: int, pp: int, m: int, schedule: str) -> float:
+    base = float(min(pp - stage, m))
+    if schedule == "interleaved":
+        base *= 1 + (pp - 1) / (pp * INTERLEAVE_CHUNKS)
+    return base
+
+
+def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
+                 schedule: str, inv: ClusterInventory, spec: JobSpec
+                 ) -> tuple[list[StageCost], list[tuple[cost.StageMemory, float]]]:
+    model, training = spec.model, spec.training
+    tokens = mb * model.seq_len
+    eb = cost.precision_bytes(training)
+    pp = len(units)
+    layer_fl = cost.layer_flops(model, tokens, training.recompute)
+    head_fl = 3 * cost.head_forward_flops(model, tokens)
+    grad_layer = cost.layer_params(model) * 4.0
+    grad_embed = cost.embedding_params(model) * 4.0
+    out, mems = [], []
+    for i, (u, tp) in enumerate(zip(units, tps, strict=True)):
+        first, last = i == 0, i == pp - 1
+        f = u.device.effective_flops * tp
+        a = layer_fl / f + cost.tp_comm_per_layer_s(model, mb, tp, u.device, eb)
+        b = head_fl / f if last else 0.0
+        lat, per_byte, _ = _dp_time_per_byte(u, dp, tp, inv, spec)
+        fixed_grad = grad_embed * (int(first) + int(last)) / tp
+        c = grad_layer / tp * per_byte
+        e = (lat + fixed_grad * per_byte) if dp > 1 else 0.0
+        mem = cost.stage_memory(model, training, tp=tp, dp=dp, micro_batch=mb,
+                                in_flight=_in_flight(i, pp, m, schedule), first=first, last=last)
+        usable = u.device.hbm_bytes * cost.MEMORY_HEADROOM
+        max_layers = int((usable - mem.fixed) // mem.per_layer) if usable > mem.fixed else 0
+        out.append(StageCost(a, b, c, e, max_layers))
+        mems.append((mem, usable))
+    return out, mems
+
+
+# ---------------------------------------------------------------- enumeration
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_options(unit: Unit, spec: JobSpec) -> list[int]:
+    pinned = spec.parallelism.tp
+    opts = []
+    tp = 1
+    while tp <= unit.gpus_per_node:
+        ok = (unit.gpus_per_node % tp == 0 and spec.model.heads % tp == 0
+              and (spec.model.kv_heads % tp == 0 or tp % spec.model.kv_heads == 0))
+        if ok and (pinned is None or tp == pinned):
+            opts.append(tp)
+        tp *= 2
+    return opts
+
+
+def _k_options(max_k: int, exhaustive: bool) -> list[int]:
+    if exhaustive or max_k <= K_FULL_WINDOW + 1:
+        return list(range(max_k + 1))
+    return [0, *range(max_k - K_FULL_WINDOW, max_k + 1)]
+
+
+def _orders(units: Sequence[Unit], counts: Sequence[int], exhaustive: bool
+            ) -> Iterator[tuple[int, ...]]:
+    used = [i for i, k in enumerate(counts) if k]
+    if exhaustive or len(used) <= MAX_PERMUTED_UNITS:
+        yield from itertools.permutations(used)
+        return
+    yield tuple(sorted(used, key=lambda i: (units[i].datacenters, -units[i].device.flops,
+                                            units[i].key)))
+
+
+def _candidates_outer(units: Sequence[Unit], spec: JobSpec, dp_values: Sequence[int],
+                      exhaustive: bool) -> list[tuple[float, int, tuple[int, ...], tuple[int, ...]]]:
+    """(lower bound, dp, tp per unit, stages per unit), sorted by bound."""
+    model, gb = spec.model, spec.training.global_batch
+    work = cost.model_flops_per_step(model, gb)
+    pinned_pp = spec.parallelism.pp
+    out = []
+    tp_opts = [_tp_options(u, spec) or [0] for u in units]
+    for dp in dp_values:
+        for tps in itertools.product(*tp_opts):
+            if 0 in tps:
+                continue
+            maxk = [min(u.tp_groups(tp) // dp, model.layers) for u, tp in zip(units, tps,
+                                                                                strict=True)]
+            for ks in itertools.product(*(_k_options(k, exhaustive) for k in maxk)):
+                pp = sum(ks)
+                if pp < 1 or pp > model.layers or (pinned_pp is not None and pp != pinned_pp):
+                    continue
+                flops = sum(k * tp * u.device.effective_flops
+                            for k, tp, u in zip(ks, tps, units, strict=True))
+                out.append((work / dp / flops, dp, tps, ks))
+    out.sort()
+    return out
+
+
+def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int,
+              schedule: str, inv: ClusterInventory, grouping: str) -> None:
+    spec = search.spec
+    model = spec.model
+    m = spec.training.global_batch // (dp * mb)
+    pp = len(units)
+    v = INTERLEAVE_CHUNKS if schedule == "interleaved" else 1
+    if schedule == "interleaved" and (pp < 2 or m % pp or model.layers < pp * v):
+        return
+    if schedule == "zb-h1" and pp < 2:
+        return
+    stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec)
+    boundaries = [
+        _boundary_s(units[i], units[i + 1], tps[i], tps[i + 1], dp, mb, inv, spec) * v
+        for i in range(pp - 1)
+    ]
+    f = {"1f1b": 1.0, "interleaved": float(v), "zb-h1": 3.0}[schedule]
+    scaled = [StageCost(s.a, s.b, s.c * f, s.e * f, s.max_layers) for s in stages]
+    p_max, p_sum = max(boundaries, default=0.0), sum(boundaries)
+    search.evaluated += 1
+    if search.exhaustive:
+        result = split_layers_brute_force(scaled, model.layers, f * m, p_max, v)
+    else:
+        # scaled objective: f·T = (f·m − 1)·X + Σt + f·max d, plus the boundaries' Σ
+        incumbent = search.bound() * f - p_sum
+        lb = lower_bound(scaled, model.layers, f * m, p_max, v)
+        if lb >= incumbent and lb < math.inf:
+            return
+        result = split_layers(scaled, model.layers, f * m, p_max, v, bound=incumbent + 1e-12)
+        if result is None and lb < math.inf:
+            return
+    if result is None:
+        per = math.ceil(model.layers / pp)
+        need = min(mem.bytes_for(per) / cost.MEMORY_HEADROOM for mem, _ in mems) / cost.GIB
+        if search.memory_shortfall is None or need < search.memory_shortfall[0]:
+            best_dev = max(units, key=lambda u: u.device.hbm_gib).device
+            search.memory_shortfall = (need, f"{best_dev.hbm_gib:.0f} GiB ({best_dev.name})")
+        return
+    _, split = result
+    stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
+    stage_dp = [s.dp(n) for s, n in zip(stages, split, strict=True)]
+    pipe, bubble = cost.pipeline_time_s(stage_s, [b / v for b in boundaries], m, schedule, v)
+    t = pipe + max(stage_dp)
+    memory = tuple(mem.bytes_for(n) / cost.GIB for (mem, _), n in zip(mems, split, strict=True))
+    search.offer(Candidate(t, dp, mb, schedule, tuple(units), tuple(tps), tuple(split),
+                           tuple(stage_s), tuple(stage_dp), tuple(boundaries), bubble, memory,
+                           grouping))
+
+
+def _search_grouping(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory,
+                     grouping: str) -> None:
+    spec = search.spec
+    gb = spec.training.global_batch
+    dp_values = [d for d in _divisors(gb) if spec.parallelism.dp in (None, d)]
+    mbs_pinned = spec.training.micro_batch
+    schedules = SCHEDULES if spec.parallelism.schedule == "auto" else (spec.parallelism.schedule,)
+    for bound, dp, tps_u, ks in _candidates_outer(units, spec, dp_values, search.exhaustive):
+        if not search.exhaustive and bound >= search.bound():
+            break
+        per_replica = gb // dp
+        mbs = [b for b in _divisors(per_replica) if b <= MAX_MICRO_BATCH]
+        if mbs_pinned is not None:
+            mbs = [mbs_pinned] if per_replica % mbs_pinned == 0 else []
+        for order in _orders(units, ks, search.exhaustive):
+            stage_units = tuple(units[i] for i in order for _ in range(ks[i]))
+            stage_tps = tuple(tps_u[i] for i in order for _ in range(ks[i]))
+            for mb in mbs:
+                for schedule in schedules:
+                    _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping)
+
+
+# ---------------------------------------------------------------- public API
+
+
+def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: ClusterInventory,
+           spec: JobSpec) -> list[str]:
+    notes = [
+        f"searched {search.evaluated} layouts ({'exhaustive' if search.exhaustive else 'fast'})",
+        f"chose dp={best.dp} pp={best.pp} tp={'/'.join(map(str, best.tps))} "
+        f"mb={best.micro_batch} schedule={best.schedule}",
+    ]
+    crossings = [i for i in range(best.pp - 1)
+                 if not set(best.units[i].datacenters) & set(best.units[i + 1].datacenters)]
+    if crossings:
+        notes.append(f"pipeline boundaries after stage(s) {crossings} cross a datacenter link")
+    if alt is not None:
+        better, worse = ("PP", "DP") if best.grouping == "split" else ("DP", "PP")
+        notes.append(
+            f"{better} across datacenters beats {worse} across them: "
+            f"{best.step_time_s:.3f}s vs {alt.step_time_s:.3f}s per step"
+        )
+    used = best.dp * sum(best.tps)
+    total = sum(u.gpus for u in set(best.units))
+    if used < total:
+        notes.append(f"uses {used} of {total} GPUs in the chosen pools")
+    return notes
+
+
+def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustive: bool = False,
+             previous: Plan | None = None) -> Plan:
+    """Best plan for ``spec`` on ``inventory``; raises :class:`PlanningError` when nothing fits.
+
+    With ``previous`` (a re-plan after failures) the global batch is kept (gradient
+    accumulation absorbs a smaller ``dp``) and, among layouts within 2% of the best, the one
+    that moves the fewest surviving ranks to another stage wins.
+    """
+    pools = filter_pools(inventory, spec.placement)
+    if not pools:
+        pl = spec.placement
+        raise no_plan(
+            "no pools match spec.placement "
+            f"(vendors={list(pl.vendors)}, datacenters={list(pl.datacenters)}, "
+            f"pools={list(pl.pools)}); the cluster has "
+            + ", ".join(f"{p.name} ({p.vendor}, {p.datacenter})" for p in inventory.pools)
+        )
+    groupings = [("split", build_units(pools, merged=False))]
+    if spans_datacenters(pools):
+        groupings.append(("merged", build_units(pools, merged=True)))
+    best_by: dict[str, Candidate] = {}
+    searches = []
+    for grouping, units in groupings:
+        search = _Search(spec, exhaustive)
+        _search_grouping(search, units, inventory, grouping)
+        searches.append(search)
+        if search.best is not None:
+            best_by[grouping] = search.best
+    if not best_by:
+        raise _explain_failure(spec, pools, searches)
+    ranked = sorted(best_by.values(), key=Candidate.sort_key)
+    best = ranked[0]
+    alt = ranked[1] if len(ranked) > 1 else None
+    near = [c for s in searches for c in s.near]
+    chosen, ranks = best, place_ranks(best.units, best.tps, best.dp, previous)
+    if previous is not None:
+        limit = best.step_time_s * REPLAN_TOLERANCE
+        options = sorted((c for c in near if c.step_time_s <= limit), key=Candidate.sort_key)
+        scored = []
+        for c in options[:16]:
+            r = place_ranks(c.units, c.tps, c.dp, previous)
+            scored.append((moved_ranks(previous, r), c.sort_key(), c, r))
+        if scored:
+            _, _, chosen, ranks = min(scored, key=lambda x: (x[0], x[1]))
+    notes = _notes(chosen, searches[0], alt, inventory, spec)
+    if previous is not None:
+        notes.append(f"re-plan: {moved_ranks(previous, ranks)} of {len(ranks)} ranks change stage")
+    return _to_plan(name, spec, chosen, ranks, notes, inventory)
+
+
+def _explain_failure(spec: JobSpec, pools: Sequence, searches: Sequence[_Search]) -> PlanningError:
+    gb = spec.training.global_batch
+    shortfall = min((s.memory_shortfall for s in searches if s.memory_shortfall),
+                    default=None)
+    if shortfall is not None:
+        need, have = shortfall
+        return no_plan(
+            f"model does not fit: needs {need:.0f} GiB per device even for the best layout "
+            f"tried, largest device has {have}; add pools, allow more vendors, enable "
+            "spec.training.recompute=full or optimizerSharding"
+        )
+    if spec.training.micro_batch is not None:
+        return no_plan(
+            f"spec.training.microBatch={spec.training.micro_batch} does not divide globalBatch "
+            f"{gb} / dp for any feasible dp; omit microBatch to let the planner choose"
+        )
+    gpus = sum(p.gpus for p in pools)
+    return no_plan(
+        f"no feasible layout on {gpus} GPUs for globalBatch {gb} and {spec.model.layers} layers "
+        f"with the pins in spec.parallelism ({spec.parallelism}); relax the pins"
+    )
+
+
+def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[str],
+             inv: ClusterInventory) -> Plan:
+    model = spec.model
+    gb = spec.training.global_batch
+    m = gb // (c.dp * c.micro_batch)
+    stages = []
+    start = 0
+    for i, (u, tp, n) in enumerate(zip(c.units, c.tps, c.split, strict=True)):
+        pools_used = tuple(sorted({r.pool for r in ranks if r.stage == i}))
+        dcs = tuple(sorted({r.datacenter for r in ranks if r.stage == i}))
+        stages.append(StagePlan(
+            index=i, device=u.device.name, vendor=u.device.vendor, backend=u.device.backend,
+            pools=pools_used, datacenters=dcs, layer_start=start, layer_end=start + n, tp=tp,
+            memory_gib=round(c.memory[i], 3), capacity_gib=round(u.device.hbm_gib, 3),
+            time_ms=round(c.stage_s[i] * 1e3, 6), has_embedding=i == 0,
+            has_head=i == len(c.units) - 1,
+        ))
+        start += n
+    peak = sum(u.device.flops * tp * c.dp for u, tp in zip(c.units, c.tps, strict=True))
+    tokens = gb * model.seq_len
+    cross_bytes = 0.0
+    for i, (u, tp) in enumerate(zip(c.units, c.tps, strict=True)):
+        _, _, cross_per_byte = _dp_time_per_byte(u, c.dp, tp, inv, spec)
+        cross_bytes += cross_per_byte * (cost.layer_params(model) * c.split[i] / tp * 4.0)
+    pred = Prediction(
+        step_time_s=c.step_time_s,
+        tokens_per_s=tokens / c.step_time_s,
+        mfu=cost.model_flops_per_step(model, gb) / (c.step_time_s * peak),
+        compute_s=m * max(c.stage_s),
+        bubble_s=c.bubble_s,
+        tp_comm_s=0.0,
+        pp_comm_s=m * sum(c.boundary_s),
+        dp_comm_s=max(c.stage_dp_s),
+        cross_dc_bytes_per_step=cross_bytes,
+    )
+    cross = {"mode": spec.cross_dc.mode, "compression": spec.cross_dc.compression,
+             "outer_steps": spec.cross_dc.outer_steps, "outer_lr": spec.cross_dc.outer_lr,
+             "outer_momentum": spec.cross_dc.outer_momentum, "grouping": c.grouping}
+    return Plan(
+        job=name, model=model, training=spec.training, dp=c.dp, pp=c.pp,
+        micro_batch=c.micro_batch, num_microbatches=m, schedule=c.schedule,
+        stages=tuple(stages), ranks=ranks, predicted=pred, cross_dc=cross, notes=tuple(notes),
+        virtual_stages=INTERLEAVE_CHUNKS if c.schedule == "interleaved" else 1,
+    )
+
