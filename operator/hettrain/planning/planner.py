@@ -82,6 +82,8 @@ class _Search:
         self.near: list[Candidate] = []  # within REPLAN_TOLERANCE of the best (for re-plans)
         self.memory_shortfall: tuple[float, str] | None = None  # (GiB needed, device)
         self.evaluated = 0
+        self.stage_memo: dict[tuple, tuple[StageCost, tuple[cost.StageMemory, float]]] = {}
+        self.boundary_memo: dict[tuple, float] = {}
 
     def offer(self, cand: Candidate) -> None:
         if self.best is None or cand.sort_key() < self.best.sort_key():
@@ -156,8 +158,28 @@ def _in_flight(stage: int, pp: int, m: int, schedule: str) -> float:
 
 
 def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
-                 schedule: str, inv: ClusterInventory, spec: JobSpec
+                 schedule: str, inv: ClusterInventory, spec: JobSpec, memo: dict | None = None
                  ) -> tuple[list[StageCost], list[tuple[cost.StageMemory, float]]]:
+    """Per-stage cost coefficients and memory; identical stages are memoised in ``memo``."""
+    if memo is not None:
+        pp = len(units)
+        out, mems = [], []
+        for i, (u, tp) in enumerate(zip(units, tps, strict=True)):
+            key = (u.key, tp, dp, mb, _in_flight(i, pp, m, schedule), i == 0, i == pp - 1)
+            hit = memo.get(key)
+            if hit is None:
+                sc, sm = _stage_costs_raw([u], [tp], dp, mb, m, schedule, inv, spec, i, pp)
+                hit = memo[key] = (sc, sm)
+            out.append(hit[0])
+            mems.append(hit[1])
+        return out, mems
+    return _stage_costs_raw(units, tps, dp, mb, m, schedule, inv, spec, None, None)
+
+
+def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
+                     schedule: str, inv: ClusterInventory, spec: JobSpec, only: int | None,
+                     pp_real: int | None):
+    """Costs of all stages, or (``only``) of stage ``only`` of a ``pp_real``-stage pipeline."""
     model, training = spec.model, spec.training
     tokens = mb * model.seq_len
     eb = cost.precision_bytes(training)
@@ -167,7 +189,11 @@ def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m:
     grad_layer = cost.layer_params(model) * 4.0
     grad_embed = cost.embedding_params(model) * 4.0
     out, mems = [], []
-    for i, (u, tp) in enumerate(zip(units, tps, strict=True)):
+    indices = list(enumerate(zip(units, tps, strict=True)))
+    if only is not None:
+        pp = pp_real
+        indices = [(only, (units[0], tps[0]))]
+    for i, (u, tp) in indices:
         first, last = i == 0, i == pp - 1
         f = u.device.effective_flops * tp
         a = layer_fl / f + cost.tp_comm_per_layer_s(model, mb, tp, u.device, eb)
@@ -182,6 +208,8 @@ def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m:
         max_layers = int((usable - mem.fixed) // mem.per_layer) if usable > mem.fixed else 0
         out.append(StageCost(a, b, c, e, max_layers))
         mems.append((mem, usable))
+    if only is not None:
+        return out[0], mems[0]
     return out, mems
 
 
@@ -221,10 +249,18 @@ def _orders(units: Sequence[Unit], counts: Sequence[int], exhaustive: bool
                                             units[i].key)))
 
 
+Outer = tuple[float, int, tuple[int, ...], tuple[int, ...]]
+
+
 def _candidates_outer(units: Sequence[Unit], spec: JobSpec, dp_values: Sequence[int],
-                      exhaustive: bool) -> list[tuple[float, int, tuple[int, ...], tuple[int, ...]]]:
-    """(lower bound, dp, tp per unit, stages per unit), sorted by bound."""
+                      exhaustive: bool, dropped: list[float] | None = None) -> list[Outer]:
+    """(lower bound, dp, tp per unit, stages per unit), sorted by bound.
+
+    Candidates whose replica cannot even hold the layers' weights and optimizer state in its
+    combined usable HBM are dropped (a necessary condition, so nothing feasible is lost).
+    """
     model, gb = spec.model, spec.training.global_batch
+    layer_state = cost.layer_params(model) * model.layers
     work = cost.model_flops_per_step(model, gb)
     pinned_pp = spec.parallelism.pp
     out = []
@@ -238,6 +274,14 @@ def _candidates_outer(units: Sequence[Unit], spec: JobSpec, dp_values: Sequence[
             for ks in itertools.product(*(_k_options(k, exhaustive) for k in maxk)):
                 pp = sum(ks)
                 if pp < 1 or pp > model.layers or (pinned_pp is not None and pp != pinned_pp):
+                    continue
+                hbm = sum(k * tp * u.device.hbm_bytes * cost.MEMORY_HEADROOM
+                          for k, tp, u in zip(ks, tps, units, strict=True))
+                need = layer_state * cost.state_bytes_per_param(spec.training, dp)
+                if hbm < need:
+                    if dropped is not None:
+                        gpus = sum(k * tp for k, tp in zip(ks, tps, strict=True))
+                        dropped.append(need / gpus / cost.MEMORY_HEADROOM / cost.GIB)
                     continue
                 flops = sum(k * tp * u.device.effective_flops
                             for k, tp, u in zip(ks, tps, units, strict=True))
@@ -257,11 +301,15 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
         return
     if schedule == "zb-h1" and pp < 2:
         return
-    stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec)
-    boundaries = [
-        _boundary_s(units[i], units[i + 1], tps[i], tps[i + 1], dp, mb, inv, spec) * v
-        for i in range(pp - 1)
-    ]
+    stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec, search.stage_memo)
+    boundaries = []
+    for i in range(pp - 1):
+        key = (units[i].key, units[i + 1].key, tps[i], tps[i + 1], dp, mb)
+        b = search.boundary_memo.get(key)
+        if b is None:
+            b = search.boundary_memo[key] = _boundary_s(units[i], units[i + 1], tps[i],
+                                                        tps[i + 1], dp, mb, inv, spec)
+        boundaries.append(b * v)
     f = {"1f1b": 1.0, "interleaved": float(v), "zb-h1": 3.0}[schedule]
     scaled = [StageCost(s.a, s.b, s.c * f, s.e * f, s.max_layers) for s in stages]
     p_max, p_sum = max(boundaries, default=0.0), sum(boundaries)
@@ -302,7 +350,12 @@ def _search_grouping(search: _Search, units: tuple[Unit, ...], inv: ClusterInven
     dp_values = [d for d in _divisors(gb) if spec.parallelism.dp in (None, d)]
     mbs_pinned = spec.training.micro_batch
     schedules = SCHEDULES if spec.parallelism.schedule == "auto" else (spec.parallelism.schedule,)
-    for bound, dp, tps_u, ks in _candidates_outer(units, spec, dp_values, search.exhaustive):
+    dropped: list[float] = []
+    outer = _candidates_outer(units, spec, dp_values, search.exhaustive, dropped)
+    if dropped:
+        best_dev = max(units, key=lambda u: u.device.hbm_gib).device
+        search.memory_shortfall = (min(dropped), f"{best_dev.hbm_gib:.0f} GiB ({best_dev.name})")
+    for bound, dp, tps_u, ks in outer:
         if not search.exhaustive and bound >= search.bound():
             break
         per_replica = gb // dp

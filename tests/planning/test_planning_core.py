@@ -1,0 +1,148 @@
+"""Planning core: cost formulas vs hand values, layer split vs brute force, planner invariants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hettrain.api.spec import parse_job_spec
+from hettrain.planning import cost
+from hettrain.planning.errors import PlanningError
+from hettrain.planning.inventory import load_cluster
+from hettrain.planning.layers import StageCost, split_layers, split_layers_brute_force
+from hettrain.planning.planner import plan_job
+
+
+def _cluster(pools: list[dict], links: list[dict] | None = None) -> dict:
+    dcs = sorted({p["datacenter"] for p in pools})
+    return {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
+            "metadata": {"name": "t"}, "datacenters": [{"name": d} for d in dcs],
+            "links": links or [], "pools": pools}
+
+
+def _spec(preset: str = "gpt3-1.3b", gb: int = 16, **training) -> object:
+    return parse_job_spec({"model": {"preset": preset},
+                           "training": {"globalBatch": gb, "steps": 10, **training}})
+
+
+def test_layer_flops_match_6n_tokens_within_a_few_percent() -> None:
+    model = _spec("llama3-8b").model
+    tokens = 8192
+    layer_params = cost.layer_matmul_params(model)
+    six_n = 6.0 * layer_params * tokens
+    ratio = cost.layer_flops(model, tokens, "none") / six_n
+    # attention adds 6·s·h·tokens-ish on top of 6N: s/(6h)·(h²·24)/(params) ≈ small
+    assert 1.0 < ratio < 1.35
+
+
+def test_korthikanti_activation_bytes() -> None:
+    model = _spec("gpt3-175b").model
+    s, b, h, a = model.seq_len, 1, model.hidden, model.heads
+    assert cost.activation_bytes_per_layer(model, 1, 1, "none") == s * b * h * (34 + 5 * a * s / h)
+    assert cost.activation_bytes_per_layer(model, 1, 8, "selective") == 34 * s * b * h / 8
+    assert cost.activation_bytes_per_layer(model, 1, 8, "full") == 2 * s * b * h / 8
+
+
+def test_state_bytes_with_and_without_zero1() -> None:
+    spec = _spec(optimizerSharding=False)
+    assert cost.state_bytes_per_param(spec.training, 8) == 2 + 4 + 12
+    spec = _spec(optimizerSharding=True)
+    assert cost.state_bytes_per_param(spec.training, 8) == 2 + 4 + 12 / 8
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_split_layers_equals_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    k = rng.randint(1, 4)
+    total = rng.randint(k, 12)
+    stages = [StageCost(rng.uniform(0.5, 3), rng.uniform(0, 2) * (i == k - 1),
+                        rng.uniform(0, 0.3), rng.uniform(0, 0.5), rng.randint(1, total))
+              for i in range(k)]
+    m = rng.randint(1, 8)
+    boundary = rng.uniform(0, 0.2)
+    ref = split_layers_brute_force(stages, total, m, boundary)
+    fast = split_layers(stages, total, m, boundary)
+    if ref is None:
+        assert fast is None
+    else:
+        assert fast is not None
+        assert fast[0] == pytest.approx(ref[0], rel=1e-9)
+
+
+HET = _cluster([
+    {"name": "h100", "datacenter": "us-east", "device": "H100-SXM", "nodes": 2, "gpusPerNode": 4,
+     "nicGbps": 400},
+    {"name": "mi300x", "datacenter": "us-east", "device": "MI300X", "nodes": 1, "gpusPerNode": 4,
+     "nicGbps": 400},
+])
+
+
+def _check_invariants(plan, inv, spec) -> None:
+    assert len(plan.ranks) == plan.world_size == plan.dp * sum(s.tp for s in plan.stages)
+    assert sum(s.layer_end - s.layer_start for s in plan.stages) == spec.model.layers
+    assert plan.dp * plan.micro_batch * plan.num_microbatches == spec.training.global_batch
+    per_node: dict[str, int] = {}
+    for r in plan.ranks:
+        per_node[r.node] = per_node.get(r.node, 0) + 1
+    for pool in inv.pools:
+        for node in pool.nodes:
+            assert per_node.get(node, 0) <= pool.gpus_per_node
+    for s in plan.stages:
+        assert s.memory_gib <= s.capacity_gib
+
+
+def test_plan_invariants_and_determinism() -> None:
+    inv = load_cluster(HET)
+    spec = _spec()
+    p1 = plan_job("j", spec, inv)
+    p2 = plan_job("j", spec, load_cluster(HET))
+    assert p1.to_json() == p2.to_json()
+    _check_invariants(p1, inv, spec)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fast_search_equals_exhaustive(seed: int) -> None:
+    rng = random.Random(seed)
+    devices = ["H100-SXM", "MI300X", "A100-80GB", "Gaudi3"]
+    pools = [{"name": f"p{i}", "datacenter": rng.choice(["a", "b"]),
+              "device": rng.choice(devices), "nodes": rng.randint(1, 2),
+              "gpusPerNode": rng.choice([1, 2]), "nicGbps": 200} for i in range(rng.randint(1, 3))]
+    links = [{"between": ["a", "b"], "bandwidthGbps": 100, "latencyMs": 20}]
+    inv = load_cluster(_cluster(pools, links))
+    spec = parse_job_spec({"model": {"layers": rng.randint(2, 6), "hidden": 1024, "heads": 16,
+                                     "seqLen": 1024, "vocab": 32000},
+                           "training": {"globalBatch": rng.choice([4, 6, 8]), "steps": 1}})
+    fast = plan_job("j", spec, inv)
+    full = plan_job("j", spec, inv, exhaustive=True)
+    assert fast.predicted.step_time_s == pytest.approx(full.predicted.step_time_s, rel=1e-9)
+    _check_invariants(fast, inv, spec)
+
+
+def test_replan_keeps_global_batch_and_survivors() -> None:
+    inv = load_cluster(HET)
+    spec = _spec()
+    first = plan_job("j", spec, inv)
+    failed = first.ranks[-1].node
+    smaller = inv.without_nodes([failed])
+    second = plan_job("j", spec, smaller, previous=first)
+    assert failed not in {r.node for r in second.ranks}
+    assert second.dp * second.micro_batch * second.num_microbatches == 16
+    _check_invariants(second, smaller, spec)
+
+
+def test_errors_name_the_limit() -> None:
+    inv = load_cluster(HET)
+    with pytest.raises(PlanningError, match="placement"):
+        plan_job("j", parse_job_spec({"model": {"preset": "gpt-small"},
+                                      "training": {"globalBatch": 8, "steps": 1},
+                                      "placement": {"vendors": ["intel"]}}), inv)
+    with pytest.raises(PlanningError, match="GiB"):
+        plan_job("j", _spec("llama3-405b", gb=8), inv)
+
+
+def test_unknown_device_is_a_clear_error() -> None:
+    doc = _cluster([{"name": "x", "datacenter": "a", "device": "Mystery9", "nodes": 1,
+                     "gpusPerNode": 1}])
+    with pytest.raises(Exception, match=r"Mystery9.*catalog"):
+        load_cluster(doc)
