@@ -35,8 +35,8 @@ from hettrain.planning.placement import moved_ranks, place_ranks
 from hettrain.planning.plan import Plan, Prediction, StagePlan
 from hettrain.planning.units import Unit, build_units, filter_pools, spans_datacenters
 
-K_FULL_WINDOW = 3
-MAX_PERMUTED_UNITS = 5
+K_FULL_WINDOW = 1
+MAX_PERMUTED_UNITS = 3
 MAX_MICRO_BATCH = 16
 INTERLEAVE_CHUNKS = 2
 REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the best
