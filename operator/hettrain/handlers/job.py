@@ -37,6 +37,12 @@ def _wake_job(namespace: str, job: str) -> None:
         ev.set()
 
 
+@kopf.on.login()
+def login(**kwargs: Any) -> Any:
+    """In-cluster ServiceAccount, else $KUBECONFIG (client certificates included)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     """Fast reaction, progress in annotations (status stays schema-only), metrics server."""
