@@ -109,20 +109,12 @@ class Plan:
     @property
     def pools(self) -> tuple[str, ...]:
         """Distinct pools used, in stage order."""
-        seen: dict[str, None] = {}
-        for s in self.stages:
-            for p in s.pools:
-                seen.setdefault(p, None)
-        return tuple(seen)
+        return tuple(dict.fromkeys(p for s in self.stages for p in s.pools))
 
     @property
     def datacenters(self) -> tuple[str, ...]:
         """Distinct datacenters used, in stage order."""
-        seen: dict[str, None] = {}
-        for s in self.stages:
-            for d in s.datacenters:
-                seen.setdefault(d, None)
-        return tuple(seen)
+        return tuple(dict.fromkeys(d for s in self.stages for d in s.datacenters))
 
     def nodes(self) -> tuple[str, ...]:
         """Distinct nodes in rank order."""
