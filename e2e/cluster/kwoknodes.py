@@ -324,7 +324,8 @@ def mark_not_ready(api: k8s.ApiClient, name: str, fault: str = FAULT_NOT_READY) 
     """Fail node ``name``: kwok sets Ready=False (``not-ready``) or Unknown (``unreachable``).
 
     kwok stops heartbeating the node, so it stays failed until :func:`mark_ready`; the node
-    lifecycle controller adds the matching ``node.kubernetes.io/*`` taints.
+    lifecycle controller adds the matching ``node.kubernetes.io/*`` taints (``NoExecute`` only
+    while the zone is not disrupted: all of it, or >2 nodes and >=55% of it, unhealthy).
     """
     if fault not in FAULTS:
         raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
