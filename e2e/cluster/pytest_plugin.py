@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import time
@@ -139,12 +140,15 @@ def k8s_cluster() -> Iterator[K8sCluster]:
         api.close()
         return
     keep = _truthy("HETTRAIN_KEEP_CLUSTER")
+    tmp_parent: Path | None = None
     if os.environ.get("HETTRAIN_CLUSTER_DIR"):
         state_dir = Path(os.environ["HETTRAIN_CLUSTER_DIR"])
     elif keep:
         state_dir = Path.home() / ".cache" / "hettrain" / "cluster"
     else:
-        state_dir = Path(tempfile.mkdtemp(prefix="hettrain-cluster-"))
+        # A private parent dir, so up's sibling lock file goes away with it.
+        tmp_parent = Path(tempfile.mkdtemp(prefix="hettrain-cluster-"))
+        state_dir = tmp_parent / "cluster"
     try:
         kubeconfig, info = _start_local(state_dir)
     except RuntimeError as exc:
@@ -170,6 +174,8 @@ def k8s_cluster() -> Iterator[K8sCluster]:
                 check=False,
                 capture_output=True,
             )
+            if tmp_parent:
+                shutil.rmtree(tmp_parent, ignore_errors=True)
 
 
 def _dns_label(text: str, limit: int) -> str:
