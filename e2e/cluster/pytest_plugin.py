@@ -182,6 +182,17 @@ def _dns_label(text: str, limit: int) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:limit].strip("-") or "t"
 
 
+def exists(read: Callable[..., Any], *args: Any) -> bool:
+    """Whether a ``read_*`` call finds its object (404 → False; other API errors propagate)."""
+    try:
+        read(*args)
+    except k8s.ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
+
+
 def wait_for(
     predicate: Callable[[], Any],
     timeout: float = 60.0,
@@ -208,16 +219,8 @@ def namespace(k8s_cluster: K8sCluster, request: pytest.FixtureRequest) -> Iterat
         k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=name, labels={"hettrain.dev/test": "true"}))
     )
 
-    def has_default_sa() -> bool:
-        try:
-            core.read_namespaced_service_account("default", name)
-        except k8s.ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise
-        return True
-
-    wait_for(has_default_sa, 30, what=f"ServiceAccount {name}/default")
+    wait_for(lambda: exists(core.read_namespaced_service_account, "default", name), 30,
+             what=f"ServiceAccount {name}/default")
     try:
         yield name
     finally:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from e2e.cluster import kwoknodes
-from e2e.cluster.pytest_plugin import K8sCluster, wait_for
+from e2e.cluster.pytest_plugin import K8sCluster, exists, wait_for
 from kubernetes import client as k8s
 
 pytestmark = pytest.mark.k8s
@@ -216,16 +216,8 @@ def test_owner_reference_garbage_collection(k8s_cluster: K8sCluster, namespace: 
     )
     core.delete_namespaced_config_map("owner", namespace, propagation_policy="Background")
 
-    def child_gone() -> bool:
-        try:
-            core.read_namespaced_config_map("child", namespace)
-        except k8s.ApiException as exc:
-            if exc.status == 404:
-                return True
-            raise
-        return False
-
-    wait_for(child_gone, 60, what="garbage collector to delete the child")
+    wait_for(lambda: not exists(core.read_namespaced_config_map, "child", namespace), 60,
+             what="garbage collector to delete the child")
 
 
 # ---------------------------------------------------------------- node lifecycle controller
