@@ -409,7 +409,8 @@ def parse_job_spec(spec: Mapping[str, Any] | None) -> JobSpec:
     cross_dc = _parse_cross_dc(f.sub("crossDC"))
     checkpoint = _parse_checkpoint(f.sub("checkpoint"))
     failure = _parse_failure_policy(f.sub("failurePolicy"))
-    image = f.str_("image", JobSpec.image) or JobSpec.image
+    default_image = JobSpec.__dataclass_fields__["image"].default  # slots: no class attr
+    image = f.str_("image", default_image) or default_image
     command = f.str_list("command")
     args = f.str_list("args")
     suspend = f.bool_("suspend", False)
