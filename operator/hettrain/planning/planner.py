@@ -23,6 +23,13 @@ from dataclasses import dataclass
 
 from hettrain.api.spec import JobSpec
 from hettrain.planning import cost
+from hettrain.planning.bounds import (
+    Choice,
+    UnitStats,
+    memory_need_gib,
+    partial_lower_bound,
+    step_lower_bound,
+)
 from hettrain.planning.errors import PlanningError, no_plan
 from hettrain.planning.inventory import ClusterInventory
 from hettrain.planning.layers import (
@@ -37,6 +44,7 @@ from hettrain.planning.units import Unit, build_units, filter_pools, spans_datac
 
 K_FULL_WINDOW = 1
 MAX_PERMUTED_UNITS = 3
+EXACT_LEAF_BUDGET = 20_000  # above this many (tp, k) combinations the k window applies
 MAX_MICRO_BATCH = 16
 INTERLEAVE_CHUNKS = 2
 REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the best
@@ -75,8 +83,9 @@ class Candidate:
 class _Search:
     """State of one planning run (best so far, the reasons things did not fit)."""
 
-    def __init__(self, spec: JobSpec, exhaustive: bool) -> None:
+    def __init__(self, spec: JobSpec, exhaustive: bool, slack: float = 1.0) -> None:
         self.spec = spec
+        self.slack = slack  # prune only what is worse than best·slack (re-plans keep near ones)
         self.exhaustive = exhaustive
         self.best: Candidate | None = None
         self.near: list[Candidate] = []  # within REPLAN_TOLERANCE of the best (for re-plans)
@@ -94,7 +103,7 @@ class _Search:
             self.near = [c for c in self.near if c.step_time_s <= limit]
 
     def bound(self) -> float:
-        return math.inf if self.best is None else self.best.step_time_s
+        return math.inf if self.best is None else self.best.step_time_s * self.slack
 
 
 # ---------------------------------------------------------------- stage costs
@@ -343,7 +352,7 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
                            grouping))
 
 
-def _search_grouping(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory,
+def _search_exhaustive(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory,
                      grouping: str) -> None:
     spec = search.spec
     gb = spec.training.global_batch
@@ -368,6 +377,158 @@ def _search_grouping(search: _Search, units: tuple[Unit, ...], inv: ClusterInven
             for mb in mbs:
                 for schedule in schedules:
                     _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping)
+
+
+
+def _unit_stats(unit: Unit, tp: int, dp: int, mb: int, inv: ClusterInventory,
+                spec: JobSpec) -> UnitStats:
+    """Per-stage aggregates of ``unit`` (:mod:`hettrain.planning.bounds`), relaxed memory."""
+    model, training = spec.model, spec.training
+    tokens = mb * model.seq_len
+    eb = cost.precision_bytes(training)
+    f = unit.device.effective_flops * tp
+    a = (cost.layer_flops(model, tokens, training.recompute) / f
+         + cost.tp_comm_per_layer_s(model, mb, tp, unit.device, eb))
+    head = 3 * cost.head_forward_flops(model, tokens) / f
+    lat, per_byte, _ = _dp_time_per_byte(unit, dp, tp, inv, spec)
+    dp_one = lat + cost.layer_params(model) * 4.0 / tp * per_byte if dp > 1 else 0.0
+    mem = cost.stage_memory(model, training, tp=tp, dp=dp, micro_batch=mb, in_flight=1,
+                            first=False, last=False)
+    usable = unit.device.hbm_bytes * cost.MEMORY_HEADROOM
+    cap = int((usable - mem.fixed) // mem.per_layer) if usable > mem.fixed else 0
+    return UnitStats(a, head, dp_one, min(cap, model.layers), mem.fixed, mem.per_layer)
+
+
+def _windowed(units: Sequence[Unit], spec: JobSpec, tp_opts: Sequence[Sequence[int]]) -> bool:
+    """True when enumerating every stage count (at dp = 1) would exceed ``EXACT_LEAF_BUDGET``."""
+    count = 1
+    for u, tps in zip(units, tp_opts, strict=True):
+        count *= 1 + sum(min(u.tp_groups(tp), spec.model.layers) for tp in tps)
+        if count > EXACT_LEAF_BUDGET:
+            return True
+    return False
+
+
+def _unit_choices(units: Sequence[Unit], tp_opts: Sequence[Sequence[int]], dp: int, mb: int,
+                  inv: ClusterInventory, spec: JobSpec, window: bool) -> list[list[Choice]]:
+    """Per unit, every (tp, k ≥ 1) it can host at this (dp, mb) and whose stage holds a layer."""
+    out = []
+    for i, (u, tps) in enumerate(zip(units, tp_opts, strict=True)):
+        opts = []
+        for tp in tps:
+            maxk = min(u.tp_groups(tp) // dp, spec.model.layers)
+            if maxk < 1:
+                continue
+            stats = _unit_stats(u, tp, dp, mb, inv, spec)
+            if stats.cap < 1:
+                continue
+            for k in _k_options(maxk, not window):
+                if k:
+                    opts.append(Choice(i, tp, k, stats))
+        out.append(opts)
+    return out
+
+
+def _search_fast(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory,
+                 grouping: str) -> None:
+    """Branch and bound over (dp, mb) pairs and per-unit (tp, k) choices (module docstring)."""
+    spec = search.spec
+    gb, layers = spec.training.global_batch, spec.model.layers
+    pinned_pp = spec.parallelism.pp
+    dp_values = [d for d in _divisors(gb) if spec.parallelism.dp in (None, d)]
+    tp_opts = [_tp_options(u, spec) for u in units]
+    window = _windowed(units, spec, tp_opts)
+    pairs = []
+    for dp in dp_values:
+        per_replica = gb // dp
+        mbs = [b for b in _divisors(per_replica) if b <= MAX_MICRO_BATCH]
+        if spec.training.micro_batch is not None:
+            mbs = [spec.training.micro_batch] if per_replica % spec.training.micro_batch == 0 \
+                else []
+        for mb in mbs:
+            opts = _unit_choices(units, tp_opts, dp, mb, inv, spec, window)
+            m = per_replica // mb
+            rest_rate, rest_cap, rest_a = [0.0], [0], [math.inf]
+            for unit_opts in reversed(opts):
+                rest_rate.append(rest_rate[-1] + max((c.k / c.stats.a for c in unit_opts),
+                                                     default=0.0))
+                rest_cap.append(rest_cap[-1] + max((c.k * c.stats.cap for c in unit_opts),
+                                                   default=0))
+                rest_a.append(min([rest_a[-1], *(c.stats.a for c in unit_opts)]))
+            rest = (rest_rate[::-1], rest_cap[::-1], rest_a[::-1])
+            root = partial_lower_bound((), rest[0][0], rest[1][0], rest[2][0], layers, m)
+            pairs.append((root, dp, mb, m, opts, rest))
+    pairs.sort(key=lambda p: p[:3])
+    for root, dp, mb, m, opts, rest in pairs:
+        if root >= search.bound():
+            break
+        leaves: list[tuple[float, tuple[Choice, ...]]] = []
+        _collect(search, opts, rest, 0, (), layers, m, pinned_pp, leaves)
+        leaves.sort(key=lambda x: (x[0], tuple((c.unit, c.tp, c.k) for c in x[1])))
+        for lb, choices in leaves:
+            if lb >= search.bound():
+                break
+            _evaluate_choices(search, units, choices, dp, mb, inv, grouping)
+    if search.best is None:
+        _record_shortfall(search, units, spec, dp_values, pairs)
+
+
+def _collect(search: _Search, opts: list[list[Choice]], rest: tuple, i: int,
+             chosen: tuple[Choice, ...], layers: int, m: int, pinned_pp: int | None,
+             out: list) -> None:
+    """Depth-first over units: skip a unit or take one of its choices; keep leaves under bound."""
+    if i == len(opts):
+        if chosen and (pinned_pp is None or sum(c.k for c in chosen) == pinned_pp):
+            lb = step_lower_bound(chosen, layers, m)
+            if lb < search.bound():
+                out.append((lb, chosen))
+        return
+    for choice in (None, *opts[i]):
+        nxt = chosen if choice is None else (*chosen, choice)
+        if choice is not None or i + 1 < len(opts):
+            lb = partial_lower_bound(nxt, rest[0][i + 1], rest[1][i + 1], rest[2][i + 1],
+                                     layers, m)
+            if lb >= search.bound():
+                continue
+        _collect(search, opts, rest, i + 1, nxt, layers, m, pinned_pp, out)
+
+
+def _evaluate_choices(search: _Search, units: tuple[Unit, ...], choices: tuple[Choice, ...],
+                      dp: int, mb: int, inv: ClusterInventory, grouping: str) -> None:
+    """Every stage order of ``choices`` under the schedules that can win (exact dominance).
+
+    In the cost model ZB-H1 has the memory of 1F1B and a third of its bubble, and interleaving
+    needs more memory for half the bubble at twice the boundary traffic, so with
+    ``schedule: auto`` and ``pp ≥ 2`` ZB-H1 is never worse than either (docs/planning.md).
+    """
+    ks = [0] * len(units)
+    tps = [0] * len(units)
+    for c in choices:
+        ks[c.unit], tps[c.unit] = c.k, c.tp
+    pp = sum(ks)
+    pinned = search.spec.parallelism.schedule
+    schedules = (pinned,) if pinned != "auto" else (("1f1b",) if pp == 1 else ("zb-h1",))
+    for order in _orders(units, ks, False):
+        stage_units = tuple(units[i] for i in order for _ in range(ks[i]))
+        stage_tps = tuple(tps[i] for i in order for _ in range(ks[i]))
+        for schedule in schedules:
+            _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping)
+
+
+def _record_shortfall(search: _Search, units: tuple[Unit, ...], spec: JobSpec,
+                      dp_values: Sequence[int], pairs: Sequence) -> None:
+    """When nothing fits: the per-device memory the most spread-out layouts would need."""
+    dropped: list[float] = []
+    _candidates_outer(units, spec, dp_values, False, dropped)
+    needs = list(dropped)
+    for *_, opts, _rest in pairs:
+        widest = [max(o, key=lambda c: (c.k * c.tp, c.tp)) for o in opts if o]
+        if widest:
+            needs.append(memory_need_gib(widest, spec.model.layers, cost.GIB,
+                                         cost.MEMORY_HEADROOM))
+    if needs and search.memory_shortfall is None:
+        best_dev = max(units, key=lambda u: u.device.hbm_gib).device
+        search.memory_shortfall = (min(needs), f"{best_dev.hbm_gib:.0f} GiB ({best_dev.name})")
 
 
 # ---------------------------------------------------------------- public API
@@ -420,8 +581,11 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     best_by: dict[str, Candidate] = {}
     searches = []
     for grouping, units in groupings:
-        search = _Search(spec, exhaustive)
-        _search_grouping(search, units, inventory, grouping)
+        search = _Search(spec, exhaustive, REPLAN_TOLERANCE if previous is not None else 1.0)
+        if exhaustive:
+            _search_exhaustive(search, units, inventory, grouping)
+        else:
+            _search_fast(search, units, inventory, grouping)
         searches.append(search)
         if search.best is not None:
             best_by[grouping] = search.best

@@ -1,0 +1,73 @@
+"""Property: on small random clusters and jobs the fast search finds the exhaustive optimum.
+
+``plan_job(..., exhaustive=True)`` enumerates every dp, tp, stage count, stage order, microbatch,
+schedule and layer composition (brute force). The fast search prunes with bounds and dominance
+only, so the step times must agree to 1e-9 — or both must refuse the job.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hettrain.api.spec import parse_job_spec
+from hettrain.planning.errors import PlanningError
+from hettrain.planning.inventory import load_cluster
+from hettrain.planning.planner import plan_job
+
+DEVICES = ["H100-SXM", "MI300X", "A100-80GB", "Gaudi3", "L40S", "Ascend-910B"]
+
+
+@st.composite
+def instances(draw: st.DrawFn) -> tuple[dict, dict]:
+    """A cluster of 1-3 pools over 1-3 DCs and a job small enough to enumerate."""
+    n_pools = draw(st.integers(1, 3))
+    pools = []
+    for i in range(n_pools):
+        pools.append({
+            "name": f"p{i}", "datacenter": draw(st.sampled_from(["a", "b", "c"])),
+            "device": draw(st.sampled_from(DEVICES)), "nodes": draw(st.integers(1, 2)),
+            "gpusPerNode": draw(st.sampled_from([1, 2, 4])),
+            "nicGbps": draw(st.sampled_from([100, 400, 1600])),
+        })
+    dcs = sorted({p["datacenter"] for p in pools})
+    links = [{"between": [x, y], "bandwidthGbps": draw(st.sampled_from([10, 100, 400])),
+              "latencyMs": draw(st.sampled_from([1, 20]))}
+             for i, x in enumerate(dcs) for y in dcs[i + 1:]]
+    cluster = {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
+               "metadata": {"name": "h"}, "datacenters": [{"name": d} for d in dcs],
+               "links": links, "pools": pools}
+    hidden = draw(st.sampled_from([1024, 4096, 12288]))
+    training = {"globalBatch": draw(st.sampled_from([2, 4, 6, 8, 12])), "steps": 1,
+                "optimizerSharding": draw(st.booleans()),
+                "recompute": draw(st.sampled_from(["none", "selective", "full"]))}
+    job = {"model": {"layers": draw(st.integers(2, 6)), "hidden": hidden, "heads": 16,
+                     "seqLen": draw(st.sampled_from([1024, 4096])), "vocab": 32000},
+           "training": training}
+    schedule = draw(st.sampled_from(["auto", "auto", "1f1b", "interleaved", "zb-h1"]))
+    if schedule != "auto":
+        job["parallelism"] = {"schedule": schedule}
+    return cluster, job
+
+
+def _step_or_error(spec, inv, exhaustive: bool) -> float | str:
+    try:
+        return plan_job("j", spec, inv, exhaustive=exhaustive).predicted.step_time_s
+    except PlanningError as exc:
+        return exc.reason
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(instances())
+def test_fast_equals_exhaustive(instance: tuple[dict, dict]) -> None:
+    cluster, job = instance
+    inv = load_cluster(cluster)
+    spec = parse_job_spec(job)
+    full = _step_or_error(spec, inv, exhaustive=True)
+    fast = _step_or_error(spec, inv, exhaustive=False)
+    if isinstance(full, str):
+        assert fast == full
+    else:
+        assert isinstance(fast, float)
+        assert fast == pytest.approx(full, rel=1e-9)
