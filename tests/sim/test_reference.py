@@ -1,6 +1,6 @@
 import math
 
-from hettrain.sim.engine import simulate_restart
+from hettrain.sim.reference import simulate_restart
 
 
 def test_time_conservation_and_closed_form():
