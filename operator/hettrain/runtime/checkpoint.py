@@ -51,15 +51,20 @@ def _state(model: torch.nn.Module, opt: torch.optim.Optimizer,
     return state
 
 
-def save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Path:
-    """Collective: write step ``step`` atomically; returns the final directory."""
+def save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
+         extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """Collective: write step ``step`` atomically; returns the final directory.
+
+    ``extra``: more tensors keyed by global names (e.g. DiLoCo's ``outer.<param>.momentum``).
+    """
     final = root / f"step-{step}"
     tmp = root / f"step-{step}.tmp"
     if dist.get_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    dcp.save(_state(model, opt, materialise=False), checkpoint_id=str(tmp))
+    dcp.save({**_state(model, opt, materialise=False), **(extra or {})},
+             checkpoint_id=str(tmp))
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -81,8 +86,23 @@ def latest_step(root: Path) -> int | None:
     return int(name.removeprefix("step-"))
 
 
-def load(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    """Collective: load step ``step`` into this rank's slice (any layout)."""
+def load(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
+         extra: dict[str, torch.Tensor] | None = None) -> None:
+    """Collective: load step ``step`` into this rank's slice (any layout).
+
+    ``extra`` tensors are loaded in place; a checkpoint without them (written in another
+    cross-DC mode) leaves them as they are.
+    """
     state = _state(model, opt, materialise=True)
     dcp.load(state, checkpoint_id=str(root / f"step-{step}"))
+    if extra:
+        _load_optional(root / f"step-{step}", extra)
     model.load_state_dict({k: v for k, v in state.items() if not k.startswith("optim.")})
+
+
+def _load_optional(path: Path, extra: dict[str, torch.Tensor]) -> None:
+    """Load those of ``extra``'s keys the checkpoint holds (in place)."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    have = {k: v for k, v in extra.items() if k in meta.state_dict_metadata}
+    if have:
+        dcp.load(have, checkpoint_id=str(path))

@@ -15,6 +15,9 @@ ENV_CHECKPOINT_INTERVAL = "HETTRAIN_CHECKPOINT_INTERVAL"
 ENV_METRICS_PORT = "HETTRAIN_METRICS_PORT"
 ENV_LOSS_LOG = "HETTRAIN_LOSS_LOG"  # optional JSON lines {"step", "loss", "seconds"} (rank 0)
 ENV_STEP_SLEEP = "HETTRAIN_STEP_SLEEP"  # optional seconds to sleep per step (tests, demos)
+ENV_OPTIMIZER = "HETTRAIN_OPTIMIZER"  # inner optimizer: adamw (default) | sgd (exactness checks)
+ENV_SUMMARY_DIR = "HETTRAIN_SUMMARY_DIR"  # optional: each rank writes rank-R.json at the end
+OPTIMIZERS = ("adamw", "sgd")
 
 
 def _int(env: dict[str, str], name: str, default: int | None = None) -> int:
@@ -45,6 +48,8 @@ class RuntimeConfig:
     metrics_port: int
     loss_log: str
     step_sleep: float
+    optimizer: str = "adamw"
+    summary_dir: str = ""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> RuntimeConfig:
@@ -71,7 +76,12 @@ class RuntimeConfig:
             metrics_port=_int(env, ENV_METRICS_PORT, DEFAULT_PORT),
             loss_log=env.get(ENV_LOSS_LOG, ""),
             step_sleep=float(env.get(ENV_STEP_SLEEP, "0") or 0),
+            optimizer=env.get(ENV_OPTIMIZER, "") or "adamw",
+            summary_dir=env.get(ENV_SUMMARY_DIR, ""),
         )
+        if cfg.optimizer not in OPTIMIZERS:
+            raise ValueError(f"env {ENV_OPTIMIZER}={cfg.optimizer!r}: must be one of "
+                             f"{OPTIMIZERS}")
         if not 0 <= cfg.rank_start < world:
             raise ValueError(f"env {C.ENV_NODE_RANK_START}={cfg.rank_start} outside [0, {world})")
         if cfg.checkpoint_interval < 1:

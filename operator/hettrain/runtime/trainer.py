@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -12,19 +13,48 @@ import torch.distributed as dist
 from hettrain.planning.catalog import CATALOG
 from hettrain.planning.plan import Plan
 from hettrain.runtime import checkpoint as ckpt
-from hettrain.runtime.collectives import HetCommunicator
-from hettrain.runtime.config import RuntimeConfig
+from hettrain.runtime.collectives import DiLoCo, HetCommunicator, Tier
+from hettrain.runtime.config import ENV_OPTIMIZER, OPTIMIZERS, RuntimeConfig
 from hettrain.runtime.data import microbatches
 from hettrain.runtime.metrics import RuntimeMetrics
 from hettrain.runtime.model import StageModel, lm_loss, whole_model
 from hettrain.runtime.pipeline import StageRunner
 
 WEIGHT_DECAY = 0.01
+CROSS_DC_MODES = ("sync", "compress", "diloco")
 
 
-def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    """AdamW with the same settings everywhere (reference and pipelined)."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, foreach=False)
+def make_optimizer(model: torch.nn.Module, lr: float,
+                   kind: str = "adamw") -> torch.optim.Optimizer:
+    """The (inner) optimizer, with the same settings everywhere (reference and pipelined).
+
+    ``adamw`` is the default; ``sgd`` (plain, no momentum) exists so that DiLoCo with H=1,
+    outer lr 1 and no momentum can be checked against synchronous DP exactly (SGD is linear in
+    the gradient, AdamW is not).
+    """
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY,
+                                 foreach=False)
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr)
+    raise ValueError(f"{ENV_OPTIMIZER}={kind!r}: must be one of {OPTIMIZERS}")
+
+
+def cross_dc_settings(plan: Plan) -> dict:
+    """``plan.cross_dc`` validated: mode, compression, outer_steps, outer_lr, outer_momentum."""
+    c = dict(plan.cross_dc or {})
+    mode = c.get("mode", "sync")
+    if mode not in CROSS_DC_MODES:
+        raise ValueError(f"plan.cross_dc.mode={mode!r}: must be one of {CROSS_DC_MODES} "
+                         "(spec.training.crossDC.mode)")
+    out = {"mode": mode, "compression": c.get("compression") or "none",
+           "outer_steps": int(c.get("outer_steps", 50)),
+           "outer_lr": float(c.get("outer_lr", 0.7)),
+           "outer_momentum": float(c.get("outer_momentum", 0.9))}
+    if out["outer_steps"] < 1:
+        raise ValueError(f"plan.cross_dc.outer_steps={out['outer_steps']}: must be >= 1 "
+                         "(spec crossDC.outerSteps)")
+    return out
 
 
 def step_flops(plan: Plan) -> float:
@@ -43,11 +73,12 @@ def peak_flops(plan: Plan) -> float:
     return total
 
 
-def reference_losses(plan: Plan, steps: int, start_step: int = 0) -> list[float]:
+def reference_losses(plan: Plan, steps: int, start_step: int = 0,
+                     optimizer: str = "adamw") -> list[float]:
     """Single-process run of the same model and global batches: the losses to match."""
     t = plan.training
     model = whole_model(plan.model, t.seed)
-    opt = make_optimizer(model, t.learning_rate)
+    opt = make_optimizer(model, t.learning_rate, optimizer)
     out = []
     for step in range(start_step, steps):
         opt.zero_grad(set_to_none=True)
@@ -67,7 +98,7 @@ def reference_losses(plan: Plan, steps: int, start_step: int = 0) -> list[float]
 
 
 class Trainer:
-    """One rank: its stage slice, pipeline runner, DP averaging, checkpoints and metrics."""
+    """One rank: its stage slice, pipeline runner, DP / cross-DC sync, checkpoints, metrics."""
 
     def __init__(self, cfg: RuntimeConfig, rank: int) -> None:
         self.cfg, self.rank, self.plan = cfg, rank, cfg.plan
@@ -77,12 +108,19 @@ class Trainer:
         if st.tp != 1:
             raise ValueError(f"plan.stages[{st.index}].tp={st.tp}: this runtime trains tp=1 "
                              "only; plan with tensor_parallel 1")
+        self.xdc = cross_dc_settings(plan)
         self.comm = HetCommunicator.from_plan(plan, rank, device=torch.device("cpu"),
                                               backend_overrides={"*": "gloo"})
         self.model = StageModel(plan.model, st.layer_start, st.layer_end,
                                 has_embedding=st.index == 0, has_head=st.index == plan.pp - 1,
                                 seed=plan.training.seed)
-        self.opt = make_optimizer(self.model, plan.training.learning_rate)
+        self.opt = make_optimizer(self.model, plan.training.learning_rate, cfg.optimizer)
+        self.diloco: DiLoCo | None = None
+        if self.xdc["mode"] == "diloco":
+            self.diloco = DiLoCo(self.model.parameters(), self.comm,
+                                 outer_steps=self.xdc["outer_steps"],
+                                 outer_lr=self.xdc["outer_lr"],
+                                 outer_momentum=self.xdc["outer_momentum"])
         self.runner = StageRunner(plan, rank, self.model, stats=self.comm.stats)
         self.loss_src = next(r.rank for r in plan.ranks
                              if (r.stage, r.dp, r.tp) == (plan.pp - 1, 0, 0))
@@ -90,6 +128,45 @@ class Trainer:
                                       cfg.metrics_port + (rank - cfg.rank_start)
                                       if cfg.metrics_port else 0)
         self.root = ckpt.checkpoint_root(cfg.checkpoint_uri) if cfg.checkpoint_uri else None
+        self._loss_tier = self._dp_tier()
+
+    def _dp_tier(self) -> Tier:
+        """The slowest link this rank's stage DP group spans (for the loss all-reduce)."""
+        peers = [r for r in self.plan.ranks if (r.stage, r.tp) == (self.me.stage, self.me.tp)]
+        if len({r.datacenter for r in peers}) > 1:
+            return Tier.CROSS_DC
+        return Tier.INTER_POOL if len({r.pool for r in peers}) > 1 else Tier.INTRA_POOL
+
+    def _outer_state(self) -> dict[str, torch.Tensor]:
+        """DiLoCo's outer momentum, keyed by global parameter names (checkpointed)."""
+        if self.diloco is None:
+            return {}
+        names = [n for n, _ in self.model.named_parameters()]
+        return {f"outer.{n}.momentum": m
+                for n, m in zip(names, self.diloco.momentum, strict=True)}
+
+    def _sync(self, step: int) -> None:
+        """Gradient sync + optimizer step (+ DiLoCo outer step) of one inner step."""
+        grads = [p.grad for p in self.model.parameters()]
+        if self.diloco is not None:
+            self.diloco.sync_gradients()  # intra-DC DP stays synchronous
+            self.opt.step()
+            self.diloco.step(step)  # every H steps: pseudo-gradients across DCs
+        else:
+            if self.plan.dp > 1:  # mode "compress": the communicator compresses the DC hop
+                self.comm.dp_all_reduce_(grads, average=True)
+            self.opt.step()
+
+    def _reduce_loss(self, total: float) -> torch.Tensor:
+        loss = torch.tensor([total / self.plan.num_microbatches])
+        if self.me.stage == self.plan.pp - 1 and self.plan.dp > 1:
+            # plain (never compressed) average over the replicas; 4 bytes, still accounted
+            g = self.comm.dp_size
+            with self.comm.stats.timed(self._loss_tier, int(2 * (g - 1) / g * 4)):
+                dist.all_reduce(loss, group=self.comm.dp_group)
+            loss /= g
+        dist.broadcast(loss, src=self.loss_src)
+        return loss
 
     def train(self) -> list[float]:
         """Run to ``plan.training.steps``; returns the losses of the steps run here."""
@@ -98,11 +175,15 @@ class Trainer:
         if self.cfg.resume and self.root is not None:
             found = ckpt.latest_step(self.root)
             if found is not None:
-                ckpt.load(self.root, found, self.model, self.opt)
+                ckpt.load(self.root, found, self.model, self.opt, extra=self._outer_state())
                 start = found
                 self.metrics.last_ckpt.set(found)
+                if self.diloco is not None:  # the outer (global) weights are the loaded ones
+                    self.diloco.global_params = [p.detach().clone()
+                                                 for p in self.model.parameters()]
         losses = []
         flops, peak = step_flops(plan), peak_flops(plan)
+        ckpt_due = False
         for step in range(start, t.steps):
             t0 = time.perf_counter()
             self.opt.zero_grad(set_to_none=False)
@@ -111,16 +192,16 @@ class Trainer:
                                    num_microbatches=plan.num_microbatches,
                                    seq_len=plan.model.seq_len, vocab=plan.model.vocab)
             total = self.runner.run(batches, 1.0 / plan.num_microbatches)
-            grads = [p.grad for p in self.model.parameters()]
-            if plan.dp > 1:
-                self.comm.dp_all_reduce_(grads, average=True)
-            self.opt.step()
-            loss = torch.tensor([total / plan.num_microbatches])
-            if self.me.stage == plan.pp - 1 and plan.dp > 1:
-                self.comm.dp_all_reduce_([loss], average=True)
-            dist.broadcast(loss, src=self.loss_src)
-            losses.append(loss.item())
             done = step + 1
+            last = done == t.steps
+            if last and self.diloco is not None and done % self.diloco.outer_steps:
+                self.diloco.sync_gradients()
+                self.opt.step()
+                self.diloco.step(self.diloco.outer_steps - 1)  # the run ends on an outer sync
+            else:
+                self._sync(step)
+            loss = self._reduce_loss(total)
+            losses.append(loss.item())
             seconds = time.perf_counter() - t0
             self.metrics.observe_step(done, loss.item(), seconds,
                                       plan.global_batch * plan.model.seq_len, flops, peak)
@@ -129,13 +210,34 @@ class Trainer:
                 with open(self.cfg.loss_log, "a") as f:
                     rec = {"step": step, "loss": loss.item(), "seconds": seconds}
                     f.write(json.dumps(rec) + "\n")
-            if self.root is not None and (done % self.cfg.checkpoint_interval == 0
-                                          or done == t.steps):
-                ckpt.save(self.root, done, self.model, self.opt)
+            ckpt_due = ckpt_due or done % self.cfg.checkpoint_interval == 0
+            # DiLoCo replicas differ between outer syncs: checkpoint only right after one
+            synced = self.diloco is None or done % self.diloco.outer_steps == 0 or last
+            if self.root is not None and ((ckpt_due and synced) or last):
+                ckpt.save(self.root, done, self.model, self.opt, extra=self._outer_state())
                 self.metrics.last_ckpt.set(done)
+                ckpt_due = False
             if self.cfg.step_sleep:
                 time.sleep(self.cfg.step_sleep)
+        self._write_summary(losses)
         return losses
+
+    def _write_summary(self, losses: list[float]) -> None:
+        """``HETTRAIN_SUMMARY_DIR/rank-R.json``: per-tier bytes/ops, a weight checksum."""
+        if not self.cfg.summary_dir:
+            return
+        with torch.no_grad():
+            checksum = float(sum(p.double().sum() for p in self.model.parameters()))
+        rec = {"rank": self.rank, "stage": self.me.stage, "dp": self.me.dp, "tp": self.me.tp,
+               "datacenter": self.me.datacenter, "mode": self.xdc["mode"],
+               "schedule": self.runner.schedule, "steps": len(losses),
+               "outer_syncs": self.diloco.outer_syncs if self.diloco is not None else 0,
+               "param_checksum": checksum,
+               "bytes": {t.value: s.bytes for t, s in self.comm.stats.items()},
+               "ops": {t.value: s.ops for t, s in self.comm.stats.items()}}
+        path = Path(self.cfg.summary_dir) / f"rank-{self.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rec))
 
 
 def run_rank(cfg: RuntimeConfig, rank: int) -> list[float]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hettrain.api.spec import ModelSpec, TrainingSpec
 from hettrain.planning.plan import Plan, Prediction, RankPlan, StagePlan
 
@@ -11,21 +13,37 @@ TINY = ModelSpec(layers=4, hidden=32, heads=4, seq_len=32, vocab=256, ffn_hidden
 
 def tiny_plan(splits: list[tuple[int, int, str]], dp: int, *, steps: int = 10,
               micro_batch: int = 2, num_microbatches: int = 4, schedule: str = "1f1b",
-              model: ModelSpec = TINY, lr: float = 3e-3) -> Plan:
-    """``splits`` = [(layer_start, layer_end, pool)] per stage; each stage has ``dp`` replicas."""
+              model: ModelSpec = TINY, lr: float = 3e-3, tp: int | Sequence[int] = 1,
+              replica_dcs: Sequence[str] | None = None, cross_dc: dict | None = None) -> Plan:
+    """``splits`` = [(layer_start, layer_end, pool)] per stage; each stage has ``dp`` replicas
+    of ``tp`` ranks (an int, or one degree per stage).
+
+    ``replica_dcs[d]`` puts replica ``d`` in that datacenter (pool ``{pool}-{dc}``); by default
+    everything is in ``dc1``. ``cross_dc`` is the plan's cross-DC section (mode, compression,
+    outer_steps, outer_lr, outer_momentum).
+    """
+    tps = [tp] * len(splits) if isinstance(tp, int) else list(tp)
+    dcs = list(replica_dcs or ["dc1"] * dp)
+    multi_dc = len(set(dcs)) > 1
     stages, ranks = [], []
     for s, (a, b, pool) in enumerate(splits):
-        stages.append(StagePlan(index=s, device="cpu", vendor="cpu", backend="gloo", pools=(pool,),
-                                datacenters=("dc1",), layer_start=a, layer_end=b, tp=1,
-                                memory_gib=0.1, capacity_gib=1.0, time_ms=1.0,
-                                has_embedding=s == 0, has_head=s == len(splits) - 1))
+        pools = [f"{pool}-{dc}" if multi_dc else pool for dc in dcs]
+        stages.append(StagePlan(index=s, device="cpu", vendor="cpu", backend="gloo",
+                                pools=tuple(dict.fromkeys(pools)),
+                                datacenters=tuple(dict.fromkeys(dcs)), layer_start=a,
+                                layer_end=b, tp=tps[s], memory_gib=0.1, capacity_gib=1.0,
+                                time_ms=1.0, has_embedding=s == 0,
+                                has_head=s == len(splits) - 1))
         for d in range(dp):
-            ranks.append(RankPlan(rank=len(ranks), node=f"{pool}-n{d}", pool=pool,
-                                  datacenter="dc1", local_rank=0, stage=s, dp=d, tp=0))
+            for t in range(tps[s]):
+                ranks.append(RankPlan(rank=len(ranks), node=f"{pools[d]}-s{s}-n{d}",
+                                      pool=pools[d], datacenter=dcs[d], local_rank=t,
+                                      stage=s, dp=d, tp=t))
     gb = dp * micro_batch * num_microbatches
     return Plan(job="rt-test", model=model,
                 training=TrainingSpec(global_batch=gb, steps=steps, micro_batch=micro_batch,
                                       precision="fp32", learning_rate=lr, seed=3),
                 dp=dp, pp=len(splits), micro_batch=micro_batch,
                 num_microbatches=num_microbatches, schedule=schedule, stages=tuple(stages),
-                ranks=tuple(ranks), predicted=Prediction(step_time_s=1, tokens_per_s=1, mfu=0))
+                ranks=tuple(ranks), predicted=Prediction(step_time_s=1, tokens_per_s=1, mfu=0),
+                cross_dc=dict(cross_dc or {}))
