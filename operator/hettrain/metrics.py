@@ -21,13 +21,16 @@ PHASE = Gauge("hettrain_job_phase", "1 for the job's current phase", ["namespace
 PLAN_FAILURES = Counter("hettrain_plan_failures_total", "Plans that failed",
                         ["namespace", "job", "reason"])
 RECONCILE_ERRORS = Counter("hettrain_reconcile_errors_total", "Errors in handlers", ["handler"])
+RECONCILE_HANDLERS = ("reconcile", "gang-create")
+for _handler in RECONCILE_HANDLERS:  # exported at 0 from the start, so rate() works at once
+    RECONCILE_ERRORS.labels(_handler)
 
 _phases: dict[tuple[str, str], str] = {}
 
 
-def serve(port: int = 8080) -> None:
-    """Start the /metrics HTTP server."""
-    start_http_server(port)
+def serve(port: int = 8080, addr: str = "0.0.0.0") -> None:
+    """Start the /metrics HTTP server (a daemon thread) on ``addr:port``."""
+    start_http_server(port, addr=addr)
 
 
 def set_phase(namespace: str, job: str, phase: str | None) -> None:
@@ -50,8 +53,8 @@ def set_phase(namespace: str, job: str, phase: str | None) -> None:
 
 
 def set_plan(namespace: str, job: str, world: int, tokens: float, mfu: float,
-             seconds: float | None) -> None:
-    """Record the current plan's predictions."""
+             seconds: float | None = None) -> None:
+    """Record the current plan's predictions (and, if given, its planning time)."""
     WORLD.labels(namespace, job).set(world)
     TOKENS.labels(namespace, job).set(tokens)
     MFU.labels(namespace, job).set(mfu)

@@ -24,8 +24,14 @@ from hettrain.manifests.builders import (
     build_service,
     configmap_name,
 )
+from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.errors import PlanningError
-from hettrain.planning.inventory import ClusterInventory, inventory_from_nodes
+from hettrain.planning.inventory import (
+    ClusterInventory,
+    Link,
+    inventory_from_nodes,
+    load_cluster,
+)
 from hettrain.planning.plan import Plan
 from hettrain.planning.planner import plan_job
 
@@ -60,12 +66,34 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class Observed:
-    """Observed children and cluster: the job's pods, all nodes, and the current plan."""
+    """Observed children and cluster: the job's pods, all nodes, and the current plan.
+
+    ``links`` and ``devices`` are the operator's topology config (inter-DC links, user-defined
+    devices; see :func:`load_topology`), passed to the planner's inventory as they are.
+    """
 
     pods: Sequence[Mapping[str, Any]]
     nodes: Sequence[Mapping[str, Any]]
     plan: Plan | None = None
     now: float = field(default_factory=time.time)
+    links: tuple[Link, ...] = ()
+    devices: Mapping[str, DeviceSpec] = field(default_factory=dict)
+
+    def inventory(self) -> ClusterInventory:
+        """The planner's inventory of the observed nodes with the topology config."""
+        return inventory_from_nodes(self.nodes, links=self.links, devices=self.devices)
+
+
+def load_topology(
+    source: str | Mapping[str, Any],
+) -> tuple[tuple[Link, ...], dict[str, DeviceSpec]]:
+    """``links:`` and ``devices:`` of a cluster YAML (path or parsed dict) for the operator.
+
+    The file is validated by the planner's own reader (``load_cluster``); its pools are ignored
+    because the operator's pools come from the Nodes.
+    """
+    inv = load_cluster(source)
+    return tuple(inv.links), dict(inv.devices)
 
 
 Planner = Callable[[str, JobSpec, ClusterInventory, Plan | None], Plan]
@@ -154,13 +182,14 @@ def _fail(b: _Builder, d: Decision, reason: str, message: str, delete: Iterable[
 def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
             planner: Planner, previous: Plan | None, attempt: int, resume: bool,
             exclude: Sequence[str]) -> Decision:
-    inv = inventory_from_nodes(obs.nodes)
-    if exclude:
-        inv = inv.without_nodes([n for n in exclude if n in inv.node_names()])
     t0 = time.perf_counter()
     try:
+        inv = obs.inventory()
+        if exclude:
+            inv = inv.without_nodes([n for n in exclude if n in inv.node_names()])
         plan = planner(job.name, spec, inv, previous)
     except PlanningError as err:
+        d.plan_seconds = time.perf_counter() - t0
         d.plan_failure = err.reason
         if err.reason == c.REASON_INSUFFICIENT_CAPACITY:
             b.phase(c.PHASE_PENDING)
@@ -195,6 +224,7 @@ def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
                    failureSince=None, failureCause=None, failureNodes=None)
     if not b.old.get("startTime"):
         b.patch["startTime"] = b.now
+    b.patch.setdefault("restarts", int(b.old.get("restarts") or 0))
     d.events.append(Event("Normal", c.REASON_PLAN_FOUND, msg))
     d.status = b.patch
     return d
@@ -337,7 +367,7 @@ def _repair(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
     failed = sorted(set(b.old.get("failedNodes") or []) | set(bad))
     exclude = list(failed)
     if pol.mode == "WaitForReplacement":
-        inv = inventory_from_nodes(obs.nodes)
+        inv = obs.inventory()
         usable = inv.gpus - _gpus_on(inv, exclude)
         if usable < plan.world_size and obs.now - since < pol.wait_seconds:
             b.phase(c.PHASE_REPAIRING)

@@ -1,8 +1,15 @@
-"""One daemon per HetTrainingJob reconciles it whenever its pods or nodes change.
+"""One daemon per HetTrainingJob reconciles it whenever its pods, nodes or spec change.
 
 Pods (label ``hettrain.dev/job``) and Nodes are kept in kopf indices, so a reconcile never lists
-the cluster. Pod/Node events only wake the job's daemon; the daemon observes, calls the pure
+the cluster. Pod/Node/job events only wake the job's daemon; the daemon reads the job afresh
+(one GET: no stale status, resourceVersions never compared), calls the pure
 :func:`hettrain.reconcile.reconcile`, and applies the decision (:mod:`hettrain.kube.apply`).
+
+Environment (all optional): ``HETTRAIN_METRICS_PORT`` (8080; 0 disables),
+``HETTRAIN_METRICS_ADDR`` (0.0.0.0), ``HETTRAIN_CLUSTER_CONFIG`` (a cluster YAML whose
+``links:``/``devices:`` feed the planner), ``HETTRAIN_RESYNC_SECONDS`` (30),
+``HETTRAIN_CREATE_PARALLELISM`` (16), ``HETTRAIN_KOPF_LOG_LEVEL`` (WARNING: kopf's per-object
+"handler succeeded" lines), ``KUBECONFIG`` (outside a cluster).
 """
 
 from __future__ import annotations
@@ -18,17 +25,26 @@ import kopf
 from hettrain import metrics
 from hettrain.api import constants as c
 from hettrain.kube import apply as kube
+from hettrain.planning.catalog import DeviceSpec
+from hettrain.planning.inventory import Link
 from hettrain.planning.plan import Plan
-from hettrain.reconcile import Decision, Observed, reconcile
+from hettrain.reconcile import Decision, Observed, load_topology, reconcile
 
 log = logging.getLogger("hettrain.operator")
 JOB = (c.GROUP, c.VERSION, c.PLURAL)
-IDLE_RESYNC_SECONDS = float(os.environ.get("HETTRAIN_RESYNC_SECONDS", "30"))
+FINALIZER = f"{c.GROUP}/finalizer"
+ERROR_RETRY_SECONDS = 5.0
 
 _wake: dict[tuple[str, str], asyncio.Event] = {}
 _plans: dict[tuple[str, str], tuple[int, Plan]] = {}  # (ns, job) -> (attempt, plan)
-_latest: dict[tuple[str, str], dict[str, Any]] = {}  # our last status write per job
+_generations: dict[tuple[str, str], int] = {}  # last seen metadata.generation per job
 _api: Any = None
+_links: tuple[Link, ...] = ()
+_devices: dict[str, DeviceSpec] = {}
+
+
+def _resync_seconds() -> float:
+    return float(os.environ.get("HETTRAIN_RESYNC_SECONDS", "30"))
 
 
 def _wake_job(namespace: str, job: str) -> None:
@@ -45,24 +61,32 @@ def login(**kwargs: Any) -> Any:
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    """Fast reaction, progress in annotations (status stays schema-only), metrics server."""
-    global _api
+    """Fast reaction, quiet per-object logs, topology config, API client, metrics server."""
+    global _api, _links, _devices
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=c.GROUP, key="last-handled-configuration")
-    settings.persistence.finalizer = f"{c.GROUP}/finalizer"
+    settings.persistence.finalizer = FINALIZER
     settings.queueing.idle_timeout = 0.5
     settings.watching.reconnect_backoff = 0.1
     settings.watching.server_timeout = 300
-    settings.posting.level = logging.INFO
+    settings.posting.level = logging.WARNING
     settings.scanning.disabled = os.environ.get("HETTRAIN_SCANNING", "") == "0"
+    level = os.environ.get("HETTRAIN_KOPF_LOG_LEVEL", "WARNING").upper()
+    logging.getLogger("kopf.objects").setLevel(level)
+    topology = os.environ.get("HETTRAIN_CLUSTER_CONFIG")
+    if topology:
+        try:
+            _links, _devices = load_topology(topology)
+        except Exception as err:
+            raise kopf.PermanentError(
+                f"HETTRAIN_CLUSTER_CONFIG={topology}: {err}; point it at a cluster YAML "
+                "(kind: Cluster) with links:/devices:, or unset it") from err
+        log.info("topology from %s: %d links, %d devices", topology, len(_links), len(_devices))
     _api = kube.load_client(os.environ.get("KUBECONFIG"))
     port = int(os.environ.get("HETTRAIN_METRICS_PORT", "8080"))
     if port:
-        try:
-            metrics.serve(port)
-        except OSError as err:  # already served (e.g. two in-process runs in tests)
-            log.warning("metrics port %s: %s", port, err)
+        metrics.serve(port, os.environ.get("HETTRAIN_METRICS_ADDR", "0.0.0.0"))
 
 
 @kopf.on.probe(id="jobs")
@@ -100,34 +124,28 @@ def node_changed(name: str, type: str | None, **_: Any) -> None:
             _wake_job(*key)
 
 
-@kopf.on.update(*JOB, field="spec")
-def spec_changed(namespace: str, name: str, **_: Any) -> None:
-    """Spec edits (suspend, resize...) wake the daemon, which re-plans by generation."""
-    _wake_job(namespace, name)
+@kopf.on.event(*JOB)
+def job_changed(namespace: str, name: str, meta: Mapping[str, Any], type: str | None,
+                **_: Any) -> None:
+    """A spec edit (new generation: suspend, resize...) wakes the daemon, which re-plans.
+
+    Our own status writes do not change the generation, so they do not wake it again.
+    """
+    key = (namespace, name)
+    if type == "DELETED":
+        _generations.pop(key, None)
+        return
+    generation = int(meta.get("generation") or 0)
+    if _generations.get(key) != generation:
+        _generations[key] = generation
+        _wake_job(namespace, name)
 
 
 @kopf.on.delete(*JOB, optional=True)
 def job_deleted(namespace: str, name: str, **_: Any) -> None:
-    """Children are garbage-collected through ownerReferences; drop our caches."""
+    """Children are garbage-collected through ownerReferences; drop caches and metrics."""
     _plans.pop((namespace, name), None)
-    _latest.pop((namespace, name), None)
     metrics.set_phase(namespace, name, None)
-
-
-def _freshest(body: Mapping[str, Any], key: tuple[str, str]) -> dict[str, Any]:
-    """The body, with our last status write if the watch has not delivered it yet."""
-    live = {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
-            "status": dict(body.get("status") or {})}
-    mine = _latest.get(key)
-    if mine is not None:
-        try:
-            newer = int(mine["metadata"]["resourceVersion"]) > int(
-                live["metadata"]["resourceVersion"])
-        except (KeyError, ValueError):
-            newer = False
-        if newer:
-            live["status"] = dict(mine.get("status") or {})
-    return live
 
 
 def _current_plan(ns: str, name: str, status: Mapping[str, Any]) -> Plan | None:
@@ -146,40 +164,54 @@ def _current_plan(ns: str, name: str, status: Mapping[str, Any]) -> Plan | None:
     return plan
 
 
-def _apply(body: Mapping[str, Any], ns: str, name: str, d: Decision) -> None:
+def _apply(ns: str, name: str, d: Decision, old_phase: str | None) -> None:
+    """Deletes; Service + plan ConfigMap; status (write-ahead: attempt and plan are recorded
+    before any pod exists, so a restart resumes the same attempt); then the pods as a gang."""
     if d.delete:
         kube.delete_all(_api, ns, d.delete)
-    if d.create:
-        kube.create_gang(_api, ns, d.create)
+    pods = [o for o in d.create if o["kind"] == "Pod"]
+    for obj in d.create:
+        if obj["kind"] != "Pod":
+            # a new attempt's ConfigMap left by a crash before its status write is stale
+            kube.create(_api, ns, obj, replace=d.plan is not None and obj["kind"] == "ConfigMap")
     if d.plan is not None:
         _plans[(ns, name)] = (int(d.status.get("attempt") or 0), d.plan)
         metrics.set_plan(ns, name, d.plan.world_size, d.plan.predicted.tokens_per_s,
-                         d.plan.predicted.mfu, d.plan_seconds)
+                         d.plan.predicted.mfu)
+    if d.plan_seconds is not None:
+        metrics.PLAN_DURATION.observe(d.plan_seconds)
     if d.status:
-        _latest[(ns, name)] = kube.patch_status(_api, ns, name, d.status)
-    for ev in d.events:
-        kopf.event(dict(body), type=ev.type, reason=ev.reason, message=ev.message[:1000])
+        kube.patch_status(_api, ns, name, d.status)
+    if pods:
+        kube.create_gang(_api, ns, pods)
     if d.repair_cause:
         metrics.REPAIRS.labels(ns, name, d.repair_cause).inc()
     if d.plan_failure:
         metrics.PLAN_FAILURES.labels(ns, name, d.plan_failure).inc()
-    phase = d.status.get("phase") or (body.get("status") or {}).get("phase")
+    phase = d.status.get("phase") or old_phase
     if phase:
         metrics.set_phase(ns, name, phase)
 
 
-def reconcile_once(body: Mapping[str, Any], pods_by_job: Any, nodes_by_name: Any
-                   ) -> Decision:
-    """Observe (indices), decide (pure), apply (API) once for one job."""
-    meta = body["metadata"]
-    ns, name = meta["namespace"], meta["name"]
-    fresh = _freshest(body, (ns, name))
+def reconcile_once(ns: str, name: str, pods_by_job: Any, nodes_by_name: Any
+                   ) -> tuple[dict[str, Any], Decision] | None:
+    """Read the job, observe (indices), decide (pure), apply (API) once; None if it is gone."""
+    body = kube.get_job(_api, ns, name)
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    status = body.get("status") or {}
     pods = list(pods_by_job.get((ns, name), []))
     nodes = [n for store in nodes_by_name.values() for n in store]
-    obs = Observed(pods=pods, nodes=nodes, plan=_current_plan(ns, name, fresh["status"]))
-    d = reconcile(fresh, obs)
-    _apply(body, ns, name, d)
-    return d
+    obs = Observed(pods=pods, nodes=nodes, plan=_current_plan(ns, name, status),
+                   links=_links, devices=_devices)
+    d = reconcile(body, obs)
+    _apply(ns, name, d, status.get("phase"))
+    return body, d
+
+
+def _post_events(body: Mapping[str, Any], d: Decision) -> None:
+    for ev in d.events:
+        kopf.event(dict(body), type=ev.type, reason=ev.reason, message=ev.message[:1000])
 
 
 @kopf.daemon(*JOB, cancellation_timeout=5.0)
@@ -192,20 +224,26 @@ async def job_daemon(stopped: kopf.DaemonStopped, body: Any, namespace: str, nam
         while not stopped:
             wake.clear()
             try:
-                d = await asyncio.to_thread(reconcile_once, body, pods_by_job, nodes_by_name)
-                delay = d.retry_after if d.retry_after is not None else IDLE_RESYNC_SECONDS
+                result = await asyncio.to_thread(reconcile_once, namespace, name, pods_by_job,
+                                                 nodes_by_name)
+                if result is None:
+                    return
+                fresh, d = result
+                _post_events(fresh, d)
+                delay = d.retry_after if d.retry_after is not None else _resync_seconds()
             except kube.GangCreateError as err:
                 metrics.RECONCILE_ERRORS.labels("gang-create").inc()
+                log.warning("gang create %s/%s failed: %s", namespace, name, err)
                 kopf.event(dict(body), type="Warning", reason="GangCreateFailed",
                            message=str(err)[:1000])
-                delay = 5.0
+                delay = ERROR_RETRY_SECONDS
             except Exception:
                 metrics.RECONCILE_ERRORS.labels("reconcile").inc()
                 log.exception("reconcile %s/%s failed", namespace, name)
-                delay = 5.0
+                delay = ERROR_RETRY_SECONDS
             try:
                 await asyncio.wait_for(wake.wait(), timeout=max(0.05, delay))
-                await asyncio.sleep(0.05)  # coalesce bursts of watch events
+                await asyncio.sleep(0.02)  # coalesce a burst of watch events into one pass
             except TimeoutError:
                 pass
     finally:

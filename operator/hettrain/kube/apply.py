@@ -1,11 +1,17 @@
-"""Apply a reconcile Decision to the API server: deletes, then a gang create (all or none)."""
+"""Apply a reconcile Decision to the API server: deletes, then a gang create (all or none).
+
+Every call is a raw JSON request (no client model encoding/validation): the objects are the
+plain dicts the pure builders return, and resourceVersions stay opaque strings.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import quote
 
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
@@ -13,7 +19,12 @@ from kubernetes.client.rest import ApiException
 
 from hettrain.api import constants as c
 
-_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="hettrain-kube")
+#: Concurrent API requests when creating/deleting a gang (``HETTRAIN_CREATE_PARALLELISM``).
+PARALLELISM = max(1, int(os.environ.get("HETTRAIN_CREATE_PARALLELISM", "16")))
+REQUEST_TIMEOUT_S = 30.0
+_MERGE_PATCH = "application/merge-patch+json"
+_PLURALS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps"}
+_pool = ThreadPoolExecutor(max_workers=PARALLELISM, thread_name_prefix="hettrain-kube")
 
 
 class GangCreateError(RuntimeError):
@@ -28,51 +39,71 @@ def load_client(kubeconfig: str | None = None) -> k8s.ApiClient:
     except k8s_config.ConfigException:
         cfg = k8s.Configuration()
         k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-    cfg.connection_pool_maxsize = 32
+    cfg.connection_pool_maxsize = max(32, PARALLELISM)
     return k8s.ApiClient(cfg)
 
 
-def _create(api: k8s.ApiClient, ns: str, obj: dict[str, Any]) -> bool:
-    """Create one object; True if created, False if it already existed (409)."""
-    core = k8s.CoreV1Api(api)
-    fn = {"Pod": core.create_namespaced_pod, "Service": core.create_namespaced_service,
-          "ConfigMap": core.create_namespaced_config_map}[obj["kind"]]
-    try:
-        fn(ns, obj)
+def request(api: k8s.ApiClient, method: str, path: str, body: Any = None,
+            content_type: str = "application/json", ok: Sequence[int] = ()
+            ) -> tuple[int, dict[str, Any]]:
+    """One JSON request; returns (status, body). Raises ApiException unless 2xx or in ``ok``."""
+    params = api.param_serialize(
+        method=method, resource_path=path,
+        header_params={"Content-Type": content_type, "Accept": "application/json"},
+        body=body, auth_settings=["BearerToken"])
+    resp = api.call_api(*params, _request_timeout=REQUEST_TIMEOUT_S)
+    data = resp.read()
+    if not (200 <= resp.status < 300 or resp.status in ok):
+        raise ApiException(status=resp.status, reason=resp.reason, body=data)
+    return resp.status, (json.loads(data) if data else {})
+
+
+def _collection(ns: str, kind: str) -> str:
+    if kind not in _PLURALS:
+        raise ValueError(f"kind {kind!r} is not a child kind; expected one of {list(_PLURALS)}")
+    return f"/api/v1/namespaces/{quote(ns)}/{_PLURALS[kind]}"
+
+
+def job_path(ns: str, name: str) -> str:
+    """API path of one HetTrainingJob."""
+    return f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{quote(ns)}/{c.PLURAL}/{quote(name)}"
+
+
+def create(api: k8s.ApiClient, ns: str, obj: dict[str, Any], replace: bool = False) -> bool:
+    """Create one object; True if created. Already there (409): False, or with ``replace``
+    its ``data``/labels are overwritten by a merge patch (ConfigMaps of a not-yet-launched
+    attempt)."""
+    path = _collection(ns, obj["kind"])
+    status, _ = request(api, "POST", path, obj, ok=(409,))
+    if status != 409:
         return True
-    except ApiException as err:
-        if err.status == 409:
-            return False
-        raise
+    if replace:
+        patch = {"metadata": {"labels": obj["metadata"].get("labels") or {}},
+                 "data": obj.get("data") or {}}
+        request(api, "PATCH", f"{path}/{quote(obj['metadata']['name'])}", patch, _MERGE_PATCH)
+    return False
 
 
-def _delete(api: k8s.ApiClient, ns: str, kind: str, name: str) -> None:
-    core = k8s.CoreV1Api(api)
-    fn = {"Pod": core.delete_namespaced_pod, "Service": core.delete_namespaced_service,
-          "ConfigMap": core.delete_namespaced_config_map}[kind]
-    try:
-        fn(name, ns, grace_period_seconds=0, propagation_policy="Background")
-    except ApiException as err:
-        if err.status != 404:
-            raise
+def delete(api: k8s.ApiClient, ns: str, kind: str, name: str) -> bool:
+    """Delete one object at once (grace 0, children in background); False if already gone."""
+    body = {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0,
+            "propagationPolicy": "Background"}
+    status, _ = request(api, "DELETE", f"{_collection(ns, kind)}/{quote(name)}", body, ok=(404,))
+    return status != 404
 
 
 def delete_all(api: k8s.ApiClient, ns: str, items: Iterable[tuple[str, str]]) -> None:
     """Delete objects in parallel; already gone is fine."""
-    list(_pool.map(lambda kn: _delete(api, ns, kn[0], kn[1]), list(dict.fromkeys(items))))
+    list(_pool.map(lambda kn: delete(api, ns, kn[0], kn[1]), list(dict.fromkeys(items))))
 
 
-def create_gang(api: k8s.ApiClient, ns: str, objects: Sequence[dict[str, Any]]) -> int:
-    """Create Service/ConfigMap, then all pods in parallel; on any failure delete the pods
-    created by this call and raise :class:`GangCreateError`. Returns pods newly created."""
-    pods = [o for o in objects if o["kind"] == "Pod"]
-    for obj in objects:
-        if obj["kind"] != "Pod":
-            _create(api, ns, obj)
+def create_gang(api: k8s.ApiClient, ns: str, pods: Sequence[dict[str, Any]]) -> int:
+    """Create all pods in parallel; on any failure delete the pods created by this call and
+    raise :class:`GangCreateError`. Returns the number of pods newly created (409 = exists)."""
 
     def one(pod: dict[str, Any]) -> tuple[str, bool | Exception]:
         try:
-            return pod["metadata"]["name"], _create(api, ns, pod)
+            return pod["metadata"]["name"], create(api, ns, pod)
         except Exception as err:
             return pod["metadata"]["name"], err
 
@@ -82,28 +113,32 @@ def create_gang(api: k8s.ApiClient, ns: str, objects: Sequence[dict[str, Any]]) 
         created = [("Pod", n) for n, r in results if r is True]
         delete_all(api, ns, created)
         name, err = errors[0]
-        raise GangCreateError(f"pod {name}: {err}; rolled back {len(created)} pods")
+        detail = getattr(err, "body", None) or err
+        raise GangCreateError(f"pod {name}: {detail}; rolled back {len(created)} pods")
     return sum(1 for _, r in results if r is True)
+
+
+def get_job(api: k8s.ApiClient, ns: str, name: str) -> dict[str, Any] | None:
+    """The HetTrainingJob as the API has it now, or None when it is gone."""
+    status, body = request(api, "GET", job_path(ns, name), ok=(404,))
+    return None if status == 404 else body
 
 
 def patch_status(api: k8s.ApiClient, ns: str, name: str, status: dict[str, Any]
                  ) -> dict[str, Any]:
     """Merge-patch the job's status subresource (None values delete keys); the new object."""
-    return k8s.CustomObjectsApi(api).api_client.call_api(
-        f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{ns}/{c.PLURAL}/{name}/status", "PATCH",
-        body={"status": status}, header_params={"Content-Type": "application/merge-patch+json"},
-        auth_settings=["BearerToken"], response_type="object", _return_http_data_only=True)
+    _, body = request(api, "PATCH", job_path(ns, name) + "/status", {"status": status},
+                      _MERGE_PATCH)
+    return body
 
 
 def read_plan_json(api: k8s.ApiClient, ns: str, configmap: str) -> str | None:
     """plan.json of a plan ConfigMap, or None when it is gone."""
-    try:
-        cm = k8s.CoreV1Api(api).read_namespaced_config_map(configmap, ns)
-    except ApiException as err:
-        if err.status == 404:
-            return None
-        raise
-    return (cm.data or {}).get(c.PLAN_CONFIGMAP_KEY)
+    status, cm = request(api, "GET", f"{_collection(ns, 'ConfigMap')}/{quote(configmap)}",
+                         ok=(404,))
+    if status == 404:
+        return None
+    return (cm.get("data") or {}).get(c.PLAN_CONFIGMAP_KEY)
 
 
 def dumps(obj: Any) -> str:
