@@ -112,10 +112,13 @@ class RecoveryModel:
 
 
 def young_daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
-    """Young–Daly first-order optimum checkpoint interval ``sqrt(2·C·M)`` (seconds)."""
-    if checkpoint_s <= 0 or not math.isfinite(mtbf_s):
+    """Young–Daly first-order optimum checkpoint interval ``sqrt(2·C·M)`` (seconds).
+
+    No failures (``mtbf_s`` infinite) means never checkpoint; the result is at least 1 s.
+    """
+    if not math.isfinite(mtbf_s):
         return math.inf
-    return math.sqrt(2.0 * checkpoint_s * mtbf_s)
+    return max(1.0, math.sqrt(2.0 * max(checkpoint_s, 0.0) * mtbf_s))
 
 
 # ---------------------------------------------------------------- YAML
