@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from hettrain.api.spec import JobSpec
@@ -26,7 +26,9 @@ from hettrain.planning import cost
 from hettrain.planning.bounds import (
     Choice,
     UnitStats,
+    boundary_lower_bounds,
     memory_need_gib,
+    ordered_boundaries,
     partial_lower_bound,
     step_lower_bound,
 )
@@ -86,6 +88,9 @@ class _Search:
     def __init__(self, spec: JobSpec, exhaustive: bool, slack: float = 1.0) -> None:
         self.spec = spec
         self.slack = slack  # prune only what is worse than best·slack (re-plans keep near ones)
+        # the largest bubble divisor among the schedules the search may pick (bounds.py)
+        self.bubble_div = {"1f1b": 1.0, "interleaved": float(INTERLEAVE_CHUNKS)}.get(
+            spec.parallelism.schedule, 3.0)
         self.exhaustive = exhaustive
         self.best: Candidate | None = None
         self.near: list[Candidate] = []  # within REPLAN_TOLERANCE of the best (for re-plans)
@@ -254,8 +259,13 @@ def _orders(units: Sequence[Unit], counts: Sequence[int], exhaustive: bool
     if exhaustive or len(used) <= MAX_PERMUTED_UNITS:
         yield from itertools.permutations(used)
         return
-    yield tuple(sorted(used, key=lambda i: (units[i].datacenters, -units[i].device.flops,
-                                            units[i].key)))
+    yield _fixed_order(units, used)
+
+
+def _fixed_order(units: Sequence[Unit], used: Sequence[int]) -> tuple[int, ...]:
+    """Stage order beyond ``MAX_PERMUTED_UNITS`` units: DC by DC, fastest device first."""
+    return tuple(sorted(used, key=lambda i: (units[i].datacenters, -units[i].device.flops,
+                                             units[i].key)))
 
 
 Outer = tuple[float, int, tuple[int, ...], tuple[int, ...]]
@@ -299,6 +309,17 @@ def _candidates_outer(units: Sequence[Unit], spec: JobSpec, dp_values: Sequence[
     return out
 
 
+def _boundary_memo(search: _Search, src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int,
+                   mb: int, inv: ClusterInventory) -> float:
+    """:func:`_boundary_s`, memoised per search."""
+    key = (src.key, dst.key, tp_src, tp_dst, dp, mb)
+    b = search.boundary_memo.get(key)
+    if b is None:
+        b = search.boundary_memo[key] = _boundary_s(src, dst, tp_src, tp_dst, dp, mb, inv,
+                                                    search.spec)
+    return b
+
+
 def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int,
               schedule: str, inv: ClusterInventory, grouping: str) -> None:
     spec = search.spec
@@ -311,14 +332,8 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
     if schedule == "zb-h1" and pp < 2:
         return
     stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec, search.stage_memo)
-    boundaries = []
-    for i in range(pp - 1):
-        key = (units[i].key, units[i + 1].key, tps[i], tps[i + 1], dp, mb)
-        b = search.boundary_memo.get(key)
-        if b is None:
-            b = search.boundary_memo[key] = _boundary_s(units[i], units[i + 1], tps[i],
-                                                        tps[i + 1], dp, mb, inv, spec)
-        boundaries.append(b * v)
+    boundaries = [_boundary_memo(search, units[i], units[i + 1], tps[i], tps[i + 1], dp, mb, inv)
+                  * v for i in range(pp - 1)]
     f = {"1f1b": 1.0, "interleaved": float(v), "zb-h1": 3.0}[schedule]
     scaled = [StageCost(s.a, s.b, s.c * f, s.e * f, s.max_layers) for s in stages]
     p_max, p_sum = max(boundaries, default=0.0), sum(boundaries)
@@ -391,12 +406,13 @@ def _unit_stats(unit: Unit, tp: int, dp: int, mb: int, inv: ClusterInventory,
          + cost.tp_comm_per_layer_s(model, mb, tp, unit.device, eb))
     head = 3 * cost.head_forward_flops(model, tokens) / f
     lat, per_byte, _ = _dp_time_per_byte(unit, dp, tp, inv, spec)
-    dp_one = lat + cost.layer_params(model) * 4.0 / tp * per_byte if dp > 1 else 0.0
+    dp_c = cost.layer_params(model) * 4.0 / tp * per_byte if dp > 1 else 0.0
+    dp_e = lat if dp > 1 else 0.0
     mem = cost.stage_memory(model, training, tp=tp, dp=dp, micro_batch=mb, in_flight=1,
                             first=False, last=False)
     usable = unit.device.hbm_bytes * cost.MEMORY_HEADROOM
     cap = int((usable - mem.fixed) // mem.per_layer) if usable > mem.fixed else 0
-    return UnitStats(a, head, dp_one, min(cap, model.layers), mem.fixed, mem.per_layer)
+    return UnitStats(a, head, dp_c, dp_e, min(cap, model.layers), mem.fixed, mem.per_layer)
 
 
 def _windowed(units: Sequence[Unit], spec: JobSpec, tp_opts: Sequence[Sequence[int]]) -> bool:
@@ -456,14 +472,19 @@ def _search_fast(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory
                                                    default=0))
                 rest_a.append(min([rest_a[-1], *(c.stats.a for c in unit_opts)]))
             rest = (rest_rate[::-1], rest_cap[::-1], rest_a[::-1])
-            root = partial_lower_bound((), rest[0][0], rest[1][0], rest[2][0], layers, m)
+            root = partial_lower_bound((), rest[0][0], rest[1][0], rest[2][0], layers, m,
+                                       search.bubble_div)
             pairs.append((root, dp, mb, m, opts, rest))
     pairs.sort(key=lambda p: p[:3])
     for root, dp, mb, m, opts, rest in pairs:
         if root >= search.bound():
             break
         leaves: list[tuple[float, tuple[Choice, ...]]] = []
-        _collect(search, opts, rest, 0, (), layers, m, pinned_pp, leaves)
+
+        def boundary_cost(x: Choice, y: Choice, dp: int = dp, mb: int = mb) -> float:
+            return _boundary_memo(search, units[x.unit], units[y.unit], x.tp, y.tp, dp, mb, inv)
+
+        _collect(search, opts, rest, 0, (), layers, m, pinned_pp, leaves, boundary_cost, units)
         leaves.sort(key=lambda x: (x[0], tuple((c.unit, c.tp, c.k) for c in x[1])))
         for lb, choices in leaves:
             if lb >= search.bound():
@@ -475,11 +496,20 @@ def _search_fast(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory
 
 def _collect(search: _Search, opts: list[list[Choice]], rest: tuple, i: int,
              chosen: tuple[Choice, ...], layers: int, m: int, pinned_pp: int | None,
-             out: list) -> None:
+             out: list, boundary_cost: Callable[[Choice, Choice], float],
+             units: tuple[Unit, ...]) -> None:
     """Depth-first over units: skip a unit or take one of its choices; keep leaves under bound."""
     if i == len(opts):
         if chosen and (pinned_pp is None or sum(c.k for c in chosen) == pinned_pp):
-            lb = step_lower_bound(chosen, layers, m)
+            if len(chosen) > MAX_PERMUTED_UNITS:  # one order only: its exact boundaries
+                order = _fixed_order(units, [c.unit for c in chosen])
+                by_unit = {c.unit: c for c in chosen}
+                ordered = [by_unit[i] for i in order]
+                bounds, last = ordered_boundaries(ordered, boundary_cost), ordered[-1]
+            else:
+                bounds, last = boundary_lower_bounds(chosen, boundary_cost), None
+            lb = step_lower_bound(chosen, layers, m, bounds, last, search.bubble_div,
+                                  search.bound())
             if lb < search.bound():
                 out.append((lb, chosen))
         return
@@ -487,10 +517,11 @@ def _collect(search: _Search, opts: list[list[Choice]], rest: tuple, i: int,
         nxt = chosen if choice is None else (*chosen, choice)
         if choice is not None or i + 1 < len(opts):
             lb = partial_lower_bound(nxt, rest[0][i + 1], rest[1][i + 1], rest[2][i + 1],
-                                     layers, m)
+                                     layers, m, search.bubble_div)
             if lb >= search.bound():
                 continue
-        _collect(search, opts, rest, i + 1, nxt, layers, m, pinned_pp, out)
+        _collect(search, opts, rest, i + 1, nxt, layers, m, pinned_pp, out, boundary_cost,
+                 units)
 
 
 def _evaluate_choices(search: _Search, units: tuple[Unit, ...], choices: tuple[Choice, ...],
