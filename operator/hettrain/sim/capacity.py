@@ -78,11 +78,13 @@ class CapacityOracle:
         return "planner" if self.scale == 1 else f"scaled:{self.scale}"
 
     def key(self, up: tuple[int, ...]) -> tuple[int, ...]:
-        """Quantised state: per pool, down count rounded up to a multiple of ``quantum``."""
+        """Plannable nodes (spares held out), then per pool the down count rounded up to a
+        multiple of ``quantum``."""
+        up = self.topo.plannable(up)
         if self.quantum == 1:
             return up
         out = []
-        for n, u in zip(self.topo.pool_nodes, up, strict=True):
+        for n, u in zip(self.topo.plannable(self.topo.pool_nodes), up, strict=True):
             down = -(-(n - u) // self.quantum) * self.quantum
             out.append(max(0, n - down))
         return tuple(out)

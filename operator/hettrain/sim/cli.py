@@ -43,8 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                      "--cluster/--generate)")
     src.add_argument("--dcs", type=int, default=1, help="--generate: datacenters (default 1)")
     src.add_argument("--gpus-per-node", type=int, default=8, help="--generate: default 8")
-    src.add_argument("--spare-nodes", type=int, default=0,
-                     help="--generate: extra nodes per pool beyond the GPU count (default 0)")
+    src.add_argument("--spare-nodes", type=int,
+                     help="hot spares per pool, held out of every plan (default 0; with "
+                          "--generate they are added to the GPU count, with --cluster they are "
+                          "taken from each pool)")
     src.add_argument("--days", type=float, help="simulated days (default 54)")
     fail = parser.add_argument_group("failures and recovery")
     fail.add_argument("--failures", metavar="F.yaml",
@@ -97,11 +99,12 @@ def _scenario(args: argparse.Namespace) -> Scenario:
             inv = (load_inventory(args.cluster) if args.cluster else
                    generate_cluster(args.generate, dcs=args.dcs,
                                     gpus_per_node=args.gpus_per_node,
-                                    spare_nodes=args.spare_nodes))
+                                    spare_nodes=args.spare_nodes or 0))
         except CliError as exc:
             raise SimInputError("input", str(exc)) from None
         label = args.cluster or f"generate {args.generate}"
-        sc = Scenario(label, name, spec, inv, FailureModel(), RecoveryModel(), 54.0)
+        sc = Scenario(label, name, spec, inv, FailureModel(), RecoveryModel(), 54.0,
+                      args.spare_nodes or 0)
     failures, recovery = sc.failures, sc.recovery
     if args.failures:
         failures, recovery = load_models(args.failures)
@@ -121,6 +124,9 @@ def _scenario(args: argparse.Namespace) -> Scenario:
             raise SimInputError(flag, f"must be > 0 (got {v})")
         if v is not None:
             recovery = replace(recovery, **{key: v})
+    if args.scenario and args.spare_nodes is not None:
+        raise SimInputError("--spare-nodes", "a --scenario fixes its spares (llama3-16k: 32, "
+                                             "llama3-16k-nospares: 0); drop the flag")
     days = sc.days if args.days is None else args.days
     if days <= 0:
         raise SimInputError("--days", f"must be > 0 (got {days})")

@@ -3,7 +3,8 @@
 ``--generate 16384:H100-SXM,4096:MI300X`` gives, per entry, that many GPUs of one catalog device
 (rounded up to whole nodes of ``gpus_per_node``) split as evenly as possible over ``dcs``
 datacenters (one pool per device and datacenter, pools named ``<device>-dc<k>``), plus
-``spare_nodes`` extra nodes per pool (hot spares: the restart policy swaps them in).
+``spare_nodes`` extra nodes per pool: hot spares, held out of every plan, that stand in for
+failed nodes (:meth:`Topology.plannable`).
 Racks are consecutive nodes of a pool (``nodes_per_rack`` of them).
 """
 
@@ -32,6 +33,13 @@ class Topology:
     pool_device: tuple[str, ...]
     pool_gpus_per_node: tuple[int, ...]
     nodes_per_rack: int
+    spare_nodes: int = 0  # per pool, held out of every plan (hot spares)
+
+    def plannable(self, up: tuple[int, ...]) -> tuple[int, ...]:
+        """Up nodes a plan may use per pool: all but the pool's ``spare_nodes`` (hot spares
+        stand in for failed nodes; they are never planned as extra capacity)."""
+        return tuple(min(u, n - self.spare_nodes) for u, n in zip(up, self.pool_nodes,
+                                                                    strict=True))
 
     @property
     def pools(self) -> int:
@@ -76,9 +84,13 @@ class Topology:
                                     f"{self.inventory.pools[0].nodes[0]}")
 
 
-def topology_of(inventory: ClusterInventory, nodes_per_rack: int) -> Topology:
-    """The :class:`Topology` of an inventory."""
+def topology_of(inventory: ClusterInventory, nodes_per_rack: int, spare_nodes: int = 0
+                ) -> Topology:
+    """The :class:`Topology` of an inventory, ``spare_nodes`` of every pool held as spares."""
     pools = inventory.pools
+    if spare_nodes < 0 or any(len(p.nodes) <= spare_nodes for p in pools):
+        raise SimInputError("--spare-nodes", f"must be >= 0 and leave every pool at least one "
+                                             f"non-spare node (got {spare_nodes})")
     return Topology(
         inventory=inventory,
         pool_nodes=tuple(len(p.nodes) for p in pools),
@@ -86,6 +98,7 @@ def topology_of(inventory: ClusterInventory, nodes_per_rack: int) -> Topology:
         pool_device=tuple(p.device.name for p in pools),
         pool_gpus_per_node=tuple(p.gpus_per_node for p in pools),
         nodes_per_rack=nodes_per_rack,
+        spare_nodes=spare_nodes,
     )
 
 

@@ -34,6 +34,7 @@ class Scenario:
     failures: FailureModel
     recovery: RecoveryModel
     days: float
+    spare_nodes: int = 0  # per pool, hot spares held out of every plan
 
     @property
     def horizon_s(self) -> float:
@@ -42,7 +43,7 @@ class Scenario:
 
     def topology(self) -> Topology:
         """The cluster's node/rack/DC layout."""
-        return topology_of(self.inventory, self.failures.nodes_per_rack)
+        return topology_of(self.inventory, self.failures.nodes_per_rack, self.spare_nodes)
 
 
 def llama3_job(global_batch: int = 2048, name: str = "llama3-405b") -> tuple[str, JobSpec]:
@@ -68,7 +69,8 @@ def preset(name: str) -> Scenario:
                                           f"{', '.join(spares)}")
     job_name, spec = llama3_job()
     inv = generate_cluster("16384:H100-SXM", spare_nodes=spares[name])
-    return Scenario(name, job_name, spec, inv, FailureModel(), RecoveryModel(), 54.0)
+    return Scenario(name, job_name, spec, inv, FailureModel(), RecoveryModel(), 54.0,
+                    spares[name])
 
 
 def expected_interruption_rate(topo: Topology, model: FailureModel,
