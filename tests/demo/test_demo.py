@@ -1,0 +1,119 @@
+"""``hettrain demo`` end to end on the real local control plane, and its Ctrl-C cleanup.
+
+Run: ``.venv/bin/pytest tests/demo -x -q`` (~2 min on 2 cores with warm binaries).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from procscan import MARKER, marked_pids
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+HETTRAIN = str(Path(sys.executable).parent / "hettrain")
+
+
+def _start(workdir: Path, token: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, MARKER: token, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([HETTRAIN, "demo", "--workdir", str(workdir), *args], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _reap(proc: subprocess.Popen, token: str) -> None:
+    """Last resort if a test failed midway: kill whatever the run left (by marker)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pid in marked_pids(token):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_demo_trains_fails_a_node_repairs_and_resumes(tmp_path: Path) -> None:
+    token = uuid.uuid4().hex
+    proc = _start(tmp_path, token, "--steps", "16", "--fail-at", "10",
+                  "--checkpoint-interval", "4")
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        _reap(proc, token)
+    assert proc.returncode == 0, out[-6000:]
+    for i, title in enumerate(["local control plane up", "CRD + kwok GPU nodes",
+                               "operator running", "apply examples/demo/job.yaml",
+                               "the plan", "train the planned ranks", "inject a node failure",
+                               "resume from the checkpoint", "metrics"], start=1):
+        assert f"[{i}/9] {title}" in out, title
+    assert out.count(": ok ") == 9, out[-6000:]
+    assert "phase Repairing" in out and "loss fell before and after the repair" in out
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    first = {int(k): v for k, v in summary["losses"]["attempt1"].items()}
+    second = {int(k): v for k, v in summary["losses"]["attempt2"].items()}
+    # attempt 1 ran steps 0..>=9; the failure came after 10 steps; checkpoints every 4 steps
+    assert min(first) == 0 and max(first) >= 9
+    assert summary["resumed_at_step"] in (4, 8) and max(second) == 15
+    # losses fall before the failure and keep falling after the repair
+    assert first[max(first)] < first[0]
+    assert second[15] < first[0] and second[15] < second[min(second)]
+    assert sum(second.values()) / len(second) < sum(first.values()) / len(first)
+    # steps replayed after the resume, on another placement, reproduce the first run's losses
+    assert summary["replayed_steps_max_abs_diff"] < 1e-4
+    # the repair re-planned without the failed node
+    old, new = summary["plans"]
+    assert summary["failed_node"] in old["nodes"] and summary["failed_node"] not in new["nodes"]
+    assert old["fingerprint"] != new["fingerprint"]
+    assert any(ln.startswith("hettrain_repairs_total{") and 'cause="NodeLost"' in ln
+               and ln.endswith(" 1.0") for ln in summary["operator_metrics"])
+    assert any(ln.startswith("hettrain_runtime_step{") and ln.endswith(" 16.0")
+               for ln in summary["runtime_metrics"])
+    assert (tmp_path / "plan-attempt-1.png").stat().st_size > 10_000
+    assert (tmp_path / "plan-attempt-2.png").stat().st_size > 10_000
+    assert not (tmp_path / "cluster").exists()  # e2e/cluster/down removed the state dir
+    assert marked_pids(token) == {}
+
+
+def test_sigint_mid_training_stops_every_child(tmp_path: Path) -> None:
+    token = uuid.uuid4().hex
+    proc = _start(tmp_path, token, "--steps", "200", "--step-sleep", "0.3")
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 300
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "step   3  loss" in line:
+                break
+            assert time.monotonic() < deadline, "".join(lines)[-4000:]
+        else:
+            pytest.fail("demo ended before training:\n" + "".join(lines)[-4000:])
+        running = marked_pids(token)
+        names = " ".join(running.values())
+        # the cluster's five components, the operator and the four ranks are all alive
+        for exe in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
+                    "kwok", "kopf run", "hettrain.runtime"):
+            assert exe in names, names
+        assert sum("hettrain.runtime" in cmd for cmd in running.values()) == 4
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=90)
+        took = time.monotonic() - t0
+    finally:
+        _reap(proc, token)
+    out = "".join(lines) + rest
+    assert proc.returncode == 130, out[-4000:]
+    assert "interrupted" in rest and "teardown done" in rest
+    left = marked_pids(token)
+    assert left == {}, left
+    assert not (tmp_path / "cluster").exists()
+    print(f"SIGINT → all {len(running)} processes gone in {took:.1f} s")
