@@ -47,7 +47,11 @@ plan-examples: $(STAMP)  ## plan every example job against its cluster
 	  $(VENV)/bin/hettrain plan $$job --cluster $$cluster || exit 1; \
 	done
 
-demo: plan-examples  ## the main job on the embedded local default
+# demo: builds the control plane once (~12 min cold on 2 cores, progress on stderr), then runs
+# `hettrain demo` (docs/demo.md); pass options with DEMO_ARGS="--steps 20 --keep".
+demo: $(STAMP)  ## the embedded demo: local control plane, operator, plan, CPU training, node failure, repair
+	e2e/cluster/build >/dev/null
+	$(VENV)/bin/hettrain demo $(DEMO_ARGS)
 
 bench: $(STAMP)  ## run the benchmarks (ratios, medians of repeats)
 	$(PY) bench/plan_scale.py
