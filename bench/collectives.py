@@ -42,12 +42,26 @@ def _init(rank: int, world: int, addr: str, port: int):
     return dist
 
 
-def worker_allreduce(rank: int, world: int, addr: str, port: int, repeats: int) -> dict:
-    """Time flat / hierarchical / leader all-reduce for every size; ranks 0..w/2-1 = pool A."""
+def _link_bytes() -> int:
+    """Bytes sent so far by this namespace's veth end (the inter-pool link); 0 on loopback."""
+    dev = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    if dev == "lo":
+        return 0
+    return int((Path("/sys/class/net") / dev / "statistics" / "tx_bytes").read_text())
+
+
+def worker_allreduce(rank: int, world: int, addr: str, port: int, repeats: int,
+                     pipeline_mib: float, link: str) -> dict:
+    """Time flat / hierarchical / leader / auto all-reduce for every size.
+
+    Ranks ``0..w/2-1`` are pool A (namespace A), the rest pool B. The first rank of each pool
+    also records the bytes its namespace's veth sent during each call (the inter-pool link).
+    """
     import torch
 
     from hettrain.runtime.collectives import (
-        bridged_all_reduce_,
+        HetCommunicator,
+        bridged_all_reduce_async,
         hierarchical_all_reduce_,
         leader_all_reduce_,
     )
@@ -58,31 +72,45 @@ def worker_allreduce(rank: int, world: int, addr: str, port: int, repeats: int) 
     inters = [dist.new_group([j, j + half]) for j in range(half)]
     inter = inters[rank % half]
     leaders = inters[0] if rank % half == 0 else None
+    gbps, _, lat = link.partition(":")
+    plan = _plan(world, {"mode": "sync", "link_gbps": float(gbps), "link_latency_ms": float(lat)},
+                 one_host=float(gbps) == 0)
+    comm = HetCommunicator.from_plan(plan, rank)
+    pipe = int(pipeline_mib * (1 << 20)) if pipeline_mib > 0 else None
 
     def bridge(buf, group):
-        bridged_all_reduce_(buf, group)
+        return bridged_all_reduce_async(buf, group)
 
+    picked: dict[str, str] = {}
     algos = {
         "flat": lambda t: dist.all_reduce(t),
-        "hierarchical": lambda t: hierarchical_all_reduce_(t, intra, inter, inter_op=bridge),
+        "hierarchical": lambda t: hierarchical_all_reduce_(t, intra, inter, inter_op=bridge,
+                                                           pipeline_bytes=pipe),
         "leader": lambda t: leader_all_reduce_(t, intra, leaders, leader=(rank // half) * half,
                                                inter_op=bridge),
+        "auto": lambda t: picked.__setitem__(t.numel(), comm.dp_all_reduce_([t], average=False)),
     }
     out: dict = {}
     for mib in SIZES_MIB:
         base = torch.ones(mib * (1 << 20) // 4)
-        for name, fn in algos.items():
-            times = []
-            for _ in range(repeats + 1):  # first one warms up connections and buffers
+        times: dict[str, list[float]] = {name: [] for name in algos}
+        link_mib: dict[str, list[float]] = {name: [] for name in algos}
+        for _ in range(repeats + 1):  # first round warms up connections and buffers
+            for name, fn in algos.items():  # interleaved: load drift hits every algorithm
                 t = base.clone()
                 dist.barrier()
+                tx0 = _link_bytes()
                 t0 = time.perf_counter()
                 fn(t)
                 dist.barrier()
-                times.append(time.perf_counter() - t0)
-                if t[0].item() != world:
+                times[name].append(time.perf_counter() - t0)
+                link_mib[name].append((_link_bytes() - tx0) / (1 << 20))
+                if t[0].item() != world or t[-1].item() != world:
                     raise RuntimeError(f"{name} {mib} MiB: wrong sum {t[0].item()}")
-            out[f"{mib}:{name}"] = statistics.median(times[1:])
+        for name in algos:
+            out[f"{mib}:{name}"] = statistics.median(times[name][1:])
+            out[f"{mib}:{name}:link_mib"] = statistics.median(link_mib[name][1:])
+        out[f"{mib}:picked"] = picked[base.numel()]
     dist.destroy_process_group()
     return out
 
@@ -142,7 +170,7 @@ def worker_train(rank: int, world: int, addr: str, port: int, steps: int, varian
             "param_bytes": sum(p.numel() * 4 for p in params)}
 
 
-def _plan(world: int, cross_dc: dict):
+def _plan(world: int, cross_dc: dict, one_host: bool = False):
     from hettrain.api.spec import ModelSpec, TrainingSpec
     from hettrain.planning.plan import Plan, Prediction, RankPlan, StagePlan
     half = world // 2
@@ -151,9 +179,11 @@ def _plan(world: int, cross_dc: dict):
     stage = StagePlan(index=0, device="cpu", vendor="nvidia", backend="gloo",
                       pools=("pool-east", "pool-west"), datacenters=("east", "west"),
                       layer_start=0, layer_end=2, tp=1, memory_gib=1, capacity_gib=1, time_ms=1)
-    ranks = tuple(RankPlan(rank=r, node=f"n{r}", pool="pool-east" if r < half else "pool-west",
-                           datacenter="east" if r < half else "west", local_rank=0, stage=0,
-                           dp=r, tp=0) for r in range(world))
+    ranks = tuple(RankPlan(rank=r, node="localhost" if one_host else f"n{r}",
+                           pool="pool-east" if r < half else "pool-west",
+                           datacenter="east" if r < half else "west",
+                           local_rank=r if one_host else 0, stage=0, dp=r, tp=0)
+                  for r in range(world))
     return Plan(job="bench", model=model, training=TrainingSpec(global_batch=world, steps=1),
                 dp=world, pp=1, micro_batch=1, num_microbatches=1, schedule="1f1b",
                 stages=(stage,), ranks=ranks, predicted=Prediction(1, 1, 0.1),
@@ -180,6 +210,7 @@ def _launch(world: int, addr: str, job: list[str], prefix=None, env_for=None) ->
         env = dict(os.environ, PYTHONPATH=f"{ROOT / 'operator'}", OMP_NUM_THREADS="1",
                    **(env_for(r) if env_for else {"GLOO_SOCKET_IFNAME": "lo"}))
         procs.append(subprocess.Popen((prefix(r) if prefix else []) + cmd, env=env,
+                                      stdout=subprocess.DEVNULL,  # gloo's connect lines
                                       stderr=subprocess.PIPE, text=True))
     errs = [p.communicate(timeout=900)[1] for p in procs]
     if any(p.returncode for p in procs):
@@ -193,7 +224,7 @@ def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
-def netns_up() -> str:
+def netns_up(gbit: float) -> str:
     """Create the two namespaces, the shaped veth pair; returns the netem line used."""
     netns_down()
     for ns in NS:
@@ -204,17 +235,17 @@ def netns_up() -> str:
     for ns, dev, addr in zip(NS, VETH, ADDR, strict=True):
         _sh("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
         _sh("ip", "-n", ns, "link", "set", dev, "up")
-    shaping = "netem rate 1gbit delay 5ms"
+    shaping = f"netem rate {gbit:g}gbit delay 5ms"
     try:
         for ns, dev in zip(NS, VETH, strict=True):
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
                 *shaping.split())
     except subprocess.CalledProcessError as e:
         print(f"netem unavailable ({e.stderr.strip()}); falling back to tbf rate limiting")
-        shaping = "tbf rate 1gbit burst 256kb latency 50ms (no delay)"
+        shaping = f"tbf rate {gbit:g}gbit burst 256kb latency 50ms (no delay)"
         for ns, dev in zip(NS, VETH, strict=True):
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                "rate", "1gbit", "burst", "256kb", "latency", "50ms")
+                "rate", f"{gbit:g}gbit", "burst", "256kb", "latency", "50ms")
     return shaping
 
 
@@ -231,15 +262,26 @@ def _table(title: str, rows: list[list[str]], head: list[str]) -> None:
         print("  ".join(str(x).rjust(w) for x, w in zip(row, widths, strict=True)))
 
 
-def _allreduce_table(title: str, res: list[dict]) -> dict:
-    med = {k: max(r[k] for r in res) for k in res[0]}  # slowest rank = collective time
+def _allreduce_table(title: str, res: list[dict], link: bool) -> dict:
+    """Print one table (slowest rank = collective time); returns flat/hier and flat/auto."""
+    half = len(res) // 2
+    med = {k: max(r[k] for r in res) for k in res[0] if not k.endswith((":picked", "link_mib"))}
     rows, ratios = [], {}
     for mib in SIZES_MIB:
-        f, h, lead = (med[f"{mib}:{a}"] for a in ("flat", "hierarchical", "leader"))
-        ratios[mib] = f / h
-        rows.append([f"{mib} MiB", f"{f * 1e3:.1f}", f"{h * 1e3:.1f}", f"{lead * 1e3:.1f}",
-                     f"{f / h:.2f}x", f"{f / lead:.2f}x"])
-    _table(title, rows, ["size", "flat ms", "hier ms", "leader ms", "flat/hier", "flat/leader"])
+        f, h, lead, auto = (med[f"{mib}:{a}"] for a in ("flat", "hierarchical", "leader", "auto"))
+        ratios[mib] = (f / h, f / auto)
+        row = [f"{mib} MiB", f"{f * 1e3:.1f}", f"{h * 1e3:.1f}", f"{lead * 1e3:.1f}",
+               f"{auto * 1e3:.1f} {res[0][f'{mib}:picked']}", f"{f / h:.2f}x",
+               f"{f / lead:.2f}x", f"{f / auto:.2f}x"]
+        if link:  # MiB sent over the veth, A->B / B->A, measured on the first rank of each pool
+            row += [f"{res[0][f'{mib}:{a}:link_mib']:.1f}/{res[half][f'{mib}:{a}:link_mib']:.1f}"
+                    for a in ("flat", "hierarchical")]
+        rows.append(row)
+    head = ["size", "flat ms", "hier ms", "leader ms", "auto ms (picked)", "flat/hier",
+            "flat/leader", "flat/auto"]
+    if link:
+        head += ["link MiB flat", "link MiB hier"]
+    _table(title, rows, head)
     return ratios
 
 
@@ -251,43 +293,56 @@ def main() -> None:
     ap.add_argument("--skip-netns", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-allreduce", action="store_true")
+    ap.add_argument("--ranks-per-pool", default="2,4",
+                    help="comma list; each value runs both all-reduce tables with 2 pools")
+    ap.add_argument("--pipeline-mib", type=float, default=4.0,
+                    help="piece size of the pipelined hierarchical all-reduce (0: one piece)")
+    ap.add_argument("--link-gbit", type=float, default=1.0, help="veth rate in Gbit/s")
     ap.add_argument("--variants", default="dp,compress:bf16,compress:int8,diloco:10,diloco:50,"
                     "diloco:25+int8,diloco:30+int8,diloco:50+int8",
                     help="training variants: dp | compress:CODEC | diloco:H[+CODEC]")
     args = ap.parse_args()
-    world = 4
-    print(f"hettrain collectives bench: {world} ranks = 2 pools x 2, gloo, medians of "
-          f"{args.repeats} repeats")
+    print(f"hettrain collectives bench: gloo, medians of {args.repeats} repeats, "
+          f"{os.cpu_count()} CPUs")
     if not args.skip_allreduce:
-        _allreduce_part(args, world)
+        _allreduce_part(args)
     if not args.skip_train:
-        _train_part(args, world)
+        _train_part(args, 4)
 
 
-def _allreduce_part(args: argparse.Namespace, world: int) -> None:
-    """Flat vs hierarchical vs leader, on loopback and across the shaped veth."""
-    loop = _allreduce_table("all-reduce on loopback",
-                            _launch(world, "127.0.0.1", ["allreduce", str(args.repeats)]))
-    print("  loopback: hierarchical slowdown vs flat (target <= 1.1x): "
-          + ", ".join(f"{m} MiB {1 / r:.2f}x" for m, r in loop.items()))
-    if not args.skip_netns:
+def _allreduce_part(args: argparse.Namespace) -> None:
+    """Flat vs hierarchical vs leader vs auto, on loopback and across the shaped veth."""
+    for per_pool in (int(x) for x in args.ranks_per_pool.split(",")):
+        world = 2 * per_pool
+        job = ["allreduce", str(args.repeats), str(args.pipeline_mib)]
+        loop = _allreduce_table(
+            f"all-reduce on loopback, 2 pools x {per_pool} ranks, one host (plan: one node)",
+            _launch(world, "127.0.0.1", [*job, "0:0"]), link=False)
+        print("  loopback: hierarchical slowdown vs flat (target <= 1.1x): "
+              + ", ".join(f"{m} MiB {1 / r[0]:.2f}x" for m, r in loop.items())
+              + "; auto slowdown: " + ", ".join(f"{1 / r[1]:.2f}x" for r in loop.values()))
+        if args.skip_netns:
+            continue
         try:
             try:
-                shaping = netns_up()
+                shaping = netns_up(args.link_gbit)
             except (OSError, subprocess.CalledProcessError) as e:
                 err = getattr(e, "stderr", None) or e
                 print(f"\nslow-link part skipped: could not create network namespaces ({err})")
                 return
 
-            def prefix(r):
-                return ["ip", "netns", "exec", NS[r // 2]]
+            def prefix(r, per_pool=per_pool):
+                return ["ip", "netns", "exec", NS[r // per_pool]]
 
-            res = _launch(world, ADDR[0], ["allreduce", str(args.repeats)], prefix=prefix,
-                          env_for=lambda r: {"GLOO_SOCKET_IFNAME": VETH[r // 2]})
-            slow = _allreduce_table(f"all-reduce with pools in two netns, veth shaped `{shaping}`",
-                                    res)
+            res = _launch(world, ADDR[0], [*job, f"{args.link_gbit}:0"], prefix=prefix,
+                          env_for=lambda r, per_pool=per_pool: {
+                              "GLOO_SOCKET_IFNAME": VETH[r // per_pool]})
+            slow = _allreduce_table(
+                f"all-reduce, 2 pools x {per_pool} ranks in two netns, veth `{shaping}`",
+                res, link=True)
             print("  slow link: hierarchical speed-up vs flat (target >= 1.5x): "
-                  + ", ".join(f"{m} MiB {r:.2f}x" for m, r in slow.items()))
+                  + ", ".join(f"{m} MiB {r[0]:.2f}x" for m, r in slow.items())
+                  + "; auto: " + ", ".join(f"{r[1]:.2f}x" for r in slow.values()))
         finally:
             netns_down()
 
@@ -314,7 +369,7 @@ def _worker_main(argv: list[str]) -> None:
     rank, world, addr, port, out = int(argv[0]), int(argv[1]), argv[2], int(argv[3]), argv[4]
     job = argv[5:]
     if job[0] == "allreduce":
-        res = worker_allreduce(rank, world, addr, port, int(job[1]))
+        res = worker_allreduce(rank, world, addr, port, int(job[1]), float(job[2]), job[3])
     else:
         res = worker_train(rank, world, addr, port, int(job[1]), job[2])
     Path(out).write_text(json.dumps(res))

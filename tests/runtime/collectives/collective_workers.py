@@ -9,10 +9,13 @@ from collective_harness import make_plan
 from hettrain.runtime.collectives import (
     DiLoCo,
     HetCommunicator,
+    LinkModel,
     Tier,
     bridged_all_reduce_,
+    choose_algorithm,
     hierarchical_all_reduce_,
     leader_all_reduce_,
+    link_model,
 )
 
 SIZES = (1, 7, 1001)  # odd lengths, not divisible by any group size used
@@ -75,6 +78,36 @@ def two_pools_two_dcs(rank: int, world: int) -> dict:
     br = x.clone()
     chunks = bridged_all_reduce_(br, dist.group.WORLD, chunk_bytes=4 * 100)
     out["explicit"] = (torch.equal(h, ref), torch.equal(lead, ref), torch.equal(br, ref), chunks)
+    # pipelined: 1001 floats in pieces of 16 (64 bytes), padded last piece; async default inter
+    # op and a synchronous one (returns an int, no handle)
+    hp, hs = x.clone(), x.clone()
+    hierarchical_all_reduce_(hp, intra, inter, pipeline_bytes=64)
+    hierarchical_all_reduce_(hs, intra, inter, pipeline_bytes=64,
+                             inter_op=lambda b, g: bridged_all_reduce_(b, g, chunk_bytes=24))
+    out["pipelined"] = (torch.equal(hp, ref), torch.equal(hs, ref))
+
+    # a communicator whose hierarchical path runs as a pipeline of 40-byte pieces
+    pcomm = HetCommunicator.from_plan(plan, rank, chunk_bytes=64, pipeline_bytes=40)
+    out.update({("pipe", *k): v for k, v in _algo_checks(pcomm, rank).items()})
+    pcomm.stats.reset()
+    pcomm.algorithm = "hierarchical"
+    pcomm.dp_all_reduce_([torch.ones(1000)], average=False)
+    st = pcomm.stats
+    out["pipe_stats"] = (st[Tier.CROSS_DC].bytes, st[Tier.INTRA_POOL].bytes,
+                         st[Tier.CROSS_DC].seconds >= 0, st[Tier.INTRA_POOL].seconds >= 0)
+    # auto follows the plan's link model; a one-host override makes it flat (and still exact)
+    pcomm.algorithm = "auto"
+    hier = pcomm._levels["global"].hier
+    picks = {}
+    for nbytes in (4 << 10, 64 << 20):
+        picks[nbytes] = (pcomm.choose(nbytes),
+                         choose_algorithm(nbytes, hier, link_model(plan, hier), 40))
+    y = torch.randint(-9, 9, (2048,), generator=torch.Generator().manual_seed(rank)).float()
+    picks["used"] = (pcomm.dp_all_reduce_([y.clone()], average=False), pcomm.choose(8192))
+    hcomm = HetCommunicator.from_plan(plan, rank, link=LinkModel(one_host=True))
+    z = y.clone()
+    picks["one_host"] = (hcomm.dp_all_reduce_([z], average=False), torch.equal(z, _ref(y)))
+    out["picks"] = picks
 
     # DiLoCo with H=1, outer_lr=1, momentum 0 == plain synchronous data parallel (exact)
     torch.manual_seed(0)

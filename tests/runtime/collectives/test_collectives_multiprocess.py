@@ -35,6 +35,27 @@ def test_explicit_group_functions_and_chunked_bridge(two_pools):
         assert chunks == 11  # 1001 fp32 in 100-element chunks
 
 
+def test_pipelined_hierarchical_matches_flat_all_reduce(two_pools):
+    _assert_algorithms(two_pools, ("pipe",))
+    for res in two_pools:
+        assert res["pipelined"] == (True, True)
+        cross, intra, *nonneg = res["pipe_stats"]
+        # ring cost: 2 owners per shard -> each sends its 500-float shard once; intra RS+AG of
+        # 2 ranks -> 2 * (1/2) * 4000 bytes
+        assert (cross, intra) == (2000, 4000) and all(nonneg)
+
+
+def test_auto_follows_the_link_model_and_one_host_means_flat(two_pools):
+    for res in two_pools:
+        picks = res["picks"]
+        for nbytes in (4 << 10, 64 << 20):
+            mine, model = picks[nbytes]
+            assert mine == model
+        used, expected = picks["used"]
+        assert used == expected
+        assert picks["one_host"] == ("flat", True)
+
+
 def test_traffic_is_accounted_per_tier(two_pools):
     for res in two_pools:
         assert res["tiers"]["intra_pool"] > 0

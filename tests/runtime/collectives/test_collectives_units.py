@@ -8,9 +8,19 @@ import pytest
 import torch
 from collective_harness import make_plan
 
-from hettrain.runtime.collectives import Codec, ErrorFeedback, layout, peer_rank
+from hettrain.runtime.collectives import (
+    Codec,
+    ErrorFeedback,
+    LinkModel,
+    choose_algorithm,
+    estimate_seconds,
+    layout,
+    link_model,
+    peer_rank,
+)
 from hettrain.runtime.collectives.bridge import chunk_slices
-from hettrain.runtime.collectives.hierarchical import shard_bounds
+from hettrain.runtime.collectives.communicator import _Intervals
+from hettrain.runtime.collectives.hierarchical import pipeline_pieces, shard_bounds
 
 
 def test_layout_from_plan_groups_dp_by_pool_and_dc():
@@ -104,3 +114,90 @@ def test_error_feedback_tracks_the_true_cumulative_sum(kind):
     bound = 101 * (2**-8 if kind == "bf16" else 1 / 254)
     assert ef_err <= bound
     assert plain_err > 20 * ef_err
+
+
+# ------------------------------------------------------------------ automatic algorithm choice
+
+def _two_pools(per_pool: int, dcs=("east", "west")):
+    return make_plan([{"tp": 1, "pools": [("a", dcs[0], "nvidia", per_pool),
+                                          ("b", dcs[1], "amd", per_pool)]}], dp=2 * per_pool)
+
+
+def test_estimates_follow_the_ring_byte_counts():
+    plan = _two_pools(2)
+    hier = dict(layout(plan).dp)[(0, 0)]
+    link = LinkModel(inter_gbps=1.0, inter_latency_ms=0.0, intra_gbps=1e6, intra_latency_ms=0.0)
+    m = 64 << 20
+    # flat ring over 4 ranks: 6 steps of M/4, each bound by the 125 MB/s crossing edge
+    assert estimate_seconds("flat", m, hier, link) == pytest.approx(6 * (m / 4) / 125e6)
+    # hierarchical: the 2 shard-owner pairs put M per direction on the link (intra ~free)
+    assert estimate_seconds("hierarchical", m, hier, link) == pytest.approx(m / 125e6, rel=1e-3)
+    assert estimate_seconds("leader", m, hier, link) == pytest.approx(m / 125e6, rel=1e-3)
+    with pytest.raises(ValueError, match="algo must be"):
+        estimate_seconds("tree", m, hier, link)
+
+
+@pytest.mark.parametrize("per_pool", [2, 4])
+@pytest.mark.parametrize("nbytes", [4 << 10, 1 << 20, 64 << 20])
+@pytest.mark.parametrize("gbps,lat", [(1.0, 5.0), (1.0, 0.0), (100.0, 0.01)])
+def test_choose_is_the_argmin_of_the_estimates(per_pool, nbytes, gbps, lat):
+    hier = dict(layout(_two_pools(per_pool)).dp)[(0, 0)]
+    link = LinkModel(inter_gbps=gbps, inter_latency_ms=lat)
+    best = min(("flat", "hierarchical", "leader"),
+               key=lambda a: estimate_seconds(a, nbytes, hier, link))
+    assert choose_algorithm(nbytes, hier, link) == best
+
+
+def test_auto_over_a_slow_link_avoids_flat_and_on_one_host_picks_flat():
+    hier = dict(layout(_two_pools(4)).dp)[(0, 0)]
+    slow = LinkModel(inter_gbps=1.0, inter_latency_ms=5.0)
+    # 2 blocks: leader and hierarchical put the same M per direction on the link; with 5 ms
+    # per hop the 16 pipelined pieces' latencies tip the model towards one leader stream
+    assert choose_algorithm(64 << 20, hier, slow) in ("leader", "hierarchical")
+    assert choose_algorithm(4 << 10, hier, slow) in ("leader", "hierarchical")
+    # no delay (the bench's tbf veth): pipelined shards win over the unpipelined leader
+    assert choose_algorithm(64 << 20, hier, LinkModel(1.0, 0.0)) == "hierarchical"
+    assert choose_algorithm(64 << 20, hier, LinkModel(one_host=True)) == "flat"
+    single = dict(layout(make_plan([{"tp": 1, "pools": [("a", "e", "nvidia", 4)]}], dp=4)).dp)
+    assert choose_algorithm(64 << 20, single[(0, 0)], slow) == "flat"
+
+
+def test_link_model_from_the_plan():
+    plan = _two_pools(2)
+    hier = dict(layout(plan).dp)[(0, 0)]
+    assert link_model(plan, hier).inter_latency_ms == 5.0  # cross-DC default
+    local = _two_pools(2, dcs=("east", "east"))
+    assert link_model(local, dict(layout(local).dp)[(0, 0)]).inter_gbps == 25.0
+    fast = make_plan([{"tp": 1, "pools": [("a", "east", "nvidia", 2), ("b", "west", "amd", 2)]}],
+                     dp=4, cross_dc={"mode": "sync", "link_gbps": 1.0, "link_latency_ms": 0})
+    lm = link_model(fast, dict(layout(fast).dp)[(0, 0)])
+    assert (lm.inter_gbps, lm.inter_latency_ms, lm.one_host) == (1.0, 0.0, False)
+    one = fast.__class__(**{**{f: getattr(fast, f) for f in fast.__slots__},
+                            "ranks": tuple(r.__class__(**{**{f: getattr(r, f) for f in r.__slots__},
+                                                          "node": "localhost"})
+                                           for r in fast.ranks)})
+    assert link_model(one, dict(layout(one).dp)[(0, 0)]).one_host
+
+
+def test_link_model_rejects_bad_speeds():
+    with pytest.raises(ValueError, match="inter_gbps"):
+        LinkModel(inter_gbps=0)
+    with pytest.raises(ValueError, match="intra_latency_ms"):
+        LinkModel(intra_latency_ms=-1)
+
+
+@pytest.mark.parametrize("numel,n,piece", [(1001, 2, 400), (1000, 4, 64), (7, 3, None),
+                                           (10, 4, 4000), (4096, 4, 1024)])
+def test_pipeline_pieces_cover_in_multiples_of_n(numel, n, piece):
+    pieces = pipeline_pieces(numel, 4, n, piece)
+    assert pieces[0][0] == 0 and pieces[-1][1] == numel
+    assert all(x[1] == y[0] for x, y in itertools.pairwise(pieces))
+    assert all((b - a) % n == 0 for a, b in pieces[:-1])
+    if piece is not None and numel * 4 > piece:
+        assert all((b - a) * 4 <= max(piece, 4 * n) for a, b in pieces)
+
+
+def test_busy_intervals_are_a_union():
+    iv = _Intervals()
+    iv.spans += [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.7)]
+    assert iv.busy() == pytest.approx(4.0)

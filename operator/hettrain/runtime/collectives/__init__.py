@@ -25,8 +25,18 @@ Lower level, on explicit groups: ``hierarchical_all_reduce_``, ``leader_all_redu
 ``flat_all_reduce_`` (= ``dist.all_reduce``), ``bridged_all_reduce_``, ``compressed_all_reduce_``.
 """
 
-from hettrain.runtime.collectives.bridge import bridged_all_reduce_, compressed_all_reduce_
-from hettrain.runtime.collectives.communicator import HetCommunicator, choose_algorithm
+from hettrain.runtime.collectives.bridge import (
+    BridgeWork,
+    bridged_all_reduce_,
+    bridged_all_reduce_async,
+    compressed_all_reduce_,
+)
+from hettrain.runtime.collectives.choice import LinkModel, estimate_seconds
+from hettrain.runtime.collectives.communicator import (
+    HetCommunicator,
+    choose_algorithm,
+    link_model,
+)
 from hettrain.runtime.collectives.compression import Codec, ErrorFeedback
 from hettrain.runtime.collectives.diloco import DiLoCo
 from hettrain.runtime.collectives.hierarchical import (
@@ -38,7 +48,8 @@ from hettrain.runtime.collectives.stats import CommStats, Tier
 from hettrain.runtime.collectives.topology import Hierarchy, layout, peer_rank
 
 __all__ = [
-    "Codec", "CommStats", "DiLoCo", "ErrorFeedback", "HetCommunicator", "Hierarchy", "Tier",
-    "bridged_all_reduce_", "choose_algorithm", "compressed_all_reduce_", "flat_all_reduce_",
-    "hierarchical_all_reduce_", "layout", "leader_all_reduce_", "peer_rank",
+    "BridgeWork", "Codec", "CommStats", "DiLoCo", "ErrorFeedback", "HetCommunicator", "Hierarchy",
+    "LinkModel", "Tier", "bridged_all_reduce_", "bridged_all_reduce_async", "choose_algorithm",
+    "compressed_all_reduce_", "estimate_seconds", "flat_all_reduce_", "hierarchical_all_reduce_",
+    "layout", "leader_all_reduce_", "link_model", "peer_rank",
 ]

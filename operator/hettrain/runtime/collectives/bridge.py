@@ -37,6 +37,38 @@ def chunk_slices(n: int, elem_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> lis
     return [slice(i, min(i + step, n)) for i in range(0, n, step)] or [slice(0, 0)]
 
 
+class BridgeWork:
+    """Handle of an in-flight :func:`bridged_all_reduce_async`; ``wait()`` lands the result."""
+
+    def __init__(self, flat: torch.Tensor, pending: list) -> None:
+        self.flat, self.pending = flat, pending
+        self.chunks = len(pending)
+
+    def wait(self) -> int:
+        """Block until every chunk is summed and copied back; returns the number of chunks."""
+        for sl, host, work in self.pending:
+            work.wait()
+            if host.data_ptr() != self.flat[sl].data_ptr():
+                self.flat[sl].copy_(host, non_blocking=True)
+        self.pending = []
+        return self.chunks
+
+
+def bridged_all_reduce_async(
+    flat: torch.Tensor,
+    group: dist.ProcessGroup,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> BridgeWork:
+    """Start the host-staged, chunked sum of ``flat`` over ``group``; see :class:`BridgeWork`."""
+    slices = chunk_slices(flat.numel(), flat.element_size(), chunk_bytes)
+    pending: list[tuple[slice, torch.Tensor, dist.Work]] = []
+    for sl in slices:
+        host = _to_host(flat[sl])
+        _sync_device(flat)
+        pending.append((sl, host, dist.all_reduce(host, group=group, async_op=True)))
+    return BridgeWork(flat, pending)
+
+
 def bridged_all_reduce_(
     flat: torch.Tensor,
     group: dist.ProcessGroup,
@@ -46,17 +78,7 @@ def bridged_all_reduce_(
 
     Returns the number of chunks used.
     """
-    slices = chunk_slices(flat.numel(), flat.element_size(), chunk_bytes)
-    pending: list[tuple[slice, torch.Tensor, dist.Work]] = []
-    for sl in slices:
-        host = _to_host(flat[sl])
-        _sync_device(flat)
-        pending.append((sl, host, dist.all_reduce(host, group=group, async_op=True)))
-    for sl, host, work in pending:
-        work.wait()
-        if host.data_ptr() != flat[sl].data_ptr():
-            flat[sl].copy_(host, non_blocking=True)
-    return len(slices)
+    return bridged_all_reduce_async(flat, group, chunk_bytes).wait()
 
 
 def compressed_all_reduce_(

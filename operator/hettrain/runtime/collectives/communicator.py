@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -10,11 +11,13 @@ import torch.distributed as dist
 from hettrain.planning.plan import Plan
 from hettrain.runtime.collectives.bridge import (
     CHUNK_BYTES,
-    bridged_all_reduce_,
+    bridged_all_reduce_async,
     compressed_all_reduce_,
 )
+from hettrain.runtime.collectives.choice import PIPELINE_BYTES, LinkModel, choose
 from hettrain.runtime.collectives.compression import Codec, ErrorFeedback
 from hettrain.runtime.collectives.hierarchical import (
+    _finish,
     hierarchical_all_reduce_,
     leader_all_reduce_,
 )
@@ -23,8 +26,9 @@ from hettrain.runtime.collectives.stats import CommStats, Tier
 from hettrain.runtime.collectives.topology import Hierarchy, layout, peer_rank
 
 ALGORITHMS = ("auto", "flat", "hierarchical", "leader")
-LEADER_MAX_BYTES = 256 << 10  # below this, latency dominates: fewer hops win (leader-based)
 SCOPES = ("global", "dc")
+CROSS_DC_LINK = LinkModel(inter_gbps=10.0, inter_latency_ms=5.0)  # plan gives no link speed
+SAME_DC_LINK = LinkModel(inter_gbps=25.0, inter_latency_ms=0.05)  # host-staged NIC hop
 
 
 def resolve_backend(requested: str) -> str:
@@ -36,13 +40,59 @@ def resolve_backend(requested: str) -> str:
     return "gloo"
 
 
-def choose_algorithm(nbytes: int, hier: Hierarchy) -> str:
-    """flat for one block or singleton blocks; leader for small messages; else hierarchical."""
-    if len(hier.blocks) == 1 or all(len(b) == 1 for b in hier.blocks):
-        return "flat"
-    if nbytes < LEADER_MAX_BYTES:
-        return "leader"
-    return "hierarchical"
+def choose_algorithm(nbytes: int, hier: Hierarchy, link: LinkModel | None = None,
+                     pipeline_bytes: int | None = PIPELINE_BYTES) -> str:
+    """``auto``: flat for one block, singleton blocks or one host; else the fastest of flat,
+    hierarchical and leader for ``nbytes`` by the link model (see :mod:`.choice`)."""
+    return choose(nbytes, hier, link, pipeline_bytes or max(1, nbytes))
+
+
+def link_model(plan: Plan, hier: Hierarchy) -> LinkModel:
+    """Link speeds for ``hier`` from the plan.
+
+    One host when every rank of ``hier`` has the same ``node``. Across datacenters:
+    ``plan.cross_dc["link_gbps"]`` / ``["link_latency_ms"]`` when the planner set them, else
+    10 Gbit/s, 5 ms. Between pools of one datacenter: 25 Gbit/s, 0.05 ms (host-staged NIC hop).
+    """
+    nodes = {plan.ranks[r].node for r in hier.ranks}
+    if hier.spans_dcs:
+        base = CROSS_DC_LINK
+        cross = plan.cross_dc or {}
+        base = LinkModel(inter_gbps=float(cross.get("link_gbps") or base.inter_gbps),
+                         inter_latency_ms=float(cross.get("link_latency_ms",
+                                                          base.inter_latency_ms)))
+    else:
+        base = SAME_DC_LINK
+    if len(nodes) == 1:
+        return LinkModel(base.inter_gbps, base.inter_latency_ms, one_host=True)
+    return base
+
+
+class _Intervals:
+    """Busy intervals of the inter hop during one call (pieces overlap: union, not sum)."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+
+    def busy(self) -> float:
+        """Seconds during which at least one inter hop was in flight."""
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(self.spans):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
+
+
+class _TimedWork:
+    """An in-flight inter hop; ``wait()`` completes it and records its interval."""
+
+    def __init__(self, work, spans: _Intervals, t0: float) -> None:
+        self.work, self.spans, self.t0 = work, spans, t0
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.spans.spans.append((self.t0, time.perf_counter()))
 
 
 class _Groups:
@@ -78,6 +128,7 @@ class _Level:
                 self.inter = g
         self.leaders = groups.get(hier.inter[0], "gloo") if hier.inter else None
         self.intra_tier, self.inter_tier = intra_tier, inter_tier
+        self.link: LinkModel | None = None  # set by the communicator from the plan
 
 
 class HetCommunicator:
@@ -85,7 +136,8 @@ class HetCommunicator:
 
     def __init__(self, plan: Plan, rank: int, device: torch.device,
                  backend_overrides: Mapping[str, str] | None = None,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, link: LinkModel | None = None,
+                 pipeline_bytes: int | None = PIPELINE_BYTES) -> None:
         if not dist.is_initialized():
             raise RuntimeError("HetCommunicator needs torch.distributed initialised first "
                                "(dist.init_process_group)")
@@ -97,6 +149,11 @@ class HetCommunicator:
         self.plan, self.rank, self.device = plan, rank, device
         self.me = plan.ranks[rank]
         self.chunk_bytes = chunk_bytes
+        if pipeline_bytes is not None and pipeline_bytes < 1:
+            raise ValueError(f"pipeline_bytes must be >= 1 or None, got {pipeline_bytes}")
+        self.pipeline_bytes = pipeline_bytes
+        self.link = link  # None: per group from the plan (link_model)
+        self._buckets: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.stats = CommStats()
         self.algorithm = "auto"
         mode = plan.cross_dc.get("mode", "sync")
@@ -136,15 +193,18 @@ class HetCommunicator:
         self._levels: dict[str, _Level] = {}
         for k, hier in lay.dp:
             lvl = _Level(hier, groups, backend_of, Tier.INTRA_POOL, tier_of(hier.ranks))
+            lvl.link = link_model(plan, hier)
             if k == key:
                 self._levels["global"] = lvl
         for k, hier in lay.dp_dc:
             lvl = _Level(hier, groups, backend_of, Tier.INTRA_POOL, tier_of(hier.ranks))
+            lvl.link = link_model(plan, hier)
             if k == (*key, self.me.datacenter):
                 self._levels["dc"] = lvl
         for k, hier in lay.dp_cross_dc:
             intra_t = max((tier_of(b) for b in hier.blocks), key=lambda t: list(Tier).index(t))
             lvl = _Level(hier, groups, backend_of, intra_t, tier_of(hier.ranks))
+            lvl.link = link_model(plan, hier)
             if k == key:
                 self._levels["cross_dc"] = lvl
         self.tp_group = None
@@ -158,9 +218,22 @@ class HetCommunicator:
     @classmethod
     def from_plan(cls, plan: Plan, rank: int, device: torch.device | None = None,
                   backend_overrides: Mapping[str, str] | None = None,
-                  chunk_bytes: int = CHUNK_BYTES) -> HetCommunicator:
-        """Build every group of ``plan`` (collective: all ranks must call it)."""
-        return cls(plan, rank, device or torch.device("cpu"), backend_overrides, chunk_bytes)
+                  chunk_bytes: int = CHUNK_BYTES, link: LinkModel | None = None,
+                  pipeline_bytes: int | None = PIPELINE_BYTES) -> HetCommunicator:
+        """Build every group of ``plan`` (collective: all ranks must call it).
+
+        ``link`` overrides the link speeds ``auto`` uses (default: from the plan, see
+        :func:`link_model`); ``pipeline_bytes`` is the piece size of the pipelined hierarchical
+        all-reduce (``None``: one piece).
+        """
+        return cls(plan, rank, device or torch.device("cpu"), backend_overrides, chunk_bytes,
+                   link, pipeline_bytes)
+
+    def choose(self, nbytes: int, scope: str = "global") -> str:
+        """The algorithm ``auto`` picks for ``nbytes`` in ``scope`` (``global|dc|cross_dc``)."""
+        hier = self._levels[scope].hier
+        return choose_algorithm(nbytes, hier, self.link or link_model(self.plan, hier),
+                                self.pipeline_bytes)
 
     # ----------------------------------------------------------------- data parallel
 
@@ -184,61 +257,83 @@ class HetCommunicator:
     def _all_reduce(self, tensors, lvl: _Level, average: bool, compress: bool) -> str:
         if not tensors:
             return "none"
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        flat, in_place = self._flatten(tensors)
         hier = lvl.hier
         algo = self.algorithm
         if algo not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algo!r}")
         if algo == "auto" or len(hier.blocks) == 1:
-            algo = choose_algorithm(flat.numel() * flat.element_size(), hier)
+            algo = choose_algorithm(flat.numel() * flat.element_size(), hier,
+                                    self.link or lvl.link, self.pipeline_bytes)
         use_codec = compress and hier.spans_dcs and self.codec.kind != "none"
         key = ("dp", id(lvl), len(tensors), flat.numel())
+        spans = _Intervals()
+        inter_bytes = [0]
 
-        def inter(buf: torch.Tensor, group) -> None:
+        def inter(buf: torch.Tensor, group):
             g = dist.get_world_size(group)
+            t0 = time.perf_counter()
             if use_codec and flat.dtype == torch.float32:
-                with self.stats.timed(lvl.inter_tier, 0):
-                    sent = compressed_all_reduce_(buf, group, self.codec, self.feedback,
-                                                  (key, buf.numel()), self.chunk_bytes)
-                self.stats[lvl.inter_tier].bytes += sent * (g - 1)
-            else:
-                nbytes = int(2 * (g - 1) / g * buf.numel() * buf.element_size())
-                with self.stats.timed(lvl.inter_tier, nbytes):
-                    bridged_all_reduce_(buf, group, self.chunk_bytes)
+                sent = compressed_all_reduce_(buf, group, self.codec, self.feedback,
+                                              (key, buf.numel()), self.chunk_bytes)
+                inter_bytes[0] += sent * (g - 1)
+                spans.spans.append((t0, time.perf_counter()))
+                return None
+            inter_bytes[0] += int(2 * (g - 1) / g * buf.numel() * buf.element_size())
+            return _TimedWork(bridged_all_reduce_async(buf, group, self.chunk_bytes), spans, t0)
 
         nb = flat.numel() * flat.element_size()
         n_intra = len(lvl.block)
-        if algo == "flat":
-            if len(hier.blocks) == 1:
-                with self.stats.timed(lvl.intra_tier, int(2 * (n_intra - 1) / n_intra * nb)):
-                    dist.all_reduce(flat, group=lvl.full)
-            else:
-                inter(flat, lvl.full)
+        t_start = time.perf_counter()
+        intra_bytes = 0
+        if algo == "flat" and len(hier.blocks) == 1:
+            intra_bytes = int(2 * (n_intra - 1) / n_intra * nb)
+            dist.all_reduce(flat, group=lvl.full)
+        elif algo == "flat":
+            _finish(inter(flat, lvl.full))
         elif algo == "leader":
-            with self.stats.timed(lvl.intra_tier, 2 * nb if n_intra > 1 else 0):
-                leader_all_reduce_(flat, lvl.intra, lvl.leaders, leader=lvl.block[0],
-                                   inter_op=self._untimed(inter, lvl))
+            intra_bytes = 2 * nb if n_intra > 1 else 0
+            leader_all_reduce_(flat, lvl.intra, lvl.leaders, leader=lvl.block[0],
+                               inter_op=inter)
         else:
-            with self.stats.timed(lvl.intra_tier, int(2 * (n_intra - 1) / n_intra * nb)):
-                hierarchical_all_reduce_(flat, lvl.intra, lvl.inter, intra_ranks=lvl.block,
-                                         shards=None if hier.uniform else hier.shards,
-                                         inter_op=self._untimed(inter, lvl))
+            intra_bytes = int(2 * (n_intra - 1) / n_intra * nb)
+            hierarchical_all_reduce_(flat, lvl.intra, lvl.inter, intra_ranks=lvl.block,
+                                     shards=None if hier.uniform else hier.shards,
+                                     inter_op=inter, pipeline_bytes=self.pipeline_bytes)
+        total = time.perf_counter() - t_start
+        busy = spans.busy()
+        if spans.spans:
+            self.stats.add(lvl.inter_tier, inter_bytes[0], busy)
+        if intra_bytes or not spans.spans:
+            self.stats.add(lvl.intra_tier, intra_bytes, max(0.0, total - busy))
         if average:
             flat /= len(hier.ranks)
-        offset = 0
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[offset: offset + n].view_as(t))
-            offset += n
+        if not in_place:
+            offset = 0
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[offset: offset + n].view_as(t))
+                offset += n
         return algo
 
-    def _untimed(self, inter, lvl: _Level):
-        """Inter op whose seconds are moved out of the enclosing intra timer."""
-        def op(buf, group):
-            before = self.stats[lvl.inter_tier].seconds
-            inter(buf, group)
-            self.stats[lvl.intra_tier].seconds -= self.stats[lvl.inter_tier].seconds - before
-        return op
+    def _flatten(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        """One flat tensor to reduce: the tensor itself when there is one contiguous tensor
+        (reduced in place), else the tensors copied into a reused bucket (no fresh pages)."""
+        if len(tensors) == 1 and tensors[0].is_contiguous():
+            return tensors[0].detach().view(-1), True
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) > 1:
+            return torch.cat([t.detach().reshape(-1) for t in tensors]), False
+        total = sum(t.numel() for t in tensors)
+        like = tensors[0]
+        key = (like.dtype, like.device)
+        buf = self._buckets.get(key)
+        if buf is None or buf.numel() < total:
+            buf = torch.empty(total, dtype=like.dtype, device=like.device)
+            self._buckets[key] = buf
+        flat = buf[:total]
+        torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
+        return flat, False
 
     # ----------------------------------------------------------------- pipeline
 

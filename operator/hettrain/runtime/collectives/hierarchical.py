@@ -1,7 +1,9 @@
 """Two-level all-reduce on explicit groups: hierarchical (RS → AR → AG) and leader-based.
 
 ``inter_op(shard, group)`` performs the inter-block sum in place (default ``dist.all_reduce``;
-the communicator passes the host-staged bridge or the compressed exchange).
+the communicator passes the host-staged bridge or the compressed exchange). It may return an
+object with ``wait()`` (e.g. a ``dist.Work``): the sum is then complete only after ``wait()``,
+and the pipelined hierarchical path keeps two pieces in flight on the inter group.
 
 Blocks of different sizes: all blocks use the common shard count ``k = min block size``; member
 ``j < k`` of each block owns shard ``j`` (intra reduce to the owner, inter all-reduce among the
@@ -17,11 +19,18 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-InterOp = Callable[[torch.Tensor, dist.ProcessGroup], None]
+InterOp = Callable[[torch.Tensor, dist.ProcessGroup], object]
 
 
-def _default_inter(shard: torch.Tensor, group: dist.ProcessGroup) -> None:
-    dist.all_reduce(shard, group=group)
+def _default_inter(shard: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    return dist.all_reduce(shard, group=group, async_op=True)
+
+
+def _finish(handle: object) -> None:
+    """Wait for an inter op's result when it returned a handle (async); no-op otherwise."""
+    wait = getattr(handle, "wait", None)
+    if wait is not None:
+        wait()
 
 
 def flat_all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
@@ -42,6 +51,9 @@ def shard_bounds(n: int, shards: int) -> list[tuple[int, int]]:
     return out
 
 
+PIPELINE_BYTES = 4 << 20  # hierarchical path: RS/AR/AG of one piece overlap with the next
+
+
 def hierarchical_all_reduce_(
     tensor: torch.Tensor,
     intra_group: dist.ProcessGroup,
@@ -50,12 +62,18 @@ def hierarchical_all_reduce_(
     intra_ranks: Sequence[int] | None = None,
     shards: int | None = None,
     inter_op: InterOp | None = None,
+    pipeline_bytes: int | None = PIPELINE_BYTES,
 ) -> None:
     """Sum ``tensor`` in place over all blocks: intra reduce-scatter, inter AR, intra all-gather.
 
     ``intra_ranks`` (global ranks of this rank's block, in order) and ``shards`` (common shard
     count) are needed only when blocks differ in size; ``inter_group`` is the group of this
     rank's shard owners, or ``None`` when this rank owns no shard (uneven blocks only).
+
+    Equal blocks: the tensor is cut into pieces of about ``pipeline_bytes`` (``None``: one
+    piece) that flow through the three phases as a pipeline: piece ``i+1``'s reduce-scatter and
+    piece ``i-1``'s all-gather run asynchronously on the intra group while piece ``i`` crosses
+    the inter group, so the slow hop is busy for nearly the whole call.
     """
     op = inter_op or _default_inter
     n_intra = dist.get_world_size(intra_group)
@@ -63,8 +81,10 @@ def hierarchical_all_reduce_(
     flat = tensor.reshape(-1)
     if not flat.is_contiguous():
         raise ValueError("tensor must be contiguous")
+    if pipeline_bytes is not None and pipeline_bytes < 1:
+        raise ValueError(f"pipeline_bytes must be >= 1 or None, got {pipeline_bytes}")
     if k == n_intra:
-        _rs_ar_ag(flat, intra_group, inter_group, n_intra, op)
+        _rs_ar_ag(flat, intra_group, inter_group, n_intra, op, pipeline_bytes)
     else:
         if intra_ranks is None:
             raise ValueError("intra_ranks is required when shards != intra group size")
@@ -84,29 +104,72 @@ def _workspace(tag: str, numel: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel]
 
 
-def _rs_ar_ag(flat, intra_group, inter_group, n, op) -> None:
+def pipeline_pieces(numel: int, elem_bytes: int, n: int,
+                    pipeline_bytes: int | None) -> list[tuple[int, int]]:
+    """Element ranges ``[a, b)`` of the pipelined pieces; each a multiple of ``n`` but the last."""
+    if pipeline_bytes is None or numel * elem_bytes <= pipeline_bytes:
+        return [(0, numel)]
+    step = max(n, (pipeline_bytes // elem_bytes) // n * n)
+    return [(a, min(a + step, numel)) for a in range(0, numel, step)]
+
+
+def _rs_ar_ag(flat, intra_group, inter_group, n, op, pipeline_bytes) -> None:
     # gloo's reduce_scatter_tensor / all_gather_into_tensor are several times slower than its
     # all_reduce (measured, torch 2.9); the same bytes move as all_to_all + local sum and one
     # broadcast per shard, which gloo runs at full speed.
-    per = -(-flat.numel() // n)
-    if per * n == flat.numel():
-        padded = flat
-    else:
-        padded = _workspace("pad", per * n, flat)
-        padded[: flat.numel()] = flat
-        padded[flat.numel():] = 0
-    pieces = _workspace("pieces", per * n, flat)
-    dist.all_to_all_single(pieces, padded, group=intra_group)
     members = dist.get_process_group_ranks(intra_group)
     mine = members.index(dist.get_rank())
-    shard = padded[mine * per: (mine + 1) * per]
-    torch.sum(pieces.view(n, per), dim=0, out=shard)
-    if inter_group is not None:
-        op(shard, inter_group)
-    for j, src in enumerate(members):
-        dist.broadcast(padded[j * per: (j + 1) * per], src=src, group=intra_group)
-    if padded is not flat:
-        flat.copy_(padded[: flat.numel()])
+    pieces = pipeline_pieces(flat.numel(), flat.element_size(), n, pipeline_bytes)
+    a_last, b_last = pieces[-1]
+    per_last = -(-(b_last - a_last) // n)
+    tail = None  # only the last piece may need padding to a multiple of n
+    if per_last * n != b_last - a_last:
+        tail = _workspace("pad", per_last * n, flat)
+        tail[: b_last - a_last] = flat[a_last:b_last]
+        tail[b_last - a_last:] = 0
+    recv = _workspace("pieces", max(-(-(b - a) // n) * n for a, b in pieces) * 2, flat)
+    half = recv.numel() // 2
+
+    def src_of(i: int) -> torch.Tensor:
+        a, b = pieces[i]
+        return tail if (i == len(pieces) - 1 and tail is not None) else flat[a:b]
+
+    def rs(i: int):
+        buf = src_of(i)
+        out = recv[(i % 2) * half: (i % 2) * half + buf.numel()]
+        return out, dist.all_to_all_single(out, buf, group=intra_group, async_op=True)
+
+    gathers: list[dist.Work] = []
+    flying: list[tuple[int, object]] = []  # pieces whose inter all-reduce may still run
+
+    def gather(i: int, handle: object) -> None:
+        _finish(handle)
+        buf = src_of(i)
+        per = buf.numel() // n
+        gathers.extend(dist.broadcast(buf[j * per: (j + 1) * per], src=src, group=intra_group,
+                                      async_op=True) for j, src in enumerate(members))
+
+    pending = rs(0)
+    for i in range(len(pieces)):
+        out, work = pending
+        work.wait()
+        if i + 1 < len(pieces):
+            # the next piece's reduce-scatter flies while this one crosses the inter group; the
+            # two receive halves alternate, and this piece's half is free again once summed
+            pending = rs(i + 1)
+        buf = src_of(i)
+        per = buf.numel() // n
+        shard = buf[mine * per: (mine + 1) * per]
+        torch.sum(out.view(n, per), dim=0, out=shard)
+        flying.append((i, op(shard, inter_group) if inter_group is not None else None))
+        if len(flying) > 1:  # two pieces in flight on the inter group, then gather the older
+            gather(*flying.pop(0))
+    for item in flying:
+        gather(*item)
+    for w in gathers:
+        w.wait()
+    if tail is not None:
+        flat[a_last:b_last] = tail[: b_last - a_last]
 
 
 def _owner_path(flat, intra_group, inter_group, intra_ranks, k, op) -> None:
@@ -118,7 +181,7 @@ def _owner_path(flat, intra_group, inter_group, intra_ranks, k, op) -> None:
     if local < k and inter_group is not None:
         a, b = bounds[local]
         shard = flat[a:b].clone()
-        op(shard, inter_group)
+        _finish(op(shard, inter_group))
         flat[a:b] = shard
     for j, (a, b) in enumerate(bounds):
         view = flat[a:b].clone()
@@ -142,5 +205,5 @@ def leader_all_reduce_(
     flat = tensor.reshape(-1)
     dist.reduce(flat, dst=leader, group=intra_group)
     if dist.get_rank() == leader and leader_group is not None:
-        op(flat, leader_group)
+        _finish(op(flat, leader_group))
     dist.broadcast(flat, src=leader, group=intra_group)
