@@ -1,0 +1,77 @@
+"""``hettrain simulate`` through the real CLI entry point."""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stdout
+
+import pytest
+
+from hettrain.cli import main
+
+
+def _run(argv: list[str]) -> tuple[int, str]:
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        code = main(["simulate", *argv])
+    return code, buf.getvalue()
+
+
+def test_llama3_scenario_json():
+    code, out = _run(["--scenario", "llama3-16k", "--days", "10", "--json"])
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["gpus"] == 16640 and doc["full_plan"]["layout"] == "128x16x8"
+    assert doc["throughput_model"] == "planner"
+    assert set(doc["policies"]) == {"restart", "replan", "wait-shrink"}
+    for pol in doc["policies"].values():
+        assert 0.8 < pol["ettr"] <= 1.0
+        assert abs(sum(pol["hours"].values()) - 240.0) < 1e-6
+
+
+def test_generate_with_job_table_and_png(tmp_path):
+    png = tmp_path / "t.png"
+    code, out = _run(["--generate", "1024:H100-SXM", "--job", "examples/jobs/llama3-405b-1k.yaml",
+                      "--days", "3", "--policies", "restart,replan", "--seeds", "2",
+                      "--repair-hours", "8", "--png", str(png)])
+    assert code == 0, out
+    assert "restart" in out and "replan" in out and "wait-shrink" not in out
+    assert "hours by cause" in out and f"plot written to {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trace_replay_cli(tmp_path):
+    code, out = _run(["--generate", "64:H100-SXM", "--job", "examples/jobs/llama3-8b-single-vendor"
+                      ".yaml", "--trace", "examples/sim/trace-8-nodes.csv", "--days", "1",
+                      "--json"])
+    assert code == 0, out
+    doc = json.loads(out)
+    assert doc["trace"] == "examples/sim/trace-8-nodes.csv"
+    assert doc["policies"]["restart"]["per_seed"][0]["interruptions"] == {"node": 2,
+                                                                         "software": 1}
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--generate", "100:B200"], "--job"),
+    (["--generate", "x:H100", "--job", "examples/jobs/llama3-405b-1k.yaml"], "--generate"),
+    (["--generate", "1024:B200", "--job", "examples/jobs/llama3-405b-1k.yaml"], "catalog"),
+    (["--scenario", "llama3-16k", "--policies", "restart,yolo"], "--policies"),
+    (["--scenario", "llama3-16k", "--days", "0"], "--days"),
+    (["--scenario", "llama3-16k", "--throughput", "fast"], "--throughput"),
+    (["--scenario", "llama3-16k", "--failures", "nope.yaml"], "nope.yaml"),
+])
+def test_bad_input_exits_2_with_one_line(argv, needle, capsys):
+    code, _ = _run(argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+
+
+def test_help_lists_the_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--scenario", "--generate", "--trace", "--policies", "--seeds", "--png",
+                 "--json", "--failures", "--throughput"):
+        assert flag in out
