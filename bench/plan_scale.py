@@ -1,7 +1,16 @@
-"""Planning time vs cluster size, heterogeneous-vs-homogeneous quality, re-plan time.
+"""Planning time and plan quality vs cluster size (4 device types, 3 datacenters).
 
-Prints medians of repeats measured side by side in one run. Usage: python bench/plan_scale.py
-[--sizes 64,1024] [--repeats 3]
+For each size: median wall time of ``plan_job`` and of a re-plan after one node fails (medians of
+``--repeats`` runs, side by side in one process), and three quality ratios of predicted step
+times (> 1 means the heterogeneous plan is faster):
+
+- ``vs homog``: the best plan on the largest single pool alone / the heterogeneous plan;
+- ``vs uniform``: the same layout with a uniform layer split (Megatron's default) / the planner's
+  non-uniform split (``OOM`` when the uniform split does not fit in memory);
+- ``vs exh``: exhaustive / fast, on the tiny instance (8 GPUs, 6 layers) where brute force is
+  feasible (1.000 = same optimum).
+
+Usage: python bench/plan_scale.py [--sizes 64,1024,10240,102400] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -10,24 +19,27 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from hettrain.api.spec import parse_job_spec
-from hettrain.planning.inventory import load_cluster
-from hettrain.planning.planner import plan_job
+from hettrain.api.spec import JobSpec, parse_job_spec
+from hettrain.planning.inventory import ClusterInventory, load_cluster
+from hettrain.planning.plan import Plan
+from hettrain.planning.planner import plan_job, step_time_for_split
 
 DEVICES = [("H100-SXM", "dc-a"), ("MI300X", "dc-b"), ("Gaudi3", "dc-c"), ("A100-80GB", "dc-a")]
+PLAN_TARGET_S = {1024: 1.0, 10240: 10.0, 102400: 60.0}
+REPLAN_TARGET_S = {1024: 1.0}
+TINY_GPUS = 8
 
 
-def cluster(gpus: int, only: int | None = None) -> dict:
-    """Four device types over three DCs, ``gpus`` in total (8 per node)."""
-    nodes = max(1, gpus // 8 // len(DEVICES))
+def cluster(gpus: int, gpus_per_node: int = 8) -> dict:
+    """Four device types over three DCs, ``gpus`` in total."""
+    nodes = max(1, gpus // gpus_per_node // len(DEVICES))
     pools = [{"name": f"{d.lower()}-{dc}", "datacenter": dc, "device": d, "nodes": nodes,
-              "gpusPerNode": 8, "nicGbps": 3200} for d, dc in DEVICES]
-    if only is not None:
-        pools = [pools[only]]
+              "gpusPerNode": gpus_per_node, "nicGbps": 3200} for d, dc in DEVICES]
     dcs = sorted({p["datacenter"] for p in pools})
     links = [{"between": [a, b], "bandwidthGbps": 400, "latencyMs": 30}
              for i, a in enumerate(dcs) for b in dcs[i + 1:]]
@@ -45,26 +57,71 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def largest_pool(inv: ClusterInventory) -> ClusterInventory:
+    """The inventory reduced to its largest pool (ties: the fastest device)."""
+    pool = max(inv.pools, key=lambda p: (p.gpus, p.device.effective_flops, p.name))
+    return replace(inv, pools=(pool,))
+
+
+def uniform_ratio(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> str:
+    """Step time of the plan's layout with a uniform layer split / the plan's step time."""
+    per, extra = divmod(spec.model.layers, plan.pp)
+    split = [per + (i < extra) for i in range(plan.pp)]
+    t = step_time_for_split(spec, inv, plan, split)
+    return "OOM" if t is None else f"{t / plan.predicted.step_time_s:.3f}"
+
+
+def verdict(gpus: int, t_plan: float, t_re: float) -> str:
+    """Which of the issue's targets apply at this size and whether they are met."""
+    out = []
+    if gpus in PLAN_TARGET_S:
+        out.append(f"plan<={PLAN_TARGET_S[gpus]:g}s " +
+                   ("yes" if t_plan <= PLAN_TARGET_S[gpus] else "NO"))
+    if gpus in REPLAN_TARGET_S:
+        out.append(f"replan<={REPLAN_TARGET_S[gpus]:g}s " +
+                   ("yes" if t_re <= REPLAN_TARGET_S[gpus] else "NO"))
+    return ", ".join(out) or "-"
+
+
+def row(label: str, spec: JobSpec, inv: ClusterInventory, repeats: int, exhaustive: bool) -> str:
+    """One table row."""
+    t_plan, plan = timed(lambda: plan_job("b", spec, inv), repeats)
+    assert isinstance(plan, Plan)
+    homog = plan_job("b", spec, largest_pool(inv))
+    smaller = inv.without_nodes([plan.ranks[-1].node])
+    t_re, _ = timed(lambda: plan_job("b", spec, smaller, previous=plan), repeats)
+    exh = "-"
+    if exhaustive:
+        full = plan_job("b", spec, inv, exhaustive=True)
+        exh = f"{full.predicted.step_time_s / plan.predicted.step_time_s:.3f}"
+    step = plan.predicted.step_time_s
+    return (f"{label:>9} {inv.gpus:>7} {t_plan:>8.3f} {t_re:>9.3f} {step:>9.3f} "
+            f"{homog.predicted.step_time_s / plan.predicted.step_time_s:>9.3f} "
+            f"{uniform_ratio(spec, inv, plan):>10} {exh:>7}  "
+            f"dp={plan.dp} pp={plan.pp} mb={plan.micro_batch} {plan.schedule}  "
+            f"{verdict(inv.gpus, t_plan, t_re)}")
+
+
 def main() -> None:
+    """Print the table."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="64,1024")
+    ap.add_argument("--sizes", default="64,1024,10240,102400")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    spec = parse_job_spec({"model": {"preset": "llama3-70b"},
-                           "training": {"globalBatch": 512, "steps": 1}})
-    print(f"{'GPUs':>7} {'plan s':>8} {'step s':>8} {'homog step s':>13} {'het speedup':>12} "
-          f"{'replan s':>9}")
+    big = parse_job_spec({"model": {"preset": "llama3-70b"},
+                          "training": {"globalBatch": 512, "steps": 1}})
+    tiny = parse_job_spec({"model": {"layers": 6, "hidden": 8192, "heads": 64, "seqLen": 2048,
+                                     "vocab": 32000},
+                           "training": {"globalBatch": 8, "steps": 1}})
+    print(f"median of {args.repeats}; ratios are step-time ratios (>1: the planner's plan is "
+          "faster)")
+    print(f"{'model':>9} {'GPUs':>7} {'plan s':>8} {'replan s':>9} {'step s':>9} "
+          f"{'vs homog':>9} {'vs uniform':>10} {'vs exh':>7}  layout  targets")
+    print(row("tiny-6L", tiny, load_cluster(cluster(TINY_GPUS, gpus_per_node=2)), args.repeats,
+              exhaustive=True))
     for gpus in (int(x) for x in args.sizes.split(",")):
-        inv = load_cluster(cluster(gpus))
-        t_plan, plan = timed(lambda inv=inv: plan_job("b", spec, inv), args.repeats)
-        homog = plan_job("b", spec, load_cluster(cluster(gpus, only=1)))
-        failed = plan.ranks[-1].node
-        smaller = inv.without_nodes([failed])
-        t_re, _ = timed(lambda s=smaller, p=plan: plan_job("b", spec, s, previous=p),
-                        args.repeats)
-        print(f"{inv.gpus:>7} {t_plan:>8.2f} {plan.predicted.step_time_s:>8.2f} "
-              f"{homog.predicted.step_time_s:>13.2f} "
-              f"{homog.predicted.step_time_s / plan.predicted.step_time_s:>12.2f} {t_re:>9.2f}")
+        print(row("llama-70b", big, load_cluster(cluster(gpus)), args.repeats, exhaustive=False),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -63,11 +63,11 @@ def _stage_caps(choices: Sequence[Choice], x: float) -> list[int]:
     return [min(ch.stats.cap, int(x / ch.stats.a + 1e-9)) for ch in choices]
 
 
-def bottleneck_lower_bound(choices: Sequence[Choice], layers: int) -> float:
+def bottleneck_lower_bound(choices: Sequence[Choice], layers: int, whole: bool = True) -> float:
     """Smallest ``X`` with ``Σ k·min(cap, ⌊X/a⌋) ≥ layers`` (inf when the caps cannot hold them).
 
-    Starts at the continuous relaxation ``Σ k·min(cap, X/a) = layers`` and steps to the next
-    value where some unit's stages fit one more whole layer.
+    Starts at the continuous relaxation ``Σ k·min(cap, X/a) = layers`` (returned when not
+    ``whole``) and steps to the next value where some unit's stages fit one more whole layer.
     """
     if sum(ch.k * ch.stats.cap for ch in choices) < layers:
         return math.inf
@@ -82,6 +82,8 @@ def bottleneck_lower_bound(choices: Sequence[Choice], layers: int) -> float:
         held += ch.k * ch.stats.cap
         rate -= ch.k / ch.stats.a
     x = min(x, items[-1][0])
+    if not whole:
+        return x
     for _ in range(4 * layers):
         caps = _stage_caps(choices, x)
         if sum(ch.k * n for ch, n in zip(choices, caps, strict=True)) >= layers:
@@ -151,12 +153,13 @@ def ordered_boundaries(order: Sequence[Choice],
 
 
 def step_lower_bound(choices: Sequence[Choice], layers: int, m: int,
-                     boundary: tuple[float, float] = (0.0, 0.0),
-                     last: Choice | None = None, bubble_div: float = 3.0,
+                     boundary: tuple[float, float] | Callable[[], tuple[float, float]]
+                     = (0.0, 0.0), last: Choice | None = None, bubble_div: float = 3.0,
                      cutoff: float = math.inf) -> float:
     """Admissible bound on the step time of every layout built from ``choices`` (module doc).
 
-    ``boundary``: lower bounds on the slowest and the sum of the boundary transfers; ``last``: the
+    ``boundary``: lower bounds on the slowest and the sum of the boundary transfers (or a function
+    computing them, called only when cheaper bounds do not reach ``cutoff``); ``last``: the
     unit of the last stage when the order is fixed; ``bubble_div``: the schedules' smallest
     bubble divisor (3 for ZB-H1, 2 for interleaved, 1 for 1F1B); ``cutoff``: stop refining once
     the bound reaches it (the caller discards such layouts). The bottleneck ``X`` and ``Σt``
@@ -164,20 +167,25 @@ def step_lower_bound(choices: Sequence[Choice], layers: int, m: int,
     """
     if not choices or sum(ch.k for ch in choices) > layers:
         return math.inf
-    x0 = bottleneck_lower_bound(choices, layers)
-    if x0 == math.inf:
+    xc = bottleneck_lower_bound(choices, layers, whole=False)
+    if xc == math.inf:
         return math.inf
     tails = choices if last is None else (last,)
     head = min(ch.stats.head for ch in tails)
-    x0 = max(x0, max(ch.stats.a for ch in choices),  # every stage holds at least one layer
-             min(ch.stats.a + ch.stats.head for ch in tails))
-    p_max, p_sum = boundary
+    floor = max(max(ch.stats.a for ch in choices),  # every stage holds at least one layer
+                min(ch.stats.a + ch.stats.head for ch in tails))
     slope = m - 1.0 / bubble_div
     sigma_inf = sum_lower_bound(choices, layers)
     if sigma_inf == math.inf:
         return math.inf
-    rest = (sigma_inf + head + p_sum) / bubble_div + dp_lower_bound(choices, layers)
-    best = slope * max(x0, p_max) + rest  # the bound without coupling X and Σt
+    d = dp_lower_bound(choices, layers)
+    best = slope * max(xc, floor) + (sigma_inf + head) / bubble_div + d  # cheap first
+    if best >= cutoff:
+        return best
+    p_max, p_sum = boundary() if callable(boundary) else boundary
+    x0 = max(bottleneck_lower_bound(choices, layers), floor)
+    rest = (sigma_inf + head + p_sum) / bubble_div + d
+    best = slope * max(x0, p_max) + rest  # whole layers and boundaries, X and Σt uncoupled
     if best >= cutoff:
         return best
     coupled = math.inf

@@ -425,10 +425,23 @@ def _windowed(units: Sequence[Unit], spec: JobSpec, tp_opts: Sequence[Sequence[i
     return False
 
 
+def _k_rich(max_k: int, layers: int) -> list[int]:
+    """Stage counts worth trying on one unit alone: near full use, and every count where the
+    layers per stage ``⌈L/k⌉`` steps (and one more stage, for the head)."""
+    ks = {max_k, max_k - 1}
+    for q in range(1, layers + 1):
+        base = -(-layers // q)
+        ks.update((base, base + 1))
+    return sorted(k for k in ks if 1 <= k <= max_k)
+
+
 def _unit_choices(units: Sequence[Unit], tp_opts: Sequence[Sequence[int]], dp: int, mb: int,
-                  inv: ClusterInventory, spec: JobSpec, window: bool) -> list[list[Choice]]:
-    """Per unit, every (tp, k ≥ 1) it can host at this (dp, mb) and whose stage holds a layer."""
-    out = []
+                  inv: ClusterInventory, spec: JobSpec, window: bool
+                  ) -> tuple[list[list[Choice]], list[Choice]]:
+    """Per unit, every (tp, k ≥ 1) it can host at this (dp, mb) and whose stage holds a layer
+    (k near full use when ``window``); plus, when ``window``, the further single-unit layouts
+    of :func:`_k_rich`."""
+    out, singles = [], []
     for i, (u, tps) in enumerate(zip(units, tp_opts, strict=True)):
         opts = []
         for tp in tps:
@@ -438,11 +451,13 @@ def _unit_choices(units: Sequence[Unit], tp_opts: Sequence[Sequence[int]], dp: i
             stats = _unit_stats(u, tp, dp, mb, inv, spec)
             if stats.cap < 1:
                 continue
-            for k in _k_options(maxk, not window):
-                if k:
-                    opts.append(Choice(i, tp, k, stats))
+            ks = [k for k in _k_options(maxk, not window) if k]
+            opts.extend(Choice(i, tp, k, stats) for k in ks)
+            if window:
+                singles.extend(Choice(i, tp, k, stats) for k in _k_rich(maxk, spec.model.layers)
+                               if k not in ks)
         out.append(opts)
-    return out
+    return out, singles
 
 
 def _search_fast(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory,
@@ -462,7 +477,7 @@ def _search_fast(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory
             mbs = [spec.training.micro_batch] if per_replica % spec.training.micro_batch == 0 \
                 else []
         for mb in mbs:
-            opts = _unit_choices(units, tp_opts, dp, mb, inv, spec, window)
+            opts, singles = _unit_choices(units, tp_opts, dp, mb, inv, spec, window)
             m = per_replica // mb
             rest_rate, rest_cap, rest_a = [0.0], [0], [math.inf]
             for unit_opts in reversed(opts):
@@ -474,9 +489,9 @@ def _search_fast(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory
             rest = (rest_rate[::-1], rest_cap[::-1], rest_a[::-1])
             root = partial_lower_bound((), rest[0][0], rest[1][0], rest[2][0], layers, m,
                                        search.bubble_div)
-            pairs.append((root, dp, mb, m, opts, rest))
+            pairs.append((root, dp, mb, m, opts, rest, singles))
     pairs.sort(key=lambda p: p[:3])
-    for root, dp, mb, m, opts, rest in pairs:
+    for root, dp, mb, m, opts, rest, singles in pairs:
         if root >= search.bound():
             break
         leaves: list[tuple[float, tuple[Choice, ...]]] = []
@@ -485,6 +500,8 @@ def _search_fast(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory
             return _boundary_memo(search, units[x.unit], units[y.unit], x.tp, y.tp, dp, mb, inv)
 
         _collect(search, opts, rest, 0, (), layers, m, pinned_pp, leaves, boundary_cost, units)
+        for choice in singles:
+            _leaf(search, (choice,), layers, m, pinned_pp, leaves, boundary_cost, units)
         leaves.sort(key=lambda x: (x[0], tuple((c.unit, c.tp, c.k) for c in x[1])))
         for lb, choices in leaves:
             if lb >= search.bound():
@@ -500,18 +517,7 @@ def _collect(search: _Search, opts: list[list[Choice]], rest: tuple, i: int,
              units: tuple[Unit, ...]) -> None:
     """Depth-first over units: skip a unit or take one of its choices; keep leaves under bound."""
     if i == len(opts):
-        if chosen and (pinned_pp is None or sum(c.k for c in chosen) == pinned_pp):
-            if len(chosen) > MAX_PERMUTED_UNITS:  # one order only: its exact boundaries
-                order = _fixed_order(units, [c.unit for c in chosen])
-                by_unit = {c.unit: c for c in chosen}
-                ordered = [by_unit[i] for i in order]
-                bounds, last = ordered_boundaries(ordered, boundary_cost), ordered[-1]
-            else:
-                bounds, last = boundary_lower_bounds(chosen, boundary_cost), None
-            lb = step_lower_bound(chosen, layers, m, bounds, last, search.bubble_div,
-                                  search.bound())
-            if lb < search.bound():
-                out.append((lb, chosen))
+        _leaf(search, chosen, layers, m, pinned_pp, out, boundary_cost, units)
         return
     for choice in (None, *opts[i]):
         nxt = chosen if choice is None else (*chosen, choice)
@@ -522,6 +528,28 @@ def _collect(search: _Search, opts: list[list[Choice]], rest: tuple, i: int,
                 continue
         _collect(search, opts, rest, i + 1, nxt, layers, m, pinned_pp, out, boundary_cost,
                  units)
+
+
+def _leaf(search: _Search, chosen: tuple[Choice, ...], layers: int, m: int,
+          pinned_pp: int | None, out: list, boundary_cost: Callable[[Choice, Choice], float],
+          units: tuple[Unit, ...]) -> None:
+    """Append ``(bound, chosen)`` to ``out`` when its full bound is under the incumbent."""
+    if not chosen or (pinned_pp is not None and sum(c.k for c in chosen) != pinned_pp):
+        return
+    last = None
+    if len(chosen) > MAX_PERMUTED_UNITS:  # one order only: its exact boundaries
+        by_unit = {c.unit: c for c in chosen}
+        ordered = [by_unit[u] for u in _fixed_order(units, list(by_unit))]
+        last = ordered[-1]
+
+        def bounds() -> tuple[float, float]:
+            return ordered_boundaries(ordered, boundary_cost)
+    else:
+        def bounds() -> tuple[float, float]:
+            return boundary_lower_bounds(chosen, boundary_cost)
+    lb = step_lower_bound(chosen, layers, m, bounds, last, search.bubble_div, search.bound())
+    if lb < search.bound():
+        out.append((lb, chosen))
 
 
 def _evaluate_choices(search: _Search, units: tuple[Unit, ...], choices: tuple[Choice, ...],
@@ -552,7 +580,7 @@ def _record_shortfall(search: _Search, units: tuple[Unit, ...], spec: JobSpec,
     dropped: list[float] = []
     _candidates_outer(units, spec, dp_values, False, dropped)
     needs = list(dropped)
-    for *_, opts, _rest in pairs:
+    for *_, opts, _rest, _singles in pairs:
         widest = [max(o, key=lambda c: (c.k * c.tp, c.tp)) for o in opts if o]
         if widest:
             needs.append(memory_need_gib(widest, spec.model.layers, cost.GIB,
@@ -640,6 +668,32 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     if previous is not None:
         notes.append(f"re-plan: {moved_ranks(previous, ranks)} of {len(ranks)} ranks change stage")
     return _to_plan(name, spec, chosen, ranks, notes, inventory)
+
+
+def step_time_for_split(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
+                        split: Sequence[int]) -> float | None:
+    """Predicted step time of ``plan``'s layout (same stages, TP, DP, microbatches, schedule)
+    with the layer counts ``split``; None when a stage would exceed its memory or hold no layer.
+
+    Used by ``bench/plan_scale.py`` to price the uniform split of the same layout.
+    """
+    if len(split) != plan.pp or sum(split) != spec.model.layers:
+        raise ValueError(f"split must have {plan.pp} parts summing to {spec.model.layers}")
+    pools = filter_pools(inventory, spec.placement)
+    units = build_units(pools, merged=plan.cross_dc.get("grouping") == "merged")
+    by_pool = {p.name: u for u in units for p in u.pools}
+    stage_units = [by_pool[s.pools[0]] for s in plan.stages]
+    tps = [s.tp for s in plan.stages]
+    m, v = plan.num_microbatches, plan.virtual_stages
+    stages, _ = _stage_costs(stage_units, tps, plan.dp, plan.micro_batch, m, plan.schedule,
+                             inventory, spec)
+    if any(n < 1 or n > s.max_layers for s, n in zip(stages, split, strict=True)):
+        return None
+    boundaries = [_boundary_s(stage_units[i], stage_units[i + 1], tps[i], tps[i + 1], plan.dp,
+                              plan.micro_batch, inventory, spec) for i in range(plan.pp - 1)]
+    stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
+    pipe, _ = cost.pipeline_time_s(stage_s, boundaries, m, plan.schedule, v)
+    return pipe + max(s.dp(n) for s, n in zip(stages, split, strict=True))
 
 
 def _explain_failure(spec: JobSpec, pools: Sequence, searches: Sequence[_Search]) -> PlanningError:
