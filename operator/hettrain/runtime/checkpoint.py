@@ -5,6 +5,11 @@ State is keyed by GLOBAL names (``layers.7.attn.q.weight`` and
 into any other: every rank just asks for the keys its stage owns. Replicas of a key (DP) are
 written once (DCP's default planner de-duplicates).
 
+Tensor parallelism: a TP-sharded tensor is all-gathered in its TP group and stored FULL (so
+TP replicas de-duplicate too); loading reads the full tensor and keeps this rank's slice, so a
+checkpoint loads into any TP degree. This costs one full copy per sharded tensor while saving
+or loading (fine for the sizes this runtime trains; a DTensor-based layout would avoid it).
+
 Atomicity: all ranks write into ``step-N.tmp/``; after DCP has committed its metadata, rank 0
 renames it to ``step-N/`` and replaces the ``latest`` pointer file with ``os.replace``. A crash
 at any moment leaves ``latest`` naming a complete checkpoint (or none).
@@ -20,6 +25,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from hettrain.runtime.tensor_parallel import TPShards
 
 LATEST = "latest"
 DEFAULT_INTERVAL = 100
@@ -52,7 +59,7 @@ def _state(model: torch.nn.Module, opt: torch.optim.Optimizer,
 
 
 def save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
-         extra: dict[str, torch.Tensor] | None = None) -> Path:
+         extra: dict[str, torch.Tensor] | None = None, tp: TPShards | None = None) -> Path:
     """Collective: write step ``step`` atomically; returns the final directory.
 
     ``extra``: more tensors keyed by global names (e.g. DiLoCo's ``outer.<param>.momentum``).
@@ -63,8 +70,11 @@ def save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimiz
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    dcp.save({**_state(model, opt, materialise=False), **(extra or {})},
-             checkpoint_id=str(tmp))
+    state = {**_state(model, opt, materialise=False), **(extra or {})}
+    if tp is not None and tp.shards:
+        state = {k: tp.gather(name, v) if (name := tp.param_of(k)) else v
+                 for k, v in state.items()}
+    dcp.save(state, checkpoint_id=str(tmp))
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -87,14 +97,22 @@ def latest_step(root: Path) -> int | None:
 
 
 def load(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
-         extra: dict[str, torch.Tensor] | None = None) -> None:
+         extra: dict[str, torch.Tensor] | None = None, tp: TPShards | None = None) -> None:
     """Collective: load step ``step`` into this rank's slice (any layout).
 
     ``extra`` tensors are loaded in place; a checkpoint without them (written in another
     cross-DC mode) leaves them as they are.
     """
     state = _state(model, opt, materialise=True)
-    dcp.load(state, checkpoint_id=str(root / f"step-{step}"))
+    full: dict[str, torch.Tensor] = {}
+    if tp is not None and tp.shards:
+        for k, v in state.items():
+            if name := tp.param_of(k):
+                full[k] = torch.empty(tp.full_shape(name, v), dtype=v.dtype)
+    dcp.load({**state, **full}, checkpoint_id=str(root / f"step-{step}"))
+    with torch.no_grad():
+        for k, f in full.items():
+            state[k].copy_(tp.local(tp.param_of(k), f))
     if extra:
         _load_optional(root / f"step-{step}", extra)
     model.load_state_dict({k: v for k, v in state.items() if not k.startswith("optim.")})

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hettrain.api.spec import ModelSpec
+from hettrain.runtime.tensor_parallel import copy_to_tp, reduce_from_tp
 
 EMBED_SEED_OFFSET = 997
 HEAD_SEED_OFFSET = 998
@@ -32,9 +33,11 @@ class CausalSelfAttention(nn.Module):
         self.q = nn.Linear(spec.hidden, spec.hidden, bias=False)
         self.kv = nn.Linear(spec.hidden, 2 * spec.kv_heads * spec.head_dim, bias=False)
         self.o = nn.Linear(spec.hidden, spec.hidden, bias=False)
+        self.tp_group = None  # set by tensor_parallel.shard_stage_ (heads are then local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, h = x.shape
+        b, t, _ = x.shape
+        x = copy_to_tp(x, self.tp_group)
         q = self.q(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).view(b, t, 2, self.kv_heads, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
@@ -42,7 +45,8 @@ class CausalSelfAttention(nn.Module):
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, t, h))
+        y = self.o(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        return reduce_from_tp(y, self.tp_group)
 
 
 class MLP(nn.Module):
@@ -55,11 +59,15 @@ class MLP(nn.Module):
         if self.gated:
             self.gate = nn.Linear(spec.hidden, spec.ffn_hidden, bias=False)
         self.down = nn.Linear(spec.ffn_hidden, spec.hidden, bias=False)
+        self.tp_group = None  # set by tensor_parallel.shard_stage_ (ffn columns are then local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.tp_group)
         if self.gated:
-            return self.down(F.silu(self.gate(x)) * self.up(x))
-        return self.down(F.gelu(self.up(x)))
+            y = self.down(F.silu(self.gate(x)) * self.up(x))
+        else:
+            y = self.down(F.gelu(self.up(x)))
+        return reduce_from_tp(y, self.tp_group)
 
 
 class Block(nn.Module):

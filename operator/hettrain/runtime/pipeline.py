@@ -39,6 +39,14 @@ def schedule_order(schedule: str, stage: int, pp: int, m: int) -> list[tuple[str
     return order + [("B", i) for i in range(m - warm, m)]
 
 
+def send_peers(plan: Plan, rank: int, to_stage: int) -> list[int]:
+    """Ranks of ``to_stage`` (same replica) whose :func:`peer_rank` towards us is ``rank``."""
+    me = plan.ranks[rank]
+    my_tp = plan.stages[me.stage].tp
+    return [r.rank for r in plan.ranks
+            if r.stage == to_stage and r.dp == me.dp and r.tp % my_tp == me.tp]
+
+
 class StageRunner:
     """Runs one stage's share of a step; the last stage returns the summed microbatch loss."""
 
@@ -51,8 +59,12 @@ class StageRunner:
         self.stats = stats
         sched = schedule or plan.schedule
         self.schedule = sched if sched in SCHEDULES else "1f1b"
+        # receive from one peer; send to every peer that receives from us (stages may differ in
+        # TP degree: a TP rank of stage b receives from TP index ``tp_b % tp_a`` of stage a)
         self.next_peer = None if self.last else peer_rank(plan, rank, self.stage + 1)
         self.prev_peer = None if self.first else peer_rank(plan, rank, self.stage - 1)
+        self.next_sends = [] if self.last else send_peers(plan, rank, self.stage + 1)
+        self.prev_sends = [] if self.first else send_peers(plan, rank, self.stage - 1)
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def _tier(self, peer: int) -> Tier:
@@ -103,7 +115,8 @@ class StageRunner:
                 total += loss.item()
                 out = loss * loss_scale
             else:
-                self._send(out, self.next_peer)
+                for peer in self.next_sends:
+                    self._send(out, peer)
             saved[i] = (x_in, out)
 
         def backward(i: int) -> None:
@@ -113,7 +126,8 @@ class StageRunner:
             else:
                 out.backward(self._recv(out.shape, self.next_peer))
             if x_in is not None:
-                self._send(x_in.grad, self.prev_peer)
+                for peer in self.prev_sends:
+                    self._send(x_in.grad, peer)
 
         ops: dict[str, Callable[[int], None]] = {"F": forward, "B": backward}
         for kind, i in schedule_order(self.schedule, self.stage, self.pp, m):

@@ -19,6 +19,7 @@ from hettrain.runtime.data import microbatches
 from hettrain.runtime.metrics import RuntimeMetrics
 from hettrain.runtime.model import StageModel, lm_loss, whole_model
 from hettrain.runtime.pipeline import StageRunner
+from hettrain.runtime.tensor_parallel import check_tp, shard_stage_
 
 WEIGHT_DECAY = 0.01
 CROSS_DC_MODES = ("sync", "compress", "diloco")
@@ -105,15 +106,17 @@ class Trainer:
         plan = self.plan
         self.me = plan.ranks[rank]
         st = plan.stages[self.me.stage]
-        if st.tp != 1:
-            raise ValueError(f"plan.stages[{st.index}].tp={st.tp}: this runtime trains tp=1 "
-                             "only; plan with tensor_parallel 1")
+        check_tp(plan.model, st.tp, f"plan.stages[{st.index}]")
         self.xdc = cross_dc_settings(plan)
         self.comm = HetCommunicator.from_plan(plan, rank, device=torch.device("cpu"),
                                               backend_overrides={"*": "gloo"})
         self.model = StageModel(plan.model, st.layer_start, st.layer_end,
                                 has_embedding=st.index == 0, has_head=st.index == plan.pp - 1,
                                 seed=plan.training.seed)
+        tp_members = ([plan.ranks[g].tp for g in dist.get_process_group_ranks(self.comm.tp_group)]
+                      if st.tp > 1 else [0])
+        self.tp = shard_stage_(self.model, plan.model, st.tp, self.me.tp, self.comm.tp_group,
+                               tp_members, self.comm.stats)
         self.opt = make_optimizer(self.model, plan.training.learning_rate, cfg.optimizer)
         self.diloco: DiLoCo | None = None
         if self.xdc["mode"] == "diloco":
@@ -175,7 +178,8 @@ class Trainer:
         if self.cfg.resume and self.root is not None:
             found = ckpt.latest_step(self.root)
             if found is not None:
-                ckpt.load(self.root, found, self.model, self.opt, extra=self._outer_state())
+                ckpt.load(self.root, found, self.model, self.opt, extra=self._outer_state(),
+                          tp=self.tp)
                 start = found
                 self.metrics.last_ckpt.set(found)
                 if self.diloco is not None:  # the outer (global) weights are the loaded ones
@@ -214,7 +218,8 @@ class Trainer:
             # DiLoCo replicas differ between outer syncs: checkpoint only right after one
             synced = self.diloco is None or done % self.diloco.outer_steps == 0 or last
             if self.root is not None and ((ckpt_due and synced) or last):
-                ckpt.save(self.root, done, self.model, self.opt, extra=self._outer_state())
+                ckpt.save(self.root, done, self.model, self.opt, extra=self._outer_state(),
+                          tp=self.tp)
                 self.metrics.last_ckpt.set(done)
                 ckpt_due = False
             if self.cfg.step_sleep:
@@ -233,6 +238,7 @@ class Trainer:
                "schedule": self.runner.schedule, "steps": len(losses),
                "outer_syncs": self.diloco.outer_syncs if self.diloco is not None else 0,
                "param_checksum": checksum,
+               "param_elements": sum(p.numel() for p in self.model.parameters()),
                "bytes": {t.value: s.bytes for t, s in self.comm.stats.items()},
                "ops": {t.value: s.ops for t, s in self.comm.stats.items()}}
         path = Path(self.cfg.summary_dir) / f"rank-{self.rank}.json"

@@ -1,0 +1,97 @@
+"""Tensor parallelism: shard maps (pure), tp=2 x pp=2 training vs the single-process reference
+on real gloo processes, and a resume on a different TP/PP layout from the tp=2 checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from tests.runtime.training.plans import TINY, tiny_plan
+
+from hettrain.runtime.launch import launch_local, wait_all
+from hettrain.runtime.model import whole_model
+from hettrain.runtime.pipeline import send_peers
+from hettrain.runtime.tensor_parallel import check_tp, shard_layout
+from hettrain.runtime.trainer import reference_losses
+
+# fp32: TP changes only the summation order of o/down (partial sums all-reduced)
+RTOL = 1e-5
+
+
+@pytest.mark.parametrize("spec", [TINY, dataclasses.replace(TINY, kv_heads=4, gated_mlp=True)])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_shards_partition_every_weight_and_compute_the_block(spec, tp):
+    if spec.kv_heads % tp:
+        pytest.skip("kv_heads not divisible")
+    blk = whole_model(spec, seed=2).layers["1"]
+    x = torch.randn(2, 5, spec.hidden)
+    want = blk.mlp(blk.ln2(x))
+    got = torch.zeros_like(want)
+    for r in range(tp):  # row-parallel partial sums of the column-parallel MLP halves
+        _, up = shard_layout(spec, tp)["mlp.up.weight"]
+        _, down = shard_layout(spec, tp)["mlp.down.weight"]
+        h = blk.ln2(x) @ blk.mlp.up.weight[up[r]].T
+        if spec.gated_mlp:
+            h = torch.nn.functional.silu(blk.ln2(x) @ blk.mlp.gate.weight[up[r]].T) * h
+        else:
+            h = torch.nn.functional.gelu(h)
+        got += h @ blk.mlp.down.weight[:, down[r]].T
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for suffix, (dim, idx) in shard_layout(spec, tp).items():
+        size = blk.get_parameter(suffix).shape[dim]
+        assert sorted(torch.cat(idx).tolist()) == list(range(size)), suffix
+
+
+def test_bad_tp_degree_names_the_field():
+    with pytest.raises(ValueError, match=r"plan.stages\[1\].tp=4: model kv_heads=2"):
+        check_tp(TINY, 4, "plan.stages[1]")
+
+
+def test_send_peers_connect_stages_of_different_tp_degrees():
+    plan = tiny_plan([(0, 1, "a"), (1, 4, "b")], dp=1, tp=(1, 2))
+    # ranks: 0 = stage 0 tp0; 1, 2 = stage 1 tp0/tp1
+    assert send_peers(plan, 0, 1) == [1, 2]  # the single TP rank feeds both
+    assert send_peers(plan, 1, 0) == [0] and send_peers(plan, 2, 0) == []
+
+
+def _run(work, plan, env):
+    env = {"HETTRAIN_LOSS_LOG": str(work / "loss.jsonl"), "HETTRAIN_METRICS_PORT": "0", **env}
+    codes = wait_all(launch_local(plan, work, env), 150)
+    logs = "\n".join(p.read_text()[-2000:] for p in sorted(work.glob("rank-*.log")))
+    assert codes == [0] * plan.world_size, logs
+    return {d["step"]: d["loss"]
+            for d in map(json.loads, (work / "loss.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.slow
+def test_tp2_pp2_matches_reference_and_resumes_on_another_tp_layout(tmp_path):
+    steps = 6
+    first = tiny_plan([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=1, steps=steps, tp=2,
+                      num_microbatches=4)
+    ck = tmp_path / "ckpt"
+    summary = tmp_path / "summary"
+    got = _run(tmp_path / "tp2", first, {"HETTRAIN_CHECKPOINT_URI": str(ck),
+                                         "HETTRAIN_CHECKPOINT_INTERVAL": "3",
+                                         "HETTRAIN_SUMMARY_DIR": str(summary)})
+    sums = [json.loads((summary / f"rank-{r}.json").read_text()) for r in range(4)]
+    whole = sum(p.numel() for p in whole_model(TINY, 3).parameters())
+    # stage 0 = embedding + 2 blocks, stage 1 = 2 blocks + head; blocks split 2 ways
+    assert sum(s["param_elements"] for s in sums) < 2 * whole
+    assert sums[0]["param_elements"] == sums[1]["param_elements"]
+    # per block and microbatch 4 TP all-reduces (attn, mlp; forward and backward)
+    assert all(s["ops"]["intra_pool"] == 4 * 2 * 4 * steps for s in sums)
+    ref = reference_losses(first, steps)
+    assert sorted(got) == list(range(steps))
+    for step, want in enumerate(ref):
+        assert got[step] == pytest.approx(want, rel=RTOL), step
+    # as if the run had died after step 3: resume on 3 ranks, layers 1+3, TP 1 then 2
+    (ck / "latest").write_text("step-3")
+    second = tiny_plan([(0, 1, "pool-a"), (1, 4, "pool-b")], dp=1, steps=steps, tp=(1, 2),
+                       num_microbatches=4)
+    after = _run(tmp_path / "mixed", second, {"HETTRAIN_CHECKPOINT_URI": str(ck),
+                                              "HETTRAIN_RESUME": "1"})
+    assert sorted(after) == list(range(3, steps))
+    for step in range(3, steps):
+        assert after[step] == pytest.approx(ref[step], rel=1e-4), step
