@@ -222,6 +222,9 @@ _PRODUCT_ALIASES = {
     "NVIDIA-L40S": "L40S",
     "AMD-Instinct-MI300X": "MI300X",
     "AMD-Instinct-MI250X": "MI250X",
+    "gaudi2": "Gaudi2",
+    "gaudi3": "Gaudi3",
+    "Ascend910B": "Ascend-910B",
 }
 _SCHEDULING_EFFECTS = {"NoSchedule", "NoExecute"}
 
@@ -293,7 +296,15 @@ def inventory_from_nodes(
         region = labels.get(c.LABEL_REGION, "default")
         zone = labels.get(c.LABEL_ZONE, "")
         pool = labels.get(c.LABEL_POOL) or "-".join(x for x in (model, region, zone) if x).lower()
-        nic = float(labels.get(c.LABEL_NIC_GBPS, DEFAULT_NIC_GBPS))
+        try:
+            nic = float(labels.get(c.LABEL_NIC_GBPS, DEFAULT_NIC_GBPS))
+        except ValueError:
+            nic = -1.0
+        if not nic > 0:
+            raise PlanningInputError(
+                f"node {name} label {c.LABEL_NIC_GBPS}",
+                f"must be a positive number of Gbps (got {labels[c.LABEL_NIC_GBPS]!r})",
+            )
         g = groups.setdefault(
             f"{pool}/{count}",
             dict(pool=pool, device=device, dc=region, zone=zone, gpn=count, nic=nic, nodes=[]),
