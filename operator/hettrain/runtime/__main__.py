@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from hettrain.runtime.trainer import run_rank
 
 def main() -> int:
     """Run one rank in-process, or spawn ``LOCAL_WORLD_SIZE`` children and wait for them."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     cfg = RuntimeConfig.from_env()
     if cfg.local_world_size == 1 or os.environ.get(C.ENV_RANK):
         rank = int(os.environ.get(C.ENV_RANK) or cfg.rank_start)

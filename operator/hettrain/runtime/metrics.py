@@ -36,11 +36,19 @@ class RuntimeMetrics:
         self.last_ckpt = Gauge("hettrain_runtime_last_checkpoint_step",
                                "Step of the last complete checkpoint", LABELS, registry=r
                                ).labels(**lab)
+        self._schedule = Gauge("hettrain_runtime_schedule_info",
+                               "1 for the pipeline schedule this rank executes (schedule) and "
+                               "the one the plan asked for (planned)",
+                               (*LABELS, "schedule", "planned"), registry=r)
         self._lab = lab
         self._seen: dict[str, tuple[int, float]] = {}
         self.port = port
         if port:
             start_http_server(port, registry=r)
+
+    def set_schedule(self, executed: str, planned: str) -> None:
+        """Export which schedule runs (it differs from the plan's for interleaved / zb-h1)."""
+        self._schedule.labels(**self._lab, schedule=executed, planned=planned).set(1)
 
     def observe_step(self, step: int, loss: float, seconds: float, tokens: int,
                      flops: float, peak_flops: float) -> None:

@@ -1,6 +1,12 @@
 """Pipeline schedules for one stage of one replica: 1F1B (warm-up / steady / cool-down) and
 GPipe (all forwards, then all backwards).
 
+The planner may also choose ``interleaved`` (virtual stages) or ``zb-h1`` (split backward);
+this runtime does NOT implement them: such plans execute 1F1B on the same contiguous layer
+ranges (same numerics, a larger bubble than the plan predicted). :func:`executed_schedule`
+says which one runs; the trainer logs it and exports it as the ``schedule`` label of
+``hettrain_runtime_schedule_info``.
+
 Activations go forward and gradients backward with non-blocking sends (``dist.isend``) and
 blocking receives, which is deadlock-free for both schedules: a receive only waits for work its
 peer has already been scheduled to do. Traffic is accounted in the communicator's ``stats``.
@@ -19,6 +25,17 @@ from hettrain.runtime.collectives import Tier, peer_rank
 from hettrain.runtime.model import lm_loss
 
 SCHEDULES = ("1f1b", "gpipe")
+FALLBACK = {"interleaved": "1f1b", "zb-h1": "1f1b"}  # planned but not implemented here
+
+
+def executed_schedule(planned: str) -> str:
+    """The schedule this runtime runs for a plan's ``schedule``."""
+    if planned in SCHEDULES:
+        return planned
+    if planned in FALLBACK:
+        return FALLBACK[planned]
+    raise ValueError(f"plan.schedule={planned!r}: must be one of "
+                     f"{SCHEDULES + tuple(FALLBACK)}")
 
 
 def warmup_count(schedule: str, stage: int, pp: int, num_microbatches: int) -> int:
@@ -57,8 +74,8 @@ class StageRunner:
         self.stage, self.pp = self.me.stage, plan.pp
         self.first, self.last = self.stage == 0, self.stage == plan.pp - 1
         self.stats = stats
-        sched = schedule or plan.schedule
-        self.schedule = sched if sched in SCHEDULES else "1f1b"
+        self.planned = schedule or plan.schedule
+        self.schedule = executed_schedule(self.planned)
         # receive from one peer; send to every peer that receives from us (stages may differ in
         # TP degree: a TP rank of stage b receives from TP index ``tp_b % tp_a`` of stage a)
         self.next_peer = None if self.last else peer_rank(plan, rank, self.stage + 1)

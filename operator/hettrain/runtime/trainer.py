@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from hettrain.runtime.model import StageModel, lm_loss, whole_model
 from hettrain.runtime.pipeline import StageRunner
 from hettrain.runtime.tensor_parallel import check_tp, shard_stage_
 
+log = logging.getLogger("hettrain.runtime")
 WEIGHT_DECAY = 0.01
 CROSS_DC_MODES = ("sync", "compress", "diloco")
 
@@ -130,6 +132,14 @@ class Trainer:
         self.metrics = RuntimeMetrics(plan.job, rank, self.me.stage, self.me.pool,
                                       cfg.metrics_port + (rank - cfg.rank_start)
                                       if cfg.metrics_port else 0)
+        self.metrics.set_schedule(self.runner.schedule, self.runner.planned)
+        if self.runner.schedule != self.runner.planned:
+            log.warning("rank %d: plan schedule %r (virtual_stages %d) is not implemented; "
+                        "executing %r on the same layer ranges (same losses, larger bubble "
+                        "than the plan's predicted step time assumes)", rank,
+                        self.runner.planned, plan.virtual_stages, self.runner.schedule)
+        else:
+            log.info("rank %d: executing schedule %r", rank, self.runner.schedule)
         self.root = ckpt.checkpoint_root(cfg.checkpoint_uri) if cfg.checkpoint_uri else None
         self._loss_tier = self._dp_tier()
 

@@ -12,8 +12,9 @@ from tests.runtime.training.plans import TINY, tiny_plan
 from hettrain.runtime import checkpoint as ckpt
 from hettrain.runtime.config import RuntimeConfig
 from hettrain.runtime.data import global_batch, microbatches
+from hettrain.runtime.metrics import RuntimeMetrics
 from hettrain.runtime.model import StageModel, whole_model
-from hettrain.runtime.pipeline import schedule_order, warmup_count
+from hettrain.runtime.pipeline import StageRunner, executed_schedule, schedule_order, warmup_count
 
 GQA_GATED = dataclasses.replace(TINY, kv_heads=1, gated_mlp=True)
 
@@ -115,3 +116,22 @@ def test_checkpoint_uri_forms(tmp_path):
     assert ckpt.latest_step(tmp_path) is None
     (tmp_path / "step-4" / ".metadata").write_text(json.dumps({}))
     assert ckpt.latest_step(tmp_path) == 4
+
+
+@pytest.mark.parametrize("planned,executed", [("1f1b", "1f1b"), ("gpipe", "gpipe"),
+                                              ("zb-h1", "1f1b"), ("interleaved", "1f1b")])
+def test_the_executed_schedule_is_explicit_and_exported(planned, executed):
+    plan = tiny_plan([(0, 2, "a"), (2, 4, "b")], dp=1, schedule=planned)
+    model = StageModel(TINY, 0, 2, has_embedding=True, has_head=False, seed=3)
+    runner = StageRunner(plan, 0, model)
+    assert (runner.planned, runner.schedule) == (planned, executed)
+    m = RuntimeMetrics("j", 0, 0, "a", port=0)
+    m.set_schedule(runner.schedule, runner.planned)
+    labels = {"job": "j", "rank": "0", "stage": "0", "pool": "a", "schedule": executed,
+              "planned": planned}
+    assert m.registry.get_sample_value("hettrain_runtime_schedule_info", labels) == 1.0
+
+
+def test_unknown_plan_schedule_is_named():
+    with pytest.raises(ValueError, match=r"plan.schedule='zigzag'"):
+        executed_schedule("zigzag")
