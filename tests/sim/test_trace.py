@@ -120,3 +120,15 @@ def test_bad_trace_rows_name_the_field(oracle, tmp_path, row, field):
     with pytest.raises(SimInputError) as exc:
         load_trace(path, oracle.topo, HORIZON)
     assert field in exc.value.field or field in str(exc.value)
+
+
+def test_wait_shrink_stops_waiting_when_the_eta_slips(oracle, tmp_path):
+    """Waiting for node 5 (due in 950 s < 1800 s) until node 6 fails for 5000 s: shrink then."""
+    path = tmp_path / "t.csv"
+    path.write_text("time_s,target,kind,duration_s,slowdown\n"
+                    "5000,node:h100-sxm-dc0-005,fail,1000,\n"
+                    "5500,node:h100-sxm-dc0-006,fail,5000,\n")
+    r = _run(oracle, "wait-shrink", trace=path)
+    assert r.time_s["waiting"] == 5500.0 - 5050.0
+    assert r.time_s["planning"] == 10.0  # one shrink at 5500; node 5 back at 6000 → grow to 7
+    assert (r.replans, r.grow_backs) == (2, 1) and r.interruptions == {"node": 1}

@@ -8,7 +8,8 @@ Policies (``POLICIES``):
   restart on the new plan, and grow back to the better plan at the next checkpoint once nodes
   return and the full plan is ``grow_threshold`` faster.
 - ``wait-shrink`` — wait for the replacement when the known ETA of the nodes the full plan
-  needs is within ``wait_threshold_s``, otherwise shrink like ``replan``; grows back the same way.
+  needs is within ``wait_threshold_s``, otherwise shrink like ``replan`` (also while waiting,
+  when a further failure pushes the ETA past the threshold); grows back the same way.
 
 Job phases: RUN (training), CKPT (blocking checkpoint write), DETECT (the hang before the
 failure is noticed), WAIT (no plan can start), PLAN (re-plan overhead), RESTART (launch and
@@ -286,6 +287,10 @@ class _Job:
             self.r.min_up_nodes = min(self.r.min_up_nodes, sum(self.up))
             if self.training() and e.u < 1.0 - hit:
                 self.interrupt(e.cause)
+            elif (self.phase == WAIT and self.waiting_for_full and self.policy == "wait-shrink"
+                  and self.full_eta() - self.t > self.rec.wait_threshold_s):
+                self.waiting_for_full = False  # the wait got too long: shrink now
+                self.replan()
         elif e.kind == UP:
             for p, k in e.counts:
                 self.up[p] += k
