@@ -60,6 +60,9 @@ def test_trace_replay_cli(tmp_path):
     (["--scenario", "llama3-16k", "--days", "0"], "--days"),
     (["--scenario", "llama3-16k", "--throughput", "fast"], "--throughput"),
     (["--scenario", "llama3-16k", "--failures", "nope.yaml"], "nope.yaml"),
+    (["--cluster", "nope.yaml", "--job", "examples/jobs/llama3-405b-1k.yaml"], "nope.yaml"),
+    (["--generate", "64:H100-SXM", "--job", "nope-job.yaml"], "nope-job.yaml"),
+    (["--scenario", "llama3-16k", "--spare-nodes", "3"], "--spare-nodes"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle, capsys):
     code, _ = _run(argv)

@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _scenario(args: argparse.Namespace) -> Scenario:
-    from hettrain.cli import CliError, load_inventory, load_job
+    from hettrain.cli import load_inventory, load_job
     from hettrain.sim.cluster import generate_cluster
 
     if args.scenario:
@@ -94,14 +94,10 @@ def _scenario(args: argparse.Namespace) -> Scenario:
     else:
         if not args.job:
             raise SimInputError("--job", "is required with --cluster/--generate")
-        try:
-            name, spec = load_job(args.job)
-            inv = (load_inventory(args.cluster) if args.cluster else
-                   generate_cluster(args.generate, dcs=args.dcs,
-                                    gpus_per_node=args.gpus_per_node,
-                                    spare_nodes=args.spare_nodes or 0))
-        except CliError as exc:
-            raise SimInputError("input", str(exc)) from None
+        name, spec = load_job(args.job)
+        inv = (load_inventory(args.cluster) if args.cluster else
+               generate_cluster(args.generate, dcs=args.dcs, gpus_per_node=args.gpus_per_node,
+                                spare_nodes=args.spare_nodes or 0))
         label = args.cluster or f"generate {args.generate}"
         sc = Scenario(label, name, spec, inv, FailureModel(), RecoveryModel(), 54.0,
                       args.spare_nodes or 0)
@@ -145,6 +141,7 @@ def _scale(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``hettrain simulate``; returns the exit code."""
+    from hettrain.cli import CliError
     from hettrain.sim.run import format_report, run_scenario
 
     try:
@@ -156,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
                               seeds=tuple(range(args.seed, args.seed + args.seeds)),
                               trace=args.trace, quantum=args.quantum,
                               scale=_scale(args.throughput))
-    except (SimInputError, SpecError, PlanningError) as exc:
+    except (SimInputError, SpecError, PlanningError, CliError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_USAGE
     picture = args.png or args.svg
