@@ -78,3 +78,14 @@ def test_help_lists_the_flags(capsys):
     for flag in ("--scenario", "--generate", "--trace", "--policies", "--seeds", "--png",
                  "--json", "--failures", "--throughput"):
         assert flag in out
+
+
+def test_svg_and_scaled_throughput(tmp_path):
+    svg = tmp_path / "t.svg"
+    code, out = _run(["--generate", "1024:H100-SXM", "--job", "examples/jobs/llama3-405b-1k.yaml",
+                      "--days", "2", "--policies", "replan", "--throughput", "scaled:2",
+                      "--svg", str(svg)])
+    assert code == 0, out
+    assert "throughput model: scaled:2" in out
+    text = svg.read_text()
+    assert text.lstrip().startswith("<?xml") and 'id="throughput-replan"' in text
