@@ -50,6 +50,7 @@ EXACT_LEAF_BUDGET = 20_000  # above this many (tp, k) combinations the k window 
 MAX_MICRO_BATCH = 16
 INTERLEAVE_CHUNKS = 2
 REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the best
+REPLAN_OPTIONS = 64  # distinct placements a re-plan compares by moved ranks
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 
 
@@ -654,20 +655,32 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     best = ranked[0]
     alt = ranked[1] if len(ranked) > 1 else None
     near = [c for s in searches for c in s.near]
-    chosen, ranks = best, place_ranks(best.units, best.tps, best.dp, previous)
-    if previous is not None:
-        limit = best.step_time_s * REPLAN_TOLERANCE
-        options = sorted((c for c in near if c.step_time_s <= limit), key=Candidate.sort_key)
-        scored = []
-        for c in options[:16]:
-            r = place_ranks(c.units, c.tps, c.dp, previous)
-            scored.append((moved_ranks(previous, r), c.sort_key(), c, r))
-        if scored:
-            _, _, chosen, ranks = min(scored, key=lambda x: (x[0], x[1]))
+    if previous is None:
+        chosen, ranks = best, place_ranks(best.units, best.tps, best.dp, None)
+    else:
+        chosen, ranks = _fewest_moves(best, near, previous)
     notes = _notes(chosen, searches[0], alt, inventory, spec)
     if previous is not None:
         notes.append(f"re-plan: {moved_ranks(previous, ranks)} of {len(ranks)} ranks change stage")
     return _to_plan(name, spec, chosen, ranks, notes, inventory)
+
+
+def _fewest_moves(best: Candidate, near: Sequence[Candidate], previous: Plan
+                  ) -> tuple[Candidate, tuple]:
+    """Among layouts within ``REPLAN_TOLERANCE`` of ``best`` (the fastest of each distinct
+    placement, at most ``REPLAN_OPTIONS``), the one moving the fewest ranks; ties: faster."""
+    limit = best.step_time_s * REPLAN_TOLERANCE
+    by_layout: dict[tuple, Candidate] = {}
+    for c in sorted((c for c in near if c.step_time_s <= limit), key=Candidate.sort_key):
+        by_layout.setdefault((tuple(u.key for u in c.units), c.tps, c.dp), c)
+    scored = []
+    for c in list(by_layout.values())[:REPLAN_OPTIONS]:
+        r = place_ranks(c.units, c.tps, c.dp, previous)
+        scored.append((moved_ranks(previous, r), c.sort_key(), c, r))
+    if not scored:  # best itself is always within the tolerance; defensive
+        return best, place_ranks(best.units, best.tps, best.dp, previous)
+    _, _, chosen, ranks = min(scored, key=lambda x: (x[0], x[1]))
+    return chosen, ranks
 
 
 def step_time_for_split(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
