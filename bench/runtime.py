@@ -1,10 +1,20 @@
 """Runtime overhead: tokens/s of ``python -m hettrain.runtime`` vs a plain single-process torch
-loop of the same model, optimizer and global batch (the baseline), measured side by side.
+loop of the same model, optimizer and global batch, measured side by side.
 
-Layouts: 1 rank (pp=1, dp=1) and 2 pools x 2 stages (pp=2, dp=2, uneven 3+1 layer split).
-Each runtime step time is the median over steps after warm-up; each configuration is repeated
-and the median of the repeats reported. On 2 CPU cores the 4-rank layout oversubscribes the
-machine, so its ratio measures pipeline + all-reduce overhead plus contention, not scaling.
+Two baselines per layout:
+
+* ``plain 1 batch``: the whole global batch in one forward/backward per step;
+* ``plain same mb``: the same microbatches as the plan (``micro_batch`` sequences each,
+  ``dp * num_microbatches`` of them, gradient accumulation) -- the same arithmetic the runtime
+  does, so ``rt/same`` is the runtime's own overhead (or pipeline speed-up).
+
+On a tiny model a microbatch of 2 sequences is dominated by per-op Python/dispatch cost, so
+``rt/1batch`` is mostly the price of the plan's microbatching, not of the runtime.
+
+Layouts: 1 rank (pp=1, dp=1); 2 stages (pp=2, dp=1, 3+1 split: fits the 2 cores); 2 pools x 2
+stages (pp=2, dp=2, 3+1). Each runtime step time is the median over steps after warm-up; each
+configuration is repeated (interleaved with its baselines) and the median of the repeats
+reported. The 4-rank layout oversubscribes 2 cores, so its ratio includes contention.
 
     .venv/bin/python bench/runtime.py [--repeats 3] [--steps 12]
 """
@@ -33,20 +43,23 @@ from hettrain.runtime.trainer import make_optimizer  # noqa: E402
 WARMUP = 3
 
 
-def plain_loop(plan, steps: int) -> float:
-    """Median step seconds of a bare torch loop over the same global batches."""
+def plain_loop(plan, steps: int, micro_batch: int | None = None) -> float:
+    """Median step seconds of a bare torch loop over the same global batches, in microbatches
+    of ``micro_batch`` sequences (default: the whole global batch at once)."""
     torch.set_num_threads(1)
     t = plan.training
     model = whole_model(plan.model, t.seed)
     opt = make_optimizer(model, t.learning_rate)
+    mb = micro_batch or plan.global_batch
+    m = plan.global_batch // mb
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        for x, y in microbatches(t.seed, step, dp=1, dp_index=0,
-                                 micro_batch=plan.global_batch, num_microbatches=1,
-                                 seq_len=plan.model.seq_len, vocab=plan.model.vocab):
-            lm_loss(model(x), y).backward()
+        for x, y in microbatches(t.seed, step, dp=1, dp_index=0, micro_batch=mb,
+                                 num_microbatches=m, seq_len=plan.model.seq_len,
+                                 vocab=plan.model.vocab):
+            (lm_loss(model(x), y) / m).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[WARMUP:])
@@ -74,20 +87,24 @@ def main() -> None:
     layouts = {
         "1 rank (pp1 dp1)": tiny_plan([(0, 4, "pool-a")], dp=1, steps=a.steps,
                                       num_microbatches=8, model=model),
+        "2 stages (pp2 dp1, 3+1)": tiny_plan([(0, 3, "pool-a"), (3, 4, "pool-b")], dp=1,
+                                             steps=a.steps, num_microbatches=8, model=model),
         "2 pools x 2 stages (pp2 dp2, 3+1)": tiny_plan(
             [(0, 3, "pool-a"), (3, 4, "pool-b")], dp=2, steps=a.steps, model=model),
     }
     tokens = next(iter(layouts.values())).global_batch * model.seq_len
     print(f"model {model.layers}L h{model.hidden} seq{model.seq_len}; global batch "
           f"{tokens // model.seq_len} seqs = {tokens} tokens/step; median of {a.repeats}")
-    print(f"{'layout':36} {'plain tok/s':>12} {'runtime tok/s':>14} {'ratio':>7}")
+    print(f"{'layout':36} {'plain 1 batch':>13} {'plain same mb':>13} {'runtime':>8} "
+          f"{'rt/same':>8} {'rt/1batch':>9}  (tokens/s)")
     for name, plan in layouts.items():
-        base, rt = [], []
-        for _ in range(a.repeats):  # interleaved so drift hits both alike
+        base, same, rt = [], [], []
+        for _ in range(a.repeats):  # interleaved so drift hits all alike
             base.append(plain_loop(plan, a.steps))
+            same.append(plain_loop(plan, a.steps, plan.micro_batch))
             rt.append(runtime(plan, a.steps))
-        b, r = tokens / statistics.median(base), tokens / statistics.median(rt)
-        print(f"{name:36} {b:12.0f} {r:14.0f} {r / b:7.2f}")
+        b, m, r = (tokens / statistics.median(x) for x in (base, same, rt))
+        print(f"{name:36} {b:13.0f} {m:13.0f} {r:8.0f} {r / m:8.2f} {r / b:9.2f}")
 
 
 if __name__ == "__main__":

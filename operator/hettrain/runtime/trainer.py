@@ -250,7 +250,8 @@ class Trainer:
                "param_checksum": checksum,
                "param_elements": sum(p.numel() for p in self.model.parameters()),
                "bytes": {t.value: s.bytes for t, s in self.comm.stats.items()},
-               "ops": {t.value: s.ops for t, s in self.comm.stats.items()}}
+               "ops": {t.value: s.ops for t, s in self.comm.stats.items()},
+               "seconds": {t.value: s.seconds for t, s in self.comm.stats.items()}}
         path = Path(self.cfg.summary_dir) / f"rank-{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(rec))
