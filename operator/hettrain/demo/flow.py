@@ -126,7 +126,11 @@ def step_operator(d: Demo) -> None:
     assert d.cluster is not None
     d.metrics_port = kc.free_port()
     log = d.workdir / "operator.log"
-    proc = kc.start_operator(d.cluster.kubeconfig, d.metrics_port, kc.free_port(), log)
+    # Node objects carry no inter-DC links: the cluster YAML gives them to the planner.
+    topology = {"HETTRAIN_CLUSTER_CONFIG": str(d.repo / d.args.cluster),
+                "HETTRAIN_METRICS_ADDR": "127.0.0.1"}
+    proc = kc.start_operator(d.cluster.kubeconfig, d.metrics_port, kc.free_port(), log,
+                             topology)
     d.children.add("operator", proc)
     d.progress.info(f"kopf run -m hettrain.handlers --all-namespaces --standalone "
                     f"(pid {proc.pid}); log: {log}")
