@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import kopf
@@ -127,25 +128,22 @@ def node_changed(name: str, type: str | None, **_: Any) -> None:
 @kopf.on.event(*JOB)
 def job_changed(namespace: str, name: str, meta: Mapping[str, Any], type: str | None,
                 **_: Any) -> None:
-    """A spec edit (new generation: suspend, resize...) wakes the daemon, which re-plans.
+    """A spec edit (new generation: suspend, resize...) wakes the daemon, which re-plans;
+    deletion drops the job's caches and metrics.
 
-    Our own status writes do not change the generation, so they do not wake it again.
+    Our own status writes do not change the generation, so they do not wake it again. (No
+    kopf change handlers: kopf writes no diff-base annotation on the jobs.)
     """
     key = (namespace, name)
-    if type == "DELETED":
+    if type == "DELETED":  # children are garbage-collected through their ownerReferences
         _generations.pop(key, None)
+        _plans.pop(key, None)
+        metrics.set_phase(namespace, name, None)
         return
     generation = int(meta.get("generation") or 0)
     if _generations.get(key) != generation:
         _generations[key] = generation
         _wake_job(namespace, name)
-
-
-@kopf.on.delete(*JOB, optional=True)
-def job_deleted(namespace: str, name: str, **_: Any) -> None:
-    """Children are garbage-collected through ownerReferences; drop caches and metrics."""
-    _plans.pop((namespace, name), None)
-    metrics.set_phase(namespace, name, None)
 
 
 def _current_plan(ns: str, name: str, status: Mapping[str, Any]) -> Plan | None:
@@ -205,6 +203,9 @@ def reconcile_once(ns: str, name: str, pods_by_job: Any, nodes_by_name: Any
     obs = Observed(pods=pods, nodes=nodes, plan=_current_plan(ns, name, status),
                    links=_links, devices=_devices)
     d = reconcile(body, obs)
+    if d.plan_failure:
+        # Never fail or park a job on a lagging watch cache: re-plan once on a fresh LIST.
+        d = reconcile(body, replace(obs, nodes=kube.list_nodes(_api)))
     _apply(ns, name, d, status.get("phase"))
     return body, d
 

@@ -118,6 +118,12 @@ def create_gang(api: k8s.ApiClient, ns: str, pods: Sequence[dict[str, Any]]) -> 
     return sum(1 for _, r in results if r is True)
 
 
+def list_nodes(api: k8s.ApiClient) -> list[dict[str, Any]]:
+    """All Nodes as plain dicts (one LIST)."""
+    _, body = request(api, "GET", "/api/v1/nodes")
+    return list(body.get("items") or [])
+
+
 def get_job(api: k8s.ApiClient, ns: str, name: str) -> dict[str, Any] | None:
     """The HetTrainingJob as the API has it now, or None when it is gone."""
     status, body = request(api, "GET", job_path(ns, name), ok=(404,))
