@@ -115,8 +115,13 @@ def worker_allreduce(rank: int, world: int, addr: str, port: int, repeats: int,
     return out
 
 
-def worker_train(rank: int, world: int, addr: str, port: int, steps: int, variant: str) -> dict:
-    """Train a small MLP regressor data-parallel over 2 DCs; report loss and cross-DC bytes."""
+def worker_train(rank: int, world: int, addr: str, port: int, steps: int, variant: str,
+                 seed: int = 0) -> dict:
+    """Train a small MLP regressor data-parallel over 2 DCs; report loss and cross-DC bytes.
+
+    ``seed`` picks the model init (same on every rank) and each rank's data stream; the teacher
+    and the evaluation set are fixed, so every variant of one seed sees the same tokens.
+    """
     import torch
 
     from hettrain.runtime.collectives import DiLoCo, HetCommunicator, Tier
@@ -129,8 +134,9 @@ def worker_train(rank: int, world: int, addr: str, port: int, steps: int, varian
         cross = {"mode": "compress", "compression": arg}
     plan = _plan(world, cross)
     comm = HetCommunicator.from_plan(plan, rank)
-    torch.manual_seed(0)  # same init everywhere; data differs per rank
+    torch.manual_seed(0)  # the task (teacher) is the same for every seed
     teacher = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    torch.manual_seed(1 + seed)  # same init on every rank; data differs per rank
     model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(),
                                 torch.nn.Linear(128, 128), torch.nn.ReLU(),
                                 torch.nn.Linear(128, 1))
@@ -144,7 +150,7 @@ def worker_train(rank: int, world: int, addr: str, port: int, steps: int, varian
         if codec:
             from hettrain.runtime.collectives import Codec
             comm.codec = Codec(codec)
-    gen = torch.Generator().manual_seed(1000 + rank)
+    gen = torch.Generator().manual_seed(1000 * (1 + seed) + rank)
     eval_x = torch.randn(4096, 32, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         eval_y = teacher(eval_x)
@@ -291,15 +297,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--skip-netns", action="store_true")
+    ap.add_argument("--skip-loopback", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-allreduce", action="store_true")
     ap.add_argument("--ranks-per-pool", default="2,4",
                     help="comma list; each value runs both all-reduce tables with 2 pools")
-    ap.add_argument("--pipeline-mib", type=float, default=4.0,
-                    help="piece size of the pipelined hierarchical all-reduce (0: one piece)")
+    ap.add_argument("--pipeline-mib", type=float, default=8.0,
+                    help="largest piece of the pipelined hierarchical all-reduce (0: one piece)")
     ap.add_argument("--link-gbit", type=float, default=1.0, help="veth rate in Gbit/s")
+    ap.add_argument("--seeds", type=int, default=3, help="training seeds (median reported)")
     ap.add_argument("--variants", default="dp,compress:bf16,compress:int8,diloco:10,diloco:50,"
-                    "diloco:25+int8,diloco:30+int8,diloco:50+int8",
+                    "diloco:10+int8,diloco:30+int8,diloco:50+int8",
                     help="training variants: dp | compress:CODEC | diloco:H[+CODEC]")
     args = ap.parse_args()
     print(f"hettrain collectives bench: gloo, medians of {args.repeats} repeats, "
@@ -315,12 +323,14 @@ def _allreduce_part(args: argparse.Namespace) -> None:
     for per_pool in (int(x) for x in args.ranks_per_pool.split(",")):
         world = 2 * per_pool
         job = ["allreduce", str(args.repeats), str(args.pipeline_mib)]
-        loop = _allreduce_table(
-            f"all-reduce on loopback, 2 pools x {per_pool} ranks, one host (plan: one node)",
-            _launch(world, "127.0.0.1", [*job, "0:0"]), link=False)
-        print("  loopback: hierarchical slowdown vs flat (target <= 1.1x): "
-              + ", ".join(f"{m} MiB {1 / r[0]:.2f}x" for m, r in loop.items())
-              + "; auto slowdown: " + ", ".join(f"{1 / r[1]:.2f}x" for r in loop.values()))
+        if not args.skip_loopback:
+            loop = _allreduce_table(
+                f"all-reduce on loopback, 2 pools x {per_pool} ranks, one host (plan: one node)",
+                _launch(world, "127.0.0.1", [*job, "0:0"]), link=False)
+            print("  loopback: hierarchical slowdown vs flat (target <= 1.1x): "
+                  + ", ".join(f"{m} MiB {1 / r[0]:.2f}x" for m, r in loop.items())
+                  + "; auto (picks flat on one host) slowdown: "
+                  + ", ".join(f"{1 / r[1]:.2f}x" for r in loop.values()))
         if args.skip_netns:
             continue
         try:
@@ -348,21 +358,33 @@ def _allreduce_part(args: argparse.Namespace) -> None:
 
 
 def _train_part(args: argparse.Namespace, world: int) -> None:
-    """Train each variant; print cross-DC bytes per step and loss gap vs plain DP."""
+    """Train each variant for every seed; print cross-DC bytes per step and the loss gap vs
+    plain DP of the same seed (equal tokens), median over seeds."""
     variants = args.variants.split(",")
-    results = {v: _launch(world, "127.0.0.1", ["train", str(args.steps), v])
-               for v in variants}
-    base = results["dp"][0]
-    dp_loss = statistics.mean(r["loss"] for r in results["dp"])
+    if "dp" not in variants:
+        variants.insert(0, "dp")
+    seeds = range(args.seeds)
+    results = {(v, sd): _launch(world, "127.0.0.1", ["train", str(args.steps), v, str(sd)])
+               for sd in seeds for v in variants}
+    dp_bytes = results[("dp", 0)][0]["cross_dc_bytes_per_step"]
+
+    def loss(v, sd):
+        return statistics.mean(r["loss"] for r in results[(v, sd)])
+
     rows = []
-    for v, res in results.items():
-        loss = statistics.mean(r["loss"] for r in res)
-        b = res[0]["cross_dc_bytes_per_step"]
-        rows.append([v, f"{b / 1e3:.1f}", f"{base['cross_dc_bytes_per_step'] / b:.1f}x",
-                     f"{loss:.5f}", f"{100 * (loss / dp_loss - 1):+.2f}%"])
-    _table(f"training {args.steps} steps, MLP {base['param_bytes'] / 1e3:.0f} kB fp32 params, "
-           "2 DCs x 2 ranks (cross-DC bytes summed over ranks)",
-           rows, ["variant", "xDC kB/step", "fewer bytes", "eval loss", "loss gap"])
+    for v in variants:
+        b = results[(v, 0)][0]["cross_dc_bytes_per_step"]
+        gaps = [100 * (loss(v, sd) / loss("dp", sd) - 1) for sd in seeds]
+        rows.append([v, f"{b / 1e3:.1f}", f"{dp_bytes / b:.1f}x",
+                     f"{statistics.median(loss(v, sd) for sd in seeds):.5f}",
+                     f"{statistics.median(gaps):+.2f}%",
+                     " ".join(f"{g:+.1f}" for g in gaps)])
+    param_kb = results[("dp", 0)][0]["param_bytes"] / 1e3
+    _table(f"training {args.steps} steps, MLP {param_kb:.0f} kB fp32 params, 2 DCs x 2 ranks, "
+           f"{len(seeds)} seeds (cross-DC bytes summed over ranks; gap vs plain DP of the same "
+           "seed, equal tokens; median)",
+           rows, ["variant", "xDC kB/step", "fewer bytes", "eval loss", "loss gap",
+                  "gap per seed %"])
 
 
 def _worker_main(argv: list[str]) -> None:
@@ -371,7 +393,7 @@ def _worker_main(argv: list[str]) -> None:
     if job[0] == "allreduce":
         res = worker_allreduce(rank, world, addr, port, int(job[1]), float(job[2]), job[3])
     else:
-        res = worker_train(rank, world, addr, port, int(job[1]), job[2])
+        res = worker_train(rank, world, addr, port, int(job[1]), job[2], int(job[3]))
     Path(out).write_text(json.dumps(res))
 
 

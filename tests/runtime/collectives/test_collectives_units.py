@@ -19,6 +19,7 @@ from hettrain.runtime.collectives import (
     peer_rank,
 )
 from hettrain.runtime.collectives.bridge import chunk_slices
+from hettrain.runtime.collectives.choice import piece_bytes
 from hettrain.runtime.collectives.communicator import _Intervals
 from hettrain.runtime.collectives.hierarchical import pipeline_pieces, shard_bounds
 
@@ -201,3 +202,12 @@ def test_busy_intervals_are_a_union():
     iv = _Intervals()
     iv.spans += [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.7)]
     assert iv.busy() == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("nbytes,expected", [(64 << 20, 8 << 20), (16 << 20, 4 << 20),
+                                             (4 << 20, 1 << 20), (1 << 20, 1 << 20),
+                                             (100 << 10, 1 << 20)])
+def test_piece_bytes_at_least_four_pieces_of_at_least_1mib(nbytes, expected):
+    assert piece_bytes(nbytes) == expected
+    assert piece_bytes(nbytes, None) == nbytes
+    assert piece_bytes(nbytes, 1000) == 1000

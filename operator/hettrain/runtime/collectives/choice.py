@@ -25,7 +25,17 @@ from dataclasses import dataclass
 
 from hettrain.runtime.collectives.topology import Hierarchy
 
-PIPELINE_BYTES = 4 << 20
+PIPELINE_BYTES = 8 << 20  # largest piece of the pipelined hierarchical all-reduce
+MIN_PIECES = 4  # a message is cut into at least this many pieces ...
+MIN_PIECE_BYTES = 1 << 20  # ... unless they would get smaller than this
+
+
+def piece_bytes(nbytes: int, pipeline_bytes: int | None = PIPELINE_BYTES) -> int:
+    """Piece size for a message of ``nbytes``: ``nbytes/MIN_PIECES`` clamped to
+    ``[MIN_PIECE_BYTES, pipeline_bytes]`` (``pipeline_bytes=None``: one piece)."""
+    if pipeline_bytes is None:
+        return max(1, nbytes)
+    return max(1, min(pipeline_bytes, max(MIN_PIECE_BYTES, -(-nbytes // MIN_PIECES))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +58,7 @@ class LinkModel:
 
 
 def estimate_seconds(algo: str, nbytes: int, hier: Hierarchy, link: LinkModel,
-                     pipeline_bytes: int = PIPELINE_BYTES) -> float:
+                     pipeline_bytes: int | None = PIPELINE_BYTES) -> float:
     """Model time of one all-reduce of ``nbytes`` with ``algo`` on ``hier`` (see module doc)."""
     w, b, n = len(hier.ranks), len(hier.blocks), hier.shards
     bx, bi = link.inter_gbps * 1e9 / 8, link.intra_gbps * 1e9 / 8
@@ -59,7 +69,7 @@ def estimate_seconds(algo: str, nbytes: int, hier: Hierarchy, link: LinkModel,
         step = max(ax + m / w / bx if crossing else 0.0, ai + m / w / bi)
         return 2 * (w - 1) * step
     if algo == "hierarchical":
-        pieces = max(1, math.ceil(m / pipeline_bytes))
+        pieces = max(1, math.ceil(m / piece_bytes(nbytes, pipeline_bytes)))
         intra = 2 * (n - 1) * (pieces * ai + m / n / bi)
         # two pieces fly on the inter group at once: their latencies overlap pairwise
         inter = 2 * (b - 1) * max(1.0, pieces / 2) * ax + 2 * (b - 1) / b * m / bx
@@ -71,7 +81,7 @@ def estimate_seconds(algo: str, nbytes: int, hier: Hierarchy, link: LinkModel,
 
 
 def choose(nbytes: int, hier: Hierarchy, link: LinkModel | None = None,
-           pipeline_bytes: int = PIPELINE_BYTES) -> str:
+           pipeline_bytes: int | None = PIPELINE_BYTES) -> str:
     """The algorithm ``auto`` uses: flat for one block, singleton blocks or one host; else the
     fastest of flat / hierarchical / leader by :func:`estimate_seconds`."""
     link = link or LinkModel()

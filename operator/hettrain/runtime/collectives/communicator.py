@@ -44,7 +44,7 @@ def choose_algorithm(nbytes: int, hier: Hierarchy, link: LinkModel | None = None
                      pipeline_bytes: int | None = PIPELINE_BYTES) -> str:
     """``auto``: flat for one block, singleton blocks or one host; else the fastest of flat,
     hierarchical and leader for ``nbytes`` by the link model (see :mod:`.choice`)."""
-    return choose(nbytes, hier, link, pipeline_bytes or max(1, nbytes))
+    return choose(nbytes, hier, link, pipeline_bytes)
 
 
 def link_model(plan: Plan, hier: Hierarchy) -> LinkModel:

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from hettrain.runtime.collectives.choice import PIPELINE_BYTES, piece_bytes
+
 InterOp = Callable[[torch.Tensor, dist.ProcessGroup], object]
 
 
@@ -51,7 +53,6 @@ def shard_bounds(n: int, shards: int) -> list[tuple[int, int]]:
     return out
 
 
-PIPELINE_BYTES = 4 << 20  # hierarchical path: RS/AR/AG of one piece overlap with the next
 
 
 def hierarchical_all_reduce_(
@@ -70,10 +71,11 @@ def hierarchical_all_reduce_(
     count) are needed only when blocks differ in size; ``inter_group`` is the group of this
     rank's shard owners, or ``None`` when this rank owns no shard (uneven blocks only).
 
-    Equal blocks: the tensor is cut into pieces of about ``pipeline_bytes`` (``None``: one
-    piece) that flow through the three phases as a pipeline: piece ``i+1``'s reduce-scatter and
-    piece ``i-1``'s all-gather run asynchronously on the intra group while piece ``i`` crosses
-    the inter group, so the slow hop is busy for nearly the whole call.
+    Equal blocks: the tensor is cut into pieces (``choice.piece_bytes``: at least 4 of at least
+    1 MiB, at most ``pipeline_bytes`` each; ``None``: one piece) that flow through the three
+    phases as a pipeline: piece ``i+1``'s reduce-scatter and older pieces' all-gathers run
+    asynchronously on the intra group while two pieces cross the inter group, so the slow hop
+    is busy for nearly the whole call.
     """
     op = inter_op or _default_inter
     n_intra = dist.get_world_size(intra_group)
@@ -107,9 +109,10 @@ def _workspace(tag: str, numel: int, like: torch.Tensor) -> torch.Tensor:
 def pipeline_pieces(numel: int, elem_bytes: int, n: int,
                     pipeline_bytes: int | None) -> list[tuple[int, int]]:
     """Element ranges ``[a, b)`` of the pipelined pieces; each a multiple of ``n`` but the last."""
-    if pipeline_bytes is None or numel * elem_bytes <= pipeline_bytes:
+    size = piece_bytes(numel * elem_bytes, pipeline_bytes)
+    if numel * elem_bytes <= size:
         return [(0, numel)]
-    step = max(n, (pipeline_bytes // elem_bytes) // n * n)
+    step = max(n, (size // elem_bytes) // n * n)
     return [(a, min(a + step, numel)) for a in range(0, numel, step)]
 
 
