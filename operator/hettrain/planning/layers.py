@@ -105,8 +105,10 @@ def split_layers(stages: Sequence[StageCost], total: int, m: float, boundary: fl
     assert base is not None
     sigma_min = sum(s.time(n) for s, n in zip(stages, base, strict=True))
     d_min = max(s.dp(lo) for s in stages)
-    c_values = sorted({stages[i].time(n) for i in range(k) for n in range(lo, hard[i] + 1)})
-    d_values = sorted({stages[i].dp(n) for i in range(k) for n in range(lo, hard[i] + 1)})
+    # identical stages (same unit, same position class) contribute the same candidate values
+    distinct = {(s.a, s.b, s.c, s.e, h) for s, h in zip(stages, hard, strict=True)}
+    c_values = sorted({a * n + b for a, b, _, _, h in distinct for n in range(lo, h + 1)})
+    d_values = sorted({c * n + e for _, _, c, e, h in distinct for n in range(lo, h + 1)})
     best: tuple[float, list[int]] | None = None
     incumbent = bound
 

@@ -5,13 +5,19 @@ unit a tensor-parallel degree (a power of two within a node) and a number of sta
 order of the used units along the pipeline, microbatch size, and schedule. Each candidate's layer
 split is solved exactly (:mod:`hettrain.planning.layers`).
 
-Fast mode is branch and bound: candidates ``(dp, tp, k)`` are visited in ascending order of a
-valid lower bound (all work spread perfectly over the replica's effective FLOP/s), and a
-candidate whose bound is not below the best step time so far is skipped with everything under it.
-Large pools are searched only near full use (``k_u`` within ``K_FULL_WINDOW`` of its maximum, or
-0), and with more than ``MAX_PERMUTED_UNITS`` units the stage order is fixed (datacenter by
-datacenter, fastest devices first). ``exhaustive=True`` drops all of that and brute-forces the
-layer splits too: the reference the tests compare against.
+Fast mode (:func:`_search_fast`) is branch and bound. Units are device types (device × GPUs per
+node × DC), never single nodes. ``(dp, mb)`` pairs are visited in ascending order of a root
+bound; inside a pair a depth-first walk over units chooses "unused" or one ``(tp, k)`` per unit,
+pruned by :func:`bounds.partial_lower_bound`; complete choices get the tighter
+:func:`bounds.step_lower_bound` (whole layers, coupled bottleneck and bubble, DP balance,
+boundary transfers) and are evaluated best-bound first until the bound reaches the incumbent.
+Only ZB-H1 is evaluated for ``pp ≥ 2`` under ``schedule: auto`` (it dominates 1F1B and
+interleaved in the cost model). All of that is exact. Two heuristics apply only to large
+instances: when the per-unit ``(tp, k)`` combinations exceed ``EXACT_LEAF_BUDGET`` the stage
+counts are limited to full use (``K_FULL_WINDOW``, plus every count where layers per stage
+step for single-unit layouts), and with more than ``MAX_PERMUTED_UNITS`` used units the stage
+order is fixed (datacenter by datacenter, fastest devices first). ``exhaustive=True``
+enumerates everything and brute-forces the layer splits: the reference the tests compare with.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from hettrain.planning.plan import Plan, Prediction, StagePlan
 from hettrain.planning.units import Unit, build_units, filter_pools, spans_datacenters
 
 K_FULL_WINDOW = 1
-MAX_PERMUTED_UNITS = 3
+MAX_PERMUTED_UNITS = 4
 EXACT_LEAF_BUDGET = 20_000  # above this many (tp, k) combinations the k window applies
 MAX_MICRO_BATCH = 16
 INTERLEAVE_CHUNKS = 2
@@ -492,24 +498,32 @@ def _search_fast(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory
                                        search.bubble_div)
             pairs.append((root, dp, mb, m, opts, rest, singles))
     pairs.sort(key=lambda p: p[:3])
-    for root, dp, mb, m, opts, rest, singles in pairs:
-        if root >= search.bound():
+    for pair in pairs:
+        if pair[0] >= search.bound():
             break
-        leaves: list[tuple[float, tuple[Choice, ...]]] = []
-
-        def boundary_cost(x: Choice, y: Choice, dp: int = dp, mb: int = mb) -> float:
-            return _boundary_memo(search, units[x.unit], units[y.unit], x.tp, y.tp, dp, mb, inv)
-
-        _collect(search, opts, rest, 0, (), layers, m, pinned_pp, leaves, boundary_cost, units)
-        for choice in singles:
-            _leaf(search, (choice,), layers, m, pinned_pp, leaves, boundary_cost, units)
-        leaves.sort(key=lambda x: (x[0], tuple((c.unit, c.tp, c.k) for c in x[1])))
-        for lb, choices in leaves:
-            if lb >= search.bound():
-                break
-            _evaluate_choices(search, units, choices, dp, mb, inv, grouping)
+        _run_pair(search, units, inv, grouping, pair, pinned_pp)
     if search.best is None:
         _record_shortfall(search, units, spec, dp_values, pairs)
+
+
+def _run_pair(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory, grouping: str,
+              pair: tuple, pinned_pp: int | None) -> None:
+    """Collect one (dp, mb) pair's leaves under the incumbent; evaluate them best bound first."""
+    _, dp, mb, m, opts, rest, singles = pair
+    layers = search.spec.model.layers
+    leaves: list[tuple[float, tuple[Choice, ...]]] = []
+
+    def boundary_cost(x: Choice, y: Choice) -> float:
+        return _boundary_memo(search, units[x.unit], units[y.unit], x.tp, y.tp, dp, mb, inv)
+
+    _collect(search, opts, rest, 0, (), layers, m, pinned_pp, leaves, boundary_cost, units)
+    for choice in singles:
+        _leaf(search, (choice,), layers, m, pinned_pp, leaves, boundary_cost, units)
+    leaves.sort(key=lambda x: (x[0], tuple((c.unit, c.tp, c.k) for c in x[1])))
+    for lb, choices in leaves:
+        if lb >= search.bound():
+            break
+        _evaluate_choices(search, units, choices, dp, mb, inv, grouping, m, boundary_cost)
 
 
 def _collect(search: _Search, opts: list[list[Choice]], rest: tuple, i: int,
@@ -554,12 +568,17 @@ def _leaf(search: _Search, chosen: tuple[Choice, ...], layers: int, m: int,
 
 
 def _evaluate_choices(search: _Search, units: tuple[Unit, ...], choices: tuple[Choice, ...],
-                      dp: int, mb: int, inv: ClusterInventory, grouping: str) -> None:
-    """Every stage order of ``choices`` under the schedules that can win (exact dominance).
+                      dp: int, mb: int, inv: ClusterInventory, grouping: str, m: int,
+                      boundary_cost: Callable[[Choice, Choice], float]) -> None:
+    """Every stage order of ``choices`` (best order bound first, skipping orders whose bound
+    reaches the incumbent) under the schedules that can win.
 
-    In the cost model ZB-H1 has the memory of 1F1B and a third of its bubble, and interleaving
-    needs more memory for half the bubble at twice the boundary traffic, so with
-    ``schedule: auto`` and ``pp ≥ 2`` ZB-H1 is never worse than either (docs/planning.md).
+    Dominance (exact in this cost model): with ``X`` the slowest of stages and boundaries and
+    ``Σ`` their sum, 1F1B costs ``m·X + (Σ − X)`` and ZB-H1 ``m·X + (Σ − X)/3`` at the same
+    memory, so ZB-H1 ≤ 1F1B for every split. Interleaved (``v = 2``) holds more activations (its
+    feasible splits are a subset), doubles boundary traffic (``X_i ≥ X``, ``Σ_i ≥ Σ``) and costs
+    ``(m − 1/2)·X_i + Σ_i/2 ≥ (m − 1/3)·X + Σ/3 + (Σ − X)/6``. So with ``schedule: auto`` and
+    ``pp ≥ 2`` only ZB-H1 is evaluated; for ``pp = 1`` only 1F1B exists.
     """
     ks = [0] * len(units)
     tps = [0] * len(units)
@@ -568,7 +587,19 @@ def _evaluate_choices(search: _Search, units: tuple[Unit, ...], choices: tuple[C
     pp = sum(ks)
     pinned = search.spec.parallelism.schedule
     schedules = (pinned,) if pinned != "auto" else (("1f1b",) if pp == 1 else ("zb-h1",))
-    for order in _orders(units, ks, False):
+    ranked = [(0.0, order) for order in _orders(units, ks, False)]
+    if len(ranked) > 1:
+        by_unit = {c.unit: c for c in choices}
+        layers = search.spec.model.layers
+        for j, (_, order) in enumerate(ranked):
+            ordered = [by_unit[i] for i in order]
+            ranked[j] = (step_lower_bound(choices, layers, m,
+                                          ordered_boundaries(ordered, boundary_cost),
+                                          ordered[-1], search.bubble_div, search.bound()), order)
+        ranked.sort()
+    for lb, order in ranked:
+        if lb >= search.bound():
+            break
         stage_units = tuple(units[i] for i in order for _ in range(ks[i]))
         stage_tps = tuple(tps[i] for i in order for _ in range(ks[i]))
         for schedule in schedules:
