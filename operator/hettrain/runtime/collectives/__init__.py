@@ -4,13 +4,17 @@ Contract (the trainer relies on it; change only together with ``hettrain.runtime
 
     from hettrain.runtime.collectives import HetCommunicator, Tier, DiLoCo
     comm = HetCommunicator.from_plan(plan, rank, device=torch.device("cpu"),
-                                     backend_overrides=None)   # {pool | "*": backend}
+                                     backend_overrides=None,   # {pool | "*": backend}
+                                     link=None,                # LinkModel; None: from the plan
+                                     pipeline_bytes=8 << 20)   # hierarchical piece cap (None: 1)
         # needs dist.init_process_group(...) first (world group: gloo). Collective: creates, in
         # the same order on all ranks, one group per pool (pool backend: nccl/hccl when usable
         # here, else gloo), per stage-DP group its per-pool blocks and shard-owner bridge groups
         # (gloo, host-staged), the per-DC and by-DC variants, and the TP groups.
     comm.dp_all_reduce_(tensors, average=True, scope="global")  # -> algorithm used
-        # flat | hierarchical (RS→AR→AG) | leader, chosen by size (comm.algorithm to force);
+        # flat | hierarchical (RS→AR→AG, pipelined) | leader, chosen by a latency-bandwidth model
+        # of message size and link speeds (flat when the group is on one host;
+        # comm.choose(nbytes, scope) tells; comm.algorithm forces one);
         # the cross-DC hop is compressed (bf16/int8, error feedback) when plan.cross_dc mode is
         # "compress". scope="dc": only this rank's datacenter.
     comm.cross_dc_all_reduce_(tensors, average=True, compress=False)   # DiLoCo outer step
@@ -22,7 +26,8 @@ Contract (the trainer relies on it; change only together with ``hettrain.runtime
     dl.step(inner_step)   # after optimizer.step(): every H steps, outer Nesterov SGD across DCs
 
 Lower level, on explicit groups: ``hierarchical_all_reduce_``, ``leader_all_reduce_``,
-``flat_all_reduce_`` (= ``dist.all_reduce``), ``bridged_all_reduce_``, ``compressed_all_reduce_``.
+``flat_all_reduce_`` (= ``dist.all_reduce``), ``bridged_all_reduce_`` (and ``_async``),
+``compressed_all_reduce_``; the model: ``LinkModel``, ``estimate_seconds``, ``choose_algorithm``.
 """
 
 from hettrain.runtime.collectives.bridge import (
