@@ -173,6 +173,12 @@ def ensure_namespace(api: k8s.ApiClient, name: str, timeout: float = 60) -> None
     wait_for(has_sa, timeout, f"ServiceAccount {name}/default")
 
 
+def untainted(api: k8s.ApiClient, names: list[str]) -> bool:
+    """Whether every named node exists with no taints."""
+    nodes = {n.metadata.name: n for n in k8s.CoreV1Api(api).list_node().items}
+    return all(n in nodes and not nodes[n].spec.taints for n in names)
+
+
 def get_job(api: k8s.ApiClient, ns: str, name: str) -> dict[str, Any]:
     """The HetTrainingJob as a dict."""
     return k8s.CustomObjectsApi(api).get_namespaced_custom_object(c.GROUP, c.VERSION, ns,

@@ -89,8 +89,9 @@ def step_cluster(d: Demo) -> None:
 
 def _down(d: Demo, state: Path) -> None:
     if d.args.keep:
-        d.progress.info(f"--keep: cluster left running; stop it with "
-                        f"HETTRAIN_CLUSTER_DIR={state} e2e/cluster/down")
+        d.progress.info(f"--keep: cluster left running (the operator is stopped): "
+                        f"export KUBECONFIG={state / 'kubeconfig'}; kubectl get htj -A; "
+                        f"stop it with HETTRAIN_CLUSTER_DIR={state} e2e/cluster/down")
         return
     if d.api is not None:
         d.api.close()
@@ -107,6 +108,9 @@ def step_nodes(d: Demo) -> None:
     kwoknodes = _kwoknodes(d.repo)
     names = kwoknodes.create_nodes(d.api, d.repo / d.args.cluster)
     kwoknodes.wait_nodes(d.api, names, timeout=180)
+    # The planner skips tainted nodes: wait until the node lifecycle controller has lifted
+    # the not-ready taint kwok's fresh nodes start with, or the first plan sees a part only.
+    kc.wait_for(lambda: kc.untainted(d.api, names), 120, "nodes untainted", interval=0.5)
     out = kc.kubectl(d.cluster.kubeconfig, d.cluster.tools_bin, "get", "nodes", "-L",
                      "hettrain.dev/vendor,hettrain.dev/device,topology.kubernetes.io/region")
     d.progress.info(out.rstrip())
