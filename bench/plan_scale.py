@@ -16,6 +16,7 @@ Usage: python bench/plan_scale.py [--sizes 64,1024,10240,102400] [--repeats 3]
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -113,8 +114,9 @@ def main() -> None:
     tiny = parse_job_spec({"model": {"layers": 6, "hidden": 8192, "heads": 64, "seqLen": 2048,
                                      "vocab": 32000},
                            "training": {"globalBatch": 8, "steps": 1}})
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"median of {args.repeats}; ratios are step-time ratios (>1: the planner's plan is "
-          "faster)")
+          f"faster); load average at start {load} on {os.cpu_count()} CPUs")
     print(f"{'model':>9} {'GPUs':>7} {'plan s':>8} {'replan s':>9} {'step s':>9} "
           f"{'vs homog':>9} {'vs uniform':>10} {'vs exh':>7}  layout  targets")
     print(row("tiny-6L", tiny, load_cluster(cluster(TINY_GPUS, gpus_per_node=2)), args.repeats,

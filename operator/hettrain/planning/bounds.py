@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GRID_RATIO = 1.04  # geometric grid over the bottleneck X in step_lower_bound
 GRID_STEPS = 12
@@ -56,11 +56,23 @@ class Choice:
     tp: int
     k: int
     stats: UnitStats
+    # derived once (the bounds run on every leaf of the search)
+    a: float = field(init=False)
+    cap: int = field(init=False)
+    kcap: int = field(init=False)  # layers the k stages can hold
+    rate: float = field(init=False)  # k / a
+    ka: float = field(init=False)  # k · a
+
+    def __post_init__(self) -> None:
+        for name, value in (("a", self.stats.a), ("cap", self.stats.cap),
+                            ("kcap", self.k * self.stats.cap), ("rate", self.k / self.stats.a),
+                            ("ka", self.k * self.stats.a)):
+            object.__setattr__(self, name, value)
 
 
 def _stage_caps(choices: Sequence[Choice], x: float) -> list[int]:
     """Layers each unit's stages can hold when no stage may take longer than ``x``."""
-    return [min(ch.stats.cap, int(x / ch.stats.a + 1e-9)) for ch in choices]
+    return [min(ch.cap, int(x / ch.a + 1e-9)) for ch in choices]
 
 
 def bottleneck_lower_bound(choices: Sequence[Choice], layers: int, whole: bool = True) -> float:
@@ -69,18 +81,18 @@ def bottleneck_lower_bound(choices: Sequence[Choice], layers: int, whole: bool =
     Starts at the continuous relaxation ``Σ k·min(cap, X/a) = layers`` (returned when not
     ``whole``) and steps to the next value where some unit's stages fit one more whole layer.
     """
-    if sum(ch.k * ch.stats.cap for ch in choices) < layers:
+    if sum(ch.kcap for ch in choices) < layers:
         return math.inf
-    items = sorted(((ch.stats.cap * ch.stats.a, ch) for ch in choices), key=lambda x: x[0])
-    rate = sum(ch.k / ch.stats.a for ch in choices)
+    items = sorted(((ch.cap * ch.a, ch) for ch in choices), key=lambda x: x[0])
+    rate = sum(ch.rate for ch in choices)
     held = 0.0
     x = items[-1][0]
     for brk, ch in items:
         x = (layers - held) / rate
         if x <= brk:
             break
-        held += ch.k * ch.stats.cap
-        rate -= ch.k / ch.stats.a
+        held += ch.kcap
+        rate -= ch.rate
     x = min(x, items[-1][0])
     if not whole:
         return x
@@ -88,8 +100,8 @@ def bottleneck_lower_bound(choices: Sequence[Choice], layers: int, whole: bool =
         caps = _stage_caps(choices, x)
         if sum(ch.k * n for ch, n in zip(choices, caps, strict=True)) >= layers:
             return x
-        x = min(ch.stats.a * (n + 1) for ch, n in zip(choices, caps, strict=True)
-                if n < ch.stats.cap)
+        x = min(ch.a * (n + 1) for ch, n in zip(choices, caps, strict=True)
+                if n < ch.cap)
     return x
 
 
@@ -100,13 +112,13 @@ def sum_lower_bound(choices: Sequence[Choice], layers: int, x: float = math.inf)
     left = layers - pp
     if left < 0:
         return math.inf
-    caps = _stage_caps(choices, x) if x < math.inf else [ch.stats.cap for ch in choices]
+    caps = _stage_caps(choices, x) if x < math.inf else [ch.cap for ch in choices]
     if min(caps) < 1:
         return math.inf
-    total = sum(ch.k * ch.stats.a for ch in choices)
-    for ch, n in sorted(zip(choices, caps, strict=True), key=lambda t: t[0].stats.a):
+    total = sum(ch.ka for ch in choices)
+    for ch, n in sorted(zip(choices, caps, strict=True), key=lambda t: t[0].a):
         take = min(left, ch.k * (n - 1))
-        total += take * ch.stats.a
+        total += take * ch.a
         left -= take
         if not left:
             break
@@ -172,8 +184,8 @@ def step_lower_bound(choices: Sequence[Choice], layers: int, m: int,
         return math.inf
     tails = choices if last is None else (last,)
     head = min(ch.stats.head for ch in tails)
-    floor = max(max(ch.stats.a for ch in choices),  # every stage holds at least one layer
-                min(ch.stats.a + ch.stats.head for ch in tails))
+    floor = max(max(ch.a for ch in choices),  # every stage holds at least one layer
+                min(ch.a + ch.stats.head for ch in tails))
     slope = m - 1.0 / bubble_div
     sigma_inf = sum_lower_bound(choices, layers)
     if sigma_inf == math.inf:
@@ -189,7 +201,7 @@ def step_lower_bound(choices: Sequence[Choice], layers: int, m: int,
     if best >= cutoff:
         return best
     coupled = math.inf
-    x_top = max(ch.stats.a * ch.stats.cap for ch in choices)
+    x_top = max(ch.a * ch.cap for ch in choices)
     x = x0
     for _ in range(GRID_STEPS):
         if x >= x_top or slope * max(x, p_max) + rest >= coupled:
@@ -211,15 +223,15 @@ def partial_lower_bound(chosen: Sequence[Choice], rest_rate: float, rest_cap: in
     pp = sum(ch.k for ch in chosen)
     if pp > layers:
         return math.inf
-    cap = sum(ch.k * ch.stats.cap for ch in chosen) + rest_cap
+    cap = sum(ch.kcap for ch in chosen) + rest_cap
     if cap < layers:
         return math.inf
-    rate = sum(ch.k / ch.stats.a for ch in chosen) + rest_rate
+    rate = sum(ch.rate for ch in chosen) + rest_rate
     if rate <= 0:
         return math.inf
     x = layers / rate
-    min_a = min([rest_min_a, *(ch.stats.a for ch in chosen)])
-    sigma = sum(ch.k * ch.stats.a for ch in chosen) + (layers - pp) * min_a
+    min_a = min([rest_min_a, *(ch.a for ch in chosen)])
+    sigma = sum(ch.ka for ch in chosen) + (layers - pp) * min_a
     d = max((ch.stats.dp_c + ch.stats.dp_e for ch in chosen), default=0.0)
     return (m - 1.0 / bubble_div) * x + sigma / bubble_div + d
 
