@@ -1,16 +1,19 @@
 """Benchmark the heterogeneous collective layer; prints ratios measured side by side in one run.
 
-Part 1: hierarchical and leader-based all-reduce vs flat gloo ``all_reduce`` (2 pools x 2 ranks)
-for 1/4/16/64 MiB, on loopback and over an emulated slow inter-pool link: two network namespaces
-joined by a veth pair (10.250.0.1/30 <-> 10.250.0.2/30, both ends in namespaces this script
-creates and deletes) shaped with ``tc netem rate 1gbit delay 5ms``. Pool A's ranks run in
-namespace A, pool B's in B: intra-pool traffic stays on each namespace's local addresses, only
-inter-pool traffic crosses the veth.
+Part 1: hierarchical (pipelined), leader-based and ``auto`` (the communicator's choice)
+all-reduce vs flat gloo ``all_reduce`` for 2 pools x p ranks (``--ranks-per-pool``, default 2
+and 4), 1/4/16/64 MiB, on loopback and over an emulated slow inter-pool link: two network
+namespaces joined by a veth pair (10.250.0.1/30 <-> 10.250.0.2/30, both ends in namespaces
+this script creates and deletes) shaped with ``tc netem rate 1gbit delay 5ms``, or ``tbf rate
+1gbit`` without delay where the kernel lacks netem (the table title says which). Pool A's ranks
+run in namespace A, pool B's in B: intra-pool traffic stays on each namespace's loopback, only
+inter-pool traffic crosses the veth, whose tx byte counters are reported per algorithm.
 Part 2: cross-DC bytes per step and final loss for plain DP vs bf16/int8 compression vs DiLoCo
-(H=10, 50; and H=50 with int8 pseudo-gradients) training a small MLP on 2 DCs x 2 ranks.
+(H=10, 30, 50, with and without int8 pseudo-gradients) training a small MLP on 2 DCs x 2 ranks,
+for several seeds; the loss gap is against plain DP of the same seed (equal tokens), median.
 
-Usage: ``python bench/collectives.py [--repeats 5] [--steps 300] [--skip-netns]`` (netns needs
-root and iproute2).
+Usage: ``python bench/collectives.py [--repeats 7] [--steps 600] [--seeds 5] [--skip-netns]``
+(netns needs root and iproute2).
 """
 
 from __future__ import annotations
