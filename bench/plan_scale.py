@@ -11,6 +11,7 @@ times (> 1 means the heterogeneous plan is faster):
   feasible (1.000 = same optimum).
 
 Usage: python bench/plan_scale.py [--sizes 64,1024,10240,102400] [--repeats 3]
+       python bench/plan_scale.py --heuristics 64,1024   # each heuristic vs the search without it
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 from hettrain.api.spec import JobSpec, parse_job_spec
+from hettrain.planning import planner
 from hettrain.planning.inventory import ClusterInventory, load_cluster
 from hettrain.planning.plan import Plan
 from hettrain.planning.planner import plan_job, step_time_for_split
@@ -103,17 +105,45 @@ def row(label: str, spec: JobSpec, inv: ClusterInventory, repeats: int, exhausti
             f"{verdict(inv.gpus, t_plan, t_re)}")
 
 
+def heuristics(spec: JobSpec, sizes: list[int]) -> None:
+    """Each large-instance heuristic vs the same search with it switched off."""
+    print(f"{'GPUs':>7} {'heuristic':>12} {'step on':>9} {'step off':>9} {'on/off':>7} "
+          f"{'plan s on':>9} {'plan s off':>10}")
+    switches = {"k window": ("EXACT_LEAF_BUDGET", float("inf")),
+                "fixed order": ("MAX_PERMUTED_UNITS", 3)}  # 3: force it on the 4 bench units
+    for gpus in sizes:
+        inv = load_cluster(cluster(gpus))
+        for label, (name, value) in switches.items():
+            default = getattr(planner, name)
+            runs = []
+            for setting in ((value, default) if label == "fixed order" else (default, value)):
+                setattr(planner, name, setting)
+                t = time.perf_counter()
+                runs.append((plan_job("b", spec, inv).predicted.step_time_s,
+                             time.perf_counter() - t))
+            setattr(planner, name, default)
+            (on, t_on), (off, t_off) = runs
+            print(f"{inv.gpus:>7} {label:>12} {on:>9.4f} {off:>9.4f} {on / off:>7.4f} "
+                  f"{t_on:>9.2f} {t_off:>10.2f}", flush=True)
+
+
 def main() -> None:
     """Print the table."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="64,1024,10240,102400")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--heuristics", default="",
+                    help="sizes (e.g. 64,1024) at which to compare each heuristic with the "
+                         "search without it, instead of the main table")
     args = ap.parse_args()
     big = parse_job_spec({"model": {"preset": "llama3-70b"},
                           "training": {"globalBatch": 512, "steps": 1}})
     tiny = parse_job_spec({"model": {"layers": 6, "hidden": 8192, "heads": 64, "seqLen": 2048,
                                      "vocab": 32000},
                            "training": {"globalBatch": 8, "steps": 1}})
+    if args.heuristics:
+        heuristics(big, [int(x) for x in args.heuristics.split(",")])
+        return
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"median of {args.repeats}; ratios are step-time ratios (>1: the planner's plan is "
           f"faster); load average at start {load} on {os.cpu_count()} CPUs")

@@ -7,6 +7,8 @@ only, so the step times must agree to 1e-9 — or both must refuse the job.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,14 +23,15 @@ DEVICES = ["H100-SXM", "MI300X", "A100-80GB", "Gaudi3", "L40S", "Ascend-910B"]
 
 @st.composite
 def instances(draw: st.DrawFn) -> tuple[dict, dict]:
-    """A cluster of 1-3 pools over 1-3 DCs and a job small enough to enumerate."""
-    n_pools = draw(st.integers(1, 3))
+    """A cluster of 1-4 pools over 1-3 DCs and a job small enough to enumerate."""
+    n_pools = draw(st.integers(1, 4))
     pools = []
     for i in range(n_pools):
         pools.append({
             "name": f"p{i}", "datacenter": draw(st.sampled_from(["a", "b", "c"])),
-            "device": draw(st.sampled_from(DEVICES)), "nodes": draw(st.integers(1, 2)),
-            "gpusPerNode": draw(st.sampled_from([1, 2, 4])),
+            "device": draw(st.sampled_from(DEVICES)),
+            "nodes": draw(st.integers(1, 2 if n_pools < 4 else 1)),
+            "gpusPerNode": draw(st.sampled_from([1, 2, 4] if n_pools < 4 else [1, 2])),
             "nicGbps": draw(st.sampled_from([100, 400, 1600])),
         })
     dcs = sorted({p["datacenter"] for p in pools})
@@ -71,3 +74,30 @@ def test_fast_equals_exhaustive(instance: tuple[dict, dict]) -> None:
     else:
         assert isinstance(fast, float)
         assert fast == pytest.approx(full, rel=1e-9)
+
+
+def _four_pool_instance(seed: int) -> tuple[dict, dict]:
+    rng = random.Random(seed)
+    pools = [{"name": f"p{i}", "datacenter": rng.choice("abc"), "device": rng.choice(DEVICES),
+              "nodes": 1, "gpusPerNode": rng.choice([1, 2]), "nicGbps": 400} for i in range(4)]
+    dcs = sorted({p["datacenter"] for p in pools})
+    links = [{"between": [x, y], "bandwidthGbps": 400, "latencyMs": 5}
+             for i, x in enumerate(dcs) for y in dcs[i + 1:]]
+    cluster = {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
+               "metadata": {"name": "h"}, "datacenters": [{"name": d} for d in dcs],
+               "links": links, "pools": pools}
+    job = {"model": {"layers": rng.randint(4, 6), "hidden": 12288, "heads": 96, "seqLen": 2048,
+                     "vocab": 32000},
+           "training": {"globalBatch": rng.choice([2, 4]), "steps": 1}}
+    return cluster, job
+
+
+# seeds (of 60 tried) whose optimum needs all four pools: every stage order is searched
+@pytest.mark.parametrize("seed", [8, 11, 33])
+def test_four_pools_in_one_pipeline_fast_equals_exhaustive(seed: int) -> None:
+    cluster, job = _four_pool_instance(seed)
+    inv, spec = load_cluster(cluster), parse_job_spec(job)
+    full = plan_job("j", spec, inv, exhaustive=True)
+    assert len({p for s in full.stages for p in s.pools}) == 4
+    fast = plan_job("j", spec, inv)
+    assert fast.predicted.step_time_s == pytest.approx(full.predicted.step_time_s, rel=1e-9)
