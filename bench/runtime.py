@@ -16,7 +16,7 @@ stages (pp=2, dp=2, 3+1). Each runtime step time is the median over steps after 
 configuration is repeated (interleaved with its baselines) and the median of the repeats
 reported. The 4-rank layout oversubscribes 2 cores, so its ratio includes contention.
 
-    .venv/bin/python bench/runtime.py [--repeats 3] [--steps 12]
+    .venv/bin/python bench/runtime.py [--repeats 3] [--steps 12] [--ab-recv-ahead]
 """
 
 from __future__ import annotations
@@ -65,12 +65,13 @@ def plain_loop(plan, steps: int, micro_batch: int | None = None) -> float:
     return statistics.median(times[WARMUP:])
 
 
-def runtime(plan, steps: int) -> float:
+def runtime(plan, steps: int, env: dict[str, str] | None = None) -> float:
     """Median step seconds of the real runtime (rank 0's timings)."""
     with tempfile.TemporaryDirectory() as d:
         log = Path(d) / "loss.jsonl"
         codes = wait_all(launch_local(plan, Path(d), {"HETTRAIN_LOSS_LOG": str(log),
-                                                      "HETTRAIN_METRICS_PORT": "0"}), 600)
+                                                      "HETTRAIN_METRICS_PORT": "0",
+                                                      **(env or {})}), 600)
         if any(codes):
             raise SystemExit(f"runtime failed: exit codes {codes}")
         secs = [json.loads(line)["seconds"] for line in log.read_text().splitlines()]
@@ -82,6 +83,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--ab-recv-ahead", action="store_true",
+                    help="also run the pp2 layouts with HETTRAIN_RECV_AHEAD=0")
     a = ap.parse_args()
     model = TINY
     layouts = {
@@ -92,19 +95,24 @@ def main() -> None:
         "2 pools x 2 stages (pp2 dp2, 3+1)": tiny_plan(
             [(0, 3, "pool-a"), (3, 4, "pool-b")], dp=2, steps=a.steps, model=model),
     }
+    variants = {name: {} for name in layouts}
+    if a.ab_recv_ahead:  # A/B of posting pipeline receives ahead (default 1) vs on demand
+        for name in [n for n in layouts if "pp2" in n]:
+            layouts[f"{name} ahead0"] = layouts[name]
+            variants[f"{name} ahead0"] = {"HETTRAIN_RECV_AHEAD": "0"}
     tokens = next(iter(layouts.values())).global_batch * model.seq_len
     print(f"model {model.layers}L h{model.hidden} seq{model.seq_len}; global batch "
           f"{tokens // model.seq_len} seqs = {tokens} tokens/step; median of {a.repeats}")
-    print(f"{'layout':36} {'plain 1 batch':>13} {'plain same mb':>13} {'runtime':>8} "
+    print(f"{'layout':44} {'plain 1 batch':>13} {'plain same mb':>13} {'runtime':>8} "
           f"{'rt/same':>8} {'rt/1batch':>9}  (tokens/s)")
     for name, plan in layouts.items():
         base, same, rt = [], [], []
         for _ in range(a.repeats):  # interleaved so drift hits all alike
             base.append(plain_loop(plan, a.steps))
             same.append(plain_loop(plan, a.steps, plan.micro_batch))
-            rt.append(runtime(plan, a.steps))
+            rt.append(runtime(plan, a.steps, variants[name]))
         b, m, r = (tokens / statistics.median(x) for x in (base, same, rt))
-        print(f"{name:36} {b:13.0f} {m:13.0f} {r:8.0f} {r / m:8.2f} {r / b:9.2f}")
+        print(f"{name:44} {b:13.0f} {m:13.0f} {r:8.0f} {r / m:8.2f} {r / b:9.2f}")
 
 
 if __name__ == "__main__":

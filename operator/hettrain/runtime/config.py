@@ -17,6 +17,7 @@ ENV_LOSS_LOG = "HETTRAIN_LOSS_LOG"  # optional JSON lines {"step", "loss", "seco
 ENV_STEP_SLEEP = "HETTRAIN_STEP_SLEEP"  # optional seconds to sleep per step (tests, demos)
 ENV_OPTIMIZER = "HETTRAIN_OPTIMIZER"  # inner optimizer: adamw (default) | sgd (exactness checks)
 ENV_SUMMARY_DIR = "HETTRAIN_SUMMARY_DIR"  # optional: each rank writes rank-R.json at the end
+ENV_RECV_AHEAD = "HETTRAIN_RECV_AHEAD"  # pipeline receives posted ahead per peer (default 1)
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -50,6 +51,7 @@ class RuntimeConfig:
     step_sleep: float
     optimizer: str = "adamw"
     summary_dir: str = ""
+    recv_ahead: int = 1
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> RuntimeConfig:
@@ -78,7 +80,11 @@ class RuntimeConfig:
             step_sleep=float(env.get(ENV_STEP_SLEEP, "0") or 0),
             optimizer=env.get(ENV_OPTIMIZER, "") or "adamw",
             summary_dir=env.get(ENV_SUMMARY_DIR, ""),
+            recv_ahead=_int(env, ENV_RECV_AHEAD, 1),
         )
+        if cfg.recv_ahead < 0:
+            raise ValueError(f"env {ENV_RECV_AHEAD}={cfg.recv_ahead} must be >= 0 "
+                             "(0 = receive only when needed)")
         if cfg.optimizer not in OPTIMIZERS:
             raise ValueError(f"env {ENV_OPTIMIZER}={cfg.optimizer!r}: must be one of "
                              f"{OPTIMIZERS}")

@@ -15,6 +15,7 @@ peer has already been scheduled to do. Traffic is accounted in the communicator'
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -68,7 +69,7 @@ class StageRunner:
     """Runs one stage's share of a step; the last stage returns the summed microbatch loss."""
 
     def __init__(self, plan: Plan, rank: int, model: torch.nn.Module, stats=None,
-                 schedule: str | None = None) -> None:
+                 schedule: str | None = None, recv_ahead: int = 1) -> None:
         self.plan, self.rank, self.model = plan, rank, model
         self.me = plan.ranks[rank]
         self.stage, self.pp = self.me.stage, plan.pp
@@ -83,6 +84,14 @@ class StageRunner:
         self.next_sends = [] if self.last else send_peers(plan, rank, self.stage + 1)
         self.prev_sends = [] if self.first else send_peers(plan, rank, self.stage - 1)
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        # receives posted before they are needed (``irecv``), per peer: the sender's data can
+        # then move while this rank computes instead of after it asks (gloo matches messages
+        # from one source in order, and every stage receives a fixed sequence per step)
+        if recv_ahead < 0:
+            raise ValueError(f"recv_ahead must be >= 0, got {recv_ahead}")
+        self.recv_ahead = recv_ahead
+        self._posted: dict[int, deque[tuple[torch.Tensor, dist.Work]]] = {}
+        self._to_post: dict[int, int] = {}
 
     def _tier(self, peer: int) -> Tier:
         other = self.plan.ranks[peer]
@@ -98,12 +107,34 @@ class StageRunner:
             self.stats.add(self._tier(peer), buf.numel() * buf.element_size(),
                            time.perf_counter() - t0)
 
+    def _expect(self, peer: int | None, count: int, shape: Sequence[int]) -> None:
+        """This step receives ``count`` tensors of ``shape`` from ``peer``; post the first."""
+        if peer is None:
+            return
+        self._posted[peer] = deque()
+        self._to_post[peer] = count
+        self._top_up(peer, shape)
+
+    def _top_up(self, peer: int, shape: Sequence[int]) -> None:
+        q = self._posted[peer]
+        while self._to_post[peer] > 0 and len(q) < self.recv_ahead:
+            buf = torch.empty(tuple(shape), dtype=torch.float32)
+            q.append((buf, dist.irecv(buf, src=peer)))
+            self._to_post[peer] -= 1
+
     def _recv(self, shape: Sequence[int], peer: int) -> torch.Tensor:
-        buf = torch.empty(tuple(shape), dtype=torch.float32)
         t0 = time.perf_counter()
-        dist.recv(buf, src=peer)
+        q = self._posted[peer]
+        if q:
+            buf, work = q.popleft()
+            work.wait()
+        else:  # recv_ahead == 0
+            self._to_post[peer] -= 1
+            buf = torch.empty(tuple(shape), dtype=torch.float32)
+            dist.recv(buf, src=peer)
         if self.stats is not None:
             self.stats.add(self._tier(peer), 0, time.perf_counter() - t0)
+        self._top_up(peer, shape)
         return buf
 
     def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -118,6 +149,8 @@ class StageRunner:
         act_shape = (batches[0][0].shape[0], batches[0][0].shape[1], spec.hidden)
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         total = 0.0
+        self._expect(self.prev_peer, m, act_shape)  # activations, in forward order
+        self._expect(self.next_peer, m, act_shape)  # gradients, in backward order
 
         def forward(i: int) -> None:
             nonlocal total

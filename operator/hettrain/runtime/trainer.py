@@ -126,7 +126,8 @@ class Trainer:
                                  outer_steps=self.xdc["outer_steps"],
                                  outer_lr=self.xdc["outer_lr"],
                                  outer_momentum=self.xdc["outer_momentum"])
-        self.runner = StageRunner(plan, rank, self.model, stats=self.comm.stats)
+        self.runner = StageRunner(plan, rank, self.model, stats=self.comm.stats,
+                                  recv_ahead=cfg.recv_ahead)
         self.loss_src = next(r.rank for r in plan.ranks
                              if (r.stage, r.dp, r.tp) == (plan.pp - 1, 0, 0))
         self.metrics = RuntimeMetrics(plan.job, rank, self.me.stage, self.me.pool,
