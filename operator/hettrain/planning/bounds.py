@@ -72,7 +72,7 @@ class Choice:
 
 def _stage_caps(choices: Sequence[Choice], x: float) -> list[int]:
     """Layers each unit's stages can hold when no stage may take longer than ``x``."""
-    return [min(ch.cap, int(x / ch.a + 1e-9)) for ch in choices]
+    return [n if (n := int(x / ch.a + 1e-9)) < ch.cap else ch.cap for ch in choices]
 
 
 def bottleneck_lower_bound(choices: Sequence[Choice], layers: int, whole: bool = True) -> float:
