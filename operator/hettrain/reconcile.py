@@ -23,6 +23,8 @@ from hettrain.manifests.builders import (
     build_pods,
     build_service,
     configmap_name,
+    plan_fingerprint,
+    pod_names,
 )
 from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.errors import PlanningError
@@ -220,7 +222,8 @@ def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
     b.cond(c.COND_FAILED, False, c.REASON_PLAN_FOUND)
     b.phase(c.PHASE_LAUNCHING)
     b.patch.update(attempt=attempt, worldSize=plan.world_size,
-                   plan=st.plan_summary(plan, cm), observedGeneration=b.generation,
+                   plan=st.plan_summary(plan, cm, plan_fingerprint(plan)),
+                   observedGeneration=b.generation,
                    failureSince=None, failureCause=None, failureNodes=None)
     if not b.old.get("startTime"):
         b.patch["startTime"] = b.now
@@ -295,7 +298,7 @@ def reconcile(body: Mapping[str, Any], obs: Observed,
 
     plan = obs.plan
     nodes = {str(n["metadata"]["name"]): n for n in obs.nodes}
-    expected = {p["metadata"]["name"] for p in build_pods(job, spec, plan, attempt, False)}
+    expected = set(pod_names(job.name, plan, attempt))
     launching = phase in (c.PHASE_LAUNCHING, c.PHASE_PENDING, c.PHASE_PLANNING)
     cause, bad = _failures(current, expected, nodes, launching)
     if cause is None:

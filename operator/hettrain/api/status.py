@@ -58,10 +58,11 @@ def is_true(status: Mapping[str, Any] | None, ctype: str) -> bool:
     return bool(cond and cond.get("status") == "True")
 
 
-def plan_summary(plan: Any, configmap: str) -> dict[str, Any]:
-    """status.plan for a :class:`hettrain.planning.plan.Plan` (duck-typed to stay pure)."""
+def plan_summary(plan: Any, configmap: str, fingerprint: str | None = None) -> dict[str, Any]:
+    """status.plan for a :class:`hettrain.planning.plan.Plan` (duck-typed to stay pure);
+    ``fingerprint`` saves recomputing ``plan.fingerprint()`` when the caller has it."""
     return {
-        "hash": plan.fingerprint(),
+        "hash": fingerprint or plan.fingerprint(),
         "worldSize": plan.world_size,
         "dp": plan.dp,
         "pp": plan.pp,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -39,6 +40,11 @@ ERROR_RETRY_SECONDS = 5.0
 _wake: dict[tuple[str, str], asyncio.Event] = {}
 _plans: dict[tuple[str, str], tuple[int, Plan]] = {}  # (ns, job) -> (attempt, plan)
 _generations: dict[tuple[str, str], int] = {}  # last seen metadata.generation per job
+# Pods we created that the watch may not have delivered yet: (ns, job) -> (attempt, monotonic
+# time, {name: pod}). Without this, the next pass would see a "missing" part of the gang and
+# create it again (harmless 409s, but a second full pass of API calls during the launch).
+_expected: dict[tuple[str, str], tuple[int, float, dict[str, dict[str, Any]]]] = {}
+EXPECTATION_TTL_SECONDS = 30.0
 _api: Any = None
 _links: tuple[Link, ...] = ()
 _devices: dict[str, DeviceSpec] = {}
@@ -49,6 +55,8 @@ def _resync_seconds() -> float:
 
 
 def _wake_job(namespace: str, job: str) -> None:
+    """Wake a job's daemon. Call from the event loop only (asyncio.Event is not thread-safe;
+    hence every watching handler here is async: no executor hop per watch event either)."""
     ev = _wake.get((namespace, job))
     if ev is not None:
         ev.set()
@@ -91,31 +99,31 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.on.probe(id="jobs")
-def probe_jobs(**_: Any) -> int:
+async def probe_jobs(**_: Any) -> int:
     """Liveness detail: number of jobs with a running reconcile daemon."""
     return len(_wake)
 
 
 @kopf.index("", "v1", "pods", labels={c.LABEL_JOB: kopf.PRESENT})
-def pods_by_job(namespace: str, labels: Mapping[str, str], body: Any, **_: Any) -> Any:
+async def pods_by_job(namespace: str, labels: Mapping[str, str], body: Any, **_: Any) -> Any:
     """Pods of each job: {(namespace, job): [pod, ...]}."""
     return {(namespace, labels[c.LABEL_JOB]): dict(body)}
 
 
 @kopf.index("", "v1", "nodes")
-def nodes_by_name(name: str, body: Any, **_: Any) -> Any:
+async def nodes_by_name(name: str, body: Any, **_: Any) -> Any:
     """All nodes: {name: node}."""
     return {name: dict(body)}
 
 
 @kopf.on.event("", "v1", "pods", labels={c.LABEL_JOB: kopf.PRESENT})
-def pod_changed(namespace: str, labels: Mapping[str, str], **_: Any) -> None:
+async def pod_changed(namespace: str, labels: Mapping[str, str], **_: Any) -> None:
     """A job's pod changed: wake its daemon."""
     _wake_job(namespace, labels[c.LABEL_JOB])
 
 
 @kopf.on.event("", "v1", "nodes")
-def node_changed(name: str, type: str | None, **_: Any) -> None:
+async def node_changed(name: str, type: str | None, **_: Any) -> None:
     """A node changed: wake the daemons of jobs whose plan uses it (or waiting for nodes)."""
     for key, (_, plan) in list(_plans.items()):
         if type == "DELETED" or name in plan.nodes():
@@ -126,8 +134,8 @@ def node_changed(name: str, type: str | None, **_: Any) -> None:
 
 
 @kopf.on.event(*JOB)
-def job_changed(namespace: str, name: str, meta: Mapping[str, Any], type: str | None,
-                **_: Any) -> None:
+async def job_changed(namespace: str, name: str, meta: Mapping[str, Any], type: str | None,
+                      **_: Any) -> None:
     """A spec edit (new generation: suspend, resize...) wakes the daemon, which re-plans;
     deletion drops the job's caches and metrics.
 
@@ -138,6 +146,7 @@ def job_changed(namespace: str, name: str, meta: Mapping[str, Any], type: str | 
     if type == "DELETED":  # children are garbage-collected through their ownerReferences
         _generations.pop(key, None)
         _plans.pop(key, None)
+        _expected.pop(key, None)
         metrics.set_phase(namespace, name, None)
         return
     generation = int(meta.get("generation") or 0)
@@ -181,7 +190,12 @@ def _apply(ns: str, name: str, d: Decision, old_phase: str | None) -> None:
     if d.status:
         kube.patch_status(_api, ns, name, d.status)
     if pods:
+        t_gang = time.perf_counter()
         kube.create_gang(_api, ns, pods)
+        log.info("%s/%s: %d pods created in %.0f ms", ns, name, len(pods),
+                 1e3 * (time.perf_counter() - t_gang))
+        _expected[(ns, name)] = (int(pods[0]["metadata"]["labels"][c.LABEL_ATTEMPT]),
+                                 time.monotonic(), {p["metadata"]["name"]: p for p in pods})
     if d.repair_cause:
         metrics.REPAIRS.labels(ns, name, d.repair_cause).inc()
     if d.plan_failure:
@@ -191,22 +205,48 @@ def _apply(ns: str, name: str, d: Decision, old_phase: str | None) -> None:
         metrics.set_phase(ns, name, phase)
 
 
+def _with_expected(ns: str, name: str, pods: list[dict[str, Any]], attempt: int
+                   ) -> list[dict[str, Any]]:
+    """The indexed pods plus the ones we just created that the index has not shown yet."""
+    exp = _expected.get((ns, name))
+    if exp is None:
+        return pods
+    exp_attempt, since, created = exp
+    if exp_attempt != attempt or time.monotonic() - since > EXPECTATION_TTL_SECONDS:
+        _expected.pop((ns, name), None)
+        return pods
+    seen = {p["metadata"]["name"] for p in pods}
+    if seen >= created.keys():
+        _expected.pop((ns, name), None)
+        return pods
+    return pods + [p for n, p in created.items() if n not in seen]
+
+
 def reconcile_once(ns: str, name: str, pods_by_job: Any, nodes_by_name: Any
                    ) -> tuple[dict[str, Any], Decision] | None:
     """Read the job, observe (indices), decide (pure), apply (API) once; None if it is gone."""
+    t0 = time.perf_counter()
     body = kube.get_job(_api, ns, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         return None
     status = body.get("status") or {}
-    pods = list(pods_by_job.get((ns, name), []))
+    pods = _with_expected(ns, name, list(pods_by_job.get((ns, name), [])),
+                          int(status.get("attempt") or 0))
     nodes = [n for store in nodes_by_name.values() for n in store]
     obs = Observed(pods=pods, nodes=nodes, plan=_current_plan(ns, name, status),
                    links=_links, devices=_devices)
+    t1 = time.perf_counter()
     d = reconcile(body, obs)
     if d.plan_failure:
         # Never fail or park a job on a lagging watch cache: re-plan once on a fresh LIST.
         d = reconcile(body, replace(obs, nodes=kube.list_nodes(_api)))
+    t2 = time.perf_counter()
     _apply(ns, name, d, status.get("phase"))
+    if d.create or d.delete:
+        log.info("%s/%s: read %.0f ms, decide %.0f ms (plan %.0f ms), apply %.0f ms: "
+                 "%d created, %d deleted", ns, name, 1e3 * (t1 - t0), 1e3 * (t2 - t1),
+                 1e3 * (d.plan_seconds or 0), 1e3 * (time.perf_counter() - t2),
+                 len(d.create), len(d.delete))
     return body, d
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,23 @@ def dns_name(*parts: str | int, limit: int = MAX_NAME) -> str:
         return name
     digest = hashlib.sha256(raw.encode()).hexdigest()[:6]
     return f"{name[: limit - 7].rstrip('-')}-{digest}"
+
+
+_FINGERPRINTS: OrderedDict[int, tuple[Plan, str]] = OrderedDict()
+_FINGERPRINT_CACHE = 32
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    """``plan.fingerprint()``, memoised per plan object (it hashes the whole plan, ~40 ms for
+    512 ranks, and one launch needs it for the ConfigMap, every pod and the status)."""
+    hit = _FINGERPRINTS.get(id(plan))
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    fp = plan.fingerprint()
+    _FINGERPRINTS[id(plan)] = (plan, fp)  # holding the plan keeps its id() unique
+    while len(_FINGERPRINTS) > _FINGERPRINT_CACHE:
+        _FINGERPRINTS.popitem(last=False)
+    return fp
 
 
 def service_name(job: str) -> str:
@@ -96,7 +114,7 @@ def build_service(job: JobRef) -> dict[str, Any]:
 def build_configmap(job: JobRef, plan: Plan, attempt: int) -> dict[str, Any]:
     """ConfigMap holding ``plan.json`` for one attempt."""
     labels = common_labels(job.name, "plan")
-    labels[c.LABEL_PLAN_HASH] = plan.fingerprint()
+    labels[c.LABEL_PLAN_HASH] = plan_fingerprint(plan)
     labels[c.LABEL_ATTEMPT] = str(attempt)
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": _meta(job, configmap_name(job.name, attempt), labels),
@@ -109,11 +127,17 @@ def master_addr(job: JobRef, plan: Plan, attempt: int) -> str:
     return f"{pod_name(job.name, attempt, first)}.{service_name(job.name)}.{job.namespace}.svc"
 
 
+def pod_names(job: str, plan: Plan, attempt: int) -> list[str]:
+    """Names of the pods :func:`build_pods` makes for this plan and attempt (cheap)."""
+    return [pod_name(job, attempt, plan.ranks_on(node)[0].rank) for node in plan.nodes()]
+
+
 def build_pods(job: JobRef, spec: JobSpec, plan: Plan, attempt: int,
                resume: bool) -> list[dict[str, Any]]:
     """One Pod per planned node, hosting that node's consecutive ranks, pinned to the node."""
     stages = {s.index: s for s in plan.stages}
     addr = master_addr(job, plan, attempt)
+    fingerprint = plan_fingerprint(plan)
     pods = []
     for node in plan.nodes():
         ranks = plan.ranks_on(node)
@@ -125,7 +149,7 @@ def build_pods(job: JobRef, spec: JobSpec, plan: Plan, attempt: int,
         name = pod_name(job.name, attempt, start)
         labels = common_labels(job.name, COMPONENT_WORKER)
         labels.update({c.LABEL_RANK: str(start), c.LABEL_STAGE: str(stage.index),
-                       c.LABEL_PLAN_HASH: plan.fingerprint(), c.LABEL_ATTEMPT: str(attempt),
+                       c.LABEL_PLAN_HASH: fingerprint, c.LABEL_ATTEMPT: str(attempt),
                        c.LABEL_POOL: ranks[0].pool})
         env = {
             c.ENV_PLAN_PATH: f"{PLAN_MOUNT_DIR}/{c.PLAN_CONFIGMAP_KEY}",
