@@ -1,8 +1,9 @@
 """Planning time and plan quality vs cluster size (4 device types, 3 datacenters).
 
-For each size: median wall time of ``plan_job`` and of a re-plan after one node fails (medians of
-``--repeats`` runs, side by side in one process), and three quality ratios of predicted step
-times (> 1 means the heterogeneous plan is faster):
+For each size: median wall time (and process CPU time, which other load on the machine inflates
+less) of ``plan_job`` and of a re-plan after one node fails (medians of ``--repeats`` runs, side
+by side in one process; targets are judged on wall time), and three quality ratios of predicted
+step times (> 1 means the heterogeneous plan is faster):
 
 - ``vs homog``: the best plan on the largest single pool alone / the heterogeneous plan;
 - ``vs uniform``: the same layout with a uniform layer split (Megatron's default) / the planner's
@@ -50,14 +51,15 @@ def cluster(gpus: int, gpus_per_node: int = 8) -> dict:
             "datacenters": [{"name": d} for d in dcs], "links": links, "pools": pools}
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    """Median wall time of ``fn`` and its last result."""
-    times, out = [], None
+def timed(fn, repeats: int) -> tuple[float, float, object]:
+    """Median wall time and median process CPU time of ``fn``, and its last result."""
+    walls, cpus, out = [], [], None
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), out
+        walls.append(time.perf_counter() - t)
+        cpus.append(time.process_time() - c)
+    return statistics.median(walls), statistics.median(cpus), out
 
 
 def largest_pool(inv: ClusterInventory) -> ClusterInventory:
@@ -88,17 +90,18 @@ def verdict(gpus: int, t_plan: float, t_re: float) -> str:
 
 def row(label: str, spec: JobSpec, inv: ClusterInventory, repeats: int, exhaustive: bool) -> str:
     """One table row."""
-    t_plan, plan = timed(lambda: plan_job("b", spec, inv), repeats)
+    t_plan, c_plan, plan = timed(lambda: plan_job("b", spec, inv), repeats)
     assert isinstance(plan, Plan)
     homog = plan_job("b", spec, largest_pool(inv))
     smaller = inv.without_nodes([plan.ranks[-1].node])
-    t_re, _ = timed(lambda: plan_job("b", spec, smaller, previous=plan), repeats)
+    t_re, c_re, _ = timed(lambda: plan_job("b", spec, smaller, previous=plan), repeats)
     exh = "-"
     if exhaustive:
         full = plan_job("b", spec, inv, exhaustive=True)
         exh = f"{full.predicted.step_time_s / plan.predicted.step_time_s:.3f}"
     step = plan.predicted.step_time_s
-    return (f"{label:>9} {inv.gpus:>7} {t_plan:>8.3f} {t_re:>9.3f} {step:>9.3f} "
+    return (f"{label:>9} {inv.gpus:>7} {t_plan:>8.3f} {c_plan:>7.3f} {t_re:>9.3f} {c_re:>7.3f} "
+            f"{step:>9.3f} "
             f"{homog.predicted.step_time_s / plan.predicted.step_time_s:>9.3f} "
             f"{uniform_ratio(spec, inv, plan):>10} {exh:>7}  "
             f"dp={plan.dp} pp={plan.pp} mb={plan.micro_batch} {plan.schedule}  "
@@ -147,7 +150,8 @@ def main() -> None:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"median of {args.repeats}; ratios are step-time ratios (>1: the planner's plan is "
           f"faster); load average at start {load} on {os.cpu_count()} CPUs")
-    print(f"{'model':>9} {'GPUs':>7} {'plan s':>8} {'replan s':>9} {'step s':>9} "
+    print(f"{'model':>9} {'GPUs':>7} {'plan s':>8} {'cpu s':>7} {'replan s':>9} {'cpu s':>7} "
+          f"{'step s':>9} "
           f"{'vs homog':>9} {'vs uniform':>10} {'vs exh':>7}  layout  targets")
     print(row("tiny-6L", tiny, load_cluster(cluster(TINY_GPUS, gpus_per_node=2)), args.repeats,
               exhaustive=True))
