@@ -128,6 +128,11 @@ def split_layers(stages: Sequence[StageCost], total: int, m: float, boundary: fl
         caps_c = caps_for(cap_c)
         if not feasible(caps_c):
             continue
+        # every split with max t ≤ cap_c has Σt at least the greedy fill under these caps
+        fill = _greedy(stages, caps_c, total, lo, order)
+        if fill is not None and (m - 1) * max(cap_c, boundary) + d_min + sum(
+                s.time(n) for s, n in zip(stages, fill, strict=True)) >= incumbent - 1e-15:
+            continue
 
         def caps_cd(cap_d: float, caps_c: list[int] = caps_c) -> list[int]:
             return [min(cc, _cap(s.c, s.e, cap_d, cc)) for s, cc in zip(stages, caps_c,
