@@ -15,6 +15,7 @@ Environment (all optional): ``HETTRAIN_METRICS_PORT`` (8080; 0 disables),
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -177,18 +178,20 @@ def _apply(ns: str, name: str, d: Decision, old_phase: str | None) -> None:
     if d.delete:
         kube.delete_all(_api, ns, d.delete)
     pods = [o for o in d.create if o["kind"] == "Pod"]
-    for obj in d.create:
-        if obj["kind"] != "Pod":
-            # a new attempt's ConfigMap left by a crash before its status write is stale
-            kube.create(_api, ns, obj, replace=d.plan is not None and obj["kind"] == "ConfigMap")
+    # Service, ConfigMap and the status write go out together; the pods only after all three.
+    # (A new attempt's ConfigMap left by a crash before its status write is stale: replace.)
+    calls = [functools.partial(kube.create, _api, ns, obj,
+                               replace=d.plan is not None and obj["kind"] == "ConfigMap")
+             for obj in d.create if obj["kind"] != "Pod"]
+    if d.status:
+        calls.append(functools.partial(kube.patch_status, _api, ns, name, d.status))
+    kube.run_all(calls)
     if d.plan is not None:
         _plans[(ns, name)] = (int(d.status.get("attempt") or 0), d.plan)
         metrics.set_plan(ns, name, d.plan.world_size, d.plan.predicted.tokens_per_s,
                          d.plan.predicted.mfu)
     if d.plan_seconds is not None:
         metrics.PLAN_DURATION.observe(d.plan_seconds)
-    if d.status:
-        kube.patch_status(_api, ns, name, d.status)
     if pods:
         t_gang = time.perf_counter()
         kube.create_gang(_api, ns, pods)

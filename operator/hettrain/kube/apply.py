@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import quote
@@ -95,6 +95,22 @@ def delete(api: k8s.ApiClient, ns: str, kind: str, name: str) -> bool:
 def delete_all(api: k8s.ApiClient, ns: str, items: Iterable[tuple[str, str]]) -> None:
     """Delete objects in parallel; already gone is fine."""
     list(_pool.map(lambda kn: delete(api, ns, kn[0], kn[1]), list(dict.fromkeys(items))))
+
+
+def run_all(calls: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Run independent API calls in parallel; results in order, the first error re-raised
+    after all have finished."""
+    futures = [_pool.submit(fn) for fn in calls]
+    results, first_error = [], None
+    for fut in futures:
+        try:
+            results.append(fut.result())
+        except Exception as err:
+            first_error = first_error or err
+            results.append(None)
+    if first_error is not None:
+        raise first_error
+    return results
 
 
 def create_gang(api: k8s.ApiClient, ns: str, pods: Sequence[dict[str, Any]]) -> int:
