@@ -8,12 +8,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from procscan import MARKER, marked_pids
@@ -38,6 +41,32 @@ def _reap(proc: subprocess.Popen, token: str) -> None:
     for pid in marked_pids(token):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+class _LineReader:
+    """Reads a pipe on a thread, so waiting for a line never blocks past a deadline."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.queue: queue.Queue[str] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, args=(pipe,), daemon=True)
+        self.thread.start()
+
+    def _run(self, pipe: Any) -> None:
+        for line in pipe:
+            self.queue.put(line)
+
+    def done(self) -> bool:
+        return not self.thread.is_alive() and self.queue.empty()
+
+    def take(self, timeout: float) -> list[str]:
+        out = []
+        try:
+            out.append(self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait())
+            while True:
+                out.append(self.queue.get_nowait())
+        except queue.Empty:
+            pass
+        return out
 
 
 def test_demo_trains_fails_a_node_repairs_and_resumes(tmp_path: Path) -> None:
@@ -88,15 +117,13 @@ def test_sigint_mid_training_stops_every_child(tmp_path: Path) -> None:
     proc = _start(tmp_path, token, "--steps", "200", "--step-sleep", "0.3")
     lines: list[str] = []
     try:
-        deadline = time.monotonic() + 300
         assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "step   3  loss" in line:
-                break
-            assert time.monotonic() < deadline, "".join(lines)[-4000:]
-        else:
-            pytest.fail("demo ended before training:\n" + "".join(lines)[-4000:])
+        reader = _LineReader(proc.stdout)
+        deadline = time.monotonic() + 300
+        while not any("step   3  loss" in ln for ln in lines):
+            if time.monotonic() > deadline or (proc.poll() is not None and reader.done()):
+                pytest.fail("demo did not reach step 3:\n" + "".join(lines)[-4000:])
+            lines.extend(reader.take(timeout=0.5))
         running = marked_pids(token)
         names = " ".join(running.values())
         # the cluster's five components, the operator and the four ranks are all alive
@@ -106,8 +133,10 @@ def test_sigint_mid_training_stops_every_child(tmp_path: Path) -> None:
         assert sum("hettrain.runtime" in cmd for cmd in running.values()) == 4
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=90)
+        proc.wait(timeout=90)
         took = time.monotonic() - t0
+        reader.thread.join(timeout=10)
+        rest = "".join(reader.take(timeout=0))
     finally:
         _reap(proc, token)
     out = "".join(lines) + rest
