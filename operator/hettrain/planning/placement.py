@@ -9,13 +9,25 @@ from collections.abc import Sequence
 from hettrain.planning.plan import Plan, RankPlan
 from hettrain.planning.units import Unit
 
+_INDEX: list = []  # [(plan, node -> (stage, rank), (node, gpu) -> stage)] for the last plan
+
+
+def _index(previous: Plan) -> tuple[dict[str, tuple[int, int]], dict[tuple[str, int], int]]:
+    """Per-node first (stage, rank) and per-GPU stage of ``previous``; a re-plan compares many
+    placements against one previous plan, so the last one is kept."""
+    if _INDEX and _INDEX[0][0] is previous:
+        return _INDEX[0][1], _INDEX[0][2]
+    first: dict[str, tuple[int, int]] = {}
+    for r in previous.ranks:
+        first.setdefault(r.node, (r.stage, r.rank))
+    stage = {(r.node, r.local_rank): r.stage for r in previous.ranks}
+    _INDEX[:] = [(previous, first, stage)]
+    return first, stage
+
 
 def _unit_nodes(unit: Unit, previous: Plan | None) -> list[tuple[str, str, str]]:
     """(node, pool, datacenter) of a unit, previous-plan stage order first, then by name."""
-    prev_stage: dict[str, tuple[int, int]] = {}
-    if previous is not None:
-        for r in previous.ranks:
-            prev_stage.setdefault(r.node, (r.stage, r.rank))
+    prev_stage = _index(previous)[0] if previous is not None else {}
     nodes = [(n, p.name, p.datacenter) for p in unit.pools for n in p.nodes]
     return sorted(nodes, key=lambda x: (prev_stage.get(x[0], (1 << 30, 0)), x[2], x[1], x[0]))
 
@@ -53,5 +65,5 @@ def place_ranks(stage_units: Sequence[Unit], stage_tp: Sequence[int], dp: int,
 
 def moved_ranks(previous: Plan, ranks: Sequence[RankPlan]) -> int:
     """Ranks whose GPU now serves a different stage than before (or is new)."""
-    before = {(r.node, r.local_rank): r.stage for r in previous.ranks}
+    before = _index(previous)[1]
     return sum(1 for r in ranks if before.get((r.node, r.local_rank)) != r.stage)
