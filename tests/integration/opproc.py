@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,8 +35,10 @@ class OperatorProcess:
     """One operator process against ``kubeconfig``, restartable (also by SIGKILL)."""
 
     def __init__(self, kubeconfig: Path | str, log_path: Path | str,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None,
+                 mode: Sequence[str] = ("--standalone",)) -> None:
         self.kubeconfig = str(kubeconfig)
+        self.mode = list(mode)  # --standalone, or --peering=NAME --priority=N
         self.log_path = Path(log_path)
         self.extra_env = dict(env or {})
         self.metrics_port = free_port()
@@ -69,7 +71,7 @@ class OperatorProcess:
         log.flush()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kopf", "run", "-m", "hettrain.handlers",
-             "--all-namespaces", "--standalone",
+             "--all-namespaces", *self.mode,
              f"--liveness=http://127.0.0.1:{self.health_port}/healthz"],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
             cwd=str(ROOT), start_new_session=True)

@@ -19,7 +19,7 @@ from e2e.cluster import kwoknodes
 from e2e.cluster.pytest_plugin import K8sCluster, exists
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
-from opproc import CRD, OperatorProcess, http_get
+from opproc import CRD, ROOT, OperatorProcess, http_get
 from prometheus_client.parser import text_string_to_metric_families
 
 from hettrain.api import constants as c
@@ -535,3 +535,57 @@ def test_unplannable_job_gets_planfailed_event_and_zero_pods(ctx: Ctx,
                    reason=c.REASON_PLAN_FAILED) == 1
     out = ctx.cluster.kubectl("get", "htj", "np", "-n", ctx.ns, "-o", "json")
     assert json.loads(out)["status"]["phase"] == c.PHASE_FAILED
+
+
+# ---------------------------------------------------------------- HA (kopf peering)
+
+
+def test_ha_peering_only_the_leader_acts_and_the_standby_takes_over(
+        ctx: Ctx, tmp_path: Any) -> None:
+    """Two replicas with --peering: the higher priority one launches jobs, the other stays
+    paused (no job series in its metrics); when the leader exits, the standby takes over."""
+    ctx.cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "kopf-peering.yaml"))
+    ctx.cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s",
+                        "crd/clusterkopfpeerings.kopf.dev")
+    peering = f"hettrain-{uuid.uuid4().hex[:6]}"
+    ctx.cluster.kubectl("apply", "-f", "-", input=json.dumps(
+        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
+         "metadata": {"name": peering}}))
+    prefix = _prefix()
+    ctx.nodes(_pools(prefix))
+    leader = OperatorProcess(ctx.cluster.kubeconfig, tmp_path / "leader.log",
+                             mode=[f"--peering={peering}", "--priority=200"])
+    standby = OperatorProcess(ctx.cluster.kubeconfig, tmp_path / "standby.log",
+                              mode=[f"--peering={peering}", "--priority=100"])
+    module_op = ctx.op
+    module_op.stop()  # the module's standalone operator would handle everything
+    try:
+        leader.start()
+        standby.start()
+        ctx.op = leader
+        ctx.create(_job("one", prefix, placement={"pools": [f"{prefix}-h100"]}))
+        ctx.wait_running("one")
+        time.sleep(1.0)  # give a wrongly active standby time to show itself
+        assert f"{ctx.ns}/one:" not in standby.log_path.read_text()
+        lead_m, stand_m = _metrics(leader), _metrics(standby)
+        assert _sample(lead_m, "hettrain_job_phase", namespace=ctx.ns, job="one",
+                       phase="Running") == 1
+        assert _sample(stand_m, "hettrain_job_phase", namespace=ctx.ns, job="one",
+                       phase="Running") is None, "the standby acted while paused"
+        leader.stop()  # a clean exit withdraws it from the peering object at once
+        ctx.op = standby
+        ctx.create(_job("two", prefix, placement={"pools": [f"{prefix}-mi300"]}))
+        ctx.wait_running("two", 60)
+        m = _metrics(standby)
+        assert _sample(m, "hettrain_job_phase", namespace=ctx.ns, job="two",
+                       phase="Running") == 1
+        assert _sample(m, "hettrain_job_phase", namespace=ctx.ns, job="one",
+                       phase="Running") == 1, "the standby resumed the leader's job"
+        assert ctx.status("one")["attempt"] == 1, "taking over did not relaunch job one"
+    finally:
+        leader.stop()
+        standby.stop()
+        ctx.cluster.kubectl("delete", "clusterkopfpeering", peering, "--wait=false",
+                            check=False)
+        ctx.op = module_op
+        module_op.start()  # also releases this test's jobs at teardown
