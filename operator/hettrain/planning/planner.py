@@ -401,7 +401,6 @@ def _search_exhaustive(search: _Search, units: tuple[Unit, ...], inv: ClusterInv
                     _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping)
 
 
-
 def _unit_stats(unit: Unit, tp: int, dp: int, mb: int, inv: ClusterInventory,
                 spec: JobSpec) -> UnitStats:
     """Per-stage aggregates of ``unit`` (:mod:`hettrain.planning.bounds`), relaxed memory."""
