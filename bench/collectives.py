@@ -144,6 +144,9 @@ def worker_train(rank: int, world: int, addr: str, port: int, steps: int, varian
                                 torch.nn.Linear(128, 128), torch.nn.ReLU(),
                                 torch.nn.Linear(128, 1))
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    # cosine decay to 1/10 (same for every variant): the final loss is then not the snapshot of
+    # a still-noisy trajectory, so the gap between variants is not dominated by that noise
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps, eta_min=2e-4)
     params = list(model.parameters())
     diloco = None
     if kind == "diloco":
@@ -168,6 +171,7 @@ def worker_train(rank: int, world: int, addr: str, port: int, steps: int, varian
         else:
             comm.dp_all_reduce_([p.grad for p in params])
         opt.step()
+        sched.step()
         if diloco:
             diloco.step(step)
     with torch.no_grad():
