@@ -9,7 +9,12 @@ Two baselines per layout:
   does, so ``rt/same`` is the runtime's own overhead (or pipeline speed-up).
 
 On a tiny model a microbatch of 2 sequences is dominated by per-op Python/dispatch cost, so
-``rt/1batch`` is mostly the price of the plan's microbatching, not of the runtime.
+``rt/1b`` is mostly the price of the plan's microbatching, not of the runtime.
+
+CPU columns: process CPU seconds per step (all threads; the runtime's summed over its ranks)
+vs the plain loop with the same microbatches. They measure the runtime's extra WORK
+(communication, bookkeeping) and stay meaningful on a loaded machine, where wall-clock
+ratios mostly measure the scheduler.
 
 Layouts: 1 rank (pp=1, dp=1); 2 stages (pp=2, dp=1, 3+1 split: fits the 2 cores); 2 pools x 2
 stages (pp=2, dp=2, 3+1). Each runtime step time is the median over steps after warm-up; each
@@ -43,39 +48,44 @@ from hettrain.runtime.trainer import make_optimizer  # noqa: E402
 WARMUP = 3
 
 
-def plain_loop(plan, steps: int, micro_batch: int | None = None) -> float:
-    """Median step seconds of a bare torch loop over the same global batches, in microbatches
-    of ``micro_batch`` sequences (default: the whole global batch at once)."""
+def plain_loop(plan, steps: int, micro_batch: int | None = None) -> tuple[float, float]:
+    """Median (wall, CPU) seconds per step of a bare torch loop over the same global batches,
+    in microbatches of ``micro_batch`` sequences (default: the whole global batch at once)."""
     torch.set_num_threads(1)
     t = plan.training
     model = whole_model(plan.model, t.seed)
     opt = make_optimizer(model, t.learning_rate)
     mb = micro_batch or plan.global_batch
     m = plan.global_batch // mb
-    times = []
+    walls, cpus = [], []
     for step in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         for x, y in microbatches(t.seed, step, dp=1, dp_index=0, micro_batch=mb,
                                  num_microbatches=m, seq_len=plan.model.seq_len,
                                  vocab=plan.model.vocab):
             (lm_loss(model(x), y) / m).backward()
         opt.step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[WARMUP:])
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return statistics.median(walls[WARMUP:]), statistics.median(cpus[WARMUP:])
 
 
-def runtime(plan, steps: int, env: dict[str, str] | None = None) -> float:
-    """Median step seconds of the real runtime (rank 0's timings)."""
+def runtime(plan, steps: int, env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Median wall seconds per step (rank 0) and the sum over ranks of each rank's median CPU
+    seconds per step, of the real runtime."""
     with tempfile.TemporaryDirectory() as d:
-        log = Path(d) / "loss.jsonl"
+        log, summ = Path(d) / "loss.jsonl", Path(d) / "summary"
         codes = wait_all(launch_local(plan, Path(d), {"HETTRAIN_LOSS_LOG": str(log),
                                                       "HETTRAIN_METRICS_PORT": "0",
+                                                      "HETTRAIN_SUMMARY_DIR": str(summ),
                                                       **(env or {})}), 600)
         if any(codes):
             raise SystemExit(f"runtime failed: exit codes {codes}")
         secs = [json.loads(line)["seconds"] for line in log.read_text().splitlines()]
-    return statistics.median(secs[WARMUP:])
+        cpu = sum(statistics.median(json.loads(f.read_text())["step_cpu_seconds"][WARMUP:])
+                  for f in summ.glob("rank-*.json"))
+    return statistics.median(secs[WARMUP:]), cpu
 
 
 def main() -> None:
@@ -95,7 +105,7 @@ def main() -> None:
         "2 pools x 2 stages (pp2 dp2, 3+1)": tiny_plan(
             [(0, 3, "pool-a"), (3, 4, "pool-b")], dp=2, steps=a.steps, model=model),
     }
-    variants = {name: {} for name in layouts}
+    variants: dict[str, dict[str, str]] = {name: {} for name in layouts}
     if a.ab_recv_ahead:  # A/B of posting pipeline receives ahead (default 1) vs on demand
         for name in [n for n in layouts if "pp2" in n]:
             layouts[f"{name} ahead0"] = layouts[name]
@@ -103,16 +113,19 @@ def main() -> None:
     tokens = next(iter(layouts.values())).global_batch * model.seq_len
     print(f"model {model.layers}L h{model.hidden} seq{model.seq_len}; global batch "
           f"{tokens // model.seq_len} seqs = {tokens} tokens/step; median of {a.repeats}")
-    print(f"{'layout':44} {'plain 1 batch':>13} {'plain same mb':>13} {'runtime':>8} "
-          f"{'rt/same':>8} {'rt/1batch':>9}  (tokens/s)")
+    print(f"{'':40} {'tokens/s (wall)':^45} | {'CPU ms/step':^26}")
+    print(f"{'layout':40} {'plain 1b':>9} {'plain mb':>9} {'runtime':>8} {'rt/mb':>7} "
+          f"{'rt/1b':>7} | {'plain mb':>8} {'runtime':>8} {'rt/mb':>7}")
     for name, plan in layouts.items():
         base, same, rt = [], [], []
         for _ in range(a.repeats):  # interleaved so drift hits all alike
             base.append(plain_loop(plan, a.steps))
             same.append(plain_loop(plan, a.steps, plan.micro_batch))
             rt.append(runtime(plan, a.steps, variants[name]))
-        b, m, r = (tokens / statistics.median(x) for x in (base, same, rt))
-        print(f"{name:44} {b:13.0f} {m:13.0f} {r:8.0f} {r / m:8.2f} {r / b:9.2f}")
+        b, m, r = (tokens / statistics.median(w for w, _ in x) for x in (base, same, rt))
+        cm, cr = (1e3 * statistics.median(c for _, c in x) for x in (same, rt))
+        print(f"{name:40} {b:9.0f} {m:9.0f} {r:8.0f} {r / m:7.2f} {r / b:7.2f} | "
+              f"{cm:8.1f} {cr:8.1f} {cr / cm:7.2f}")
 
 
 if __name__ == "__main__":

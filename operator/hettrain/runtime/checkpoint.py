@@ -100,27 +100,26 @@ def load(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimiz
          extra: dict[str, torch.Tensor] | None = None, tp: TPShards | None = None) -> None:
     """Collective: load step ``step`` into this rank's slice (any layout).
 
-    ``extra`` tensors are loaded in place; a checkpoint without them (written in another
-    cross-DC mode) leaves them as they are.
+    Model tensors must all be present. Optimizer moments and ``extra`` tensors are loaded in
+    place when the checkpoint holds them (it may come from another optimizer or cross-DC
+    mode); otherwise they keep their fresh values.
     """
-    state = _state(model, opt, materialise=True)
+    path = root / f"step-{step}"
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    adam = isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
+    state = _state(model, opt, materialise=adam)
+    missing = [k for k in state if not k.startswith("optim.") and k not in meta]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks model tensors {missing[:3]}: it was written "
+                         "for another model; point HETTRAIN_CHECKPOINT_URI elsewhere")
+    wanted = {k: v for k, v in {**state, **(extra or {})}.items() if k in meta}
     full: dict[str, torch.Tensor] = {}
     if tp is not None and tp.shards:
-        for k, v in state.items():
+        for k, v in wanted.items():
             if name := tp.param_of(k):
                 full[k] = torch.empty(tp.full_shape(name, v), dtype=v.dtype)
-    dcp.load({**state, **full}, checkpoint_id=str(root / f"step-{step}"))
+    dcp.load({**wanted, **full}, checkpoint_id=str(path))
     with torch.no_grad():
         for k, f in full.items():
-            state[k].copy_(tp.local(tp.param_of(k), f))
-    if extra:
-        _load_optional(root / f"step-{step}", extra)
+            wanted[k].copy_(tp.local(tp.param_of(k), f))
     model.load_state_dict({k: v for k, v in state.items() if not k.startswith("optim.")})
-
-
-def _load_optional(path: Path, extra: dict[str, torch.Tensor]) -> None:
-    """Load those of ``extra``'s keys the checkpoint holds (in place)."""
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
-    have = {k: v for k, v in extra.items() if k in meta.state_dict_metadata}
-    if have:
-        dcp.load(have, checkpoint_id=str(path))

@@ -199,8 +199,9 @@ class Trainer:
         losses = []
         flops, peak = step_flops(plan), peak_flops(plan)
         ckpt_due = False
+        self.step_cpu: list[float] = []  # process CPU seconds per step (all threads)
         for step in range(start, t.steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             self.opt.zero_grad(set_to_none=False)
             batches = microbatches(t.seed, step, dp=plan.dp, dp_index=self.me.dp,
                                    micro_batch=plan.micro_batch,
@@ -218,6 +219,7 @@ class Trainer:
             loss = self._reduce_loss(total)
             losses.append(loss.item())
             seconds = time.perf_counter() - t0
+            self.step_cpu.append(time.process_time() - c0)
             self.metrics.observe_step(done, loss.item(), seconds,
                                       plan.global_batch * plan.model.seq_len, flops, peak)
             self.metrics.observe_comm(self.comm.stats)
@@ -239,7 +241,8 @@ class Trainer:
         return losses
 
     def _write_summary(self, losses: list[float]) -> None:
-        """``HETTRAIN_SUMMARY_DIR/rank-R.json``: per-tier bytes/ops, a weight checksum."""
+        """``HETTRAIN_SUMMARY_DIR/rank-R.json``: per-tier bytes/ops/seconds, CPU seconds per step,
+        a weight checksum."""
         if not self.cfg.summary_dir:
             return
         with torch.no_grad():
@@ -252,7 +255,8 @@ class Trainer:
                "param_elements": sum(p.numel() for p in self.model.parameters()),
                "bytes": {t.value: s.bytes for t, s in self.comm.stats.items()},
                "ops": {t.value: s.ops for t, s in self.comm.stats.items()},
-               "seconds": {t.value: s.seconds for t, s in self.comm.stats.items()}}
+               "seconds": {t.value: s.seconds for t, s in self.comm.stats.items()},
+               "step_cpu_seconds": self.step_cpu}
         path = Path(self.cfg.summary_dir) / f"rank-{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(rec))

@@ -23,10 +23,11 @@ def _plan(lr=3e-3, dcs=DCS, **cross_dc):
                      replica_dcs=dcs, cross_dc=cross_dc)
 
 
-def _run(tmp_path, name, plan, optimizer="adamw"):
+def _run(tmp_path, name, plan, optimizer="adamw", env=None):
     work = tmp_path / name
     env = {"HETTRAIN_LOSS_LOG": str(work / "loss.jsonl"), "HETTRAIN_METRICS_PORT": "0",
-           "HETTRAIN_SUMMARY_DIR": str(work / "summary"), "HETTRAIN_OPTIMIZER": optimizer}
+           "HETTRAIN_SUMMARY_DIR": str(work / "summary"), "HETTRAIN_OPTIMIZER": optimizer,
+           **(env or {})}
     codes = wait_all(launch_local(plan, work, env), 150)
     logs = "\n".join(p.read_text()[-2000:] for p in sorted(work.glob("rank-*.log")))
     assert codes == [0] * plan.world_size, logs
@@ -99,3 +100,20 @@ def test_diloco_h1_outer_lr1_no_momentum_is_synchronous_dp(tmp_path):
     print(f"diloco H=1 vs sync SGD: max rel loss deviation {dev:.2e}")
     assert losses == pytest.approx(ref, rel=1e-5)
     assert all(s["outer_syncs"] == STEPS for s in summaries)
+
+
+def test_diloco_resume_restores_the_outer_momentum(tmp_path):
+    """Checkpoints land only after outer syncs; with SGD inside (no per-DC inner state) a
+    resume from one continues the uninterrupted run, which needs the outer momentum back."""
+    plan = _plan(lr=0.3, dcs=("dc1", "dc2"), mode="diloco", compression="none",
+                 outer_steps=2, outer_lr=0.7, outer_momentum=0.9)
+    ck = tmp_path / "ckpt"
+    env = {"HETTRAIN_CHECKPOINT_URI": str(ck), "HETTRAIN_CHECKPOINT_INTERVAL": "3"}
+    full, _ = _run(tmp_path, "full", plan, optimizer="sgd", env=env)
+    # interval 3, H=2: the first outer sync at/after steps 3 and 6 (4, 6), and the last one
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-4", "step-6", "step-8"]
+    (ck / "latest").write_text("step-4")
+    resumed, _ = _run(tmp_path, "resumed", plan, optimizer="sgd",
+                      env={**env, "HETTRAIN_RESUME": "1"})
+    # steps 6, 7 follow the outer step after step 6, which uses the restored momentum
+    assert resumed == pytest.approx(full[4:], rel=1e-6)
