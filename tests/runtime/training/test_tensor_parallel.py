@@ -95,3 +95,17 @@ def test_tp2_pp2_matches_reference_and_resumes_on_another_tp_layout(tmp_path):
     assert sorted(after) == list(range(3, steps))
     for step in range(3, steps):
         assert after[step] == pytest.approx(ref[step], rel=1e-4), step
+
+
+@pytest.mark.slow
+def test_tp2_times_dp2_matches_reference(tmp_path):
+    """DP all-reduces per TP index ((stage, tp) groups); replicated weights stay identical."""
+    steps = 4
+    plan = tiny_plan([(0, 4, "pool-a")], dp=2, steps=steps, tp=2, num_microbatches=2)
+    summary = tmp_path / "summary"
+    got = _run(tmp_path / "run", plan, {"HETTRAIN_SUMMARY_DIR": str(summary)})
+    for step, want in enumerate(reference_losses(plan, steps)):
+        assert got[step] == pytest.approx(want, rel=RTOL), step
+    sums = [json.loads((summary / f"rank-{r}.json").read_text()) for r in range(4)]
+    by_tp = {t: {s["param_checksum"] for s in sums if s["tp"] == t} for t in (0, 1)}
+    assert all(len(v) == 1 for v in by_tp.values())  # the two replicas of each TP shard agree
