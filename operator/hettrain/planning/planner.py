@@ -22,6 +22,7 @@ enumerates everything and brute-forces the layer splits: the reference the tests
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -518,11 +519,23 @@ def _run_pair(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory, g
     _collect(search, opts, rest, 0, (), layers, m, pinned_pp, leaves, boundary_cost, units)
     for choice in singles:
         _leaf(search, (choice,), layers, m, pinned_pp, leaves, boundary_cost, units)
-    leaves.sort(key=lambda x: (x[0], tuple((c.unit, c.tp, c.k) for c in x[1])))
-    for lb, choices in leaves:
+    # one best-first queue over leaves and, once a leaf reaches the front, its stage orders:
+    # an order is evaluated only if its own bound still beats the incumbent when it comes up
+    heap = [(lb, i, choices, None) for i, (lb, choices) in enumerate(
+        sorted(leaves, key=lambda x: (x[0], tuple((c.unit, c.tp, c.k) for c in x[1]))))]
+    heapq.heapify(heap)
+    seq = len(heap)
+    while heap:
+        lb, _, choices, order = heapq.heappop(heap)
         if lb >= search.bound():
             break
-        _evaluate_choices(search, units, choices, dp, mb, inv, grouping, m, boundary_cost)
+        if order is not None:
+            _evaluate_order(search, units, choices, order, dp, mb, inv, grouping)
+            continue
+        for order_lb, o in sorted(_order_bounds(search, units, choices, m, boundary_cost)):
+            if order_lb < search.bound():
+                heapq.heappush(heap, (max(lb, order_lb), seq, choices, o))
+                seq += 1
 
 
 def _collect(search: _Search, opts: list[list[Choice]], rest: tuple, i: int,
@@ -566,11 +579,31 @@ def _leaf(search: _Search, chosen: tuple[Choice, ...], layers: int, m: int,
         out.append((lb, chosen))
 
 
-def _evaluate_choices(search: _Search, units: tuple[Unit, ...], choices: tuple[Choice, ...],
-                      dp: int, mb: int, inv: ClusterInventory, grouping: str, m: int,
-                      boundary_cost: Callable[[Choice, Choice], float]) -> None:
-    """Every stage order of ``choices`` (best order bound first, skipping orders whose bound
-    reaches the incumbent) under the schedules that can win.
+def _order_bounds(search: _Search, units: tuple[Unit, ...], choices: tuple[Choice, ...], m: int,
+                  boundary_cost: Callable[[Choice, Choice], float]
+                  ) -> list[tuple[float, tuple[int, ...]]]:
+    """Every stage order of ``choices`` with its own bound (exact boundaries, known last unit)."""
+    ks = [0] * len(units)
+    for c in choices:
+        ks[c.unit] = c.k
+    orders = list(_orders(units, ks, False))
+    if len(orders) == 1:
+        return [(-math.inf, orders[0])]
+    by_unit = {c.unit: c for c in choices}
+    layers = search.spec.model.layers
+    out = []
+    for order in orders:
+        ordered = [by_unit[i] for i in order]
+        out.append((step_lower_bound(choices, layers, m,
+                                     ordered_boundaries(ordered, boundary_cost), ordered[-1],
+                                     search.bubble_div, search.bound()), order))
+    return out
+
+
+def _evaluate_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Choice, ...],
+                    order: tuple[int, ...], dp: int, mb: int, inv: ClusterInventory,
+                    grouping: str) -> None:
+    """One stage order of ``choices`` under the schedules that can win.
 
     Dominance (exact in this cost model): with ``X`` the slowest of stages and boundaries and
     ``Σ`` their sum, 1F1B costs ``m·X + (Σ − X)`` and ZB-H1 ``m·X + (Σ − X)/3`` at the same
@@ -586,23 +619,10 @@ def _evaluate_choices(search: _Search, units: tuple[Unit, ...], choices: tuple[C
     pp = sum(ks)
     pinned = search.spec.parallelism.schedule
     schedules = (pinned,) if pinned != "auto" else (("1f1b",) if pp == 1 else ("zb-h1",))
-    ranked = [(0.0, order) for order in _orders(units, ks, False)]
-    if len(ranked) > 1:
-        by_unit = {c.unit: c for c in choices}
-        layers = search.spec.model.layers
-        for j, (_, order) in enumerate(ranked):
-            ordered = [by_unit[i] for i in order]
-            ranked[j] = (step_lower_bound(choices, layers, m,
-                                          ordered_boundaries(ordered, boundary_cost),
-                                          ordered[-1], search.bubble_div, search.bound()), order)
-        ranked.sort()
-    for lb, order in ranked:
-        if lb >= search.bound():
-            break
-        stage_units = tuple(units[i] for i in order for _ in range(ks[i]))
-        stage_tps = tuple(tps[i] for i in order for _ in range(ks[i]))
-        for schedule in schedules:
-            _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping)
+    stage_units = tuple(units[i] for i in order for _ in range(ks[i]))
+    stage_tps = tuple(tps[i] for i in order for _ in range(ks[i]))
+    for schedule in schedules:
+        _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping)
 
 
 def _record_shortfall(search: _Search, units: tuple[Unit, ...], spec: JobSpec,
