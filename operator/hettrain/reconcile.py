@@ -39,6 +39,7 @@ from hettrain.planning.planner import plan_job
 
 TERMINAL = (c.PHASE_SUCCEEDED, c.PHASE_FAILED)
 CAPACITY_RETRY_SECONDS = 15.0
+WAIT_RETRY_SECONDS = 5.0  # WaitForReplacement re-checks (new nodes also wake the job)
 CAUSE_POD_DELETED = "PodDeleted"
 
 
@@ -369,16 +370,15 @@ def _repair(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
         return _fail(b, d, c.REASON_MAX_REPAIRS, msg, _names(current))
     failed = sorted(set(b.old.get("failedNodes") or []) | set(bad))
     exclude = list(failed)
-    if pol.mode == "WaitForReplacement":
-        inv = obs.inventory()
-        usable = inv.gpus - _gpus_on(inv, exclude)
-        if usable < plan.world_size and obs.now - since < pol.wait_seconds:
-            b.phase(c.PHASE_REPAIRING)
-            b.cond(c.COND_REPAIRING, True, c.REASON_WAITING_REPLACEMENT,
-                   f"waiting up to {pol.wait_seconds}s for replacement nodes")
-            d.delete.extend(("Pod", n) for n in _names(current))
-            d.retry_after = min(10.0, since + pol.wait_seconds - obs.now)
-            return d
+    if (pol.mode == "WaitForReplacement" and obs.now - since < pol.wait_seconds
+            and not _replan_keeps_size(job, spec, obs, planner, plan, exclude)):
+        b.phase(c.PHASE_REPAIRING)
+        b.cond(c.COND_REPAIRING, True, c.REASON_WAITING_REPLACEMENT,
+               f"waiting up to {pol.wait_seconds}s for replacement nodes (a plan with "
+               f"{plan.world_size} GPUs in spec.placement)")
+        d.delete.extend(("Pod", n) for n in _names(current))
+        d.retry_after = min(WAIT_RETRY_SECONDS, since + pol.wait_seconds - obs.now)
+        return d
     d.repair_cause = cause
     d.delete.extend(("Pod", n) for n in _names(current))
     d.delete.append(("ConfigMap", configmap_name(job.name, attempt)))
@@ -397,6 +397,13 @@ def _repair(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
     return out
 
 
-def _gpus_on(inv: ClusterInventory, nodes: Sequence[str]) -> int:
-    names = set(nodes)
-    return sum(p.gpus_per_node for p in inv.pools for n in p.nodes if n in names)
+def _replan_keeps_size(job: JobRef, spec: JobSpec, obs: Observed, planner: Planner,
+                       plan: Plan, exclude: Sequence[str]) -> bool:
+    """Whether the nodes usable now (within spec.placement, failed ones excluded) give a plan
+    as large as the current one: what WaitForReplacement waits for."""
+    try:
+        inv = obs.inventory()
+        inv = inv.without_nodes([n for n in exclude if n in inv.node_names()])
+        return planner(job.name, spec, inv, plan).world_size >= plan.world_size
+    except PlanningError:
+        return False

@@ -23,6 +23,7 @@ from opproc import CRD, ROOT, OperatorProcess, http_get
 from prometheus_client.parser import text_string_to_metric_families
 
 from hettrain.api import constants as c
+from hettrain.kube import apply as kube
 from hettrain.planning.plan import Plan
 
 pytestmark = pytest.mark.k8s
@@ -338,6 +339,46 @@ def test_failed_pod_repairs_and_max_repairs_fails_the_job(ctx: Ctx) -> None:
     cond = next(x for x in st["conditions"] if x["type"] == c.COND_FAILED)
     assert cond["reason"] == c.REASON_MAX_REPAIRS and "maxRepairs (1)" in cond["message"]
     ctx.wait(lambda: not ctx.live_pods("llm"), 30, "pods deleted after failure")
+
+
+def test_wait_for_replacement_waits_then_relaunches_on_the_new_node(ctx: Ctx) -> None:
+    """mode WaitForReplacement: the only node of the job's pool fails → the gang is torn
+    down and the job waits (no shrink, no failure); a replacement node joins the pool → the
+    job relaunches there at the same size."""
+    prefix = _prefix()
+    ctx.nodes(_pools(prefix, nodes=1))
+    pool = f"{prefix}-h100"
+    ctx.create(_job("llm", prefix, placement={"pools": [pool]},
+                    failurePolicy={"mode": "WaitForReplacement", "waitSeconds": 120,
+                                   "debounceSeconds": 0, "minGPUs": 8}))
+    st, _ = ctx.wait_running("llm")
+    world = st["worldSize"]
+    lost = st["plan"]["nodes"][0]
+    kwoknodes.mark_not_ready(ctx.api, lost)
+
+    def waiting() -> Any:
+        s = ctx.status("llm")
+        cond = next((x for x in s.get("conditions") or [] if x["type"] == c.COND_REPAIRING),
+                    None)
+        return (s.get("phase") == c.PHASE_REPAIRING and cond and cond["status"] == "True"
+                and cond["reason"] == c.REASON_WAITING_REPLACEMENT and not ctx.live_pods("llm")
+                and s)
+    st = ctx.wait(waiting, 30, "Repairing / WaitingForReplacement with the gang torn down")
+    assert st["attempt"] == 1 and not st.get("repairs")
+    time.sleep(2.0)
+    assert ctx.status("llm")["phase"] == c.PHASE_REPAIRING, "it must keep waiting"
+    grown = next(p for p in kwoknodes.load_cluster(_pools(prefix, nodes=2)) if p.name == pool)
+    new_node = kwoknodes.node_name(pool, 1)
+    kube.request(ctx.api, "POST", "/api/v1/nodes", kwoknodes.node_manifest(grown, 1))
+    try:
+        st, pods = ctx.wait_running("llm", 60)
+    finally:
+        kwoknodes.delete_nodes(ctx.api, [new_node])
+    assert st["attempt"] == 2 and st["worldSize"] == world
+    assert st["plan"]["nodes"] == [new_node]
+    assert pods[0].spec.node_name == new_node
+    assert st["repairs"]["count"] == 1 and st["repairs"]["lastCause"] == c.REASON_NODE_LOST
+    _assert_pods_match_plan(pods, ctx.plan("llm"), attempt=2, resume=True)
 
 
 # ---------------------------------------------------------------- operator restart

@@ -125,9 +125,11 @@ async def pod_changed(namespace: str, labels: Mapping[str, str], **_: Any) -> No
 
 @kopf.on.event("", "v1", "nodes")
 async def node_changed(name: str, type: str | None, **_: Any) -> None:
-    """A node changed: wake the daemons of jobs whose plan uses it (or waiting for nodes)."""
+    """A node changed: wake the daemons of jobs whose plan uses it, all jobs when a node comes
+    or goes, and jobs without a plan yet (waiting for capacity)."""
     for key, (_, plan) in list(_plans.items()):
-        if type == "DELETED" or name in plan.nodes():
+        # ADDED: a replacement node may be what a WaitForReplacement repair waits for
+        if type in ("DELETED", "ADDED") or name in plan.nodes():
             _wake_job(*key)
     for key in list(_wake):
         if key not in _plans:
