@@ -32,8 +32,8 @@ from hettrain.planning.inventory import (
     ClusterInventory,
     Link,
     inventory_from_nodes,
-    load_cluster,
 )
+from hettrain.planning.inventory import load_topology as inventory_topology
 from hettrain.planning.plan import Plan
 from hettrain.planning.planner import plan_job
 
@@ -92,11 +92,10 @@ def load_topology(
 ) -> tuple[tuple[Link, ...], dict[str, DeviceSpec]]:
     """``links:`` and ``devices:`` of a cluster YAML (path or parsed dict) for the operator.
 
-    The file is validated by the planner's own reader (``load_cluster``); its pools are ignored
-    because the operator's pools come from the Nodes.
+    The file is validated by the planner's own reader (``inventory.load_topology``); pools may be
+    absent and are ignored when present, because the operator's pools come from the Nodes.
     """
-    inv = load_cluster(source)
-    return tuple(inv.links), dict(inv.devices)
+    return inventory_topology(source)
 
 
 Planner = Callable[[str, JobSpec, ClusterInventory, Plan | None], Plan]

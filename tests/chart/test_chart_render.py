@@ -187,3 +187,37 @@ def test_chart_monitoring_files_are_synced(src: str) -> None:
     copy = CHART / "files" / Path(src).name
     assert filecmp.cmp(ROOT / "monitoring" / src, copy, shallow=False), (
         f"{copy} differs from monitoring/{src}: run tools/sync-monitoring")
+
+
+def test_topology_configmap_feeds_the_operator(helm: Path, tmp_path: Path) -> None:
+    """operator.topology renders a cluster YAML the operator's own loader accepts, mounted + env."""
+    from hettrain.reconcile import load_topology
+
+    example = yaml.safe_load((ROOT / "examples" / "clusters" / "four-vendors-two-dcs.yaml")
+                             .read_text())
+    values = tmp_path / "topology.yaml"
+    values.write_text(yaml.safe_dump({"operator": {"topology": {"links": example["links"]}}}))
+    objs = render(helm, "-f", str(values))
+    (cm,) = [c for c in by_kind(objs, "ConfigMap") if c["metadata"]["name"].endswith("topology")]
+    links, devices = load_topology(yaml.safe_load(cm["data"]["cluster.yaml"]))
+    assert [(sorted((lk.a, lk.b)), lk.bandwidth_gbps) for lk in links] == [
+        (["eu-west", "us-east"], 100.0)] and devices == {}
+    pod = by_kind(objs, "Deployment")[0]["spec"]["template"]
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["HETTRAIN_CLUSTER_CONFIG"] == "/etc/hettrain/topology/cluster.yaml"
+    mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["topology"] == "/etc/hettrain/topology"
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert vols["topology"]["configMap"]["name"] == cm["metadata"]["name"]
+    assert "checksum/topology" in pod["metadata"]["annotations"]
+    plain = render(helm)
+    names = [o["metadata"]["name"] for o in by_kind(plain, "ConfigMap")]
+    assert not [n for n in names if n.endswith("topology")]
+    plain_pod = by_kind(plain, "Deployment")[0]["spec"]["template"]["spec"]
+    assert "HETTRAIN_CLUSTER_CONFIG" not in {e["name"] for e in plain_pod["containers"][0]["env"]}
+
+
+def test_schema_rejects_a_link_without_bandwidth(helm: Path) -> None:
+    out = helm_template(helm, "--set-json",
+                        'operator.topology.links=[{"between":["a","b"],"latencyMs":5}]')
+    assert out.returncode != 0 and "bandwidthGbps" in out.stderr

@@ -82,3 +82,10 @@ app.kubernetes.io/part-of: hettrain
   resources: ["kopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
 {{- end }}
+
+{{/* Non-empty when operator.topology has links or devices (the topology ConfigMap is rendered). */}}
+{{- define "hettrain-operator.hasTopology" -}}
+{{- with .Values.operator.topology -}}
+{{- if or .links .devices }}true{{ end -}}
+{{- end -}}
+{{- end }}

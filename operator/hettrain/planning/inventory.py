@@ -149,8 +149,8 @@ def node_name(pool: str, index: int) -> str:
     return f"{pool}-{index:03d}"
 
 
-def load_cluster(source: str | Path | Mapping[str, Any]) -> ClusterInventory:
-    """Read a cluster YAML (path or already-parsed dict) into a :class:`ClusterInventory`."""
+def _read_cluster_doc(source: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
+    """A cluster YAML document (path or already-parsed dict), checked for ``kind: Cluster``."""
     if isinstance(source, Mapping):
         doc: Any = source
     else:
@@ -164,6 +164,27 @@ def load_cluster(source: str | Path | Mapping[str, Any]) -> ClusterInventory:
             raise PlanningInputError(str(path), f"is not valid YAML: {exc}") from exc
     if not isinstance(doc, Mapping) or doc.get("kind") != c.CLUSTER_KIND:
         raise PlanningInputError("kind", f"a cluster file must have kind: {c.CLUSTER_KIND}")
+    return doc
+
+
+def load_topology(
+    source: str | Path | Mapping[str, Any],
+) -> tuple[tuple[Link, ...], dict[str, DeviceSpec]]:
+    """``links:`` and ``devices:`` of a cluster YAML; ``pools:`` may be absent (Nodes supply them).
+
+    What the operator reads from ``HETTRAIN_CLUSTER_CONFIG`` (the chart's ``operator.topology``).
+    When pools are present the whole file is validated as :func:`load_cluster` would.
+    """
+    doc = _read_cluster_doc(source)
+    if doc.get("pools"):
+        inv = load_cluster(doc)
+        return tuple(inv.links), dict(inv.devices)
+    return _links_from(doc.get("links"), "links"), _devices_from(doc.get("devices"), "devices")
+
+
+def load_cluster(source: str | Path | Mapping[str, Any]) -> ClusterInventory:
+    """Read a cluster YAML (path or already-parsed dict) into a :class:`ClusterInventory`."""
+    doc = _read_cluster_doc(source)
     devices = _devices_from(doc.get("devices"), "devices")
     dcs = {d["name"] for d in doc.get("datacenters") or [] if isinstance(d, Mapping)}
     pools = []
