@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -294,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run([str(ROOT / "e2e/cluster/down")],
                            env={**os.environ, "HETTRAIN_CLUSTER_DIR": str(state)},
                            check=False, capture_output=True)
+            shutil.rmtree(state.parent, ignore_errors=True)
     created = statistics.median(x[0] for x in launches)
     running = statistics.median(x[1] for x in launches)
     repaired = statistics.median(x[0] for x in repairs)
