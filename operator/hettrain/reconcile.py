@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -81,10 +81,36 @@ class Observed:
     now: float = field(default_factory=time.time)
     links: tuple[Link, ...] = ()
     devices: Mapping[str, DeviceSpec] = field(default_factory=dict)
+    held: Mapping[str, str] = field(default_factory=dict)  # node -> "ns/job" of ANOTHER job
 
     def inventory(self) -> ClusterInventory:
-        """The planner's inventory of the observed nodes with the topology config."""
-        return inventory_from_nodes(self.nodes, links=self.links, devices=self.devices)
+        """The planner's inventory of the observed nodes with the topology config, less the
+        nodes other jobs' gangs hold (:func:`nodes_held_by_others`)."""
+        inv = inventory_from_nodes(self.nodes, links=self.links, devices=self.devices)
+        if self.held:
+            inv = inv.without_nodes([n for n in inv.node_names() if n in self.held])
+        return inv
+
+
+def nodes_held_by_others(pods_by_job: Mapping[tuple[str, str], Sequence[Mapping[str, Any]]],
+                         job: tuple[str, str]) -> dict[str, str]:
+    """Nodes held by the live (not Succeeded/Failed) pods of every job but ``job``.
+
+    A gang pod takes its whole node (one pod per planned node), so a held node is out of the
+    inventory of every other job: two jobs never plan onto the same node. Returns
+    ``{node: "namespace/job"}``; pods without a node (bound or pinned) hold nothing.
+    """
+    held: dict[str, str] = {}
+    for key, pods in sorted(pods_by_job.items()):
+        if tuple(key) == tuple(job):
+            continue
+        for pod in pods:
+            if _pod_phase(pod) in ("Succeeded", "Failed"):
+                continue
+            node = _pod_node(pod)
+            if node is not None:
+                held.setdefault(node, f"{key[0]}/{key[1]}")
+    return held
 
 
 def load_topology(
@@ -193,19 +219,18 @@ def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
     except PlanningError as err:
         d.plan_seconds = time.perf_counter() - t0
         d.plan_failure = err.reason
-        if err.reason == c.REASON_INSUFFICIENT_CAPACITY:
-            b.phase(c.PHASE_PENDING)
-            b.cond(c.COND_PLANNED, False, err.reason, err.message)
-            d.status = b.patch
-            d.retry_after = CAPACITY_RETRY_SECONDS
-            d.events.append(Event("Warning", err.reason, err.message))
-            return d
-        b.cond(c.COND_PLANNED, False, err.reason, err.message)
-        return _fail(b, d, err.reason, err.message)
+        message = err.message + _held_note(obs.held)
+        if err.reason == c.REASON_INSUFFICIENT_CAPACITY or (obs.held and _fits_without_held(
+                job, spec, obs, planner, previous, exclude)):
+            return _wait_for_capacity(b, d, err.reason, message)
+        b.cond(c.COND_PLANNED, False, err.reason, message)
+        return _fail(b, d, err.reason, message)
     d.plan_seconds = time.perf_counter() - t0
     if plan.world_size < spec.failure_policy.min_gpus:
         msg = (f"plan uses {plan.world_size} GPUs, below spec.failurePolicy.minGPUs "
-               f"({spec.failure_policy.min_gpus})")
+               f"({spec.failure_policy.min_gpus})") + _held_note(obs.held)
+        if previous is None:  # never launched: capacity may still come (nodes joining, freed)
+            return _wait_for_capacity(b, d, c.REASON_INSUFFICIENT_CAPACITY, msg)
         b.cond(c.COND_PLANNED, False, c.REASON_INSUFFICIENT_CAPACITY, msg)
         return _fail(b, d, c.REASON_INSUFFICIENT_CAPACITY, msg)
     d.plan = plan
@@ -230,6 +255,37 @@ def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
     b.patch.setdefault("restarts", int(b.old.get("restarts") or 0))
     d.events.append(Event("Normal", c.REASON_PLAN_FOUND, msg))
     d.status = b.patch
+    return d
+
+
+def _held_note(held: Mapping[str, str]) -> str:
+    if not held:
+        return ""
+    jobs = sorted(set(held.values()))
+    shown = ", ".join(jobs[:3]) + (f" and {len(jobs) - 3} more" if len(jobs) > 3 else "")
+    return f" ({len(held)} nodes are held by other jobs: {shown})"
+
+
+def _fits_without_held(job: JobRef, spec: JobSpec, obs: Observed, planner: Planner,
+                       previous: Plan | None, exclude: Sequence[str]) -> bool:
+    """Would the job plan if the other jobs released their nodes? (Then it waits, not fails.)"""
+    inv = replace(obs, held={}).inventory()
+    if exclude:
+        inv = inv.without_nodes([n for n in exclude if n in inv.node_names()])
+    try:
+        planner(job.name, spec, inv, previous)
+    except PlanningError:
+        return False
+    return True
+
+
+def _wait_for_capacity(b: _Builder, d: Decision, reason: str, message: str) -> Decision:
+    """Pending with Planned=False and a retry: capacity may appear (nodes join or are freed)."""
+    b.phase(c.PHASE_PENDING)
+    b.cond(c.COND_PLANNED, False, reason, message)
+    d.status = b.patch
+    d.retry_after = CAPACITY_RETRY_SECONDS
+    d.events.append(Event("Warning", reason, message))
     return d
 
 

@@ -630,3 +630,38 @@ def test_ha_peering_only_the_leader_acts_and_the_standby_takes_over(
                             check=False)
         ctx.op = module_op
         module_op.start()  # also releases this test's jobs at teardown
+
+
+# ---------------------------------------------------------------- jobs competing for nodes
+
+
+def test_jobs_never_share_a_node_and_a_third_waits_for_capacity(ctx: Ctx) -> None:
+    """Two jobs of 2 nodes each fill a 4-node cluster on disjoint nodes; a third waits Pending
+    (naming the jobs holding the nodes) with zero pods, and launches once one is deleted."""
+    prefix = _prefix()
+    ctx.nodes(_pools(prefix))
+    pins = {"parallelism": {"tp": 8, "pp": 2, "dp": 1}}
+    ctx.create(_job("first", prefix, **pins))
+    ctx.create(_job("second", prefix, **pins))
+    _, first = ctx.wait_running("first")
+    _, second = ctx.wait_running("second")
+    nodes_first = {p.spec.node_name for p in first}
+    nodes_second = {p.spec.node_name for p in second}
+    assert len(nodes_first) == len(nodes_second) == 2 and nodes_first.isdisjoint(nodes_second)
+
+    ctx.create(_job("third", prefix, **pins))
+
+    def waiting() -> Any:
+        st = ctx.status("third")
+        cond = next((x for x in st.get("conditions") or () if x["type"] == c.COND_PLANNED), None)
+        return st if st.get("phase") == c.PHASE_PENDING and cond and cond["status"] == "False" \
+            else None
+    st = ctx.wait(waiting, 30, "third job Pending")
+    msg = next(x["message"] for x in st["conditions"] if x["type"] == c.COND_PLANNED)
+    assert "held by other jobs" in msg and f"{ctx.ns}/first" in msg, msg
+    assert ctx.pods("third") == []
+
+    ctx.custom.delete_namespaced_custom_object(c.GROUP, c.VERSION, ctx.ns, c.PLURAL, "first")
+    ctx.wait(lambda: not ctx.pods("first"), 60, "first job's pods gone")
+    _, third = ctx.wait_running("third", timeout=90)
+    assert {p.spec.node_name for p in third}.isdisjoint(nodes_second)

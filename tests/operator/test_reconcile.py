@@ -10,7 +10,7 @@ from optest_helpers import hetero_nodes, job_body
 
 from hettrain.api import constants as c
 from hettrain.api.status import get_condition
-from hettrain.reconcile import Decision, Observed, reconcile
+from hettrain.reconcile import Decision, Observed, nodes_held_by_others, reconcile
 
 
 @pytest.fixture
@@ -138,10 +138,66 @@ def test_invalid_spec_names_the_field():
     assert cond["message"].startswith("spec.training.microBatch")
 
 
-def test_min_gpus_blocks_shrinking_below_it(nodes):
+def test_min_gpus_at_first_launch_waits_for_capacity(nodes):
+    """Never launched: fewer GPUs than minGPUs parks the job Pending and retries (nodes may
+    still be joining), creating nothing."""
     body = job_body({"failurePolicy": {"minGPUs": 16}})
     d = reconcile(body, Observed([], nodes[:1], None, now=1.0))
-    assert d.status["phase"] == c.PHASE_FAILED and d.create == []
+    assert d.status["phase"] == c.PHASE_PENDING and d.create == [] and d.retry_after
+    cond = get_condition(d.status, c.COND_PLANNED)
+    assert cond["reason"] == c.REASON_INSUFFICIENT_CAPACITY and "minGPUs (16)" in cond["message"]
+    later = reconcile(body | {"status": d.status}, Observed([], nodes, None, now=20.0))
+    assert later.plan is not None and later.plan.world_size >= 16
+
+
+def test_min_gpus_blocks_shrinking_below_it():
+    nodes = hetero_nodes(0, 2)
+    body = job_body({"failurePolicy": {"minGPUs": 16, "debounceSeconds": 0, "maxRepairs": 5}})
+    d = reconcile(body, Observed([], nodes, None, now=0.0))
+    pods = _apply(body, d, [])
+    assert d.plan.world_size == 16
+    survivors = [n for n in nodes if n["metadata"]["name"] != d.plan.nodes()[-1]]
+    r = reconcile(body, Observed(pods, survivors, d.plan, now=10.0))
+    _apply(body, r, pods)
+    assert body["status"]["phase"] == c.PHASE_FAILED
+    assert not [o for o in r.create if o["kind"] == "Pod"]
+    assert "below spec.failurePolicy.minGPUs" in get_condition(
+        body["status"], c.COND_FAILED)["message"]
+
+
+def _pods_of(d: Decision) -> list[dict[str, Any]]:
+    return [copy.deepcopy(o) for o in d.create if o["kind"] == "Pod"]
+
+
+def test_nodes_held_by_another_job_are_not_planned_onto():
+    nodes = hetero_nodes(4, 4)
+    first = reconcile(job_body(), Observed([], nodes, None, now=1.0))
+    taken = set(first.plan.nodes())
+    held = nodes_held_by_others({("ns", "job1"): _pods_of(first)}, ("ns", "other"))
+    assert set(held) == taken and set(held.values()) == {"ns/job1"}
+    other = job_body()
+    other["metadata"]["name"] = "other"
+    second = reconcile(other, Observed([], nodes, None, now=1.0, held=held))
+    assert second.plan is not None and taken.isdisjoint(second.plan.nodes())
+    # the job's own pods never count against it; finished pods hold nothing
+    assert nodes_held_by_others({("ns", "job1"): _pods_of(first)}, ("ns", "job1")) == {}
+    done = _pods_of(first)
+    _run(done, "Succeeded")
+    assert nodes_held_by_others({("ns", "job1"): done}, ("ns", "other")) == {}
+
+
+def test_job_waits_pending_while_other_jobs_hold_the_capacity_it_needs():
+    nodes = hetero_nodes(2, 0)
+    first = reconcile(job_body(), Observed([], nodes, None, now=1.0))
+    held = nodes_held_by_others({("ns", "job1"): _pods_of(first)}, ("ns", "other"))
+    other = job_body({"failurePolicy": {"minGPUs": 16}})
+    other["metadata"]["name"] = "other"
+    d = reconcile(other, Observed([], nodes, None, now=1.0, held=held))
+    assert d.status["phase"] == c.PHASE_PENDING and d.create == [] and d.retry_after
+    msg = get_condition(d.status, c.COND_PLANNED)["message"]
+    assert "held by other jobs: ns/job1" in msg
+    freed = reconcile(other | {"status": d.status}, Observed([], nodes, None, now=30.0))
+    assert freed.plan is not None
 
 
 def test_suspend_deletes_pods_and_resume_relaunches(nodes):

@@ -18,6 +18,7 @@ import asyncio
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -31,7 +32,13 @@ from hettrain.kube import apply as kube
 from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.inventory import Link
 from hettrain.planning.plan import Plan
-from hettrain.reconcile import Decision, Observed, load_topology, reconcile
+from hettrain.reconcile import (
+    Decision,
+    Observed,
+    load_topology,
+    nodes_held_by_others,
+    reconcile,
+)
 
 log = logging.getLogger("hettrain.operator")
 JOB = (c.GROUP, c.VERSION, c.PLURAL)
@@ -45,6 +52,9 @@ _generations: dict[tuple[str, str], int] = {}  # last seen metadata.generation p
 # time, {name: pod}). Without this, the next pass would see a "missing" part of the gang and
 # create it again (harmless 409s, but a second full pass of API calls during the launch).
 _expected: dict[tuple[str, str], tuple[int, float, dict[str, dict[str, Any]]]] = {}
+# Launches (a new plan's pods) are decided-again and applied one at a time, against the nodes
+# every other job holds at that moment, so two jobs planned at once never take the same node.
+_launch_lock = threading.Lock()
 EXPECTATION_TTL_SECONDS = 30.0
 _api: Any = None
 _links: tuple[Link, ...] = ()
@@ -240,19 +250,37 @@ def reconcile_once(ns: str, name: str, pods_by_job: Any, nodes_by_name: Any
     nodes = [n for store in nodes_by_name.values() for n in store]
     obs = Observed(pods=pods, nodes=nodes, plan=_current_plan(ns, name, status),
                    links=_links, devices=_devices)
+    obs = replace(obs, held=_held_by_others(ns, name, pods_by_job))
     t1 = time.perf_counter()
     d = reconcile(body, obs)
     if d.plan_failure:
         # Never fail or park a job on a lagging watch cache: re-plan once on a fresh LIST.
         d = reconcile(body, replace(obs, nodes=kube.list_nodes(_api)))
-    t2 = time.perf_counter()
-    _apply(ns, name, d, status.get("phase"))
+    if d.plan is None:
+        t2 = time.perf_counter()
+        _apply(ns, name, d, status.get("phase"))
+    else:
+        with _launch_lock:  # another job may have launched onto these nodes meanwhile
+            held = _held_by_others(ns, name, pods_by_job)
+            if not set(d.plan.nodes()).isdisjoint(held):
+                d = reconcile(body, replace(obs, held=held))
+            t2 = time.perf_counter()
+            _apply(ns, name, d, status.get("phase"))
     if d.create or d.delete:
         log.info("%s/%s: read %.0f ms, decide %.0f ms (plan %.0f ms), apply %.0f ms: "
                  "%d created, %d deleted", ns, name, 1e3 * (t1 - t0), 1e3 * (t2 - t1),
                  1e3 * (d.plan_seconds or 0), 1e3 * (time.perf_counter() - t2),
                  len(d.create), len(d.delete))
     return body, d
+
+
+def _held_by_others(ns: str, name: str, pods_by_job: Any) -> dict[str, str]:
+    """Nodes other jobs' live pods hold: the index plus pods just created but not indexed yet."""
+    pods: dict[tuple[str, str], list[Any]] = {key: list(store)
+                                              for key, store in pods_by_job.items()}
+    for key, (_, _, created) in list(_expected.items()):
+        pods.setdefault(key, []).extend(created.values())
+    return nodes_held_by_others(pods, (ns, name))
 
 
 def _post_events(body: Mapping[str, Any], d: Decision) -> None:
