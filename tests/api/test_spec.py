@@ -105,6 +105,8 @@ def test_explicit_model_without_preset() -> None:
                      id="repair-mode"),
         pytest.param(with_("crossDC.outerMomentum", 1.5), "spec.crossDC.outerMomentum",
                      "[0, 1)", id="momentum"),
+        pytest.param(with_("crossDC", {"mode": "compress", "compression": "none"}),
+                     "spec.crossDC.compression", "compresses nothing", id="compress-none"),
         pytest.param(with_("suspend", "yes"), "spec.suspend", "true or false", id="suspend"),
         pytest.param(with_("model", []), "spec.model", "mapping", id="model-not-mapping"),
     ],

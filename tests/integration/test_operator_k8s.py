@@ -495,6 +495,7 @@ BAD_SPECS: list[tuple[dict[str, Any], str]] = [
     ({"parallelism": {"schedule": "gpipe"}}, "spec.parallelism.schedule"),
     ({"crossDC": {"mode": "async"}}, "spec.crossDC.mode"),
     ({"crossDC": {"compression": "fp4"}}, "spec.crossDC.compression"),
+    ({"crossDC": {"mode": "compress", "compression": "none"}}, "spec.crossDC.compression"),
     ({"crossDC": {"outerMomentum": 1.0}}, "spec.crossDC.outerMomentum"),
     ({"crossDC": {"outerSteps": 0}}, "spec.crossDC.outerSteps"),
     ({"checkpoint": {"uri": "/a", "pvc": "b"}}, "spec.checkpoint"),

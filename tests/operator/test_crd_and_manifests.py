@@ -83,7 +83,8 @@ def test_every_parser_field_is_in_the_crd():
         assert camel(f) in spec or f == "cross_dc", f"spec.{camel(f)} missing from the CRD"
     enums = {("training", "precision"): S.PRECISIONS, ("training", "recompute"):
              S.RECOMPUTE_MODES, ("parallelism", "schedule"): S.SCHEDULES,
-             ("crossDC", "mode"): S.CROSS_DC_MODES, ("failurePolicy", "mode"): S.REPAIR_MODES}
+             ("crossDC", "mode"): S.CROSS_DC_MODES, ("crossDC", "compression"): S.COMPRESSIONS,
+             ("failurePolicy", "mode"): S.REPAIR_MODES}
     for (sec, prop), values in enums.items():
         assert tuple(spec[sec]["properties"][prop]["enum"]) == values
     assert tuple(spec["model"]["properties"]["preset"]["enum"]) == tuple(S.MODEL_PRESETS)

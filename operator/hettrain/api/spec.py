@@ -19,7 +19,7 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE_MODES = ("none", "selective", "full")
 SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1")
 CROSS_DC_MODES = ("sync", "compress", "diloco")
-COMPRESSIONS = ("bf16", "int8")
+COMPRESSIONS = ("none", "bf16", "int8")
 REPAIR_MODES = ("Shrink", "WaitForReplacement")
 
 
@@ -369,6 +369,9 @@ def _parse_cross_dc(f: _Fields) -> CrossDCSpec:
         outer_momentum=f.float_("outerMomentum", 0.9),
     )
     f.reject_unknown()
+    if c.mode == "compress" and c.compression == "none":
+        raise SpecError(f"{f.path}.compression", "none compresses nothing: use mode sync, or "
+                        "compression bf16|int8 with mode compress")
     if not 0.0 <= c.outer_momentum < 1.0:
         raise SpecError(f"{f.path}.outerMomentum", f"must be in [0, 1) (got {c.outer_momentum})")
     return c

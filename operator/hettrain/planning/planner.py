@@ -143,8 +143,9 @@ def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
                key=lambda lk: lk.gbytes)
     cross = 2 * (k - 1) / k  # bytes crossing per byte of one DC's gradient
     mode = spec.cross_dc
-    shrink = {"sync": 1.0, "compress": 0.5 if mode.compression == "bf16" else 0.25,
-              "diloco": 1.0 / max(1, mode.outer_steps)}[mode.mode]
+    codec = {"none": 1.0, "bf16": 0.5, "int8": 0.25}[mode.compression]  # bytes vs fp32
+    shrink = {"sync": 1.0, "compress": codec,
+              "diloco": codec / max(1, mode.outer_steps)}[mode.mode]
     # every TP rank's shard owners share the link: tp·(1/tp of the grads) = the whole stage
     per_byte_inter = cross * shrink * tp / (link.gbytes * 1e9)
     lat = 2 * (local - 1) * cost.COLLECTIVE_LATENCY_S + 2 * (k - 1) * link.latency_ms / 1e3
