@@ -9,7 +9,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help venv lint test test-unit test-integration demo plan-examples bench clean
+.PHONY: help venv lint test test-unit test-integration test-e2e demo plan-examples bench clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -29,13 +29,17 @@ lint: $(STAMP)  ## ruff + import-linter contracts (pure core stays pure)
 	$(VENV)/bin/ruff check operator tests e2e bench
 	$(VENV)/bin/lint-imports
 
-# tests/integration (operator on the real control plane) is work in progress: it does not pass
-# yet and can hang (see issue #4), so CI runs it only when asked: make test-integration.
-test: lint  ## lint, then every test (unit, multi-process runtime, real control plane)
-	$(PY) -m pytest --ignore=tests/integration $(PYTEST_ARGS)
+# One pytest session: the local control plane (e2e/cluster, built once into ~/.cache/hettrain)
+# starts once and serves tests/ (unit, multi-process runtime, operator integration, chart,
+# monitoring, demo) and e2e/tests (chart RBAC, examples, 1000-node scale test).
+test: lint  ## lint, then every test (unit, multi-process runtime, real control plane, e2e)
+	$(PY) -m pytest tests e2e/tests $(PYTEST_ARGS)
 
-test-integration: $(STAMP)  ## the operator's integration suite on the real control plane (WIP)
+test-integration: $(STAMP)  ## only the operator's integration suite on the real control plane
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+test-e2e: $(STAMP)  ## only the e2e suite (KUBECONFIG=... to run it against your own cluster)
+	$(PY) -m pytest e2e/tests $(PYTEST_ARGS)
 
 test-unit: $(STAMP)  ## tests that need no control plane
 	$(PY) -m pytest -m 'not k8s' $(PYTEST_ARGS)
@@ -53,8 +57,11 @@ demo: $(STAMP)  ## the embedded demo: local control plane, operator, plan, CPU t
 	e2e/cluster/build >/dev/null
 	$(VENV)/bin/hettrain demo $(DEMO_ARGS)
 
-bench: $(STAMP)  ## run the benchmarks (ratios, medians of repeats)
+bench: $(STAMP)  ## run the benchmarks (ratios, medians of repeats; collectives needs root for netns)
 	$(PY) bench/plan_scale.py
+	$(PY) bench/simulate.py
+	$(PY) bench/operator_latency.py
+	$(PY) bench/runtime.py
 	$(PY) bench/collectives.py
 
 clean:
