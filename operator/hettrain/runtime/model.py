@@ -4,6 +4,12 @@ Initialisation is seeded per global layer index (``seed * 1000 + layer``; embedd
 have their own seeds), so a model built in slices holds exactly the weights of the whole model.
 Parameter names use GLOBAL layer indices (``layers.7.attn.q.weight``), which is what lets a
 checkpoint be resharded onto a different pipeline layout.
+
+Every projection is a :class:`Linear` whose weight gradient can be DEFERRED for ZB-H1: inside
+``with defer_weight_grads() as store`` a backward computes only input gradients (and the small
+LayerNorm/embedding gradients) and stashes ``(input, grad_output)`` per linear; ``store.flush()``
+later adds ``grad_outputᵀ · input`` to each weight's ``.grad`` (the ``W`` pass). Outside the
+context the backward is the ordinary one.
 """
 
 from __future__ import annotations
@@ -21,6 +27,69 @@ EMBED_SEED_OFFSET = 997
 HEAD_SEED_OFFSET = 998
 
 
+class WeightGradStore:
+    """Deferred weight-gradient work of one backward: ``(weight, input, grad_output)`` items."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
+
+    def flush(self) -> None:
+        """Run the W pass: accumulate every stashed ``grad_outputᵀ · input`` into ``.grad``."""
+        with torch.no_grad():
+            for weight, x, g in self.items:
+                gw = g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+                if weight.grad is None:
+                    weight.grad = gw
+                else:
+                    weight.grad.add_(gw)
+        self.items.clear()
+
+
+_STORE: list[WeightGradStore] = []  # innermost active deferral context last
+
+
+class defer_weight_grads:
+    """Context in which :class:`Linear` backwards stash their weight gradient in a new
+    :class:`WeightGradStore` (returned by ``__enter__``) instead of computing it."""
+
+    def __enter__(self) -> WeightGradStore:
+        self.store = WeightGradStore()
+        _STORE.append(self.store)
+        return self.store
+
+    def __exit__(self, *exc) -> None:
+        _STORE.remove(self.store)
+
+
+class _SplitLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        gx = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:
+            return gx, None
+        if _STORE:
+            _STORE[-1].items.append((weight, x.detach(), grad.detach()))
+            return gx, None
+        return gx, grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+
+
+class Linear(nn.Linear):
+    """Bias-free ``nn.Linear`` (same parameters and init) whose weight gradient can be
+    deferred to a W pass (:func:`defer_weight_grads`)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SplitLinear.apply(x, self.weight)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal attention with optional grouped-query (``kv_heads < heads``)."""
 
@@ -30,9 +99,9 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"model: hidden ({spec.hidden}) must divide by heads ({spec.heads})"
                              f" and heads by kv_heads ({spec.kv_heads})")
         self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, spec.head_dim
-        self.q = nn.Linear(spec.hidden, spec.hidden, bias=False)
-        self.kv = nn.Linear(spec.hidden, 2 * spec.kv_heads * spec.head_dim, bias=False)
-        self.o = nn.Linear(spec.hidden, spec.hidden, bias=False)
+        self.q = Linear(spec.hidden, spec.hidden)
+        self.kv = Linear(spec.hidden, 2 * spec.kv_heads * spec.head_dim)
+        self.o = Linear(spec.hidden, spec.hidden)
         self.tp_group = None  # set by tensor_parallel.shard_stage_ (heads are then local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,10 +124,10 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.gated = spec.gated_mlp
-        self.up = nn.Linear(spec.hidden, spec.ffn_hidden, bias=False)
+        self.up = Linear(spec.hidden, spec.ffn_hidden)
         if self.gated:
-            self.gate = nn.Linear(spec.hidden, spec.ffn_hidden, bias=False)
-        self.down = nn.Linear(spec.ffn_hidden, spec.hidden, bias=False)
+            self.gate = Linear(spec.hidden, spec.ffn_hidden)
+        self.down = Linear(spec.ffn_hidden, spec.hidden)
         self.tp_group = None  # set by tensor_parallel.shard_stage_ (ffn columns are then local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +187,7 @@ class Head(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.ln_f = nn.LayerNorm(spec.hidden)
-        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        self.lm_head = Linear(spec.hidden, spec.vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))

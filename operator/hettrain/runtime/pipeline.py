@@ -1,14 +1,16 @@
-"""Pipeline schedules for one stage of one replica: 1F1B (warm-up / steady / cool-down) and
-GPipe (all forwards, then all backwards).
+"""Pipeline execution for one stage of one replica: 1F1B, GPipe and ZB-H1 (split backward),
+following the per-stage action lists of :mod:`hettrain.runtime.schedules`.
 
-The planner may also choose ``interleaved`` (virtual stages) or ``zb-h1`` (split backward);
-this runtime does NOT implement them: such plans execute 1F1B on the same contiguous layer
-ranges (same numerics, a larger bubble than the plan predicted). :func:`executed_schedule`
+For ZB-H1 a ``B`` runs the backward inside :func:`~hettrain.runtime.model.defer_weight_grads`
+(input gradients only; sent upstream at once) and the matching ``W`` later runs the stashed
+linear weight gradients. The planner may also choose ``interleaved`` (virtual stages); this
+runtime does NOT implement it: such plans execute 1F1B on the same contiguous layer ranges
+(same numerics, a larger bubble than the plan predicted). :func:`executed_schedule`
 says which one runs; the trainer logs it and exports it as the ``schedule`` label of
 ``hettrain_runtime_schedule_info``.
 
 Activations go forward and gradients backward with non-blocking sends (``dist.isend``) and
-blocking receives, which is deadlock-free for both schedules: a receive only waits for work its
+blocking receives, which is deadlock-free for every schedule: a receive only waits for work its
 peer has already been scheduled to do. Traffic is accounted in the communicator's ``stats``.
 """
 
@@ -23,10 +25,15 @@ import torch.distributed as dist
 
 from hettrain.planning.plan import Plan
 from hettrain.runtime.collectives import Tier, peer_rank
-from hettrain.runtime.model import lm_loss
+from hettrain.runtime.model import WeightGradStore, defer_weight_grads, lm_loss
+from hettrain.runtime.schedules import (  # noqa: F401 (re-exported)
+    SCHEDULES,
+    schedule_order,
+    stage_actions,
+    warmup_count,
+)
 
-SCHEDULES = ("1f1b", "gpipe")
-FALLBACK = {"interleaved": "1f1b", "zb-h1": "1f1b"}  # planned but not implemented here
+FALLBACK = {"interleaved": "1f1b"}  # planned but not implemented here
 
 
 def executed_schedule(planned: str) -> str:
@@ -37,24 +44,6 @@ def executed_schedule(planned: str) -> str:
         return FALLBACK[planned]
     raise ValueError(f"plan.schedule={planned!r}: must be one of "
                      f"{SCHEDULES + tuple(FALLBACK)}")
-
-
-def warmup_count(schedule: str, stage: int, pp: int, num_microbatches: int) -> int:
-    """Forwards a stage runs before its first backward."""
-    if schedule == "gpipe":
-        return num_microbatches
-    if schedule == "1f1b":
-        return min(pp - stage - 1, num_microbatches)
-    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-
-
-def schedule_order(schedule: str, stage: int, pp: int, m: int) -> list[tuple[str, int]]:
-    """The ordered list of ``("F"|"B", microbatch)`` a stage executes in one step."""
-    warm = warmup_count(schedule, stage, pp, m)
-    order = [("F", i) for i in range(warm)]
-    for i in range(m - warm):
-        order += [("F", warm + i), ("B", i)]
-    return order + [("B", i) for i in range(m - warm, m)]
 
 
 def send_peers(plan: Plan, rank: int, to_stage: int) -> list[int]:
@@ -148,6 +137,8 @@ class StageRunner:
         spec = self.plan.model
         act_shape = (batches[0][0].shape[0], batches[0][0].shape[1], spec.hidden)
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        deferred: dict[int, WeightGradStore] = {}
+        split = self.schedule == "zb-h1"
         total = 0.0
         self._expect(self.prev_peer, m, act_shape)  # activations, in forward order
         self._expect(self.next_peer, m, act_shape)  # gradients, in backward order
@@ -171,16 +162,22 @@ class StageRunner:
 
         def backward(i: int) -> None:
             x_in, out = saved.pop(i)
-            if self.last:
-                out.backward()
+            grad = None if self.last else self._recv(out.shape, self.next_peer)
+            if split:  # B: input gradients now, the linear weight gradients in W
+                with defer_weight_grads() as deferred[i]:
+                    out.backward(grad)
             else:
-                out.backward(self._recv(out.shape, self.next_peer))
+                out.backward(grad)
             if x_in is not None:
                 for peer in self.prev_sends:
                     self._send(x_in.grad, peer)
 
-        ops: dict[str, Callable[[int], None]] = {"F": forward, "B": backward}
-        for kind, i in schedule_order(self.schedule, self.stage, self.pp, m):
+        def weights(i: int) -> None:
+            if split:
+                deferred.pop(i).flush()
+
+        ops: dict[str, Callable[[int], None]] = {"F": forward, "B": backward, "W": weights}
+        for kind, i in stage_actions(self.schedule, self.stage, self.pp, m):
             ops[kind](i)
         for work, _ in self._pending:
             work.wait()

@@ -1,0 +1,104 @@
+"""Pipeline schedules as pure per-stage action lists (no torch): which of ``F`` (forward),
+``B`` (backward) and ``W`` (weight-gradient pass) a stage runs for which microbatch, in order.
+
+* ``gpipe``: every forward, then every backward.
+* ``1f1b``: ``pp - stage - 1`` warm-up forwards, then alternating F/B, then the cool-down B's.
+* ``zb-h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR'24): the backward is split
+  into ``B`` (gradient w.r.t. the stage input -- on the critical path, sent upstream at once)
+  and ``W`` (gradients w.r.t. the linear weights -- off the critical path). Same warm-up as
+  1F1B; in steady state stage ``s`` runs its ``W`` ``s`` microbatches late, so the later
+  stages -- which in 1F1B finish early and idle in the tail -- fill that tail with pending
+  W's (a stage runs W's in its cool-down between B's, and flushes the rest at the end).
+  Stage ``s`` then holds at most ``pp - s`` full activation sets (F done, B not: the 1F1B
+  bound) and at most ``min(pp, m)`` microbatches whose weight gradient is pending (F done, W
+  not), which is stage 0's 1F1B peak: the pipeline's peak activation memory is 1F1B's.
+
+For ``1f1b``/``gpipe`` every ``B`` is immediately followed by its ``W``; the runtime runs that
+pair as one ordinary backward. :func:`simulate` replays action lists with per-action costs
+(dependencies: F_s(m) after F_{s-1}(m); B_s(m) after B_{s+1}(m) and F_s(m); W_s(m) after
+B_s(m)) and returns the step's makespan, which is how the tests check that ZB-H1 fills the
+1F1B bubble.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+SCHEDULES = ("1f1b", "gpipe", "zb-h1")
+
+Action = tuple[str, int]  # ("F" | "B" | "W", microbatch)
+
+
+def _check(schedule: str, stage: int, pp: int, m: int) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if pp < 1 or not 0 <= stage < pp:
+        raise ValueError(f"stage={stage} must lie in [0, pp={pp})")
+    if m < 1:
+        raise ValueError(f"num_microbatches={m}: must be >= 1")
+
+
+def warmup_count(schedule: str, stage: int, pp: int, num_microbatches: int) -> int:
+    """Forwards a stage runs before its first backward."""
+    _check(schedule, stage, pp, num_microbatches)
+    if schedule == "gpipe":
+        return num_microbatches
+    return min(pp - stage - 1, num_microbatches)
+
+
+def stage_actions(schedule: str, stage: int, pp: int, m: int) -> list[Action]:
+    """The ordered ``(kind, microbatch)`` actions of ``stage`` for one step of ``m`` microbatches.
+
+    Every microbatch gets exactly one F, one B and one W, and B's run in microbatch order.
+    """
+    warm = warmup_count(schedule, stage, pp, m)
+    delay = stage if schedule == "zb-h1" else 0
+    out: list[Action] = [("F", i) for i in range(warm)]
+    pending: list[int] = []  # microbatches whose B ran and W did not
+
+    def backward(i: int, keep: int) -> None:
+        out.append(("B", i))
+        pending.append(i)
+        while len(pending) > keep:
+            out.append(("W", pending.pop(0)))
+
+    for k in range(m - warm):  # steady state: one F, one B, W's ``delay`` microbatches late
+        out.append(("F", warm + k))
+        backward(k, delay)
+    for k in range(m - warm, m):  # cool-down: a pending W after each B fills the wait
+        backward(k, delay)
+    out += [("W", i) for i in pending]
+    return out
+
+
+def schedule_order(schedule: str, stage: int, pp: int, m: int) -> list[tuple[str, int]]:
+    """``("F"|"B", microbatch)`` order of a stage with each B+W pair as one backward ``B``
+    (the 1F1B / GPipe view; for ``zb-h1`` use :func:`stage_actions`)."""
+    return [a for a in stage_actions(schedule, stage, pp, m) if a[0] != "W"]
+
+
+def simulate(actions: Sequence[Sequence[Action]], cost: dict[str, float]) -> float:
+    """Makespan of per-stage action lists, each action taking ``cost[kind]`` and starting when
+    its stage is free and its cross-stage dependencies are done. Raises on a deadlock."""
+    pp = len(actions)
+    done: dict[tuple[str, int, int], float] = {}
+    pos, free = [0] * pp, [0.0] * pp
+    remaining = sum(len(a) for a in actions)
+    while remaining:
+        progressed = False
+        for s in range(pp):
+            while pos[s] < len(actions[s]):
+                kind, i = actions[s][pos[s]]
+                deps = {"F": [("F", s - 1, i)] if s else [],
+                        "B": [("F", s, i)] + ([("B", s + 1, i)] if s < pp - 1 else []),
+                        "W": [("B", s, i)]}[kind]
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[s]] + [done[d] for d in deps])
+                free[s] = done[(kind, s, i)] = start + cost[kind]
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule deadlocks at positions {pos}")
+    return max(free)
