@@ -16,7 +16,7 @@ CASES = [(1, 4), (2, 4), (3, 4), (4, 3), (3, 8), (4, 8), (8, 16), (5, 1)]
 @pytest.mark.parametrize("pp,m", CASES)
 def test_every_microbatch_gets_one_f_b_w_in_dependency_order(schedule, pp, m):
     every = [stage_actions(schedule, s, pp, m) for s in range(pp)]
-    for s, acts in enumerate(every):
+    for acts in every:
         assert sorted(acts) == sorted((k, i) for k in "FBW" for i in range(m))
         pos = {a: n for n, a in enumerate(acts)}
         assert all(pos[("F", i)] < pos[("B", i)] < pos[("W", i)] for i in range(m))
