@@ -104,6 +104,8 @@ class _Search:
         self.near: list[Candidate] = []  # within REPLAN_TOLERANCE of the best (for re-plans)
         self.memory_shortfall: tuple[float, str] | None = None  # (GiB needed, device)
         self.evaluated = 0
+        self.max_gpus = spec.placement.max_gpus  # spec.placement.maxGPUs: a hard cap
+        self.over_max_gpus = 0  # layouts skipped for using more GPUs than that
         self.stage_memo: dict[tuple, tuple[StageCost, tuple[cost.StageMemory, float]]] = {}
         self.boundary_memo: dict[tuple, float] = {}
 
@@ -335,6 +337,9 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
     model = spec.model
     m = spec.training.global_batch // (dp * mb)
     pp = len(units)
+    if search.max_gpus is not None and dp * sum(tps) > search.max_gpus:
+        search.over_max_gpus += 1  # exact: only removes layouts, every bound stays valid
+        return
     v = INTERLEAVE_CHUNKS if schedule == "interleaved" else 1
     if schedule == "interleaved" and (pp < 2 or m % pp or model.layers < pp * v):
         return
@@ -762,6 +767,13 @@ def step_time_for_split(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
 
 def _explain_failure(spec: JobSpec, pools: Sequence, searches: Sequence[_Search]) -> PlanningError:
     gb = spec.training.global_batch
+    capped = sum(s.over_max_gpus for s in searches)
+    if capped and spec.placement.max_gpus is not None:
+        return no_plan(
+            f"no feasible layout within spec.placement.maxGPUs={spec.placement.max_gpus} "
+            f"({capped} layouts needed more GPUs); raise maxGPUs or pin a smaller "
+            "spec.parallelism"
+        )
     shortfall = min((s.memory_shortfall for s in searches if s.memory_shortfall),
                     default=None)
     if shortfall is not None:
