@@ -21,7 +21,11 @@ stages (pp=2, dp=2, 3+1). Each runtime step time is the median over steps after 
 configuration is repeated (interleaved with its baselines) and the median of the repeats
 reported. The 4-rank layout oversubscribes 2 cores, so its ratio includes contention.
 
-    .venv/bin/python bench/runtime.py [--repeats 3] [--steps 12] [--ab-recv-ahead]
+With ``--zb``: 1F1B vs ZB-H1 on the same pp=2 layouts (runs alternated, median of repeats),
+and the plain loop with the runtime's deferrable ``Linear`` vs torch's ``nn.Linear`` (the cost
+of the custom autograd function every schedule now pays).
+
+    .venv/bin/python bench/runtime.py [--repeats 3] [--steps 12] [--ab-recv-ahead] [--zb]
 """
 
 from __future__ import annotations
@@ -42,18 +46,32 @@ from tests.runtime.training.plans import TINY, tiny_plan  # noqa: E402
 
 from hettrain.runtime.data import microbatches  # noqa: E402
 from hettrain.runtime.launch import launch_local, wait_all  # noqa: E402
-from hettrain.runtime.model import lm_loss, whole_model  # noqa: E402
+from hettrain.runtime.model import Linear, lm_loss, whole_model  # noqa: E402
 from hettrain.runtime.trainer import make_optimizer  # noqa: E402
 
 WARMUP = 3
 
 
-def plain_loop(plan, steps: int, micro_batch: int | None = None) -> tuple[float, float]:
+def _torch_linears(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every deferrable ``Linear`` swapped for a plain ``nn.Linear``."""
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, Linear):
+            plain = torch.nn.Linear(mod.in_features, mod.out_features, bias=False)
+            plain.weight = mod.weight
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, plain)
+    return model
+
+
+def plain_loop(plan, steps: int, micro_batch: int | None = None,
+               torch_linear: bool = False) -> tuple[float, float]:
     """Median (wall, CPU) seconds per step of a bare torch loop over the same global batches,
     in microbatches of ``micro_batch`` sequences (default: the whole global batch at once)."""
     torch.set_num_threads(1)
     t = plan.training
     model = whole_model(plan.model, t.seed)
+    if torch_linear:
+        model = _torch_linears(model)
     opt = make_optimizer(model, t.learning_rate)
     mb = micro_batch or plan.global_batch
     m = plan.global_batch // mb
@@ -93,10 +111,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--zb", action="store_true",
+                    help="only the 1F1B vs ZB-H1 and Linear vs nn.Linear comparisons")
     ap.add_argument("--ab-recv-ahead", action="store_true",
                     help="also run the pp2 layouts with HETTRAIN_RECV_AHEAD=0")
     a = ap.parse_args()
     model = TINY
+    if a.zb:
+        zb_vs_1f1b(a.repeats, a.steps)
+        return
     layouts = {
         "1 rank (pp1 dp1)": tiny_plan([(0, 4, "pool-a")], dp=1, steps=a.steps,
                                       num_microbatches=8, model=model),
@@ -126,6 +149,38 @@ def main() -> None:
         cm, cr = (1e3 * statistics.median(c for _, c in x) for x in (same, rt))
         print(f"{name:40} {b:9.0f} {m:9.0f} {r:8.0f} {r / m:7.2f} {r / b:7.2f} | "
               f"{cm:8.1f} {cr:8.1f} {cr / cm:7.2f}")
+
+
+def zb_vs_1f1b(repeats: int, steps: int) -> None:
+    """Print 1F1B vs ZB-H1 (same layout, runs alternated) and Linear vs nn.Linear."""
+    splits = {"pp2 dp1, 2+2": [(0, 2, "pool-a"), (2, 4, "pool-b")],
+              "pp2 dp1, 3+1": [(0, 3, "pool-a"), (3, 4, "pool-b")]}
+    tokens = 16 * TINY.seq_len
+    print(f"median of {repeats}; {steps} steps; 8 microbatches of 2; ms/step (wall, rank 0) "
+          "and CPU ms/step (summed over ranks)")
+    print(f"{'layout':20} {'1f1b ms':>8} {'zb-h1 ms':>9} {'zb/1f1b':>8} | "
+          f"{'1f1b CPU':>9} {'zb CPU':>8} {'zb/1f1b':>8}")
+    for name, split in splits.items():
+        res: dict[str, list[tuple[float, float]]] = {"1f1b": [], "zb-h1": []}
+        for _ in range(repeats):
+            for sched in res:
+                res[sched].append(runtime(tiny_plan(split, dp=1, steps=steps,
+                                                    num_microbatches=8, schedule=sched),
+                                          steps))
+        w1, wz = (1e3 * statistics.median(w for w, _ in res[k]) for k in res)
+        c1, cz = (1e3 * statistics.median(c for _, c in res[k]) for k in res)
+        print(f"{name:20} {w1:8.1f} {wz:9.1f} {wz / w1:8.2f} | {c1:9.1f} {cz:8.1f} "
+              f"{cz / c1:8.2f}")
+    plan = tiny_plan([(0, 4, "pool-a")], dp=1, steps=steps, num_microbatches=8)
+    ours, theirs = [], []
+    for _ in range(repeats):
+        ours.append(plain_loop(plan, steps, plan.micro_batch))
+        theirs.append(plain_loop(plan, steps, plan.micro_batch, torch_linear=True))
+    o, t = (1e3 * statistics.median(w for w, _ in x) for x in (ours, theirs))
+    oc, tc = (1e3 * statistics.median(c for _, c in x) for x in (ours, theirs))
+    print(f"plain loop, 8 mb: hettrain Linear {o:.1f} ms ({oc:.1f} CPU) vs nn.Linear "
+          f"{t:.1f} ms ({tc:.1f} CPU): {o / t:.2f}x wall, {oc / tc:.2f}x CPU; "
+          f"{tokens} tokens/step")
 
 
 if __name__ == "__main__":
