@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "integration"), str(ROOT / "operator"), str(ROOT)]
 
 from e2e.cluster import kwoknodes  # noqa: E402
+from e2e.cluster.pytest_plugin import wait_for  # noqa: E402
 from kubernetes import client as k8s  # noqa: E402
 from opproc import CRD, OperatorProcess  # noqa: E402
 
@@ -138,14 +139,10 @@ class Bench:
             c.GROUP, c.VERSION, ns, c.PLURAL, name).get("status") or {}
 
     def wait(self, pred: Any, timeout: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            out = pred()
-            if out:
-                return out
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} after {timeout:.0f}s\n{self.op.tail()}")
-            time.sleep(0.1)
+        try:
+            return wait_for(pred, timeout, 0.1, what)
+        except TimeoutError as err:
+            raise TimeoutError(f"{err}\n{self.op.tail()}") from err
 
     def namespace(self) -> str:
         name = f"bench-{uuid.uuid4().hex[:6]}"

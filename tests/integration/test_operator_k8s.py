@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from e2e.cluster import kwoknodes
-from e2e.cluster.pytest_plugin import K8sCluster, exists
+from e2e.cluster.pytest_plugin import K8sCluster, exists, wait_for
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 from opproc import CRD, ROOT, OperatorProcess, http_get
@@ -59,17 +59,12 @@ class Ctx:
 
     def wait(self, predicate: Callable[[], Any], timeout: float, what: str,
              interval: float = 0.1) -> Any:
-        """Poll until truthy; on timeout fail with the operator's log tail."""
-        deadline = time.monotonic() + timeout
-        while True:
-            result = predicate()
-            if result:
-                return result
-            if time.monotonic() > deadline:
-                pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n"
-                            f"--- cluster ---\n{self.snapshot()}\n"
-                            f"--- operator log tail ---\n{self.op.tail()}", pytrace=False)
-            time.sleep(interval)
+        """Poll until truthy; on timeout fail with the cluster state and the operator's log."""
+        try:
+            return wait_for(predicate, timeout, interval, what)
+        except TimeoutError as err:
+            pytest.fail(f"{err}\n--- cluster ---\n{self.snapshot()}\n"
+                        f"--- operator log tail ---\n{self.op.tail()}", pytrace=False)
 
     def snapshot(self) -> str:
         """Jobs (phase, attempt, repairs, conditions) and pods of the namespace, for failures."""
