@@ -6,12 +6,14 @@ from a checkpoint onto a different layout."""
 from __future__ import annotations
 
 import json
+import time
+import urllib.request
 
 import pytest
 import torch
 from tests.runtime.training.plans import TINY, tiny_plan
 
-from hettrain.runtime.launch import launch_local, wait_all
+from hettrain.runtime.launch import free_port, launch_local, wait_all
 from hettrain.runtime.model import Linear, defer_weight_grads, lm_loss, whole_model
 from hettrain.runtime.trainer import reference_losses
 
@@ -56,17 +58,36 @@ def test_split_backward_gives_the_ordinary_gradients():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-7, msg=n)
 
 
-def _run(work, plan, env=None):
-    env = {"HETTRAIN_LOSS_LOG": str(work / "loss.jsonl"), "HETTRAIN_METRICS_PORT": "0",
+def _scrape_schedule(procs, port):
+    """The ``hettrain_runtime_schedule_info`` line served on ``port`` while ``procs`` run."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                          timeout=2).read().decode()
+        except OSError:
+            text = ""
+        lines = [x for x in text.splitlines() if x.startswith("hettrain_runtime_schedule_info{")]
+        if lines:
+            return lines[0]
+        time.sleep(0.2)
+    return ""
+
+
+def _run(work, plan, env=None, scrape_rank=None):
+    port = free_port() if scrape_rank is not None else 0
+    env = {"HETTRAIN_LOSS_LOG": str(work / "loss.jsonl"), "HETTRAIN_METRICS_PORT": str(port),
            "HETTRAIN_SUMMARY_DIR": str(work / "summary"), **(env or {})}
-    codes = wait_all(launch_local(plan, work, env), 150)
+    procs = launch_local(plan, work, env)
+    info = _scrape_schedule(procs, port + scrape_rank) if scrape_rank is not None else None
+    codes = wait_all(procs, 150)
     logs = "\n".join(p.read_text() for p in sorted(work.glob("rank-*.log")))
     assert codes == [0] * plan.world_size, logs[-6000:]
     losses = {d["step"]: d["loss"]
               for d in map(json.loads, (work / "loss.jsonl").read_text().splitlines())}
     sums = [json.loads((work / "summary" / f"rank-{r}.json").read_text())
             for r in range(plan.world_size)]
-    return losses, logs, sums
+    return (losses, logs, sums) if info is None else (losses, logs, sums, info)
 
 
 def _assert_ran_zb_h1(logs, sums, plan):
@@ -105,8 +126,11 @@ def test_zb_h1_pp3_matches_reference(tmp_path):
     steps = 5
     plan = tiny_plan([(0, 1, "pool-a"), (1, 3, "pool-a"), (3, 4, "pool-b")], dp=1,
                      steps=steps, num_microbatches=6, schedule="zb-h1")
-    got, logs, sums = _run(tmp_path, plan)
+    got, logs, sums, info = _run(tmp_path, plan, {"HETTRAIN_STEP_SLEEP": "0.2"},
+                                 scrape_rank=1)
     _assert_ran_zb_h1(logs, sums, plan)
+    assert 'planned="zb-h1"' in info and 'schedule="zb-h1"' in info, info
+    assert info.endswith(" 1.0"), info
     for step, want in enumerate(reference_losses(plan, steps)):
         assert got[step] == pytest.approx(want, rel=RTOL), step
 
