@@ -157,6 +157,13 @@ class Bench:
         self.custom.delete_collection_namespaced_custom_object(c.GROUP, c.VERSION, ns, c.PLURAL)
         self.wait(lambda: not self.custom.list_namespaced_custom_object(
             c.GROUP, c.VERSION, ns, c.PLURAL)["items"], 60, "job deleted")
+        self.clear(ns)
+
+    def clear(self, ns: str) -> None:
+        """Delete the namespace once its pods are gone: the next measurement starts on free
+        nodes (the operator never plans onto nodes that other jobs' pods still hold)."""
+        self.core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
+        self.wait(lambda: not self.core.list_namespaced_pod(ns).items, 60, "pods gone")
         self.core.delete_namespace(ns, propagation_policy="Background")
 
     def launch_once(self, prefix: str) -> tuple[float, float]:
@@ -193,7 +200,7 @@ class Bench:
             return watch.wait_attempt(1, len(pods), 60) - t0
         finally:
             watch.stop = True
-            self.core.delete_namespace(ns, propagation_policy="Background")
+            self.clear(ns)
 
     def pod_template(self, prefix: str) -> list[dict[str, Any]]:
         """The pods the operator made for the job (read back from a launch)."""

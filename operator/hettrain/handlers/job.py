@@ -128,9 +128,16 @@ async def nodes_by_name(name: str, body: Any, **_: Any) -> Any:
 
 
 @kopf.on.event("", "v1", "pods", labels={c.LABEL_JOB: kopf.PRESENT})
-async def pod_changed(namespace: str, labels: Mapping[str, str], **_: Any) -> None:
-    """A job's pod changed: wake its daemon."""
+async def pod_changed(namespace: str, labels: Mapping[str, str], type: str | None,
+                      body: Any, **_: Any) -> None:
+    """A job's pod changed: wake its daemon; a pod gone or finished frees its node, so also
+    wake the jobs without a plan (waiting for capacity that other jobs hold)."""
     _wake_job(namespace, labels[c.LABEL_JOB])
+    phase = ((body or {}).get("status") or {}).get("phase")
+    if type == "DELETED" or phase in ("Succeeded", "Failed"):
+        for key in list(_wake):
+            if key not in _plans:
+                _wake_job(*key)
 
 
 @kopf.on.event("", "v1", "nodes")
