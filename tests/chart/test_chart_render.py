@@ -221,3 +221,15 @@ def test_schema_rejects_a_link_without_bandwidth(helm: Path) -> None:
     out = helm_template(helm, "--set-json",
                         'operator.topology.links=[{"between":["a","b"],"latencyMs":5}]')
     assert out.returncode != 0 and "bandwidthGbps" in out.stderr
+
+
+def test_finalizer_policy_reaches_the_operator_and_refuses_peering(helm: Path) -> None:
+    pod = by_kind(render(helm, "--set", "operator.finalizerPolicy=none"), "Deployment")[0]
+    env = {e["name"]: e.get("value") for e in
+           pod["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["HETTRAIN_FINALIZER_POLICY"] == "none"
+    out = helm_template(helm, "--set", "operator.finalizerPolicy=none",
+                        "--set", "peering.enabled=true")
+    assert out.returncode != 0 and "finalizerPolicy=none" in out.stderr
+    bad = helm_template(helm, "--set", "operator.finalizerPolicy=sometimes")
+    assert bad.returncode != 0 and "finalizerPolicy" in bad.stderr

@@ -661,3 +661,38 @@ def test_jobs_never_share_a_node_and_a_third_waits_for_capacity(ctx: Ctx) -> Non
     ctx.wait(lambda: not ctx.pods("first"), 60, "first job's pods gone")
     _, third = ctx.wait_running("third", timeout=90)
     assert {p.spec.node_name for p in third}.isdisjoint(nodes_second)
+
+
+# ---------------------------------------------------------------- finalizer policy
+
+
+def test_finalizer_policy_none_runs_jobs_without_a_finalizer(ctx: Ctx, tmp_path: Any) -> None:
+    """HETTRAIN_FINALIZER_POLICY=none: jobs launch and repair as usual but carry no finalizer,
+    a restarted operator picks its job up again, and with the operator gone a job still
+    deletes at once (its children by ownerReferences)."""
+    prefix = _prefix()
+    ctx.nodes(_pools(prefix))
+    module_op = ctx.op
+    module_op.stop()
+    op = OperatorProcess(ctx.cluster.kubeconfig, tmp_path / "nofinalizer.log",
+                         env={"HETTRAIN_FINALIZER_POLICY": "none"})
+    try:
+        op.start()
+        ctx.op = op
+        ctx.create(_job("llm", prefix))
+        _, pods = ctx.wait_running("llm")
+        assert not ctx.get("llm")["metadata"].get("finalizers")
+        op.stop()
+        op.start()  # the initial listing restarts the job's loop: a node loss is repaired
+        victim = pods[0].spec.node_name
+        kwoknodes.mark_not_ready(ctx.api, victim)
+        ctx.wait(lambda: ctx.status("llm").get("attempt") == 2
+                 and ctx.status("llm").get("phase") == c.PHASE_RUNNING, 60,
+                 "repaired by the restarted operator")
+        op.stop()
+        ctx.custom.delete_namespaced_custom_object(c.GROUP, c.VERSION, ctx.ns, c.PLURAL, "llm")
+        ctx.wait(lambda: not exists(lambda: ctx.get("llm")), 10, "job deleted, no operator")
+    finally:
+        op.stop()
+        ctx.op = module_op
+        module_op.start()

@@ -43,6 +43,16 @@ from hettrain.reconcile import (
 log = logging.getLogger("hettrain.operator")
 JOB = (c.GROUP, c.VERSION, c.PLURAL)
 FINALIZER = f"{c.GROUP}/finalizer"
+FINALIZER_POLICIES = ("finalizer", "none")
+# Read at import: it decides which handlers register. "finalizer" (default): one kopf daemon per
+# job, which makes kopf put FINALIZER on every job (deletion waits for the daemon to stop).
+# "none": per-job loops are asyncio tasks spawned from job events; jobs carry no finalizer, so
+# they delete even with the operator gone (children still go by ownerReferences). Single
+# replica only: kopf peering pauses watches, not these tasks.
+FINALIZER_POLICY = os.environ.get("HETTRAIN_FINALIZER_POLICY", "finalizer")
+if FINALIZER_POLICY not in FINALIZER_POLICIES:
+    raise ValueError(f"HETTRAIN_FINALIZER_POLICY={FINALIZER_POLICY!r}: must be one of "
+                     f"{FINALIZER_POLICIES} (chart value operator.finalizerPolicy)")
 ERROR_RETRY_SECONDS = 5.0
 
 _wake: dict[tuple[str, str], asyncio.Event] = {}
@@ -55,6 +65,7 @@ _expected: dict[tuple[str, str], tuple[int, float, dict[str, dict[str, Any]]]] =
 # Launches (a new plan's pods) are decided-again and applied one at a time, against the nodes
 # every other job holds at that moment, so two jobs planned at once never take the same node.
 _launch_lock = threading.Lock()
+_tasks: dict[tuple[str, str], asyncio.Task[None]] = {}  # finalizer policy "none" only
 EXPECTATION_TTL_SECONDS = 30.0
 _api: Any = None
 _links: tuple[Link, ...] = ()
@@ -155,7 +166,7 @@ async def node_changed(name: str, type: str | None, **_: Any) -> None:
 
 @kopf.on.event(*JOB)
 async def job_changed(namespace: str, name: str, meta: Mapping[str, Any], type: str | None,
-                      **_: Any) -> None:
+                      body: Any, pods_by_job: Any, nodes_by_name: Any, **_: Any) -> None:
     """A spec edit (new generation: suspend, resize...) wakes the daemon, which re-plans;
     deletion drops the job's caches and metrics.
 
@@ -163,6 +174,8 @@ async def job_changed(namespace: str, name: str, meta: Mapping[str, Any], type: 
     kopf change handlers: kopf writes no diff-base annotation on the jobs.)
     """
     key = (namespace, name)
+    if FINALIZER_POLICY == "none":
+        _supervise(key, type, meta, body, pods_by_job, nodes_by_name)
     if type == "DELETED":  # children are garbage-collected through their ownerReferences
         _generations.pop(key, None)
         _plans.pop(key, None)
@@ -295,10 +308,55 @@ def _post_events(body: Mapping[str, Any], d: Decision) -> None:
         kopf.event(dict(body), type=ev.type, reason=ev.reason, message=ev.message[:1000])
 
 
-@kopf.daemon(*JOB, cancellation_timeout=5.0)
+class _Running:
+    """The stop flag of a job loop that runs as a task (falsy until stopped)."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def __bool__(self) -> bool:
+        return self.stopped
+
+
+def _supervise(key: tuple[str, str], type: str | None, meta: Mapping[str, Any], body: Any,
+               pods_by_job: Any, nodes_by_name: Any) -> None:
+    """Finalizer policy "none": one job loop task per live job, started on its first event
+    (the initial listing too, so a restarted operator picks every job up), ended on DELETED."""
+    task = _tasks.get(key)
+    if type == "DELETED" or meta.get("deletionTimestamp"):
+        if task is not None:
+            task.cancel()
+            _tasks.pop(key, None)
+        return
+    if task is None or task.done():
+        _tasks[key] = asyncio.create_task(
+            job_loop(_Running(), body, key[0], key[1], pods_by_job, nodes_by_name),
+            name=f"hettrain-job-{key[0]}-{key[1]}")
+
+
+@kopf.on.cleanup()
+async def stop_job_tasks(**_: Any) -> None:
+    """Finalizer policy "none": cancel the job loops when the operator exits."""
+    for task in list(_tasks.values()):
+        task.cancel()
+    await asyncio.gather(*_tasks.values(), return_exceptions=True)
+    _tasks.clear()
+
+
 async def job_daemon(stopped: kopf.DaemonStopped, body: Any, namespace: str, name: str,
                      pods_by_job: Any, nodes_by_name: Any, **_: Any) -> None:
-    """Reconcile the job on every wake-up (pod/node/spec events) or retry deadline."""
+    """One kopf daemon per job (finalizer policy "finalizer"): runs :func:`job_loop`."""
+    await job_loop(stopped, body, namespace, name, pods_by_job, nodes_by_name)
+
+
+if FINALIZER_POLICY == "finalizer":
+    job_daemon = kopf.daemon(*JOB, cancellation_timeout=5.0)(job_daemon)
+
+
+async def job_loop(stopped: Any, body: Any, namespace: str, name: str, pods_by_job: Any,
+                   nodes_by_name: Any) -> None:
+    """Reconcile the job on every wake-up (pod/node/spec events) or retry deadline, until
+    ``stopped`` is truthy or the job is gone."""
     key = (namespace, name)
     wake = _wake.setdefault(key, asyncio.Event())
     try:
