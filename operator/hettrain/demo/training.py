@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from hettrain.demo.children import Children
-from hettrain.demo.cluster import DemoError, free_port, http_get
+from hettrain.demo.cluster import DemoError, http_get
 from hettrain.planning.plan import Plan
-from hettrain.runtime.launch import launch_local
+from hettrain.runtime.launch import free_port_block, launch_local
 
 ENV_LOSS_LOG = "HETTRAIN_LOSS_LOG"
 ENV_METRICS_PORT = "HETTRAIN_METRICS_PORT"
@@ -61,7 +61,7 @@ def start(plan: Plan, workdir: Path, checkpoint_dir: Path, children: Children, *
           resume: bool, interval: int, step_sleep: float) -> Run:
     """``launch_local`` the plan's ranks; checkpoints in ``checkpoint_dir``."""
     loss_log = workdir / "losses.jsonl"
-    port = free_port()
+    port = free_port_block(plan.world_size)  # rank r serves metrics on port + r
     env: Mapping[str, str] = {
         "HETTRAIN_CHECKPOINT_URI": str(checkpoint_dir),
         "HETTRAIN_CHECKPOINT_INTERVAL": str(interval),

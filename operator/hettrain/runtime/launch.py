@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,6 +24,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_block(count: int, low: int = 20000, high: int = 32000) -> int:
+    """The first of ``count`` consecutive unused TCP ports on 127.0.0.1 (a metrics base for
+    :func:`launch_local`: rank ``r`` serves on ``base + r``).
+
+    Drawn below Linux's ephemeral range (32768+), where gloo's own connections and other
+    tests' ``free_port()`` picks land, so the block stays free while the ranks start.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(low, high - count)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports in [{low}, {high})")
 
 
 def launch_local(plan: Plan, workdir: Path,

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from tests.runtime.training.plans import tiny_plan
 
-from hettrain.runtime.launch import free_port, kill_rank, launch_local, wait_all
+from hettrain.runtime.launch import free_port_block, kill_rank, launch_local, wait_all
 from hettrain.runtime.trainer import reference_losses
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def _scrape(port):
 
 def test_two_pool_pipeline_matches_reference_and_serves_metrics(tmp_path):
     plan = tiny_plan([(0, 3, "pool-a"), (3, 4, "pool-b")], dp=2, steps=10)  # uneven 3+1 split
-    base = free_port()
+    base = free_port_block(plan.world_size)
     procs = launch_local(plan, tmp_path, {
         "HETTRAIN_LOSS_LOG": str(tmp_path / "loss.jsonl"), "HETTRAIN_METRICS_PORT": str(base),
         "HETTRAIN_STEP_SLEEP": "0.1"})

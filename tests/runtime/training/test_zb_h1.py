@@ -13,7 +13,7 @@ import pytest
 import torch
 from tests.runtime.training.plans import TINY, tiny_plan
 
-from hettrain.runtime.launch import free_port, launch_local, wait_all
+from hettrain.runtime.launch import free_port_block, launch_local, wait_all
 from hettrain.runtime.model import Linear, defer_weight_grads, lm_loss, whole_model
 from hettrain.runtime.trainer import reference_losses
 
@@ -75,7 +75,7 @@ def _scrape_schedule(procs, port):
 
 
 def _run(work, plan, env=None, scrape_rank=None):
-    port = free_port() if scrape_rank is not None else 0
+    port = free_port_block(plan.world_size) if scrape_rank is not None else 0
     env = {"HETTRAIN_LOSS_LOG": str(work / "loss.jsonl"), "HETTRAIN_METRICS_PORT": str(port),
            "HETTRAIN_SUMMARY_DIR": str(work / "summary"), **(env or {})}
     procs = launch_local(plan, work, env)
