@@ -33,7 +33,6 @@ from hettrain.planning.inventory import (
     Link,
     inventory_from_nodes,
 )
-from hettrain.planning.inventory import load_topology as inventory_topology
 from hettrain.planning.plan import Plan
 from hettrain.planning.planner import plan_job
 
@@ -72,7 +71,8 @@ class Observed:
     """Observed children and cluster: the job's pods, all nodes, and the current plan.
 
     ``links`` and ``devices`` are the operator's topology config (inter-DC links, user-defined
-    devices; see :func:`load_topology`), passed to the planner's inventory as they are.
+    devices; see :func:`hettrain.planning.inventory.load_topology`), passed to the planner's
+    inventory as they are.
     """
 
     pods: Sequence[Mapping[str, Any]]
@@ -111,17 +111,6 @@ def nodes_held_by_others(pods_by_job: Mapping[tuple[str, str], Sequence[Mapping[
             if node is not None:
                 held.setdefault(node, f"{key[0]}/{key[1]}")
     return held
-
-
-def load_topology(
-    source: str | Mapping[str, Any],
-) -> tuple[tuple[Link, ...], dict[str, DeviceSpec]]:
-    """``links:`` and ``devices:`` of a cluster YAML (path or parsed dict) for the operator.
-
-    The file is validated by the planner's own reader (``inventory.load_topology``); pools may be
-    absent and are ignored when present, because the operator's pools come from the Nodes.
-    """
-    return inventory_topology(source)
 
 
 Planner = Callable[[str, JobSpec, ClusterInventory, Plan | None], Plan]

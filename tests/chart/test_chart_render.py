@@ -191,7 +191,7 @@ def test_chart_monitoring_files_are_synced(src: str) -> None:
 
 def test_topology_configmap_feeds_the_operator(helm: Path, tmp_path: Path) -> None:
     """operator.topology renders a cluster YAML the operator's own loader accepts, mounted + env."""
-    from hettrain.reconcile import load_topology
+    from hettrain.planning.inventory import load_topology
 
     example = yaml.safe_load((ROOT / "examples" / "clusters" / "four-vendors-two-dcs.yaml")
                              .read_text())

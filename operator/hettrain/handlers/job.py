@@ -30,12 +30,11 @@ from hettrain import metrics
 from hettrain.api import constants as c
 from hettrain.kube import apply as kube
 from hettrain.planning.catalog import DeviceSpec
-from hettrain.planning.inventory import Link
+from hettrain.planning.inventory import Link, load_topology
 from hettrain.planning.plan import Plan
 from hettrain.reconcile import (
     Decision,
     Observed,
-    load_topology,
     nodes_held_by_others,
     reconcile,
 )
@@ -82,6 +81,13 @@ def _wake_job(namespace: str, job: str) -> None:
     ev = _wake.get((namespace, job))
     if ev is not None:
         ev.set()
+
+
+def _wake_unplanned() -> None:
+    """Wake the jobs without a plan (waiting for capacity): nodes came or were freed."""
+    for key in list(_wake):
+        if key not in _plans:
+            _wake_job(*key)
 
 
 @kopf.on.login()
@@ -146,9 +152,7 @@ async def pod_changed(namespace: str, labels: Mapping[str, str], type: str | Non
     _wake_job(namespace, labels[c.LABEL_JOB])
     phase = ((body or {}).get("status") or {}).get("phase")
     if type == "DELETED" or phase in ("Succeeded", "Failed"):
-        for key in list(_wake):
-            if key not in _plans:
-                _wake_job(*key)
+        _wake_unplanned()
 
 
 @kopf.on.event("", "v1", "nodes")
@@ -159,9 +163,7 @@ async def node_changed(name: str, type: str | None, **_: Any) -> None:
         # ADDED: a replacement node may be what a WaitForReplacement repair waits for
         if type in ("DELETED", "ADDED") or name in plan.nodes():
             _wake_job(*key)
-    for key in list(_wake):
-        if key not in _plans:
-            _wake_job(*key)
+    _wake_unplanned()
 
 
 @kopf.on.event(*JOB)
