@@ -2,12 +2,13 @@
 
 Part 1: hierarchical (pipelined), leader-based and ``auto`` (the communicator's choice)
 all-reduce vs flat gloo ``all_reduce`` for 2 pools x p ranks (``--ranks-per-pool``, default 2
-and 4), 1/4/16/64 MiB, on loopback and over an emulated slow inter-pool link: two network
-namespaces joined by a veth pair (10.250.0.1/30 <-> 10.250.0.2/30, both ends in namespaces
-this script creates and deletes) shaped with ``tc netem rate 1gbit delay 5ms``, or ``tbf rate
-1gbit`` without delay where the kernel lacks netem (the table title says which). Pool A's ranks
-run in namespace A, pool B's in B: intra-pool traffic stays on each namespace's loopback, only
-inter-pool traffic crosses the veth, whose tx byte counters are reported per algorithm.
+and 4), 1/4/16/64 MiB, on loopback and over an emulated slow inter-pool link of
+``--link-gbit`` (1) Gbit/s and ``--delay-ms`` (5) ms one way: two network namespaces joined
+by :mod:`slowlink` (a TUN delay line: netem's ``rate 1gbit delay 5ms`` without needing
+``sch_netem``, which this host's kernel lacks), created and deleted by this script; a TCP probe
+of the live link (round trip, bulk throughput) is printed with the table. Pool A's ranks run in
+namespace A, pool B's in B: intra-pool traffic stays on each namespace's loopback, only
+inter-pool traffic crosses the link, whose tx byte counters are reported per algorithm.
 Part 2: cross-DC bytes per step and final loss for plain DP vs bf16/int8 compression vs DiLoCo
 (H=10, 30, 50, with and without int8 pseudo-gradients) training a small MLP on 2 DCs x 2 ranks,
 for several seeds; the loss gap is against plain DP of the same seed (equal tokens), median.
@@ -30,10 +31,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import slowlink  # noqa: E402  (bench/slowlink.py, next to this script)
+
 SIZES_MIB = (1, 4, 16, 64)
-NS = ("hxbench-a", "hxbench-b")
-VETH = ("hxveth-a", "hxveth-b")
-ADDR = ("10.250.0.1", "10.250.0.2")
+NS, DEV, ADDR = slowlink.NS, slowlink.DEV, slowlink.ADDR
 
 
 # ----------------------------------------------------------------------------- workers
@@ -46,7 +48,7 @@ def _init(rank: int, world: int, addr: str, port: int):
 
 
 def _link_bytes() -> int:
-    """Bytes sent so far by this namespace's veth end (the inter-pool link); 0 on loopback."""
+    """Bytes sent so far by this namespace's end of the inter-pool link; 0 on loopback."""
     dev = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
     if dev == "lo":
         return 0
@@ -58,7 +60,7 @@ def worker_allreduce(rank: int, world: int, addr: str, port: int, repeats: int,
     """Time flat / hierarchical / leader / auto all-reduce for every size.
 
     Ranks ``0..w/2-1`` are pool A (namespace A), the rest pool B. The first rank of each pool
-    also records the bytes its namespace's veth sent during each call (the inter-pool link).
+    also records the bytes its namespace's link device sent during each call (the inter-pool link).
     """
     import torch
 
@@ -237,37 +239,6 @@ def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
-def netns_up(gbit: float) -> str:
-    """Create the two namespaces, the shaped veth pair; returns the netem line used."""
-    netns_down()
-    for ns in NS:
-        _sh("ip", "netns", "add", ns)
-        _sh("ip", "-n", ns, "link", "set", "lo", "up")
-    _sh("ip", "link", "add", VETH[0], "netns", NS[0], "type", "veth", "peer", "name", VETH[1],
-        "netns", NS[1])
-    for ns, dev, addr in zip(NS, VETH, ADDR, strict=True):
-        _sh("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
-        _sh("ip", "-n", ns, "link", "set", dev, "up")
-    shaping = f"netem rate {gbit:g}gbit delay 5ms"
-    try:
-        for ns, dev in zip(NS, VETH, strict=True):
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
-                *shaping.split())
-    except subprocess.CalledProcessError as e:
-        print(f"netem unavailable ({e.stderr.strip()}); falling back to tbf rate limiting")
-        shaping = f"tbf rate {gbit:g}gbit burst 256kb latency 50ms (no delay)"
-        for ns, dev in zip(NS, VETH, strict=True):
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                "rate", f"{gbit:g}gbit", "burst", "256kb", "latency", "50ms")
-    return shaping
-
-
-def netns_down() -> None:
-    """Delete the namespaces (and with them the veth pair)."""
-    for ns in NS:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
 def _table(title: str, rows: list[list[str]], head: list[str]) -> None:
     print(f"\n{title}")
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
@@ -286,7 +257,7 @@ def _allreduce_table(title: str, res: list[dict], link: bool) -> dict:
         row = [f"{mib} MiB", f"{f * 1e3:.1f}", f"{h * 1e3:.1f}", f"{lead * 1e3:.1f}",
                f"{auto * 1e3:.1f} {res[0][f'{mib}:picked']}", f"{f / h:.2f}x",
                f"{f / lead:.2f}x", f"{f / auto:.2f}x"]
-        if link:  # MiB sent over the veth, A->B / B->A, measured on the first rank of each pool
+        if link:  # MiB sent over the link, A->B / B->A, measured on the first rank of each pool
             row += [f"{res[0][f'{mib}:{a}:link_mib']:.1f}/{res[half][f'{mib}:{a}:link_mib']:.1f}"
                     for a in ("flat", "hierarchical")]
         rows.append(row)
@@ -311,7 +282,8 @@ def main() -> None:
                     help="comma list; each value runs both all-reduce tables with 2 pools")
     ap.add_argument("--pipeline-mib", type=float, default=8.0,
                     help="largest piece of the pipelined hierarchical all-reduce (0: one piece)")
-    ap.add_argument("--link-gbit", type=float, default=1.0, help="veth rate in Gbit/s")
+    ap.add_argument("--link-gbit", type=float, default=1.0, help="slow link rate in Gbit/s")
+    ap.add_argument("--delay-ms", type=float, default=5.0, help="slow link one-way delay")
     ap.add_argument("--seeds", type=int, default=3, help="training seeds (median reported)")
     ap.add_argument("--variants", default="dp,compress:bf16,compress:int8,diloco:10,diloco:50,"
                     "diloco:10+int8,diloco:30+int8,diloco:50+int8",
@@ -326,7 +298,7 @@ def main() -> None:
 
 
 def _allreduce_part(args: argparse.Namespace) -> None:
-    """Flat vs hierarchical vs leader vs auto, on loopback and across the shaped veth."""
+    """Flat vs hierarchical vs leader vs auto, on loopback and across the slow link."""
     for per_pool in (int(x) for x in args.ranks_per_pool.split(",")):
         world = 2 * per_pool
         job = ["allreduce", str(args.repeats), str(args.pipeline_mib)]
@@ -340,28 +312,31 @@ def _allreduce_part(args: argparse.Namespace) -> None:
                   + ", ".join(f"{1 / r[1]:.2f}x" for r in loop.values()))
         if args.skip_netns:
             continue
+        link = slowlink.SlowLink(args.link_gbit, args.delay_ms)
         try:
             try:
-                shaping = netns_up(args.link_gbit)
-            except (OSError, subprocess.CalledProcessError) as e:
+                link.__enter__()
+                probe = slowlink.probe(pings=20, bulk_mib=128)
+            except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
                 err = getattr(e, "stderr", None) or e
-                print(f"\nslow-link part skipped: could not create network namespaces ({err})")
+                print(f"\nslow-link part skipped: could not build the namespaces ({err})")
                 return
 
             def prefix(r, per_pool=per_pool):
                 return ["ip", "netns", "exec", NS[r // per_pool]]
 
-            res = _launch(world, ADDR[0], [*job, f"{args.link_gbit}:0"], prefix=prefix,
-                          env_for=lambda r, per_pool=per_pool: {
-                              "GLOO_SOCKET_IFNAME": VETH[r // per_pool]})
+            res = _launch(world, ADDR[0], [*job, f"{args.link_gbit}:{args.delay_ms}"],
+                          prefix=prefix, env_for=lambda r, per_pool=per_pool: {
+                              "GLOO_SOCKET_IFNAME": DEV[r // per_pool]})
             slow = _allreduce_table(
-                f"all-reduce, 2 pools x {per_pool} ranks in two netns, veth `{shaping}`",
-                res, link=True)
+                f"all-reduce, 2 pools x {per_pool} ranks in two netns, {link.describe()} "
+                f"(probed: TCP RTT {probe['rtt_ms_median']:.2f} ms, bulk "
+                f"{probe['throughput_gbit']:.2f} Gbit/s)", res, link=True)
             print("  slow link: hierarchical speed-up vs flat (target >= 1.5x): "
                   + ", ".join(f"{m} MiB {r[0]:.2f}x" for m, r in slow.items())
                   + "; auto: " + ", ".join(f"{r[1]:.2f}x" for r in slow.values()))
         finally:
-            netns_down()
+            link.__exit__()
 
 
 def _train_part(args: argparse.Namespace, world: int) -> None:
