@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import slowlink  # noqa: E402  (bench/slowlink.py, next to this script)
 
-SIZES_MIB = (1, 4, 16, 64)
+SIZES_MIB = (1, 4, 16, 64)  # --sizes
 NS, DEV, ADDR = slowlink.NS, slowlink.DEV, slowlink.ADDR
 
 
@@ -57,44 +57,39 @@ def _link_bytes() -> int:
 
 def worker_allreduce(rank: int, world: int, addr: str, port: int, repeats: int,
                      pipeline_mib: float, link: str) -> dict:
-    """Time flat / hierarchical / leader / auto all-reduce for every size.
+    """Time flat gloo all-reduce and the communicator's hierarchical / leader / auto paths.
 
-    Ranks ``0..w/2-1`` are pool A (namespace A), the rest pool B. The first rank of each pool
-    also records the bytes its namespace's link device sent during each call (the inter-pool link).
+    Ranks ``0..w/2-1`` are pool A (namespace A), the rest pool B. ``link`` is
+    ``inter_gbps:inter_latency_ms:intra_gbps:intra_latency_ms`` (inter 0: one host): the
+    communicator's link
+    model, from which it picks the algorithm (auto), the pipeline's piece count and whether
+    two shard owners exchange. The first rank of each pool also records the bytes its
+    namespace's link device sent during each call (the inter-pool link).
     """
     import torch
 
-    from hettrain.runtime.collectives import (
-        HetCommunicator,
-        bridged_all_reduce_async,
-        hierarchical_all_reduce_,
-        leader_all_reduce_,
-    )
+    from hettrain.runtime.collectives import HetCommunicator, LinkModel
+    from hettrain.runtime.collectives.choice import best_pieces
     dist = _init(rank, world, addr, port)
-    half = world // 2
-    blocks = [list(range(half)), list(range(half, world))]
-    intra = [dist.new_group(b) for b in blocks][rank // half]
-    inters = [dist.new_group([j, j + half]) for j in range(half)]
-    inter = inters[rank % half]
-    leaders = inters[0] if rank % half == 0 else None
-    gbps, _, lat = link.partition(":")
-    plan = _plan(world, {"mode": "sync", "link_gbps": float(gbps), "link_latency_ms": float(lat)},
-                 one_host=float(gbps) == 0)
-    comm = HetCommunicator.from_plan(plan, rank)
+    gbps, lat, intra, intra_lat = (float(x) for x in link.split(":"))
+    one_host = gbps == 0
+    plan = _plan(world, {"mode": "sync", "link_gbps": gbps or 1.0, "link_latency_ms": lat},
+                 one_host=one_host)
+    model = LinkModel(inter_gbps=gbps or 1.0, inter_latency_ms=lat, intra_gbps=intra,
+                      intra_latency_ms=intra_lat, one_host=one_host)
     pipe = int(pipeline_mib * (1 << 20)) if pipeline_mib > 0 else None
+    comm = HetCommunicator.from_plan(plan, rank, link=model, pipeline_bytes=pipe)
+    hier = comm._levels["global"].hier
 
-    def bridge(buf, group):
-        return bridged_all_reduce_async(buf, group)
+    def via(algo: str):
+        def run(t):
+            comm.algorithm = algo
+            picked[algo, t.numel()] = comm.dp_all_reduce_([t], average=False)
+        return run
 
-    picked: dict[str, str] = {}
-    algos = {
-        "flat": lambda t: dist.all_reduce(t),
-        "hierarchical": lambda t: hierarchical_all_reduce_(t, intra, inter, inter_op=bridge,
-                                                           pipeline_bytes=pipe),
-        "leader": lambda t: leader_all_reduce_(t, intra, leaders, leader=(rank // half) * half,
-                                               inter_op=bridge),
-        "auto": lambda t: picked.__setitem__(t.numel(), comm.dp_all_reduce_([t], average=False)),
-    }
+    picked: dict[tuple[str, int], str] = {}
+    algos = {"flat": lambda t: dist.all_reduce(t), "hierarchical": via("hierarchical"),
+             "leader": via("leader"), "auto": via("auto")}
     out: dict = {}
     for mib in SIZES_MIB:
         base = torch.ones(mib * (1 << 20) // 4)
@@ -115,7 +110,8 @@ def worker_allreduce(rank: int, world: int, addr: str, port: int, repeats: int,
         for name in algos:
             out[f"{mib}:{name}"] = statistics.median(times[name][1:])
             out[f"{mib}:{name}:link_mib"] = statistics.median(link_mib[name][1:])
-        out[f"{mib}:picked"] = picked[base.numel()]
+        out[f"{mib}:picked"] = picked["auto", base.numel()]
+        out[f"{mib}:pieces"] = best_pieces(base.numel() * 4, hier, model, pipe)
     dist.destroy_process_group()
     return out
 
@@ -249,19 +245,21 @@ def _table(title: str, rows: list[list[str]], head: list[str]) -> None:
 def _allreduce_table(title: str, res: list[dict], link: bool) -> dict:
     """Print one table (slowest rank = collective time); returns flat/hier and flat/auto."""
     half = len(res) // 2
-    med = {k: max(r[k] for r in res) for k in res[0] if not k.endswith((":picked", "link_mib"))}
+    med = {k: max(r[k] for r in res) for k in res[0]
+           if not k.endswith((":picked", ":pieces", "link_mib"))}
     rows, ratios = [], {}
     for mib in SIZES_MIB:
         f, h, lead, auto = (med[f"{mib}:{a}"] for a in ("flat", "hierarchical", "leader", "auto"))
         ratios[mib] = (f / h, f / auto)
-        row = [f"{mib} MiB", f"{f * 1e3:.1f}", f"{h * 1e3:.1f}", f"{lead * 1e3:.1f}",
+        row = [f"{mib} MiB", f"{f * 1e3:.1f}", f"{h * 1e3:.1f} ({res[0][f'{mib}:pieces']})",
+               f"{lead * 1e3:.1f}",
                f"{auto * 1e3:.1f} {res[0][f'{mib}:picked']}", f"{f / h:.2f}x",
                f"{f / lead:.2f}x", f"{f / auto:.2f}x"]
         if link:  # MiB sent over the link, A->B / B->A, measured on the first rank of each pool
             row += [f"{res[0][f'{mib}:{a}:link_mib']:.1f}/{res[half][f'{mib}:{a}:link_mib']:.1f}"
                     for a in ("flat", "hierarchical")]
         rows.append(row)
-    head = ["size", "flat ms", "hier ms", "leader ms", "auto ms (picked)", "flat/hier",
+    head = ["size", "flat ms", "hier ms (pieces)", "leader ms", "auto ms (picked)", "flat/hier",
             "flat/leader", "flat/auto"]
     if link:
         head += ["link MiB flat", "link MiB hier"]
@@ -284,11 +282,21 @@ def main() -> None:
                     help="largest piece of the pipelined hierarchical all-reduce (0: one piece)")
     ap.add_argument("--link-gbit", type=float, default=1.0, help="slow link rate in Gbit/s")
     ap.add_argument("--delay-ms", type=float, default=5.0, help="slow link one-way delay")
+    ap.add_argument("--intra-gbps", type=float, default=5.0,
+                    help="intra-pool bandwidth the communicator's link model assumes")
+    ap.add_argument("--intra-latency-ms", type=float, default=1.0,
+                    help="intra-pool per-step latency the link model assumes (defaults: gloo "
+                         "on loopback among 4 processes on this 2-core host, measured: "
+                         "all_to_all of 4 / 16 MiB ~ 4 ms + 1.2 ms/MiB)")
+    ap.add_argument("--sizes", default="1,4,16,64", help="all-reduce sizes in MiB")
     ap.add_argument("--seeds", type=int, default=3, help="training seeds (median reported)")
     ap.add_argument("--variants", default="dp,compress:bf16,compress:int8,diloco:10,diloco:50,"
                     "diloco:10+int8,diloco:30+int8,diloco:50+int8",
                     help="training variants: dp | compress:CODEC | diloco:H[+CODEC]")
     args = ap.parse_args()
+    global SIZES_MIB
+    SIZES_MIB = tuple(int(x) for x in args.sizes.split(","))
+    os.environ["HETTRAIN_BENCH_SIZES"] = args.sizes  # the workers' SIZES_MIB
     print(f"hettrain collectives bench: gloo, medians of {args.repeats} repeats, "
           f"{os.cpu_count()} CPUs")
     if not args.skip_allreduce:
@@ -305,7 +313,8 @@ def _allreduce_part(args: argparse.Namespace) -> None:
         if not args.skip_loopback:
             loop = _allreduce_table(
                 f"all-reduce on loopback, 2 pools x {per_pool} ranks, one host (plan: one node)",
-                _launch(world, "127.0.0.1", [*job, "0:0"]), link=False)
+                _launch(world, "127.0.0.1",
+                        [*job, f"0:0:{args.intra_gbps}:{args.intra_latency_ms}"]), link=False)
             print("  loopback: hierarchical slowdown vs flat (target <= 1.1x): "
                   + ", ".join(f"{m} MiB {1 / r[0]:.2f}x" for m, r in loop.items())
                   + "; auto (picks flat on one host) slowdown: "
@@ -325,7 +334,9 @@ def _allreduce_part(args: argparse.Namespace) -> None:
             def prefix(r, per_pool=per_pool):
                 return ["ip", "netns", "exec", NS[r // per_pool]]
 
-            res = _launch(world, ADDR[0], [*job, f"{args.link_gbit}:{args.delay_ms}"],
+            res = _launch(world, ADDR[0],
+                          [*job, f"{args.link_gbit}:{args.delay_ms}:{args.intra_gbps}:"
+                           f"{args.intra_latency_ms}"],
                           prefix=prefix, env_for=lambda r, per_pool=per_pool: {
                               "GLOO_SOCKET_IFNAME": DEV[r // per_pool]})
             slow = _allreduce_table(
@@ -370,6 +381,9 @@ def _train_part(args: argparse.Namespace, world: int) -> None:
 
 
 def _worker_main(argv: list[str]) -> None:
+    global SIZES_MIB
+    SIZES_MIB = tuple(int(x) for x in os.environ.get("HETTRAIN_BENCH_SIZES", "1,4,16,64")
+                      .split(","))
     rank, world, addr, port, out = int(argv[0]), int(argv[1]), argv[2], int(argv[3]), argv[4]
     job = argv[5:]
     if job[0] == "allreduce":

@@ -78,6 +78,17 @@ def two_pools_two_dcs(rank: int, world: int) -> dict:
     br = x.clone()
     chunks = bridged_all_reduce_(br, dist.group.WORLD, chunk_bytes=4 * 100)
     out["explicit"] = (torch.equal(h, ref), torch.equal(lead, ref), torch.equal(br, ref), chunks)
+    # exchange (all-gather + fixed-order sum) on a 2-member group: random floats, odd length,
+    # 24-byte chunks; equals dist.all_reduce bit for bit (a + b is commutative in IEEE)
+    f = torch.randn(1001, generator=torch.Generator().manual_seed(rank))
+    ex = f.clone()
+    bridged_all_reduce_(ex, inter, chunk_bytes=24, exchange=True)
+    try:
+        bridged_all_reduce_(f.clone(), dist.group.WORLD, exchange=True)
+        refused = False
+    except ValueError:
+        refused = True
+    out["exchange"] = (torch.equal(ex, _ref(f, inter)), refused)
     # pipelined: 1001 floats in pieces of 16 (64 bytes), padded last piece; async default inter
     # op and a synchronous one (returns an int, no handle)
     hp, hs = x.clone(), x.clone()

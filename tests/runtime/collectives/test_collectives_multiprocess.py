@@ -33,6 +33,7 @@ def test_explicit_group_functions_and_chunked_bridge(two_pools):
         hier, lead, bridged, chunks = res["explicit"]
         assert hier and lead and bridged
         assert chunks == 11  # 1001 fp32 in 100-element chunks
+        assert res["exchange"] == (True, True)  # bit-exact; 4-member group refused
 
 
 def test_pipelined_hierarchical_matches_flat_all_reduce(two_pools):

@@ -19,7 +19,16 @@ from hettrain.runtime.collectives import (
     peer_rank,
 )
 from hettrain.runtime.collectives.bridge import chunk_slices
-from hettrain.runtime.collectives.choice import piece_bytes
+from hettrain.runtime.collectives.choice import (
+    MAX_PIECES,
+    MIN_PIECE_BYTES,
+    PIECES_TOLERANCE,
+    PIPELINE_BYTES,
+    _hierarchical_seconds,
+    best_pieces,
+    piece_bytes,
+    use_exchange,
+)
 from hettrain.runtime.collectives.communicator import _Intervals
 from hettrain.runtime.collectives.hierarchical import pipeline_pieces, shard_bounds
 
@@ -152,15 +161,51 @@ def test_choose_is_the_argmin_of_the_estimates(per_pool, nbytes, gbps, lat):
 def test_auto_over_a_slow_link_avoids_flat_and_on_one_host_picks_flat():
     hier = dict(layout(_two_pools(4)).dp)[(0, 0)]
     slow = LinkModel(inter_gbps=1.0, inter_latency_ms=5.0)
-    # 2 blocks: leader and hierarchical put the same M per direction on the link; with 5 ms
-    # per hop the 16 pipelined pieces' latencies tip the model towards one leader stream
-    assert choose_algorithm(64 << 20, hier, slow) in ("leader", "hierarchical")
+    # 2 blocks: leader and hierarchical put the same M per direction on the link; the leader's
+    # intra reduce + broadcast do not overlap the slow hop, the pipelined shards' do
+    assert choose_algorithm(64 << 20, hier, slow) == "hierarchical"
+    assert choose_algorithm(1 << 20, hier, slow) == "hierarchical"
+    # 4 KiB: latency only; the leader's 2 log2(4) intra hops beat 2 (n-1) intra steps
     assert choose_algorithm(4 << 10, hier, slow) in ("leader", "hierarchical")
-    # no delay (the bench's tbf veth): pipelined shards win over the unpipelined leader
     assert choose_algorithm(64 << 20, hier, LinkModel(1.0, 0.0)) == "hierarchical"
     assert choose_algorithm(64 << 20, hier, LinkModel(one_host=True)) == "flat"
     single = dict(layout(make_plan([{"tp": 1, "pools": [("a", "e", "nvidia", 4)]}], dp=4)).dp)
     assert choose_algorithm(64 << 20, single[(0, 0)], slow) == "flat"
+
+
+def test_best_pieces_is_the_fewest_within_tolerance_of_the_brute_force_best():
+    hier = dict(layout(_two_pools(4)).dp)[(0, 0)]
+    for link in (LinkModel(1.0, 5.0), LinkModel(1.0, 5.0, intra_gbps=2.5),
+                 LinkModel(10.0, 0.05), LinkModel(100.0, 0.01, intra_gbps=50.0)):
+        for nbytes in (4 << 10, 1 << 20, 3 << 20, 16 << 20, 64 << 20, 200 << 20):
+            cands = [p for p in range(1, 2 * MAX_PIECES + 1)
+                     if (p == 1 or nbytes / p >= MIN_PIECE_BYTES)
+                     and nbytes / p <= PIPELINE_BYTES and p <= MAX_PIECES]
+            cands = cands or [-(-nbytes // PIPELINE_BYTES)]
+            cands = [p for p in cands if p & (p - 1) == 0 or p == min(cands)]
+            t = {p: _hierarchical_seconds(nbytes, p, 2, 4, link) for p in cands}
+            got = best_pieces(nbytes, hier, link)
+            assert got in t and t[got] <= min(t.values()) * (1 + PIECES_TOLERANCE)
+            assert all(t[p] > min(t.values()) * (1 + PIECES_TOLERANCE) for p in t if p < got)
+            assert estimate_seconds("hierarchical", nbytes, hier, link) == pytest.approx(t[got])
+    assert best_pieces(64 << 20, hier, LinkModel(1.0, 5.0), pipeline_bytes=None) == 1
+    # slow intra fabric (2.5 Gbit/s): pipelining pays; fast intra: one piece is as good
+    assert best_pieces(16 << 20, hier, LinkModel(1.0, 5.0, intra_gbps=2.5)) > 1
+    assert best_pieces(4 << 20, hier, LinkModel(1.0, 5.0)) == 1
+    assert best_pieces(64 << 20, hier, LinkModel(1.0, 5.0, intra_gbps=2.5, one_host=True)) == 1
+
+
+def test_exchange_only_for_two_owners_over_a_slow_link_off_one_host():
+    assert use_exchange(2, LinkModel(1.0, 5.0))
+    assert not use_exchange(3, LinkModel(1.0, 5.0))
+    assert not use_exchange(2, LinkModel(25.0, 0.05))
+    assert not use_exchange(2, LinkModel(1.0, 5.0, one_host=True))
+    # the exchange halves the latency of a two-owner op, the bytes stay the same
+    hier = dict(layout(_two_pools(2)).dp)[(0, 0)]
+    m = 1 << 20
+    lead = estimate_seconds("leader", m, hier, LinkModel(1.0, 5.0, intra_gbps=1e6,
+                                                         intra_latency_ms=0.0))
+    assert lead == pytest.approx(2 * 5e-3 + m / 125e6)
 
 
 def test_link_model_from_the_plan():
@@ -185,6 +230,19 @@ def test_link_model_rejects_bad_speeds():
         LinkModel(inter_gbps=0)
     with pytest.raises(ValueError, match="intra_latency_ms"):
         LinkModel(intra_latency_ms=-1)
+
+
+@pytest.mark.parametrize("numel,n,pieces", [(1001, 2, 3), (1000, 4, 7), (7, 3, 1), (10, 4, 16),
+                                            (4096, 4, 4)])
+def test_pipeline_pieces_exact_count(numel, n, pieces):
+    got = pipeline_pieces(numel, 4, n, None, pieces)
+    assert got[0][0] == 0 and got[-1][1] == numel and len(got) <= pieces
+    assert all(x[1] == y[0] for x, y in itertools.pairwise(got))
+    assert all((b - a) % n == 0 for a, b in got[:-1])
+    if numel >= pieces * n:  # enough elements: as many pieces as asked, or one fewer (rounding)
+        assert len(got) >= pieces - 1
+    with pytest.raises(ValueError, match="pieces"):
+        pipeline_pieces(numel, 4, n, None, 0)
 
 
 @pytest.mark.parametrize("numel,n,piece", [(1001, 2, 400), (1000, 4, 64), (7, 3, None),

@@ -46,8 +46,10 @@ class BridgeWork:
 
     def wait(self) -> int:
         """Block until every chunk is summed and copied back; returns the number of chunks."""
-        for sl, host, work in self.pending:
+        for sl, host, work, both in self.pending:
             work.wait()
+            if both is not None:  # exchange: the same fixed-order sum on both members
+                torch.add(both[0], both[1], out=host)
             if host.data_ptr() != self.flat[sl].data_ptr():
                 self.flat[sl].copy_(host, non_blocking=True)
         self.pending = []
@@ -58,14 +60,28 @@ def bridged_all_reduce_async(
     flat: torch.Tensor,
     group: dist.ProcessGroup,
     chunk_bytes: int = CHUNK_BYTES,
+    exchange: bool = False,
 ) -> BridgeWork:
-    """Start the host-staged, chunked sum of ``flat`` over ``group``; see :class:`BridgeWork`."""
+    """Start the host-staged, chunked sum of ``flat`` over ``group``; see :class:`BridgeWork`.
+
+    ``exchange`` (two-member groups only): each chunk is all-gathered and both members add the
+    two copies in group order (identical results on both; one round trip per chunk where the
+    ring all-reduce takes two, for the same bytes on the link: ``choice.use_exchange``).
+    """
+    if exchange and dist.get_world_size(group) != 2:
+        raise ValueError(f"exchange needs a 2-member group, got {dist.get_world_size(group)}")
     slices = chunk_slices(flat.numel(), flat.element_size(), chunk_bytes)
-    pending: list[tuple[slice, torch.Tensor, dist.Work]] = []
+    pending: list[tuple[slice, torch.Tensor, dist.Work, torch.Tensor | None]] = []
     for sl in slices:
         host = _to_host(flat[sl])
         _sync_device(flat)
-        pending.append((sl, host, dist.all_reduce(host, group=group, async_op=True)))
+        if exchange:
+            both = torch.empty((2, host.numel()), dtype=host.dtype)
+            work = dist.all_gather_into_tensor(both.view(-1), host.reshape(-1), group=group,
+                                               async_op=True)
+            pending.append((sl, host, work, both))
+        else:
+            pending.append((sl, host, dist.all_reduce(host, group=group, async_op=True), None))
     return BridgeWork(flat, pending)
 
 
@@ -73,12 +89,12 @@ def bridged_all_reduce_(
     flat: torch.Tensor,
     group: dist.ProcessGroup,
     chunk_bytes: int = CHUNK_BYTES,
+    exchange: bool = False,
 ) -> int:
-    """Sum a flat tensor in place over ``group`` via host memory, chunk by chunk, overlapped.
-
-    Returns the number of chunks used.
+    """Sum a flat tensor in place over ``group`` via host memory, chunk by chunk, overlapped
+    (``exchange``: see :func:`bridged_all_reduce_async`). Returns the number of chunks used.
     """
-    return bridged_all_reduce_async(flat, group, chunk_bytes).wait()
+    return bridged_all_reduce_async(flat, group, chunk_bytes, exchange).wait()
 
 
 def compressed_all_reduce_(

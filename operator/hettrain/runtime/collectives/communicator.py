@@ -14,7 +14,13 @@ from hettrain.runtime.collectives.bridge import (
     bridged_all_reduce_async,
     compressed_all_reduce_,
 )
-from hettrain.runtime.collectives.choice import PIPELINE_BYTES, LinkModel, choose
+from hettrain.runtime.collectives.choice import (
+    PIPELINE_BYTES,
+    LinkModel,
+    best_pieces,
+    choose,
+    use_exchange,
+)
 from hettrain.runtime.collectives.compression import Codec, ErrorFeedback
 from hettrain.runtime.collectives.hierarchical import (
     _finish,
@@ -262,9 +268,10 @@ class HetCommunicator:
         algo = self.algorithm
         if algo not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algo!r}")
+        link = self.link or lvl.link
         if algo == "auto" or len(hier.blocks) == 1:
-            algo = choose_algorithm(flat.numel() * flat.element_size(), hier,
-                                    self.link or lvl.link, self.pipeline_bytes)
+            algo = choose_algorithm(flat.numel() * flat.element_size(), hier, link,
+                                    self.pipeline_bytes)
         use_codec = compress and hier.spans_dcs and self.codec.kind != "none"
         key = ("dp", id(lvl), len(tensors), flat.numel())
         spans = _Intervals()
@@ -279,8 +286,11 @@ class HetCommunicator:
                 inter_bytes[0] += sent * (g - 1)
                 spans.spans.append((t0, time.perf_counter()))
                 return None
-            inter_bytes[0] += int(2 * (g - 1) / g * buf.numel() * buf.element_size())
-            return _TimedWork(bridged_all_reduce_async(buf, group, self.chunk_bytes), spans, t0)
+            exchange = use_exchange(g, link)
+            share = 1.0 if exchange else 2 * (g - 1) / g
+            inter_bytes[0] += int(share * buf.numel() * buf.element_size())
+            return _TimedWork(bridged_all_reduce_async(buf, group, self.chunk_bytes, exchange),
+                              spans, t0)
 
         nb = flat.numel() * flat.element_size()
         n_intra = len(lvl.block)
@@ -299,7 +309,8 @@ class HetCommunicator:
             intra_bytes = int(2 * (n_intra - 1) / n_intra * nb)
             hierarchical_all_reduce_(flat, lvl.intra, lvl.inter, intra_ranks=lvl.block,
                                      shards=None if hier.uniform else hier.shards,
-                                     inter_op=inter, pipeline_bytes=self.pipeline_bytes)
+                                     inter_op=inter, pipeline_bytes=self.pipeline_bytes,
+                                     pieces=best_pieces(nb, hier, link, self.pipeline_bytes))
         total = time.perf_counter() - t_start
         busy = spans.busy()
         if spans.spans:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from hettrain.runtime.collectives.choice import PIPELINE_BYTES, piece_bytes
+from hettrain.runtime.collectives.choice import INFLIGHT, PIPELINE_BYTES, piece_bytes
 
 InterOp = Callable[[torch.Tensor, dist.ProcessGroup], object]
 
@@ -64,6 +64,7 @@ def hierarchical_all_reduce_(
     shards: int | None = None,
     inter_op: InterOp | None = None,
     pipeline_bytes: int | None = PIPELINE_BYTES,
+    pieces: int | None = None,
 ) -> None:
     """Sum ``tensor`` in place over all blocks: intra reduce-scatter, inter AR, intra all-gather.
 
@@ -72,7 +73,8 @@ def hierarchical_all_reduce_(
     rank's shard owners, or ``None`` when this rank owns no shard (uneven blocks only).
 
     Equal blocks: the tensor is cut into pieces (``choice.piece_bytes``: at least 4 of at least
-    1 MiB, at most ``pipeline_bytes`` each; ``None``: one piece) that flow through the three
+    1 MiB, at most ``pipeline_bytes`` each; ``None``: one piece; or exactly ``pieces`` pieces,
+    as the communicator passes from ``choice.best_pieces``) that flow through the three
     phases as a pipeline: piece ``i+1``'s reduce-scatter and older pieces' all-gathers run
     asynchronously on the intra group while two pieces cross the inter group, so the slow hop
     is busy for nearly the whole call.
@@ -86,7 +88,7 @@ def hierarchical_all_reduce_(
     if pipeline_bytes is not None and pipeline_bytes < 1:
         raise ValueError(f"pipeline_bytes must be >= 1 or None, got {pipeline_bytes}")
     if k == n_intra:
-        _rs_ar_ag(flat, intra_group, inter_group, n_intra, op, pipeline_bytes)
+        _rs_ar_ag(flat, intra_group, inter_group, n_intra, op, pipeline_bytes, pieces)
     else:
         if intra_ranks is None:
             raise ValueError("intra_ranks is required when shards != intra group size")
@@ -106,9 +108,17 @@ def _workspace(tag: str, numel: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel]
 
 
-def pipeline_pieces(numel: int, elem_bytes: int, n: int,
-                    pipeline_bytes: int | None) -> list[tuple[int, int]]:
-    """Element ranges ``[a, b)`` of the pipelined pieces; each a multiple of ``n`` but the last."""
+def pipeline_pieces(numel: int, elem_bytes: int, n: int, pipeline_bytes: int | None,
+                    pieces: int | None = None) -> list[tuple[int, int]]:
+    """Element ranges ``[a, b)`` of the pipelined pieces; each a multiple of ``n`` but the last.
+
+    ``pieces``: cut into (at most) that many instead of by ``choice.piece_bytes``."""
+    if pieces is not None:
+        if pieces < 1:
+            raise ValueError(f"pieces must be >= 1, got {pieces}")
+        per = -(-numel // pieces)
+        step = max(n, -(-per // n) * n)
+        return [(a, min(a + step, numel)) for a in range(0, numel, step)] or [(0, numel)]
     size = piece_bytes(numel * elem_bytes, pipeline_bytes)
     if numel * elem_bytes <= size:
         return [(0, numel)]
@@ -116,13 +126,13 @@ def pipeline_pieces(numel: int, elem_bytes: int, n: int,
     return [(a, min(a + step, numel)) for a in range(0, numel, step)]
 
 
-def _rs_ar_ag(flat, intra_group, inter_group, n, op, pipeline_bytes) -> None:
+def _rs_ar_ag(flat, intra_group, inter_group, n, op, pipeline_bytes, n_pieces=None) -> None:
     # gloo's reduce_scatter_tensor / all_gather_into_tensor are several times slower than its
     # all_reduce (measured, torch 2.9); the same bytes move as all_to_all + local sum and one
     # broadcast per shard, which gloo runs at full speed.
     members = dist.get_process_group_ranks(intra_group)
     mine = members.index(dist.get_rank())
-    pieces = pipeline_pieces(flat.numel(), flat.element_size(), n, pipeline_bytes)
+    pieces = pipeline_pieces(flat.numel(), flat.element_size(), n, pipeline_bytes, n_pieces)
     a_last, b_last = pieces[-1]
     per_last = -(-(b_last - a_last) // n)
     tail = None  # only the last piece may need padding to a multiple of n
@@ -165,7 +175,7 @@ def _rs_ar_ag(flat, intra_group, inter_group, n, op, pipeline_bytes) -> None:
         shard = buf[mine * per: (mine + 1) * per]
         torch.sum(out.view(n, per), dim=0, out=shard)
         flying.append((i, op(shard, inter_group) if inter_group is not None else None))
-        if len(flying) > 1:  # two pieces in flight on the inter group, then gather the older
+        if len(flying) >= INFLIGHT:  # INFLIGHT pieces on the inter group: gather the oldest
             gather(*flying.pop(0))
     for item in flying:
         gather(*item)
