@@ -29,7 +29,7 @@ from hettrain.runtime.collectives.choice import (
     piece_bytes,
     use_exchange,
 )
-from hettrain.runtime.collectives.communicator import _Intervals
+from hettrain.runtime.collectives.communicator import _Intervals, bridge_chunk_bytes
 from hettrain.runtime.collectives.hierarchical import pipeline_pieces, shard_bounds
 
 
@@ -206,6 +206,14 @@ def test_exchange_only_for_two_owners_over_a_slow_link_off_one_host():
     lead = estimate_seconds("leader", m, hier, LinkModel(1.0, 5.0, intra_gbps=1e6,
                                                          intra_latency_ms=0.0))
     assert lead == pytest.approx(2 * 5e-3 + m / 125e6)
+
+
+def test_bridge_chunks_only_where_chunks_overlap_something():
+    host = torch.zeros(16 << 20)  # 64 MiB fp32 on the host
+    assert bridge_chunk_bytes(host, LinkModel(1.0, 5.0)) == 4 << 20  # round trips overlap
+    assert bridge_chunk_bytes(host, LinkModel(25.0, 0.05)) == 64 << 20  # one op
+    assert bridge_chunk_bytes(host, LinkModel(1.0, 5.0, one_host=True)) == 64 << 20
+    assert bridge_chunk_bytes(torch.zeros(0), LinkModel(25.0, 0.05)) == 1
 
 
 def test_link_model_from_the_plan():
