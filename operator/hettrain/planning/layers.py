@@ -168,3 +168,47 @@ def split_layers_brute_force(stages: Sequence[StageCost], total: int, m: float,
         if best is None or t < best[0] - 1e-15:
             best = (t, split)
     return best
+
+
+def chunk_counts(n: int, v: int) -> list[int]:
+    """``n`` layers split into ``v`` near-equal contiguous counts (the larger ones first)."""
+    return [n // v + (1 if c < n % v else 0) for c in range(v)]
+
+
+def chunk_layer_ranges(plan) -> list[list[tuple[int, int]]]:
+    """Global layer range ``(start, end)`` of every model chunk, per stage: ``out[s][c]``.
+
+    The one mapping the planner side, the renderer and the runtime share. Stage ``s`` holds
+    ``n_s = layer_end - layer_start`` layers (from the plan). Without virtual stages
+    (``plan.schedule != "interleaved"`` or ``virtual_stages == 1``) that is the plan's own
+    contiguous range. With ``v`` virtual stages stage ``s`` holds ``v`` chunks; chunk ``(c, s)``
+    gets the ``c``-th of :func:`chunk_counts` ``(n_s, v)`` and the global layer order is
+    chunk-major: ``(0,0), (0,1), ..., (0,p-1), (1,0), ..., (v-1,p-1)``. The embedding lives
+    in chunk ``(0, 0)``, the head in chunk ``(v-1, p-1)``.
+
+    Raises ``ValueError`` naming the field when a stage has fewer layers than chunks or the
+    stages do not cover the model's layers.
+    """
+    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+    if v < 1:
+        raise ValueError(f"plan.virtual_stages={v}: must be >= 1")
+    counts = [st.layer_end - st.layer_start for st in plan.stages]
+    for st, n in zip(plan.stages, counts, strict=True):
+        if n < v:
+            raise ValueError(
+                f"plan.stages[{st.index}] has {n} layers (layer_start={st.layer_start}, "
+                f"layer_end={st.layer_end}) < plan.virtual_stages={v}: every stage needs at "
+                "least one layer per model chunk; lower virtual_stages or move layers")
+    if sum(counts) != plan.model.layers:
+        raise ValueError(f"plan.stages hold {sum(counts)} layers in all, the model has "
+                         f"{plan.model.layers} (model.layers): fix the stage layer ranges")
+    if v == 1:
+        return [[(st.layer_start, st.layer_end)] for st in plan.stages]
+    per_stage = [chunk_counts(n, v) for n in counts]
+    out: list[list[tuple[int, int]]] = [[] for _ in plan.stages]
+    start = 0
+    for c in range(v):
+        for s, split in enumerate(per_stage):
+            out[s].append((start, start + split[c]))
+            start += split[c]
+    return out

@@ -15,6 +15,7 @@ context the backward is the ordinary one.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -194,34 +195,59 @@ class Head(nn.Module):
 
 
 class StageModel(nn.Module):
-    """Layers ``[layer_start, layer_end)`` of the GPT, plus embedding/head when asked."""
+    """Layers ``[layer_start, layer_end)`` of the GPT, plus embedding/head when asked.
+
+    ``chunks`` (interleaved schedule) replaces the one range by several global layer ranges,
+    one per model chunk (see :func:`hettrain.planning.layers.chunk_layer_ranges`); the
+    embedding then belongs to chunk 0 and the head to the last chunk, and
+    :meth:`forward_chunk` runs one of them. Parameter names stay global either way.
+    """
 
     def __init__(self, spec: ModelSpec, layer_start: int, layer_end: int, *,
-                 has_embedding: bool, has_head: bool, seed: int) -> None:
+                 has_embedding: bool, has_head: bool, seed: int,
+                 chunks: Sequence[tuple[int, int]] | None = None) -> None:
         super().__init__()
-        if not 0 <= layer_start < layer_end <= spec.layers:
-            raise ValueError(f"stage layers [{layer_start}, {layer_end}) must lie within "
-                             f"[0, {spec.layers}) and be non-empty")
-        self.spec, self.layer_start, self.layer_end = spec, layer_start, layer_end
+        ranges = list(chunks) if chunks is not None else [(layer_start, layer_end)]
+        if not ranges:
+            raise ValueError("stage chunks: need at least one (layer_start, layer_end) range")
+        for a, b in ranges:
+            if not 0 <= a < b <= spec.layers:
+                raise ValueError(f"stage layers [{a}, {b}) must lie within "
+                                 f"[0, {spec.layers}) and be non-empty")
+        self.spec, self.chunks = spec, ranges
+        self.layer_start, self.layer_end = ranges[0][0], ranges[-1][1]
         self.embed = Embedding(spec) if has_embedding else None
         if self.embed is not None:
             _seeded_init(self.embed, seed * 1000 + EMBED_SEED_OFFSET, spec.layers)
         self.layers = nn.ModuleDict()
-        for i in range(layer_start, layer_end):
-            blk = Block(spec)
-            _seeded_init(blk, seed * 1000 + i, spec.layers)
-            self.layers[str(i)] = blk
+        for a, b in ranges:
+            for i in range(a, b):
+                if str(i) in self.layers:
+                    raise ValueError(f"stage chunks {ranges} overlap at layer {i}")
+                blk = Block(spec)
+                _seeded_init(blk, seed * 1000 + i, spec.layers)
+                self.layers[str(i)] = blk
         self.head = Head(spec) if has_head else None
         if self.head is not None:
             _seeded_init(self.head, seed * 1000 + HEAD_SEED_OFFSET, spec.layers)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (first stage) or hidden states in; hidden states or logits out."""
-        if self.embed is not None:
+    def forward_chunk(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
+        """Run model chunk ``chunk`` only (embedding first if chunk 0, head last if last)."""
+        a, b = self.chunks[chunk]
+        if chunk == 0 and self.embed is not None:
             x = self.embed(x)
-        for blk in self.layers.values():
-            x = blk(x)
-        return self.head(x) if self.head is not None else x
+        for i in range(a, b):
+            x = self.layers[str(i)](x)
+        if chunk == len(self.chunks) - 1 and self.head is not None:
+            x = self.head(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or hidden states in; hidden states or logits out (every
+        chunk in turn: for contiguous chunks the whole stage)."""
+        for c in range(len(self.chunks)):
+            x = self.forward_chunk(c, x)
+        return x
 
 
 def whole_model(spec: ModelSpec, seed: int) -> StageModel:

@@ -1,17 +1,23 @@
-"""Pipeline execution for one stage of one replica: 1F1B, GPipe and ZB-H1 (split backward),
-following the per-stage action lists of :mod:`hettrain.runtime.schedules`.
+"""Pipeline execution for one stage of one replica: 1F1B, GPipe, ZB-H1 (split backward) and
+interleaved 1F1B (virtual stages), following the per-stage action lists of
+:mod:`hettrain.runtime.schedules`.
 
 For ZB-H1 a ``B`` runs the backward inside :func:`~hettrain.runtime.model.defer_weight_grads`
 (input gradients only; sent upstream at once) and the matching ``W`` later runs the stashed
-linear weight gradients. The planner may also choose ``interleaved`` (virtual stages); this
-runtime does NOT implement it: such plans execute 1F1B on the same contiguous layer ranges
-(same numerics, a larger bubble than the plan predicted). :func:`executed_schedule`
-says which one runs; the trainer logs it and exports it as the ``schedule`` label of
-``hettrain_runtime_schedule_info``.
+linear weight gradients. For ``interleaved`` the stage's model holds ``plan.virtual_stages``
+chunks (global layer ranges from :func:`hettrain.planning.layers.chunk_layer_ranges`) and every
+action names its chunk: activations of chunk ``c`` go from stage ``s`` to ``s+1``, and from the
+last stage to stage 0's chunk ``c+1``; gradients go the reverse way. :func:`executed_schedule`
+says which schedule runs (the plan's; it raises for names this runtime does not know); the
+trainer logs it and exports it as the ``schedule`` label of ``hettrain_runtime_schedule_info``.
 
 Activations go forward and gradients backward with non-blocking sends (``dist.isend``) and
 blocking receives, which is deadlock-free for every schedule: a receive only waits for work its
-peer has already been scheduled to do. Traffic is accounted in the communicator's ``stats``.
+peer has already been scheduled to do. Each message travels on a stream ``(peer, tag)`` with
+``tag = 2 * chunk + (0 activation | 1 gradient)`` of the RECEIVING chunk; within a stream both
+sides go in microbatch order, so gloo's in-order matching per (source, tag) pairs them even when
+one peer sends both activations and gradients (pp=2 interleaved). Traffic is accounted in the
+communicator's ``stats``.
 """
 
 from __future__ import annotations
@@ -27,23 +33,27 @@ from hettrain.planning.plan import Plan
 from hettrain.runtime.collectives import Tier, peer_rank
 from hettrain.runtime.model import WeightGradStore, defer_weight_grads, lm_loss
 from hettrain.runtime.schedules import (  # noqa: F401 (re-exported)
+    RUNTIME_SCHEDULES,
     SCHEDULES,
+    chunk_actions,
     schedule_order,
     stage_actions,
     warmup_count,
 )
 
-FALLBACK = {"interleaved": "1f1b"}  # planned but not implemented here
+ACTIVATION, GRADIENT = 0, 1
 
 
 def executed_schedule(planned: str) -> str:
-    """The schedule this runtime runs for a plan's ``schedule``."""
-    if planned in SCHEDULES:
+    """The schedule this runtime runs for a plan's ``schedule`` (every known one as planned)."""
+    if planned in RUNTIME_SCHEDULES:
         return planned
-    if planned in FALLBACK:
-        return FALLBACK[planned]
-    raise ValueError(f"plan.schedule={planned!r}: must be one of "
-                     f"{SCHEDULES + tuple(FALLBACK)}")
+    raise ValueError(f"plan.schedule={planned!r}: must be one of {RUNTIME_SCHEDULES}")
+
+
+def stream_tag(chunk: int, kind: int) -> int:
+    """p2p tag of the messages received by model chunk ``chunk`` (``ACTIVATION``/``GRADIENT``)."""
+    return 2 * chunk + kind
 
 
 def send_peers(plan: Plan, rank: int, to_stage: int) -> list[int]:
@@ -55,7 +65,11 @@ def send_peers(plan: Plan, rank: int, to_stage: int) -> list[int]:
 
 
 class StageRunner:
-    """Runs one stage's share of a step; the last stage returns the summed microbatch loss."""
+    """Runs one stage's share of a step; the last stage returns the summed microbatch loss.
+
+    ``model`` is a :class:`~hettrain.runtime.model.StageModel`; with ``v > 1`` chunks
+    (``model.chunks``) the schedule must be ``interleaved``.
+    """
 
     def __init__(self, plan: Plan, rank: int, model: torch.nn.Module, stats=None,
                  schedule: str | None = None, recv_ahead: int = 1) -> None:
@@ -66,21 +80,48 @@ class StageRunner:
         self.stats = stats
         self.planned = schedule or plan.schedule
         self.schedule = executed_schedule(self.planned)
+        self.v = len(getattr(model, "chunks", [None]))
+        if self.schedule == "interleaved":
+            if self.pp < 2:
+                raise ValueError(f"plan.pp={self.pp}: the interleaved schedule needs pp >= 2 "
+                                 "(use schedule 1f1b on one stage)")
+            if plan.num_microbatches % self.pp:
+                raise ValueError(f"plan.num_microbatches={plan.num_microbatches}: the "
+                                 f"interleaved schedule needs a multiple of pp={self.pp}")
+            if self.v != plan.virtual_stages:
+                raise ValueError(f"stage model has {self.v} chunks, plan.virtual_stages="
+                                 f"{plan.virtual_stages}: build it from chunk_layer_ranges(plan)")
+        elif self.v != 1:
+            raise ValueError(f"plan.schedule={self.schedule!r} runs one chunk per stage; the "
+                             f"stage model has {self.v} (set schedule: interleaved)")
         # receive from one peer; send to every peer that receives from us (stages may differ in
         # TP degree: a TP rank of stage b receives from TP index ``tp_b % tp_a`` of stage a)
-        self.next_peer = None if self.last else peer_rank(plan, rank, self.stage + 1)
-        self.prev_peer = None if self.first else peer_rank(plan, rank, self.stage - 1)
-        self.next_sends = [] if self.last else send_peers(plan, rank, self.stage + 1)
-        self.prev_sends = [] if self.first else send_peers(plan, rank, self.stage - 1)
+        self._peer = {s: peer_rank(plan, rank, s) for s in {self._src(0)[0], self._dst(0)[0],
+                                                             self._src(self.v - 1)[0],
+                                                             self._dst(self.v - 1)[0]}
+                      if s is not None}
+        self._sends = {s: send_peers(plan, rank, s) for s in self._peer}
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
-        # receives posted before they are needed (``irecv``), per peer: the sender's data can
+        # receives posted before they are needed (``irecv``), per stream: the sender's data can
         # then move while this rank computes instead of after it asks (gloo matches messages
-        # from one source in order, and every stage receives a fixed sequence per step)
+        # from one source and tag in order, and every stream carries a fixed sequence per step)
         if recv_ahead < 0:
             raise ValueError(f"recv_ahead must be >= 0, got {recv_ahead}")
         self.recv_ahead = recv_ahead
-        self._posted: dict[int, deque[tuple[torch.Tensor, dist.Work]]] = {}
-        self._to_post: dict[int, int] = {}
+        self._posted: dict[tuple[int, int], deque[tuple[torch.Tensor, dist.Work]]] = {}
+        self._to_post: dict[tuple[int, int], int] = {}
+
+    def _src(self, c: int) -> tuple[int | None, int]:
+        """(stage, chunk) that feeds chunk ``c`` of this stage its input (None: tokens)."""
+        if self.stage > 0:
+            return self.stage - 1, c
+        return (self.pp - 1, c - 1) if c > 0 else (None, 0)
+
+    def _dst(self, c: int) -> tuple[int | None, int]:
+        """(stage, chunk) that consumes chunk ``c``'s output (None: the loss)."""
+        if not self.last:
+            return self.stage + 1, c
+        return (0, c + 1) if c < self.v - 1 else (None, 0)
 
     def _tier(self, peer: int) -> Tier:
         other = self.plan.ranks[peer]
@@ -88,42 +129,42 @@ class StageRunner:
             return Tier.CROSS_DC
         return Tier.INTER_POOL if other.pool != self.me.pool else Tier.INTRA_POOL
 
-    def _send(self, t: torch.Tensor, peer: int) -> None:
+    def _send(self, t: torch.Tensor, peer: int, tag: int) -> None:
         buf = t.detach().contiguous()
         t0 = time.perf_counter()
-        self._pending.append((dist.isend(buf, dst=peer), buf))
+        self._pending.append((dist.isend(buf, dst=peer, tag=tag), buf))
         if self.stats is not None:
             self.stats.add(self._tier(peer), buf.numel() * buf.element_size(),
                            time.perf_counter() - t0)
 
-    def _expect(self, peer: int | None, count: int, shape: Sequence[int]) -> None:
-        """This step receives ``count`` tensors of ``shape`` from ``peer``; post the first."""
-        if peer is None:
-            return
-        self._posted[peer] = deque()
-        self._to_post[peer] = count
-        self._top_up(peer, shape)
+    def _expect(self, stream: tuple[int, int], count: int, shape: Sequence[int]) -> None:
+        """This step receives ``count`` tensors of ``shape`` on ``(peer, tag)``; post the first."""
+        self._posted[stream] = deque()
+        self._to_post[stream] = count
+        self._top_up(stream, shape)
 
-    def _top_up(self, peer: int, shape: Sequence[int]) -> None:
-        q = self._posted[peer]
-        while self._to_post[peer] > 0 and len(q) < self.recv_ahead:
+    def _top_up(self, stream: tuple[int, int], shape: Sequence[int]) -> None:
+        q = self._posted[stream]
+        peer, tag = stream
+        while self._to_post[stream] > 0 and len(q) < self.recv_ahead:
             buf = torch.empty(tuple(shape), dtype=torch.float32)
-            q.append((buf, dist.irecv(buf, src=peer)))
-            self._to_post[peer] -= 1
+            q.append((buf, dist.irecv(buf, src=peer, tag=tag)))
+            self._to_post[stream] -= 1
 
-    def _recv(self, shape: Sequence[int], peer: int) -> torch.Tensor:
+    def _recv(self, shape: Sequence[int], stream: tuple[int, int]) -> torch.Tensor:
         t0 = time.perf_counter()
-        q = self._posted[peer]
+        q = self._posted[stream]
+        peer, tag = stream
         if q:
             buf, work = q.popleft()
             work.wait()
         else:  # recv_ahead == 0
-            self._to_post[peer] -= 1
+            self._to_post[stream] -= 1
             buf = torch.empty(tuple(shape), dtype=torch.float32)
-            dist.recv(buf, src=peer)
+            dist.recv(buf, src=peer, tag=tag)
         if self.stats is not None:
             self.stats.add(self._tier(peer), 0, time.perf_counter() - t0)
-        self._top_up(peer, shape)
+        self._top_up(stream, shape)
         return buf
 
     def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -136,49 +177,58 @@ class StageRunner:
         m = len(batches)
         spec = self.plan.model
         act_shape = (batches[0][0].shape[0], batches[0][0].shape[1], spec.hidden)
-        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         deferred: dict[int, WeightGradStore] = {}
         split = self.schedule == "zb-h1"
+        chunked = self.schedule == "interleaved"
         total = 0.0
-        self._expect(self.prev_peer, m, act_shape)  # activations, in forward order
-        self._expect(self.next_peer, m, act_shape)  # gradients, in backward order
+        for c in range(self.v):  # activations in forward order, gradients in backward order
+            src, dst = self._src(c)[0], self._dst(c)[0]
+            if src is not None:
+                self._expect((self._peer[src], stream_tag(c, ACTIVATION)), m, act_shape)
+            if dst is not None:
+                self._expect((self._peer[dst], stream_tag(c, GRADIENT)), m, act_shape)
 
-        def forward(i: int) -> None:
+        def forward(i: int, c: int) -> None:
             nonlocal total
-            if self.first:
+            src, dst = self._src(c), self._dst(c)
+            if src[0] is None:
                 x_in = None
-                out = self.model(batches[i][0])
+                x = batches[i][0]
             else:
-                x_in = self._recv(act_shape, self.prev_peer).requires_grad_()
-                out = self.model(x_in)
-            if self.last:
+                x_in = self._recv(act_shape, (self._peer[src[0]], stream_tag(c, ACTIVATION)))
+                x = x_in.requires_grad_()
+            out = self.model.forward_chunk(c, x) if chunked else self.model(x)
+            if dst[0] is None:
                 loss = lm_loss(out, batches[i][1])
                 total += loss.item()
                 out = loss * loss_scale
             else:
-                for peer in self.next_sends:
-                    self._send(out, peer)
-            saved[i] = (x_in, out)
+                for peer in self._sends[dst[0]]:
+                    self._send(out, peer, stream_tag(dst[1], ACTIVATION))
+            saved[(i, c)] = (x_in, out)
 
-        def backward(i: int) -> None:
-            x_in, out = saved.pop(i)
-            grad = None if self.last else self._recv(out.shape, self.next_peer)
+        def backward(i: int, c: int) -> None:
+            x_in, out = saved.pop((i, c))
+            src, dst = self._src(c), self._dst(c)
+            grad = (None if dst[0] is None else
+                    self._recv(out.shape, (self._peer[dst[0]], stream_tag(c, GRADIENT))))
             if split:  # B: input gradients now, the linear weight gradients in W
                 with defer_weight_grads() as deferred[i]:
                     out.backward(grad)
             else:
                 out.backward(grad)
             if x_in is not None:
-                for peer in self.prev_sends:
-                    self._send(x_in.grad, peer)
+                for peer in self._sends[src[0]]:
+                    self._send(x_in.grad, peer, stream_tag(src[1], GRADIENT))
 
-        def weights(i: int) -> None:
+        def weights(i: int, c: int) -> None:
             if split:
                 deferred.pop(i).flush()
 
-        ops: dict[str, Callable[[int], None]] = {"F": forward, "B": backward, "W": weights}
-        for kind, i in stage_actions(self.schedule, self.stage, self.pp, m):
-            ops[kind](i)
+        ops: dict[str, Callable[[int, int], None]] = {"F": forward, "B": backward, "W": weights}
+        for kind, i, c in chunk_actions(self.schedule, self.stage, self.pp, m, self.v):
+            ops[kind](i, c)
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()

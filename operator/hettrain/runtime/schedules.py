@@ -12,6 +12,12 @@
   Stage ``s`` then holds at most ``pp - s`` full activation sets (F done, B not: the 1F1B
   bound) and at most ``min(pp, m)`` microbatches whose weight gradient is pending (F done, W
   not), which is stage 0's 1F1B peak: the pipeline's peak activation memory is 1F1B's.
+* ``interleaved`` (Megatron-LM virtual pipeline, Narayanan et al. SC'21): each stage holds ``v``
+  model chunks; forwards visit ``(microbatch, chunk)`` in groups of ``pp`` microbatches through
+  chunk 0, 1, ..., v-1 (backwards through the chunks in reverse), warm-up is
+  ``(pp - stage - 1) * 2 + (v - 1) * pp`` chunk-forwards, then one F / one B, then the
+  cool-down B's. :func:`chunk_actions` gives ``(kind, microbatch, chunk)`` actions; the order
+  equals :func:`hettrain.render.schedule.interleaved_order` (the plan figure's; tested).
 
 For ``1f1b``/``gpipe`` every ``B`` is immediately followed by its ``W``; the runtime runs that
 pair as one ordinary backward. :func:`simulate` replays action lists with per-action costs
@@ -24,9 +30,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-SCHEDULES = ("1f1b", "gpipe", "zb-h1")
+SCHEDULES = ("1f1b", "gpipe", "zb-h1")  # one model chunk per stage
+CHUNKED_SCHEDULES = ("interleaved",)  # several model chunks (virtual stages) per stage
+RUNTIME_SCHEDULES = SCHEDULES + CHUNKED_SCHEDULES
 
 Action = tuple[str, int]  # ("F" | "B" | "W", microbatch)
+ChunkAction = tuple[str, int, int]  # ("F" | "B" | "W", microbatch, chunk)
 
 
 def _check(schedule: str, stage: int, pp: int, m: int) -> None:
@@ -102,3 +111,48 @@ def simulate(actions: Sequence[Sequence[Action]], cost: dict[str, float]) -> flo
         if not progressed:
             raise RuntimeError(f"schedule deadlocks at positions {pos}")
     return max(free)
+
+
+def _virtual_sequence(pp: int, m: int, v: int, backward: bool) -> list[tuple[int, int]]:
+    """``(microbatch, chunk)`` visits: groups of ``pp`` microbatches go through every chunk
+    (in reverse for backward) before the next group starts."""
+    seq: list[tuple[int, int]] = []
+    for group in range(0, m, pp):
+        for k in range(v):
+            c = v - 1 - k if backward else k
+            seq.extend((i, c) for i in range(group, min(group + pp, m)))
+    return seq
+
+
+def interleaved_actions(stage: int, pp: int, m: int, v: int) -> list[ChunkAction]:
+    """Megatron's interleaved-1F1B ``(kind, microbatch, chunk)`` order of ``stage`` (each B is a
+    full backward). Raises ``ValueError`` naming the bad value; ``m`` must be a multiple of
+    ``pp`` (the plan's ``num_microbatches``)."""
+    if pp < 1 or not 0 <= stage < pp:
+        raise ValueError(f"stage={stage} must lie in [0, pp={pp})")
+    if v < 1:
+        raise ValueError(f"plan.virtual_stages={v}: must be >= 1")
+    if m < 1 or m % pp:
+        raise ValueError(f"plan.num_microbatches={m}: the interleaved schedule needs a "
+                         f"positive multiple of pp={pp}")
+    fwd = _virtual_sequence(pp, m, v, backward=False)
+    bwd = _virtual_sequence(pp, m, v, backward=True)
+    total = len(fwd)
+    warm = min((pp - stage - 1) * 2 + (v - 1) * pp, total)
+    out: list[ChunkAction] = [("F", i, c) for i, c in fwd[:warm]]
+    for k in range(total - warm):
+        out.append(("F", *fwd[warm + k]))
+        out.append(("B", *bwd[k]))
+    out += [("B", i, c) for i, c in bwd[total - warm:]]
+    return out
+
+
+def chunk_actions(schedule: str, stage: int, pp: int, m: int, v: int = 1) -> list[ChunkAction]:
+    """The ordered ``(kind, microbatch, chunk)`` actions of ``stage`` for any runtime schedule
+    (chunk 0 throughout unless ``interleaved``)."""
+    if schedule == "interleaved":
+        return interleaved_actions(stage, pp, m, v)
+    if v != 1:
+        raise ValueError(f"plan.virtual_stages={v}: only the interleaved schedule has virtual "
+                         f"stages (plan.schedule={schedule!r}); set it to 1")
+    return [(kind, i, 0) for kind, i in stage_actions(schedule, stage, pp, m)]

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hettrain.planning.catalog import CATALOG
+from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan
 from hettrain.runtime import checkpoint as ckpt
 from hettrain.runtime.collectives import DiLoCo, HetCommunicator, Tier
@@ -114,7 +115,8 @@ class Trainer:
                                               backend_overrides={"*": "gloo"})
         self.model = StageModel(plan.model, st.layer_start, st.layer_end,
                                 has_embedding=st.index == 0, has_head=st.index == plan.pp - 1,
-                                seed=plan.training.seed)
+                                seed=plan.training.seed,
+                                chunks=chunk_layer_ranges(plan)[st.index])
         tp_members = ([plan.ranks[g].tp for g in dist.get_process_group_ranks(self.comm.tp_group)]
                       if st.tp > 1 else [0])
         self.tp = shard_stage_(self.model, plan.model, st.tp, self.me.tp, self.comm.tp_group,
@@ -134,13 +136,8 @@ class Trainer:
                                       cfg.metrics_port + (rank - cfg.rank_start)
                                       if cfg.metrics_port else 0)
         self.metrics.set_schedule(self.runner.schedule, self.runner.planned)
-        if self.runner.schedule != self.runner.planned:
-            log.warning("rank %d: plan schedule %r (virtual_stages %d) is not implemented; "
-                        "executing %r on the same layer ranges (same losses, larger bubble "
-                        "than the plan's predicted step time assumes)", rank,
-                        self.runner.planned, plan.virtual_stages, self.runner.schedule)
-        else:
-            log.info("rank %d: executing schedule %r", rank, self.runner.schedule)
+        log.info("rank %d: executing schedule %r (model chunks %s)", rank,
+                 self.runner.schedule, self.model.chunks)
         self.root = ckpt.checkpoint_root(cfg.checkpoint_uri) if cfg.checkpoint_uri else None
         self._loss_tier = self._dp_tier()
 

@@ -119,7 +119,7 @@ def test_checkpoint_uri_forms(tmp_path):
 
 
 @pytest.mark.parametrize("planned,executed", [("1f1b", "1f1b"), ("gpipe", "gpipe"),
-                                              ("zb-h1", "zb-h1"), ("interleaved", "1f1b")])
+                                              ("zb-h1", "zb-h1"), ("interleaved", "interleaved")])
 def test_the_executed_schedule_is_explicit_and_exported(planned, executed):
     plan = tiny_plan([(0, 2, "a"), (2, 4, "b")], dp=1, schedule=planned)
     model = StageModel(TINY, 0, 2, has_embedding=True, has_head=False, seed=3)
