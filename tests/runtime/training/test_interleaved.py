@@ -271,3 +271,26 @@ def test_interleaved_with_tp2_matches_reference(tmp_path):
     got, logs, sums, _ = _run(tmp_path, plan)
     _assert_ran(logs, sums, plan, "interleaved")
     _assert_matches(got, reference_losses(plan, steps), range(steps))
+
+
+@pytest.mark.slow
+def test_interleaved_across_two_dcs_diloco_h1_is_sync_and_int8_stays_close(tmp_path):
+    """pp=2 v=2, one replica per datacenter: DiLoCo with H=1, outer lr 1, no momentum and SGD
+    is synchronous DP exactly; int8 compression of the DC hop stays within 1e-2 of it."""
+    steps = 4
+    kw = dict(dp=2, steps=steps, lr=0.3, replica_dcs=("dc1", "dc2"))
+    splits = [(0, 2, "pool-a"), (2, 4, "pool-b")]
+    plan = _interleaved(splits, cross_dc=dict(mode="diloco", compression="none", outer_steps=1,
+                                              outer_lr=1.0, outer_momentum=0.0), **kw)
+    ref = reference_losses(plan, steps, optimizer="sgd")
+    assert ref[-1] < ref[0]
+    got, logs, sums, _ = _run(tmp_path / "diloco", plan, {"HETTRAIN_OPTIMIZER": "sgd"})
+    _assert_ran(logs, sums, plan, "interleaved")
+    assert all(s["outer_syncs"] == steps for s in sums)
+    _assert_matches(got, ref, range(steps))
+    comp = _interleaved(splits, cross_dc=dict(mode="compress", compression="int8"), **kw)
+    got, logs, sums, _ = _run(tmp_path / "int8", comp, {"HETTRAIN_OPTIMIZER": "sgd"})
+    _assert_ran(logs, sums, comp, "interleaved")
+    assert sum(s["bytes"]["cross_dc"] for s in sums) > 0
+    assert [got[i] for i in range(steps)] == pytest.approx(ref, rel=1e-2)
+    assert len({s["param_checksum"] for s in sums if s["stage"] == 0}) == 1
