@@ -25,12 +25,17 @@ With ``--zb``: 1F1B vs ZB-H1 on the same pp=2 layouts (runs alternated, median o
 and the plain loop with the runtime's deferrable ``Linear`` vs torch's ``nn.Linear`` (the cost
 of the custom autograd function every schedule now pays).
 
+With ``--schedule``: 1F1B vs interleaved 1F1B (virtual stages v) vs ZB-H1 on pp=2 layouts
+(runs alternated, median of repeats), ms/step and the ratio to 1F1B.
+
     .venv/bin/python bench/runtime.py [--repeats 3] [--steps 12] [--ab-recv-ahead] [--zb]
+                                      [--schedule]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -115,8 +120,13 @@ def main() -> None:
                     help="only the 1F1B vs ZB-H1 and Linear vs nn.Linear comparisons")
     ap.add_argument("--ab-recv-ahead", action="store_true",
                     help="also run the pp2 layouts with HETTRAIN_RECV_AHEAD=0")
+    ap.add_argument("--schedule", action="store_true",
+                    help="only the 1F1B vs interleaved vs ZB-H1 comparison (pp=2)")
     a = ap.parse_args()
     model = TINY
+    if a.schedule:
+        schedules_compare(a.repeats, a.steps)
+        return
     if a.zb:
         zb_vs_1f1b(a.repeats, a.steps)
         return
@@ -181,6 +191,35 @@ def zb_vs_1f1b(repeats: int, steps: int) -> None:
     print(f"plain loop, 8 mb: hettrain Linear {o:.1f} ms ({oc:.1f} CPU) vs nn.Linear "
           f"{t:.1f} ms ({tc:.1f} CPU): {o / t:.2f}x wall, {oc / tc:.2f}x CPU; "
           f"{tokens} tokens/step")
+
+
+def schedules_compare(repeats: int, steps: int) -> None:
+    """Print 1F1B vs interleaved (v chunks) vs ZB-H1 step times on pp=2, dp=1 (runs alternated,
+    medians of repeats; ratios to 1F1B)."""
+    eight = dataclasses.replace(TINY, layers=8, name="gpt-tiny-8")
+    layouts = {"4L 2+2, v=2": (TINY, [(0, 2, "pool-a"), (2, 4, "pool-b")], 2),
+               "8L 4+4, v=2": (eight, [(0, 4, "pool-a"), (4, 8, "pool-b")], 2),
+               "8L 4+4, v=4": (eight, [(0, 4, "pool-a"), (4, 8, "pool-b")], 4)}
+    scheds = ("1f1b", "interleaved", "zb-h1")
+    print(f"median of {repeats}; {steps} steps; 8 microbatches of 2; pp2 dp1; ms/step (wall, "
+          "rank 0) and CPU ms/step (summed over ranks)")
+    print(f"{'layout':14} {'1f1b':>7} {'inter':>7} {'zb-h1':>7} {'int/1f1b':>9} {'zb/1f1b':>8} |"
+          f" {'1f1b CPU':>8} {'int CPU':>8} {'zb CPU':>8} {'int/1f1b':>9}")
+    for name, (model, split, v) in layouts.items():
+        res: dict[str, list[tuple[float, float]]] = {k: [] for k in scheds}
+        for _ in range(repeats):
+            for sched in scheds:
+                plan = tiny_plan(split, dp=1, steps=steps, num_microbatches=8, schedule=sched,
+                                 model=model)
+                if sched == "interleaved":
+                    plan = dataclasses.replace(plan, virtual_stages=v)
+                res[sched].append(runtime(plan, steps))
+        w = {k: 1e3 * statistics.median(x for x, _ in res[k]) for k in scheds}
+        c = {k: 1e3 * statistics.median(y for _, y in res[k]) for k in scheds}
+        print(f"{name:14} {w['1f1b']:7.1f} {w['interleaved']:7.1f} {w['zb-h1']:7.1f} "
+              f"{w['interleaved'] / w['1f1b']:9.2f} {w['zb-h1'] / w['1f1b']:8.2f} | "
+              f"{c['1f1b']:8.1f} {c['interleaved']:8.1f} {c['zb-h1']:8.1f} "
+              f"{c['interleaved'] / c['1f1b']:9.2f}")
 
 
 if __name__ == "__main__":
