@@ -3,7 +3,9 @@
 Initialisation is seeded per global layer index (``seed * 1000 + layer``; embedding and head
 have their own seeds), so a model built in slices holds exactly the weights of the whole model.
 Parameter names use GLOBAL layer indices (``layers.7.attn.q.weight``), which is what lets a
-checkpoint be resharded onto a different pipeline layout.
+checkpoint be resharded onto a different pipeline layout. A stage of the interleaved schedule
+holds several model chunks (global layer ranges, ``StageModel(..., chunks=...)``) in one module,
+so the names, the DP sync and the checkpoints are the same as for a contiguous slice.
 
 Every projection is a :class:`Linear` whose weight gradient can be DEFERRED for ZB-H1: inside
 ``with defer_weight_grads() as store`` a backward computes only input gradients (and the small
