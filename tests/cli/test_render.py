@@ -14,7 +14,7 @@ from matplotlib.image import imread
 
 from hettrain.planning.plan import Plan
 from hettrain.render.figure import render_plan_figure
-from hettrain.render.table import human_bytes, layout_summary, print_plan
+from hettrain.render.table import human_bytes, layout_summary, print_plan, stage_layers
 
 SVG_NS = "{http://www.w3.org/2000/svg}"
 
@@ -116,3 +116,22 @@ def test_undrawable_schedule_still_writes_the_map(tmp_path: Path,
 def test_bad_picture_format_names_the_fix(tmp_path: Path, make_plan: Callable[..., Plan]) -> None:
     with pytest.raises(ValueError, match=r"\.svg or \.png"):
         render_plan_figure(make_plan(), tmp_path / "plan.gif")
+
+
+def test_interleaved_stages_show_the_chunks_they_hold(make_plan: Callable[..., Plan]) -> None:
+    plan = make_plan(pp=3, dp=1, microbatches=6, schedule="interleaved", virtual_stages=2)
+    counts = [s.layer_end - s.layer_start for s in plan.stages]
+    # independent walk of the chunk-major order: chunk c of every stage, then chunk c+1
+    nxt, held = 0, [[] for _ in counts]
+    for c in range(2):
+        for s, n in enumerate(counts):
+            k = n // 2 + (n % 2 if c == 0 else 0)  # near-equal, the first chunk takes the rest
+            held[s].append(f"{nxt}" if k == 1 else f"{nxt}–{nxt + k - 1}")
+            nxt += k
+    assert nxt == plan.model.layers
+    assert stage_layers(plan) == [", ".join(h) for h in held]
+    out = io.StringIO()
+    print_plan(plan, file=out, width=200)
+    assert all(", ".join(h) in out.getvalue() for h in held)
+    plain = make_plan(pp=3, dp=1, microbatches=4)
+    assert stage_layers(plain) == [f"{s.layer_start}–{s.layer_end - 1}" for s in plain.stages]

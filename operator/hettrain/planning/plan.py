@@ -4,7 +4,9 @@ A plan is JSON-serialisable and versioned (``PLAN_VERSION``). The operator store
 plan ConfigMap under ``plan.json``; the runtime reads it back with :meth:`Plan.from_json`.
 
 Layout model: every data-parallel replica is the same pipeline of ``pp`` stages. Stage ``s`` holds
-layers ``[layer_start, layer_end)`` and runs on one device type with its own tensor-parallel
+layers ``[layer_start, layer_end)`` (for ``schedule="interleaved"`` only their COUNT: the stage's
+``virtual_stages`` model chunks come from ``planning.layers.chunk_layer_ranges``, chunk-major)
+and runs on one device type with its own tensor-parallel
 degree ``tp``; its ``dp`` replicas may come from several pools of that device type (then the
 stage's DP all-reduce is hierarchical across pools or datacenters). Each rank is one GPU with
 coordinates ``(stage, dp, tp)``; ranks are numbered so that a node hosts consecutive ranks.
@@ -32,7 +34,7 @@ class StagePlan:
     backend: str  # pool-local collective backend: nccl (CUDA/ROCm), hccl, gloo
     pools: tuple[str, ...]  # pools contributing replicas of this stage
     datacenters: tuple[str, ...]
-    layer_start: int
+    layer_start: int  # interleaved plans: only end - start counts (see chunk_layer_ranges)
     layer_end: int  # exclusive
     tp: int
     memory_gib: float  # predicted peak per device

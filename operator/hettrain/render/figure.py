@@ -23,7 +23,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from hettrain.planning.plan import Plan, RankPlan
 from hettrain.render.schedule import BACKWARD, FORWARD, WEIGHT, Timeline, build_timeline
-from hettrain.render.table import layer_range, layout_summary, schedule_summary
+from hettrain.render.table import layout_summary, schedule_summary, stage_layers
 
 FORMATS = ("svg", "png")
 NODES_PER_ROW = 8
@@ -107,8 +107,9 @@ def draw_placement(ax: Axes, plan: Plan) -> int:
     ax.set_xlim(-0.5, max(widest, 4) * node_w)
     ax.set_ylim(y + 0.2, -0.4)
     ax.set_axis_off()
+    labels = stage_layers(plan)
     legend = [Patch(facecolor=colors[s.index], label=f"stage {s.index}: {s.device} tp{s.tp}, "
-                    f"layers {layer_range(s.layer_start, s.layer_end)}") for s in plan.stages]
+                    f"layers {labels[s.index]}") for s in plan.stages]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
               frameon=False, title="placement", title_fontsize=8)
     ax.set_title(f"{plan.job}: {plan.world_size} GPUs, DP×PP×TP = {layout_summary(plan)}",

@@ -8,6 +8,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan
 
 
@@ -54,6 +55,17 @@ def layer_range(start: int, end: int) -> str:
     return str(start) if end - start == 1 else f"{start}–{end - 1}"
 
 
+def stage_layers(plan: Plan) -> list[str]:
+    """Per stage, the layers it really holds: its contiguous range, or for an interleaved plan
+    its model chunks in chunk-major order (``planning.layers.chunk_layer_ranges``), e.g.
+    ``0–1, 4–5``."""
+    try:
+        chunks = chunk_layer_ranges(plan)
+    except ValueError:  # an inconsistent plan: show what it says
+        chunks = [[(s.layer_start, s.layer_end)] for s in plan.stages]
+    return [", ".join(layer_range(a, b) for a, b in per) for per in chunks]
+
+
 def stage_table(plan: Plan) -> Table:
     """One row per pipeline stage."""
     table = Table(title=f"Plan for {plan.job}: {plan.model.name}", title_justify="left")
@@ -63,6 +75,7 @@ def stage_table(plan: Plan) -> Table:
         ("DP", "right"), ("memory GiB", "right"), ("time ms", "right"),
     ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    labels = stage_layers(plan)
     for s in plan.stages:
         extras = "".join(mark for flag, mark in ((s.has_embedding, " +emb"), (s.has_head, " +head"))
                          if flag)
@@ -71,7 +84,7 @@ def stage_table(plan: Plan) -> Table:
             memory.stylize("bold yellow")
         table.add_row(
             str(s.index), s.device, s.vendor, ", ".join(s.pools), ", ".join(s.datacenters),
-            f"{layer_range(s.layer_start, s.layer_end)}{extras}", str(s.layers), str(s.tp),
+            f"{labels[s.index]}{extras}", str(s.layers), str(s.tp),
             str(plan.dp), memory, f"{s.time_ms:.1f}",
         )
     return table
