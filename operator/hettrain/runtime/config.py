@@ -9,6 +9,7 @@ from pathlib import Path
 from hettrain.api import constants as C
 from hettrain.planning.plan import Plan
 from hettrain.runtime.checkpoint import DEFAULT_INTERVAL
+from hettrain.runtime.devices import DEVICE_CHOICES, ENV_DEVICE
 from hettrain.runtime.metrics import DEFAULT_PORT
 
 ENV_CHECKPOINT_INTERVAL = "HETTRAIN_CHECKPOINT_INTERVAL"
@@ -52,6 +53,7 @@ class RuntimeConfig:
     optimizer: str = "adamw"
     summary_dir: str = ""
     recv_ahead: int = 1
+    device: str = "auto"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> RuntimeConfig:
@@ -81,7 +83,10 @@ class RuntimeConfig:
             optimizer=env.get(ENV_OPTIMIZER, "") or "adamw",
             summary_dir=env.get(ENV_SUMMARY_DIR, ""),
             recv_ahead=_int(env, ENV_RECV_AHEAD, 1),
+            device=env.get(ENV_DEVICE, "") or "auto",
         )
+        if cfg.device not in DEVICE_CHOICES:
+            raise ValueError(f"env {ENV_DEVICE}={cfg.device!r}: must be one of {DEVICE_CHOICES}")
         if cfg.recv_ahead < 0:
             raise ValueError(f"env {ENV_RECV_AHEAD}={cfg.recv_ahead} must be >= 0 "
                              "(0 = receive only when needed)")

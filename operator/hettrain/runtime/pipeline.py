@@ -11,9 +11,11 @@ last stage to stage 0's chunk ``c+1``; gradients go the reverse way. :func:`exec
 says which schedule runs (the plan's; it raises for names this runtime does not know); the
 trainer logs it and exports it as the ``schedule`` label of ``hettrain_runtime_schedule_info``.
 
-Activations go forward and gradients backward with non-blocking sends (``dist.isend``) and
-blocking receives, which is deadlock-free for every schedule: a receive only waits for work its
-peer has already been scheduled to do. Each message travels on a stream ``(peer, tag)`` with
+Activations go forward and gradients backward over the gloo world group, staged through host
+memory when the stage runs on an accelerator (pools of different vendors share no device
+library), with non-blocking sends (``dist.isend``) and blocking receives, which is
+deadlock-free for every schedule: a receive only waits for work its peer has already been
+scheduled to do. Each message travels on a stream ``(peer, tag)`` with
 ``tag = 2 * chunk + (0 activation | 1 gradient)`` of the RECEIVING chunk; within a stream both
 sides go in microbatch order, so gloo's in-order matching per (source, tag) pairs them even when
 one peer sends both activations and gradients (pp=2 interleaved). Traffic is accounted in the
@@ -78,6 +80,7 @@ class StageRunner:
         self.stage, self.pp = self.me.stage, plan.pp
         self.first, self.last = self.stage == 0, self.stage == plan.pp - 1
         self.stats = stats
+        self.device = next(model.parameters()).device  # receives land here (host-staged)
         self.planned = schedule or plan.schedule
         self.schedule = executed_schedule(self.planned)
         self.v = len(getattr(model, "chunks", [None]))
@@ -131,6 +134,8 @@ class StageRunner:
 
     def _send(self, t: torch.Tensor, peer: int, tag: int) -> None:
         buf = t.detach().contiguous()
+        if buf.device.type != "cpu":  # the world group is gloo: host-staged across vendors
+            buf = buf.cpu()
         t0 = time.perf_counter()
         self._pending.append((dist.isend(buf, dst=peer, tag=tag), buf))
         if self.stats is not None:
@@ -165,7 +170,7 @@ class StageRunner:
         if self.stats is not None:
             self.stats.add(self._tier(peer), 0, time.perf_counter() - t0)
         self._top_up(stream, shape)
-        return buf
+        return buf if self.device.type == "cpu" else buf.to(self.device)
 
     def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
             loss_scale: float) -> float:

@@ -139,9 +139,9 @@ class TPShards:
         dim, idx = self.shards[name]
         parts = [torch.empty_like(local) for _ in range(self.tp)]
         dist.all_gather(parts, local.detach().contiguous(), group=self.group)
-        full = torch.empty(self.full_shape(name, local), dtype=local.dtype)
+        full = torch.empty(self.full_shape(name, local), dtype=local.dtype, device=local.device)
         for g, part in enumerate(parts):
-            full.index_copy_(dim, idx[self.member_index[g]], part)
+            full.index_copy_(dim, idx[self.member_index[g]].to(local.device), part)
         return full
 
     def local(self, name: str, full: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from hettrain.runtime import checkpoint as ckpt
 from hettrain.runtime.collectives import DiLoCo, HetCommunicator, Tier
 from hettrain.runtime.config import ENV_OPTIMIZER, OPTIMIZERS, RuntimeConfig
 from hettrain.runtime.data import microbatches
+from hettrain.runtime.devices import activate, select_device
 from hettrain.runtime.metrics import RuntimeMetrics
 from hettrain.runtime.model import StageModel, lm_loss, whole_model
 from hettrain.runtime.pipeline import StageRunner
@@ -111,8 +112,15 @@ class Trainer:
         st = plan.stages[self.me.stage]
         check_tp(plan.model, st.tp, f"plan.stages[{st.index}]")
         self.xdc = cross_dc_settings(plan)
-        self.comm = HetCommunicator.from_plan(plan, rank, device=torch.device("cpu"),
-                                              backend_overrides={"*": "gloo"})
+        choice = select_device(st.vendor, rank - cfg.rank_start, cfg.device)
+        self.device = choice.device
+        activate(self.device)
+        log.info("rank %d: device %s (%s)", rank, self.device, choice.reason)
+        # on the CPU every group is gloo; on an accelerator each pool uses the plan's backend
+        # (nccl/hccl) where this host has it, and groups spanning pools are host-staged gloo
+        self.comm = HetCommunicator.from_plan(
+            plan, rank, device=self.device,
+            backend_overrides=None if choice.accelerated else {"*": "gloo"})
         self.model = StageModel(plan.model, st.layer_start, st.layer_end,
                                 has_embedding=st.index == 0, has_head=st.index == plan.pp - 1,
                                 seed=plan.training.seed,
@@ -121,6 +129,7 @@ class Trainer:
                       if st.tp > 1 else [0])
         self.tp = shard_stage_(self.model, plan.model, st.tp, self.me.tp, self.comm.tp_group,
                                tp_members, self.comm.stats)
+        self.model.to(self.device)  # built and sliced on the host: identical weights anywhere
         self.opt = make_optimizer(self.model, plan.training.learning_rate, cfg.optimizer)
         self.diloco: DiLoCo | None = None
         if self.xdc["mode"] == "diloco":
@@ -173,10 +182,12 @@ class Trainer:
         if self.me.stage == self.plan.pp - 1 and self.plan.dp > 1:
             # plain (never compressed) average over the replicas; 4 bytes, still accounted
             g = self.comm.dp_size
+            group = self.comm.dp_group
+            staged = loss.to(self.comm.staging_device(group))
             with self.comm.stats.timed(self._loss_tier, int(2 * (g - 1) / g * 4)):
-                dist.all_reduce(loss, group=self.comm.dp_group)
-            loss /= g
-        dist.broadcast(loss, src=self.loss_src)
+                dist.all_reduce(staged, group=group)
+            loss = staged.cpu() / g
+        dist.broadcast(loss, src=self.loss_src)  # the world group is gloo: host memory
         return loss
 
     def train(self) -> list[float]:
@@ -204,6 +215,8 @@ class Trainer:
                                    micro_batch=plan.micro_batch,
                                    num_microbatches=plan.num_microbatches,
                                    seq_len=plan.model.seq_len, vocab=plan.model.vocab)
+            if self.device.type != "cpu":
+                batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
             total = self.runner.run(batches, 1.0 / plan.num_microbatches)
             done = step + 1
             last = done == t.steps
@@ -246,7 +259,8 @@ class Trainer:
             checksum = float(sum(p.double().sum() for p in self.model.parameters()))
         rec = {"rank": self.rank, "stage": self.me.stage, "dp": self.me.dp, "tp": self.me.tp,
                "datacenter": self.me.datacenter, "mode": self.xdc["mode"],
-               "schedule": self.runner.schedule, "steps": len(losses),
+               "schedule": self.runner.schedule, "device": str(self.device),
+               "steps": len(losses),
                "outer_syncs": self.diloco.outer_syncs if self.diloco is not None else 0,
                "param_checksum": checksum,
                "param_elements": sum(p.numel() for p in self.model.parameters()),

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from hettrain.api.spec import ModelSpec, TrainingSpec
 from hettrain.planning.plan import Plan, Prediction, RankPlan, StagePlan
 
+BACKEND = {"cpu": "gloo", "nvidia": "nccl", "amd": "nccl", "intel": "hccl", "huawei": "hccl"}
 TINY = ModelSpec(layers=4, hidden=32, heads=4, seq_len=32, vocab=256, ffn_hidden=128,
                  kv_heads=2, name="gpt-tiny-test")
 
@@ -14,13 +15,15 @@ TINY = ModelSpec(layers=4, hidden=32, heads=4, seq_len=32, vocab=256, ffn_hidden
 def tiny_plan(splits: list[tuple[int, int, str]], dp: int, *, steps: int = 10,
               micro_batch: int = 2, num_microbatches: int = 4, schedule: str = "1f1b",
               model: ModelSpec = TINY, lr: float = 3e-3, tp: int | Sequence[int] = 1,
-              replica_dcs: Sequence[str] | None = None, cross_dc: dict | None = None) -> Plan:
+              replica_dcs: Sequence[str] | None = None, cross_dc: dict | None = None,
+              vendors: Sequence[str] | None = None) -> Plan:
     """``splits`` = [(layer_start, layer_end, pool)] per stage; each stage has ``dp`` replicas
     of ``tp`` ranks (an int, or one degree per stage).
 
     ``replica_dcs[d]`` puts replica ``d`` in that datacenter (pool ``{pool}-{dc}``); by default
     everything is in ``dc1``. ``cross_dc`` is the plan's cross-DC section (mode, compression,
-    outer_steps, outer_lr, outer_momentum).
+    outer_steps, outer_lr, outer_momentum). ``vendors[s]`` is stage ``s``'s vendor (default
+    ``cpu``), with its catalog backend (nccl for nvidia/amd, hccl for intel/huawei).
     """
     tps = [tp] * len(splits) if isinstance(tp, int) else list(tp)
     dcs = list(replica_dcs or ["dc1"] * dp)
@@ -28,7 +31,8 @@ def tiny_plan(splits: list[tuple[int, int, str]], dp: int, *, steps: int = 10,
     stages, ranks = [], []
     for s, (a, b, pool) in enumerate(splits):
         pools = [f"{pool}-{dc}" if multi_dc else pool for dc in dcs]
-        stages.append(StagePlan(index=s, device="cpu", vendor="cpu", backend="gloo",
+        vendor = vendors[s] if vendors else "cpu"
+        stages.append(StagePlan(index=s, device="cpu", vendor=vendor, backend=BACKEND[vendor],
                                 pools=tuple(dict.fromkeys(pools)),
                                 datacenters=tuple(dict.fromkeys(dcs)), layer_start=a,
                                 layer_end=b, tp=tps[s], memory_gib=0.1, capacity_gib=1.0,

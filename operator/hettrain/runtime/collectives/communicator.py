@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,11 +39,29 @@ CROSS_DC_LINK = LinkModel(inter_gbps=10.0, inter_latency_ms=5.0)  # plan gives n
 SAME_DC_LINK = LinkModel(inter_gbps=25.0, inter_latency_ms=0.05)  # host-staged NIC hop
 
 
+# modules that register the ``hccl`` backend with torch.distributed when imported
+HCCL_PLUGINS = ("habana_frameworks.torch.distributed.hccl", "torch_npu")
+
+
+def _hccl_available() -> bool:
+    for module in HCCL_PLUGINS:
+        if dist.is_backend_available("hccl"):
+            break
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            continue
+    return dist.is_backend_available("hccl")
+
+
 def resolve_backend(requested: str) -> str:
-    """The backend usable on this host for a pool that asks for ``requested``; else gloo."""
+    """The backend usable on this host for a pool that asks for ``requested``; else gloo.
+
+    ``hccl`` is registered by the Gaudi (``habana_frameworks``) or Ascend (``torch_npu``)
+    plugin, imported here when present."""
     if requested == "nccl" and torch.cuda.is_available() and dist.is_nccl_available():
         return "nccl"
-    if requested == "hccl" and dist.is_backend_available("hccl"):
+    if requested == "hccl" and _hccl_available():
         return "hccl"
     return "gloo"
 
@@ -114,16 +133,29 @@ class _TimedWork:
 
 
 class _Groups:
-    """Memoised ``dist.new_group`` calls; every rank calls in the same order (collective)."""
+    """Memoised ``dist.new_group`` calls; every rank calls in the same order (collective).
 
-    def __init__(self) -> None:
+    Groups are keyed by the backend the PLAN names (``nccl``, ``hccl``, ``gloo``), which is the
+    same on every rank; ``resolve`` maps it to what this host can run only when the group is
+    created. Keyed by the resolved name instead, a rank on another vendor's host could merge
+    two requests that the members keep apart, and the ranks' ``new_group`` sequences (which
+    name the groups) would diverge.
+    """
+
+    def __init__(self, resolve: Callable[[str], str] = resolve_backend) -> None:
         self._cache: dict[tuple[tuple[int, ...], str], object] = {}
+        self.resolve = resolve
         self.me = dist.get_rank()
+        self.backends: dict[object, str] = {}  # this rank's groups -> backend they run
 
     def get(self, ranks: Sequence[int], backend: str) -> dist.ProcessGroup | None:
         key = (tuple(ranks), backend)
         if key not in self._cache:
-            self._cache[key] = dist.new_group(list(key[0]), backend=backend)
+            resolved = self.resolve(backend)
+            group = dist.new_group(list(key[0]), backend=resolved)
+            self._cache[key] = group
+            if self.me in key[0]:
+                self.backends[group] = resolved
         return self._cache[key] if self.me in key[0] else None
 
 
@@ -184,10 +216,9 @@ class HetCommunicator:
         for st in plan.stages:
             for p in st.pools:
                 pool_backend.setdefault(p, st.backend)
-        self.pool_backends = {
-            p: overrides.get(p, overrides.get("*", resolve_backend(b)))
-            for p, b in pool_backend.items()
-        }
+        # the plan's names (after overrides); _Groups resolves them on this host
+        self.pool_backends = {p: overrides.get(p, overrides.get("*", b))
+                              for p, b in pool_backend.items()}
         pool_of = {r.rank: r.pool for r in plan.ranks}
         dc_of = {r.rank: r.datacenter for r in plan.ranks}
 
@@ -200,7 +231,7 @@ class HetCommunicator:
                 return Tier.CROSS_DC
             return Tier.INTER_POOL if len({pool_of[r] for r in ranks}) > 1 else Tier.INTRA_POOL
 
-        groups = _Groups()
+        groups = self._groups = _Groups()
         lay = layout(plan)
         self.pool_group = None
         for _, ranks in lay.pools:
@@ -247,6 +278,15 @@ class HetCommunicator:
         """
         return cls(plan, rank, device or torch.device("cpu"), backend_overrides, chunk_bytes,
                    link, pipeline_bytes)
+
+    def backend(self, group: dist.ProcessGroup | None) -> str:
+        """The backend ``group`` (one of this rank's) runs on this host; the world is gloo."""
+        return self._groups.backends.get(group, "gloo")
+
+    def staging_device(self, group: dist.ProcessGroup | None) -> torch.device:
+        """Where a tensor for a plain collective on ``group`` must live: this rank's device
+        for a vendor backend (nccl, hccl), host memory for gloo."""
+        return torch.device("cpu") if self.backend(group) == "gloo" else self.device
 
     def choose(self, nbytes: int, scope: str = "global") -> str:
         """The algorithm ``auto`` picks for ``nbytes`` in ``scope`` (``global|dc|cross_dc``)."""
