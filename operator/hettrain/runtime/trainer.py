@@ -118,9 +118,7 @@ class Trainer:
         log.info("rank %d: device %s (%s)", rank, self.device, choice.reason)
         # on the CPU every group is gloo; on an accelerator each pool uses the plan's backend
         # (nccl/hccl) where this host has it, and groups spanning pools are host-staged gloo
-        self.comm = HetCommunicator.from_plan(
-            plan, rank, device=self.device,
-            backend_overrides=None if choice.accelerated else {"*": "gloo"})
+        self.comm = HetCommunicator.from_plan(plan, rank, device=self.device)
         self.model = StageModel(plan.model, st.layer_start, st.layer_end,
                                 has_embedding=st.index == 0, has_head=st.index == plan.pp - 1,
                                 seed=plan.training.seed,

@@ -129,7 +129,9 @@ def test_group_sequence_is_the_same_on_hosts_that_resolve_backends_differently(m
 
     on_cuda = run_as(0, cuda_host)
     on_gaudi = run_as(2, gaudi_host)
+    run_as(3, lambda _b: "gloo")  # a rank on the host CPU (a CPU pool, or HETTRAIN_DEVICE=cpu)
     assert [r for r, _ in calls[0]] == [r for r, _ in calls[2]]  # same sequence of groups
+    assert [r for r, _ in calls[0]] == [r for r, _ in calls[3]]
     assert len(calls[0]) == 7  # the repeated ((0, 1), "nccl") is one group
     assert calls[0][1] == ((0,), "nccl") and calls[2][1] == ((0,), "gloo")
     assert on_cuda["groups"][0] is on_cuda["groups"][3]

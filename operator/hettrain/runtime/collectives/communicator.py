@@ -231,7 +231,10 @@ class HetCommunicator:
                 return Tier.CROSS_DC
             return Tier.INTER_POOL if len({pool_of[r] for r in ranks}) > 1 else Tier.INTRA_POOL
 
-        groups = self._groups = _Groups()
+        # a rank on the host CPU runs gloo in every group (nccl/hccl need device tensors); the
+        # keys stay the plan's names, so its group sequence matches its accelerated peers'
+        groups = self._groups = _Groups(resolve_backend if device.type != "cpu"
+                                        else lambda _plan_backend: "gloo")
         lay = layout(plan)
         self.pool_group = None
         for _, ranks in lay.pools:
@@ -271,6 +274,9 @@ class HetCommunicator:
                   pipeline_bytes: int | None = PIPELINE_BYTES) -> HetCommunicator:
         """Build every group of ``plan`` (collective: all ranks must call it).
 
+        Pool groups run the plan's backend (``nccl``, ``hccl``) where this host has it and
+        ``device`` is an accelerator, else gloo. ``backend_overrides`` (``{pool | "*":
+        backend}``) replaces the plan's names and must be the same on every rank.
         ``link`` overrides the link speeds ``auto`` uses (default: from the plan, see
         :func:`link_model`); ``pipeline_bytes`` is the piece size of the pipelined hierarchical
         all-reduce (``None``: one piece); ``chunk_bytes`` the bridge's chunk size (``None``:
