@@ -25,8 +25,14 @@ def _to_host(chunk: torch.Tensor) -> torch.Tensor:
 
 
 def _sync_device(t: torch.Tensor) -> None:
+    """Wait for ``t``'s device copies to land in host memory (cuda: its current stream; hpu,
+    npu: the device's ``synchronize``)."""
     if t.device.type == "cuda":
         torch.cuda.current_stream(t.device).synchronize()
+    elif t.device.type != "cpu":
+        sync = getattr(getattr(torch, t.device.type, None), "synchronize", None)
+        if sync is not None:
+            sync()
 
 
 def chunk_slices(n: int, elem_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[slice]:
