@@ -85,6 +85,23 @@ def _value(text, name, extra=""):
     return float("nan")
 
 
+def _kill_after_checkpoint(plan, tmp_path, env, *, after_step: int, victim: int) -> int:
+    """Run ``plan`` in ``tmp_path/run1`` until checkpoint ``after_step`` exists, SIGKILL rank
+    ``victim`` mid-run and tear the gang down (as the operator would); the checkpointed step."""
+    ck = tmp_path / "ckpt"
+    procs = launch_local(plan, tmp_path / "run1", env)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (ck / f"step-{after_step}").exists():
+        assert all(p.poll() is None for p in procs), _logs(tmp_path / "run1")
+        time.sleep(0.1)
+    kill_rank(procs, victim)
+    codes = wait_all(procs, 5)
+    assert codes[victim] == -9
+    done = int((ck / "latest").read_text().removeprefix("step-"))
+    assert after_step <= done < plan.training.steps
+    return done
+
+
 def test_sigkill_then_resume_on_a_smaller_different_layout(tmp_path):
     steps = 9
     first = tiny_plan([(0, 3, "pool-a"), (3, 4, "pool-b")], dp=2, steps=steps)
@@ -92,16 +109,7 @@ def test_sigkill_then_resume_on_a_smaller_different_layout(tmp_path):
     env = {"HETTRAIN_CHECKPOINT_URI": f"file://{ck}", "HETTRAIN_CHECKPOINT_INTERVAL": "3",
            "HETTRAIN_METRICS_PORT": "0", "HETTRAIN_STEP_SLEEP": "0.3",
            "HETTRAIN_LOSS_LOG": str(tmp_path / "before.jsonl")}
-    procs = launch_local(first, tmp_path / "run1", env)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and not (ck / "step-3").exists():
-        assert all(p.poll() is None for p in procs), _logs(tmp_path / "run1")
-        time.sleep(0.1)
-    kill_rank(procs, 1)  # real SIGKILL of a stage-0 replica mid-run
-    codes = wait_all(procs, 5)  # the gang is torn down, as the operator would
-    assert codes[1] == -9
-    done = int((ck / "latest").read_text().removeprefix("step-"))
-    assert 3 <= done < steps
+    done = _kill_after_checkpoint(first, tmp_path, env, after_step=3, victim=1)  # stage 0, dp 1
     # re-plan on survivors: 2 ranks, 1 replica, layers re-split 1+3, twice the microbatches,
     # the GPipe schedule -- the same global batch of 16 sequences
     second = tiny_plan([(0, 1, "pool-a"), (1, 4, "pool-b")], dp=1, steps=steps,
@@ -130,21 +138,11 @@ def test_sigkill_then_planner_replan_on_survivors_and_resume(tmp_path):
     inventory = load_cluster(root / "examples/clusters/local-cpu.yaml")
     first = plan_job(name, spec, inventory)
     assert first.world_size >= 2, first.to_json()
-    ck = tmp_path / "ckpt"
-    env = {"HETTRAIN_CHECKPOINT_URI": str(ck), "HETTRAIN_CHECKPOINT_INTERVAL": "2",
-           "HETTRAIN_METRICS_PORT": "0", "HETTRAIN_STEP_SLEEP": "0.3",
-           "HETTRAIN_LOSS_LOG": str(tmp_path / "before.jsonl")}
-    procs = launch_local(first, tmp_path / "run1", env)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and not (ck / "step-2").exists():
-        assert all(p.poll() is None for p in procs), _logs(tmp_path / "run1")
-        time.sleep(0.1)
+    env = {"HETTRAIN_CHECKPOINT_URI": str(tmp_path / "ckpt"),
+           "HETTRAIN_CHECKPOINT_INTERVAL": "2", "HETTRAIN_METRICS_PORT": "0",
+           "HETTRAIN_STEP_SLEEP": "0.3", "HETTRAIN_LOSS_LOG": str(tmp_path / "before.jsonl")}
     victim = first.world_size - 1
-    kill_rank(procs, victim)
-    codes = wait_all(procs, 5)
-    assert codes[victim] == -9
-    done = int((ck / "latest").read_text().removeprefix("step-"))
-    assert 2 <= done < 8
+    done = _kill_after_checkpoint(first, tmp_path, env, after_step=2, victim=victim)
     survivors = inventory.without_nodes([first.ranks[victim].node])
     second = plan_job(name, spec, survivors, previous=first)
     assert second.world_size < first.world_size
