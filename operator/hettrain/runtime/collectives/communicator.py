@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,6 +44,7 @@ SAME_DC_LINK = LinkModel(inter_gbps=25.0, inter_latency_ms=0.05)  # host-staged 
 HCCL_PLUGINS = ("habana_frameworks.torch.distributed.hccl", "torch_npu")
 
 
+@functools.cache  # the host's plugins do not change while the process runs
 def _hccl_available() -> bool:
     for module in HCCL_PLUGINS:
         if dist.is_backend_available("hccl"):
