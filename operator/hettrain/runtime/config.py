@@ -9,7 +9,7 @@ from pathlib import Path
 from hettrain.api import constants as C
 from hettrain.planning.plan import Plan
 from hettrain.runtime.checkpoint import DEFAULT_INTERVAL
-from hettrain.runtime.devices import DEVICE_CHOICES, ENV_DEVICE
+from hettrain.runtime.devices import ENV_DEVICE, check_choice
 from hettrain.runtime.metrics import DEFAULT_PORT
 
 ENV_CHECKPOINT_INTERVAL = "HETTRAIN_CHECKPOINT_INTERVAL"
@@ -83,10 +83,8 @@ class RuntimeConfig:
             optimizer=env.get(ENV_OPTIMIZER, "") or "adamw",
             summary_dir=env.get(ENV_SUMMARY_DIR, ""),
             recv_ahead=_int(env, ENV_RECV_AHEAD, 1),
-            device=env.get(ENV_DEVICE, "") or "auto",
+            device=check_choice(env.get(ENV_DEVICE, "") or "auto"),
         )
-        if cfg.device not in DEVICE_CHOICES:
-            raise ValueError(f"env {ENV_DEVICE}={cfg.device!r}: must be one of {DEVICE_CHOICES}")
         if cfg.recv_ahead < 0:
             raise ValueError(f"env {ENV_RECV_AHEAD}={cfg.recv_ahead} must be >= 0 "
                              "(0 = receive only when needed)")

@@ -72,11 +72,17 @@ def count_devices(kind: str) -> int:
     return int(mod.device_count())
 
 
+def check_choice(requested: str) -> str:
+    """``requested`` if it is a valid ``HETTRAIN_DEVICE`` value; else an error naming it."""
+    if requested not in DEVICE_CHOICES:
+        raise ValueError(f"env {ENV_DEVICE}={requested!r}: must be one of {DEVICE_CHOICES}")
+    return requested
+
+
 def select_device(vendor: str, local_index: int, requested: str = "auto",
                   probe: Probe = count_devices) -> DeviceChoice:
     """The device for process ``local_index`` of a pod of ``vendor`` GPUs (see module doc)."""
-    if requested not in DEVICE_CHOICES:
-        raise ValueError(f"env {ENV_DEVICE}={requested!r}: must be one of {DEVICE_CHOICES}")
+    check_choice(requested)
     if local_index < 0:
         raise ValueError(f"local process index {local_index} < 0 (RANK below "
                          "HETTRAIN_RANK_START)")

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from hettrain.planning.plan import Plan
 from hettrain.runtime.collectives import Tier, peer_rank
+from hettrain.runtime.collectives.p2p import to_device, to_host
 from hettrain.runtime.model import WeightGradStore, defer_weight_grads, lm_loss
 from hettrain.runtime.schedules import (  # noqa: F401 (re-exported)
     RUNTIME_SCHEDULES,
@@ -133,9 +134,7 @@ class StageRunner:
         return Tier.INTER_POOL if other.pool != self.me.pool else Tier.INTRA_POOL
 
     def _send(self, t: torch.Tensor, peer: int, tag: int) -> None:
-        buf = t.detach().contiguous()
-        if buf.device.type != "cpu":  # the world group is gloo: host-staged across vendors
-            buf = buf.cpu()
+        buf = to_host(t)  # the world group is gloo: host-staged across vendors
         t0 = time.perf_counter()
         self._pending.append((dist.isend(buf, dst=peer, tag=tag), buf))
         if self.stats is not None:
@@ -170,7 +169,7 @@ class StageRunner:
         if self.stats is not None:
             self.stats.add(self._tier(peer), 0, time.perf_counter() - t0)
         self._top_up(stream, shape)
-        return buf if self.device.type == "cpu" else buf.to(self.device)
+        return to_device(buf, self.device)
 
     def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
             loss_scale: float) -> float:
