@@ -11,29 +11,47 @@ last stage to stage 0's chunk ``c+1``; gradients go the reverse way. :func:`exec
 says which schedule runs (the plan's; it raises for names this runtime does not know); the
 trainer logs it and exports it as the ``schedule`` label of ``hettrain_runtime_schedule_info``.
 
-Activations go forward and gradients backward over the gloo world group, staged through host
-memory when the stage runs on an accelerator (pools of different vendors share no device
-library), with non-blocking sends (``dist.isend``) and blocking receives, which is
-deadlock-free for every schedule: a receive only waits for work its peer has already been
-scheduled to do. Each message travels on a stream ``(peer, tag)`` with
-``tag = 2 * chunk + (0 activation | 1 gradient)`` of the RECEIVING chunk; within a stream both
-sides go in microbatch order, so gloo's in-order matching per (source, tag) pairs them even when
-one peer sends both activations and gradients (pp=2 interleaved). Traffic is accounted in the
-communicator's ``stats``.
+Transfers (:mod:`hettrain.runtime.collectives.p2p`): each boundary activation, and its gradient
+backwards, crosses ONCE per replica, cast to the plan's precision (``plan.training.precision``:
+bf16/fp16 2 bytes, fp32 4) and cast back to the receiving side's dtype on arrival. Where stages
+are TP-sharded the tensor travels as ``lcm(tp_send, tp_recv)`` pieces, one message per
+(sender, receiver) pair with overlapping slices, and the receiver all-gathers its
+``1/tp_recv`` slice in its stage's TP group. A pair of stages of one vendor uses the dedicated
+stream group the communicator made for it (``comm.p2p_group``: nccl/hccl with device tensors on
+an accelerator, gloo on a CPU host); pairs of different vendors use the gloo world group,
+staged through host memory. Sends are non-blocking (``dist.isend``), receives are posted
+ahead (``irecv``, ``recv_ahead`` per stream), which is deadlock-free for every schedule: a
+receive only waits for work its peer has already been scheduled to do. Each message travels
+on a stream ``(peer, tag)`` with ``tag = 2 * chunk + (0 activation | 1 gradient)`` of the
+RECEIVING chunk; within a stream both sides go in microbatch order, so in-order matching pairs
+them even when one peer sends both activations and gradients (pp=2 interleaved). Traffic is
+accounted in the communicator's per-tier ``stats`` and per boundary in
+:attr:`StageRunner.p2p_stats` (:class:`P2PStats`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from hettrain.planning.plan import Plan
-from hettrain.runtime.collectives import Tier, peer_rank
-from hettrain.runtime.collectives.p2p import to_device, to_host
+from hettrain.runtime.collectives import Tier
+from hettrain.runtime.collectives.p2p import (  # noqa: F401 (stream_tag re-exported)
+    ACTIVATION,
+    GRADIENT,
+    Piece,
+    plan_streams,
+    stream_tag,
+    to_device,
+    to_host,
+    wire_dtype,
+)
 from hettrain.runtime.model import WeightGradStore, defer_weight_grads, lm_loss
 from hettrain.runtime.schedules import (  # noqa: F401 (re-exported)
     RUNTIME_SCHEDULES,
@@ -44,7 +62,7 @@ from hettrain.runtime.schedules import (  # noqa: F401 (re-exported)
     warmup_count,
 )
 
-ACTIVATION, GRADIENT = 0, 1
+KIND_NAMES = {ACTIVATION: "activation", GRADIENT: "gradient"}
 
 
 def executed_schedule(planned: str) -> str:
@@ -54,34 +72,61 @@ def executed_schedule(planned: str) -> str:
     raise ValueError(f"plan.schedule={planned!r}: must be one of {RUNTIME_SCHEDULES}")
 
 
-def stream_tag(chunk: int, kind: int) -> int:
-    """p2p tag of the messages received by model chunk ``chunk`` (``ACTIVATION``/``GRADIENT``)."""
-    return 2 * chunk + kind
+@dataclass
+class BoundaryStats:
+    """One rank's traffic on one boundary and direction."""
+
+    bytes: int = 0  # sent across the boundary by this rank
+    messages: int = 0
+    gather_bytes: int = 0  # this rank's TP all-gather traffic after receiving (ring: (g-1)/g)
 
 
-def send_peers(plan: Plan, rank: int, to_stage: int) -> list[int]:
-    """Ranks of ``to_stage`` (same replica) whose :func:`peer_rank` towards us is ``rank``."""
-    me = plan.ranks[rank]
-    my_tp = plan.stages[me.stage].tp
-    return [r.rank for r in plan.ranks
-            if r.stage == to_stage and r.dp == me.dp and r.tp % my_tp == me.tp]
+class P2PStats(dict):
+    """``{(boundary, kind): BoundaryStats}`` of one rank; ``boundary`` ``k`` joins virtual
+    stages ``k`` and ``k+1`` in chunk-major order (``p2p.chunk_boundaries``)."""
+
+    def get_stats(self, boundary: int, kind: int) -> BoundaryStats:
+        """The entry of ``(boundary, kind)``, created empty."""
+        return self.setdefault((boundary, kind), BoundaryStats())
+
+    def as_json(self) -> list[dict]:
+        """JSON rows ``{boundary, kind: activation|gradient, bytes, messages, gather_bytes}``."""
+        return [{"boundary": b, "kind": KIND_NAMES[k], "bytes": st.bytes,
+                 "messages": st.messages, "gather_bytes": st.gather_bytes}
+                for (b, k), st in sorted(self.items())]
+
+
+@dataclass
+class _Link:
+    """This rank's end of one stream: its pieces (with their groups) on one boundary."""
+
+    boundary: int
+    kind: int
+    tag: int
+    pieces: list[tuple[Piece, dist.ProcessGroup | None]] = field(default_factory=list)
 
 
 class StageRunner:
     """Runs one stage's share of a step; the last stage returns the summed microbatch loss.
 
     ``model`` is a :class:`~hettrain.runtime.model.StageModel`; with ``v > 1`` chunks
-    (``model.chunks``) the schedule must be ``interleaved``.
+    (``model.chunks``) the schedule must be ``interleaved``. ``comm`` (the rank's
+    :class:`~hettrain.runtime.collectives.HetCommunicator`) gives the dedicated stream groups
+    and the TP group for the all-gather on receipt; without it everything goes over the world
+    group, which only works for stages without TP.
     """
 
     def __init__(self, plan: Plan, rank: int, model: torch.nn.Module, stats=None,
-                 schedule: str | None = None, recv_ahead: int = 1) -> None:
-        self.plan, self.rank, self.model = plan, rank, model
+                 schedule: str | None = None, recv_ahead: int = 1, comm=None) -> None:
+        self.plan, self.rank, self.model, self.comm = plan, rank, model, comm
         self.me = plan.ranks[rank]
         self.stage, self.pp = self.me.stage, plan.pp
         self.first, self.last = self.stage == 0, self.stage == plan.pp - 1
-        self.stats = stats
-        self.device = next(model.parameters()).device  # receives land here (host-staged)
+        self.stats = stats if stats is not None or comm is None else comm.stats
+        param = next(model.parameters())
+        self.device = param.device  # receives land here
+        self.act_dtype = param.dtype  # received activations are cast back to this
+        self.wire = wire_dtype(plan.training.precision)  # and travel in this
         self.planned = schedule or plan.schedule
         self.schedule = executed_schedule(self.planned)
         self.v = len(getattr(model, "chunks", [None]))
@@ -98,22 +143,47 @@ class StageRunner:
         elif self.v != 1:
             raise ValueError(f"plan.schedule={self.schedule!r} runs one chunk per stage; the "
                              f"stage model has {self.v} (set schedule: interleaved)")
-        # receive from one peer; send to every peer that receives from us (stages may differ in
-        # TP degree: a TP rank of stage b receives from TP index ``tp_b % tp_a`` of stage a)
-        self._peer = {s: peer_rank(plan, rank, s) for s in {self._src(0)[0], self._dst(0)[0],
-                                                             self._src(self.v - 1)[0],
-                                                             self._dst(self.v - 1)[0]}
-                      if s is not None}
-        self._sends = {s: send_peers(plan, rank, s) for s in self._peer}
+        self.tp = plan.stages[self.stage].tp
+        self.tp_group = comm.tp_group if comm is not None else None
+        if self.tp > 1 and self.pp > 1 and self.tp_group is None:
+            raise ValueError(f"plan.stages[{self.stage}].tp={self.tp}: the pipeline needs the "
+                             "communicator (StageRunner(..., comm=)) for the TP all-gather")
+        # this rank's sends and receives, keyed by (its chunk, kind): a send of kind ACTIVATION
+        # carries chunk c's output, of kind GRADIENT chunk c's input gradient; a receive of kind
+        # ACTIVATION feeds chunk c's input, of kind GRADIENT the gradient of chunk c's output
+        self._out: dict[tuple[int, int], _Link] = {}
+        self._in: dict[tuple[int, int], _Link] = {}
+        for st in plan_streams(plan, self.v):
+            for piece in st.pieces:
+                if rank not in (piece.sender, piece.receiver):
+                    continue
+                group = (comm.p2p_group(piece.sender, piece.receiver, st.tag)
+                         if comm is not None else None)
+                if piece.sender == rank:
+                    table, key = self._out, (st.from_chunk, st.kind)
+                else:
+                    table, key = self._in, (st.to_chunk, st.kind)
+                table.setdefault(key, _Link(st.boundary, st.kind, st.tag)).pieces.append(
+                    (piece, group))
+        self._tp_perm = self._gather_order()
+        self.p2p_stats = P2PStats()
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         # receives posted before they are needed (``irecv``), per stream: the sender's data can
-        # then move while this rank computes instead of after it asks (gloo matches messages
-        # from one source and tag in order, and every stream carries a fixed sequence per step)
+        # then move while this rank computes instead of after it asks (messages of one stream
+        # are matched in order, and every stream carries a fixed sequence per step)
         if recv_ahead < 0:
             raise ValueError(f"recv_ahead must be >= 0, got {recv_ahead}")
         self.recv_ahead = recv_ahead
-        self._posted: dict[tuple[int, int], deque[tuple[torch.Tensor, dist.Work]]] = {}
+        self._numel = 0
+        self._posted: dict[tuple[int, int], deque[tuple[torch.Tensor, list]]] = {}
         self._to_post: dict[tuple[int, int], int] = {}
+
+    def _gather_order(self) -> list[int] | None:
+        """Group-rank order of the TP all-gather's blocks by TP index (None: already in order)."""
+        if self.tp_group is None or self.tp == 1:
+            return None
+        tps = [self.plan.ranks[g].tp for g in dist.get_process_group_ranks(self.tp_group)]
+        return None if tps == list(range(self.tp)) else [tps.index(t) for t in range(self.tp)]
 
     def _src(self, c: int) -> tuple[int | None, int]:
         """(stage, chunk) that feeds chunk ``c`` of this stage its input (None: tokens)."""
@@ -133,43 +203,94 @@ class StageRunner:
             return Tier.CROSS_DC
         return Tier.INTER_POOL if other.pool != self.me.pool else Tier.INTRA_POOL
 
-    def _send(self, t: torch.Tensor, peer: int, tag: int) -> None:
-        buf = to_host(t)  # the world group is gloo: host-staged across vendors
+    def _on_host(self, group: dist.ProcessGroup | None) -> bool:
+        """Whether a transfer on ``group`` is staged through host memory (gloo)."""
+        return group is None or self.comm is None or self.comm.backend(group) == "gloo"
+
+    def _send(self, t: torch.Tensor, chunk: int, kind: int) -> None:
+        """Send ``t`` (chunk ``chunk``'s output or input gradient) as this rank's pieces."""
+        link = self._out.get((chunk, kind))
+        if link is None:  # no receiver takes a piece from this TP rank
+            return
+        flat = t.detach().to(self.wire).contiguous().view(-1)
+        entry = self.p2p_stats.get_stats(link.boundary, kind)
+        for piece, group in link.pieces:
+            lo, hi = piece.span(flat.numel())
+            part = to_host(flat[lo:hi]) if self._on_host(group) else flat[lo:hi]
+            t0 = time.perf_counter()
+            self._pending.append((dist.isend(part, dst=piece.receiver, group=group,
+                                             tag=link.tag), part))
+            nbytes = part.numel() * part.element_size()
+            entry.bytes += nbytes
+            entry.messages += 1
+            if self.stats is not None:
+                self.stats.add(self._tier(piece.receiver), nbytes, time.perf_counter() - t0)
+
+    def _post(self, key: tuple[int, int]) -> tuple[torch.Tensor, list]:
+        """Post the receives of this rank's ``1/tp`` slice of the next tensor on ``key``."""
+        link = self._in[key]
+        base, size = self.me.tp * self._numel // self.tp, self._numel // self.tp
+        host = any(self._on_host(g) for _, g in link.pieces)
+        buf = torch.empty(size, dtype=self.wire,
+                          device=torch.device("cpu") if host else self.device)
+        works = []
+        for piece, group in link.pieces:
+            lo, hi = piece.span(self._numel)
+            works.append(dist.irecv(buf[lo - base: hi - base], src=piece.sender, group=group,
+                                    tag=link.tag))
+        return buf, works
+
+    def _expect(self, key: tuple[int, int], count: int) -> None:
+        """This step receives ``count`` tensors on ``key``; post the first ones."""
+        if key not in self._in:
+            raise RuntimeError(f"rank {self.rank}: no p2p stream for chunk/kind {key}")
+        self._posted[key] = deque()
+        self._to_post[key] = count
+        self._top_up(key)
+
+    def _top_up(self, key: tuple[int, int]) -> None:
+        q = self._posted[key]
+        while self._to_post[key] > 0 and len(q) < self.recv_ahead:
+            q.append(self._post(key))
+            self._to_post[key] -= 1
+
+    def _recv(self, key: tuple[int, int], shape: Sequence[int],
+              dtype: torch.dtype) -> torch.Tensor:
+        """The next full tensor on ``key`` (pieces, then the TP all-gather), as ``dtype`` on
+        this rank's device."""
+        link = self._in[key]
         t0 = time.perf_counter()
-        self._pending.append((dist.isend(buf, dst=peer, tag=tag), buf))
-        if self.stats is not None:
-            self.stats.add(self._tier(peer), buf.numel() * buf.element_size(),
-                           time.perf_counter() - t0)
-
-    def _expect(self, stream: tuple[int, int], count: int, shape: Sequence[int]) -> None:
-        """This step receives ``count`` tensors of ``shape`` on ``(peer, tag)``; post the first."""
-        self._posted[stream] = deque()
-        self._to_post[stream] = count
-        self._top_up(stream, shape)
-
-    def _top_up(self, stream: tuple[int, int], shape: Sequence[int]) -> None:
-        q = self._posted[stream]
-        peer, tag = stream
-        while self._to_post[stream] > 0 and len(q) < self.recv_ahead:
-            buf = torch.empty(tuple(shape), dtype=torch.float32)
-            q.append((buf, dist.irecv(buf, src=peer, tag=tag)))
-            self._to_post[stream] -= 1
-
-    def _recv(self, shape: Sequence[int], stream: tuple[int, int]) -> torch.Tensor:
-        t0 = time.perf_counter()
-        q = self._posted[stream]
-        peer, tag = stream
+        q = self._posted[key]
         if q:
-            buf, work = q.popleft()
-            work.wait()
+            buf, works = q.popleft()
         else:  # recv_ahead == 0
-            self._to_post[stream] -= 1
-            buf = torch.empty(tuple(shape), dtype=torch.float32)
-            dist.recv(buf, src=peer, tag=tag)
+            self._to_post[key] -= 1
+            buf, works = self._post(key)
+        for work in works:
+            work.wait()
+        peer = link.pieces[0][0].sender
         if self.stats is not None:
             self.stats.add(self._tier(peer), 0, time.perf_counter() - t0)
-        self._top_up(stream, shape)
-        return to_device(buf, self.device)
+        self._top_up(key)
+        full = buf
+        if self.tp > 1:
+            full = self._all_gather(buf, link)
+        return to_device(full.view(tuple(shape)), self.device).to(dtype)
+
+    def _all_gather(self, part: torch.Tensor, link: _Link) -> torch.Tensor:
+        """The full flat tensor from every TP rank's received slice (in the wire dtype)."""
+        dev = self.comm.staging_device(self.tp_group)
+        part = part.to(dev)
+        full = torch.empty(part.numel() * self.tp, dtype=part.dtype, device=dev)
+        t0 = time.perf_counter()
+        dist.all_gather_into_tensor(full, part, group=self.tp_group)
+        if self._tp_perm is not None:
+            full = full.view(self.tp, -1)[self._tp_perm].reshape(-1)
+        nbytes = (self.tp - 1) * part.numel() * part.element_size()
+        self.p2p_stats.get_stats(link.boundary, link.kind).gather_bytes += nbytes
+        if self.stats is not None:
+            self.stats.add(Tier.INTRA_POOL, nbytes, time.perf_counter() - t0)
+        return full
 
     def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
             loss_scale: float) -> float:
@@ -181,50 +302,46 @@ class StageRunner:
         m = len(batches)
         spec = self.plan.model
         act_shape = (batches[0][0].shape[0], batches[0][0].shape[1], spec.hidden)
+        self._numel = math.prod(act_shape)
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         deferred: dict[int, WeightGradStore] = {}
         split = self.schedule == "zb-h1"
         chunked = self.schedule == "interleaved"
         total = 0.0
         for c in range(self.v):  # activations in forward order, gradients in backward order
-            src, dst = self._src(c)[0], self._dst(c)[0]
-            if src is not None:
-                self._expect((self._peer[src], stream_tag(c, ACTIVATION)), m, act_shape)
-            if dst is not None:
-                self._expect((self._peer[dst], stream_tag(c, GRADIENT)), m, act_shape)
+            if self._src(c)[0] is not None:
+                self._expect((c, ACTIVATION), m)
+            if self._dst(c)[0] is not None:
+                self._expect((c, GRADIENT), m)
 
         def forward(i: int, c: int) -> None:
             nonlocal total
-            src, dst = self._src(c), self._dst(c)
-            if src[0] is None:
+            if self._src(c)[0] is None:
                 x_in = None
                 x = batches[i][0]
             else:
-                x_in = self._recv(act_shape, (self._peer[src[0]], stream_tag(c, ACTIVATION)))
+                x_in = self._recv((c, ACTIVATION), act_shape, self.act_dtype)
                 x = x_in.requires_grad_()
             out = self.model.forward_chunk(c, x) if chunked else self.model(x)
-            if dst[0] is None:
+            if self._dst(c)[0] is None:
                 loss = lm_loss(out, batches[i][1])
                 total += loss.item()
                 out = loss * loss_scale
             else:
-                for peer in self._sends[dst[0]]:
-                    self._send(out, peer, stream_tag(dst[1], ACTIVATION))
+                self._send(out, c, ACTIVATION)
             saved[(i, c)] = (x_in, out)
 
         def backward(i: int, c: int) -> None:
             x_in, out = saved.pop((i, c))
-            src, dst = self._src(c), self._dst(c)
-            grad = (None if dst[0] is None else
-                    self._recv(out.shape, (self._peer[dst[0]], stream_tag(c, GRADIENT))))
+            grad = (None if self._dst(c)[0] is None else
+                    self._recv((c, GRADIENT), out.shape, out.dtype))
             if split:  # B: input gradients now, the linear weight gradients in W
                 with defer_weight_grads() as deferred[i]:
                     out.backward(grad)
             else:
                 out.backward(grad)
             if x_in is not None:
-                for peer in self._sends[src[0]]:
-                    self._send(x_in.grad, peer, stream_tag(src[1], GRADIENT))
+                self._send(x_in.grad, c, GRADIENT)
 
         def weights(i: int, c: int) -> None:
             if split:

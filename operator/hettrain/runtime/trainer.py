@@ -136,7 +136,7 @@ class Trainer:
                                  outer_lr=self.xdc["outer_lr"],
                                  outer_momentum=self.xdc["outer_momentum"])
         self.runner = StageRunner(plan, rank, self.model, stats=self.comm.stats,
-                                  recv_ahead=cfg.recv_ahead)
+                                  recv_ahead=cfg.recv_ahead, comm=self.comm)
         self.loss_src = next(r.rank for r in plan.ranks
                              if (r.stage, r.dp, r.tp) == (plan.pp - 1, 0, 0))
         self.metrics = RuntimeMetrics(plan.job, rank, self.me.stage, self.me.pool,
@@ -265,6 +265,7 @@ class Trainer:
                "bytes": {t.value: s.bytes for t, s in self.comm.stats.items()},
                "ops": {t.value: s.ops for t, s in self.comm.stats.items()},
                "seconds": {t.value: s.seconds for t, s in self.comm.stats.items()},
+               "p2p": self.runner.p2p_stats.as_json(),
                "step_cpu_seconds": self.step_cpu}
         path = Path(self.cfg.summary_dir) / f"rank-{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from tests.runtime.training.plans import TINY, tiny_plan
 
+from hettrain.runtime.collectives.p2p import boundary_pieces
 from hettrain.runtime.launch import launch_local, wait_all
 from hettrain.runtime.model import whole_model
-from hettrain.runtime.pipeline import send_peers
 from hettrain.runtime.tensor_parallel import check_tp, shard_layout
 from hettrain.runtime.trainer import reference_losses
 
@@ -49,11 +49,14 @@ def test_bad_tp_degree_names_the_field():
         check_tp(TINY, 4, "plan.stages[1]")
 
 
-def test_send_peers_connect_stages_of_different_tp_degrees():
+def test_boundary_pieces_connect_stages_of_different_tp_degrees():
     plan = tiny_plan([(0, 1, "a"), (1, 4, "b")], dp=1, tp=(1, 2))
     # ranks: 0 = stage 0 tp0; 1, 2 = stage 1 tp0/tp1
-    assert send_peers(plan, 0, 1) == [1, 2]  # the single TP rank feeds both
-    assert send_peers(plan, 1, 0) == [0] and send_peers(plan, 2, 0) == []
+    fwd = boundary_pieces(plan, 0, 1, dp=0)  # the single TP rank sends each one half
+    assert [(p.sender, p.receiver, p.lo, p.hi, p.parts) for p in fwd] == [(0, 1, 0, 1, 2),
+                                                                         (0, 2, 1, 2, 2)]
+    back = boundary_pieces(plan, 1, 0, dp=0)  # each TP rank sends its half of the gradient
+    assert [(p.sender, p.receiver, p.lo, p.hi) for p in back] == [(1, 0, 0, 1), (2, 0, 1, 2)]
 
 
 def _run(work, plan, env):
@@ -80,8 +83,9 @@ def test_tp2_pp2_matches_reference_and_resumes_on_another_tp_layout(tmp_path):
     # stage 0 = embedding + 2 blocks, stage 1 = 2 blocks + head; blocks split 2 ways
     assert sum(s["param_elements"] for s in sums) < 2 * whole
     assert sums[0]["param_elements"] == sums[1]["param_elements"]
-    # per block and microbatch 4 TP all-reduces (attn, mlp; forward and backward)
-    assert all(s["ops"]["intra_pool"] == 4 * 2 * 4 * steps for s in sums)
+    # per block and microbatch 4 TP all-reduces (attn, mlp; forward and backward), plus per
+    # microbatch one all-gather of the received 1/tp slice (activation or gradient)
+    assert all(s["ops"]["intra_pool"] == (4 * 2 + 1) * 4 * steps for s in sums)
     ref = reference_losses(first, steps)
     assert sorted(got) == list(range(steps))
     for step, want in enumerate(ref):

@@ -30,7 +30,7 @@ from hettrain.runtime.collectives.hierarchical import (
     hierarchical_all_reduce_,
     leader_all_reduce_,
 )
-from hettrain.runtime.collectives.p2p import recv_tensor, send_tensor
+from hettrain.runtime.collectives.p2p import plan_streams, recv_tensor, send_tensor
 from hettrain.runtime.collectives.stats import CommStats, Tier
 from hettrain.runtime.collectives.topology import Hierarchy, layout, peer_rank
 
@@ -268,6 +268,46 @@ class HetCommunicator:
                 self.tp_group = g
         self.dp_group = self._levels["global"].full
         self.dp_size = len(self._levels["global"].hier.ranks)
+        self.p2p_groups: dict[tuple[int, int, int], dist.ProcessGroup] = {}
+        self._connect_p2p(pool_of)
+
+    def _connect_p2p(self, pool_of: Mapping[int, str]) -> None:
+        """One group per pipeline stream piece ``(sender, receiver, tag)`` whose two stages
+        share a vendor and whose pools share a vendor backend (nccl/hccl; gloo on a CPU host).
+
+        Created on every rank in :func:`~.p2p.plan_streams` order (``new_group`` is
+        collective); a dedicated group per stream keeps NCCL's in-order matching (it has no
+        tags) per stream and lets the two directions of a pair progress independently. Groups
+        on a vendor backend are connected here by one tiny send in the same global order, so no
+        rank blocks later in a lazy communicator set-up while its peer waits for it. Pairs of
+        different vendors get no group: they use the gloo world group, host-staged.
+        """
+        plan = self.plan
+        for stream in plan_streams(plan):
+            a, b = plan.stages[stream.from_stage], plan.stages[stream.to_stage]
+            for piece in stream.pieces:
+                backend = self.pool_backends.get(pool_of[piece.sender], "gloo")
+                if (a.vendor != b.vendor or backend == "gloo"
+                        or self.pool_backends.get(pool_of[piece.receiver]) != backend):
+                    continue
+                members = sorted((piece.sender, piece.receiver))
+                resolved = self._groups.resolve(backend)
+                group = dist.new_group(members, backend=resolved)
+                if self.rank not in members:
+                    continue
+                self._groups.backends[group] = resolved
+                self.p2p_groups[(piece.sender, piece.receiver, stream.tag)] = group
+                if resolved != "gloo":
+                    probe = torch.zeros(1, device=self.device)
+                    if self.rank == piece.sender:
+                        dist.send(probe, dst=piece.receiver, group=group)
+                    else:
+                        dist.recv(probe, src=piece.sender, group=group)
+
+    def p2p_group(self, sender: int, receiver: int, tag: int) -> dist.ProcessGroup | None:
+        """The dedicated group of pipeline stream ``(sender, receiver, tag)``; ``None``: the
+        gloo world group (stages of different vendors, or a gloo pool), host-staged."""
+        return self.p2p_groups.get((sender, receiver, tag))
 
     @classmethod
     def from_plan(cls, plan: Plan, rank: int, device: torch.device | None = None,
