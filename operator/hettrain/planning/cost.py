@@ -196,8 +196,35 @@ def tp_comm_per_layer_s(model: ModelSpec, micro_batch: int, tp: int, device: Dev
 
 
 def activation_bytes(model: ModelSpec, micro_batch: int, elem_bytes: int = 2) -> float:
-    """Bytes of one microbatch's activations crossing a pipeline boundary (one direction)."""
+    """Bytes of one microbatch's boundary tensor crossing one pipeline boundary of one replica
+    in one direction: ``s·b·h·e`` (the activation forward, its gradient backward), with ``e``
+    the plan precision's element size (:func:`precision_bytes`: 2 for bf16/fp16, 4 for fp32).
+
+    This is exactly what the runtime puts on the wire (``runtime/collectives/p2p.py``): the
+    tensor is cast to the plan precision and sent ONCE per replica, cut into
+    ``lcm(t_send, t_recv)`` equal pieces, one message per (sender, receiver) TP pair with
+    overlapping slices; the receiving stage then all-gathers it inside its TP group (an
+    intra-pool collective, not counted here). The busiest rank's link carries
+    ``s·b·h·e / min(t_send, t_recv)`` (:func:`boundary_link_bytes`, what the planner times);
+    a replica moves ``2·m·(p·v − 1)·s·b·h·e`` per step (:func:`pipeline_bytes_per_step`).
+    """
     return float(model.seq_len * micro_batch * model.hidden * elem_bytes)
+
+
+def boundary_link_bytes(model: ModelSpec, micro_batch: int, elem_bytes: int, tp_send: int,
+                        tp_recv: int) -> float:
+    """Bytes the busiest rank of a boundary sends or receives per microbatch and direction:
+    :func:`activation_bytes` ``/ min(t_send, t_recv)``."""
+    return activation_bytes(model, micro_batch, elem_bytes) / max(1, min(tp_send, tp_recv))
+
+
+def pipeline_bytes_per_step(model: ModelSpec, micro_batch: int, elem_bytes: int,
+                            num_microbatches: int, pp: int, virtual_stages: int = 1) -> float:
+    """Boundary bytes one replica sends per step: ``2·m·(p·v − 1)`` boundary tensors of
+    :func:`activation_bytes` (forward and backward over the ``p·v − 1`` chunk boundaries,
+    including the ``v − 1`` hops from the last stage back to the first with interleaving)."""
+    hops = max(0, pp * virtual_stages - 1)
+    return 2 * num_microbatches * hops * activation_bytes(model, micro_batch, elem_bytes)
 
 
 # ---------------------------------------------------------------- schedules

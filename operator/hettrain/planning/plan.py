@@ -76,6 +76,7 @@ class Prediction:
     pp_comm_s: float = 0.0
     dp_comm_s: float = 0.0
     cross_dc_bytes_per_step: float = 0.0
+    pp_bytes_per_step: float = 0.0  # pipeline p2p, all replicas: cost.pipeline_bytes_per_step
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,7 +159,7 @@ def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_b
     """Forward + backward transfer time of one microbatch across a stage boundary."""
     eb = cost.precision_bytes(spec.training)
     tp = max(1, min(tp_src, tp_dst))
-    nbytes = cost.activation_bytes(spec.model, micro_batch, eb) / tp
+    nbytes = cost.boundary_link_bytes(spec.model, micro_batch, eb, tp_src, tp_dst)
     nic = min(src.nic_gbytes_per_gpu, dst.nic_gbytes_per_gpu)
     lat = cost.COLLECTIVE_LATENCY_S
     shared_dcs = set(src.datacenters) & set(dst.datacenters)
@@ -829,6 +829,9 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         pp_comm_s=m * sum(c.boundary_s),
         dp_comm_s=max(c.stage_dp_s),
         cross_dc_bytes_per_step=cross_bytes,
+        pp_bytes_per_step=c.dp * cost.pipeline_bytes_per_step(
+            model, c.micro_batch, cost.precision_bytes(spec.training), m, c.pp,
+            INTERLEAVE_CHUNKS if c.schedule == "interleaved" else 1),
     )
     cross = {"mode": spec.cross_dc.mode, "compression": spec.cross_dc.compression,
              "outer_steps": spec.cross_dc.outer_steps, "outer_lr": spec.cross_dc.outer_lr,

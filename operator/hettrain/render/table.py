@@ -108,6 +108,7 @@ def summary_table(plan: Plan) -> Table:
         ("tokens/s", human_rate(p.tokens_per_s)),
         ("MFU", f"{100 * p.mfu:.1f}%"),
         ("cross-DC / step", human_bytes(p.cross_dc_bytes_per_step)),
+        ("pipeline / step", human_bytes(p.pp_bytes_per_step)),
     ]
     if plan.cross_dc:
         settings = ", ".join(f"{k}={v}" for k, v in sorted(plan.cross_dc.items()))

@@ -79,6 +79,7 @@ class BoundaryStats:
     bytes: int = 0  # sent across the boundary by this rank
     messages: int = 0
     gather_bytes: int = 0  # this rank's TP all-gather traffic after receiving (ring: (g-1)/g)
+    route: str = ""  # sends: "world" (gloo world group, host-staged) or "stream:<backend>"
 
 
 class P2PStats(dict):
@@ -90,9 +91,10 @@ class P2PStats(dict):
         return self.setdefault((boundary, kind), BoundaryStats())
 
     def as_json(self) -> list[dict]:
-        """JSON rows ``{boundary, kind: activation|gradient, bytes, messages, gather_bytes}``."""
+        """JSON rows ``{boundary, kind: activation|gradient, bytes, messages, gather_bytes,
+        route}``."""
         return [{"boundary": b, "kind": KIND_NAMES[k], "bytes": st.bytes,
-                 "messages": st.messages, "gather_bytes": st.gather_bytes}
+                 "messages": st.messages, "gather_bytes": st.gather_bytes, "route": st.route}
                 for (b, k), st in sorted(self.items())]
 
 
@@ -223,6 +225,7 @@ class StageRunner:
             nbytes = part.numel() * part.element_size()
             entry.bytes += nbytes
             entry.messages += 1
+            entry.route = "world" if group is None else f"stream:{self.comm.backend(group)}"
             if self.stats is not None:
                 self.stats.add(self._tier(piece.receiver), nbytes, time.perf_counter() - t0)
 
