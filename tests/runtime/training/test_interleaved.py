@@ -16,6 +16,7 @@ import pytest
 import torch
 from tests.runtime.training.plans import TINY, tiny_plan
 
+from hettrain.planning import cost
 from hettrain.planning.layers import chunk_counts, chunk_layer_ranges
 from hettrain.render.schedule import build_timeline, interleaved_order
 from hettrain.runtime.launch import free_port_block, launch_local, wait_all
@@ -199,15 +200,14 @@ def _assert_ran(logs, sums, plan, schedule):
 
 def _p2p_bytes(plan, steps):
     """Activation + gradient bytes of ``steps`` steps: every chunk boundary of every replica
-    (``pp * v - 1`` of them) carries one activation and one gradient per microbatch, sent to
-    every TP rank of the receiving stage."""
-    act = plan.micro_batch * plan.model.seq_len * plan.model.hidden * 4
+    (``pp * v - 1`` of them) carries one activation and one gradient per microbatch, each ONCE
+    (split over the TP pairs) at the plan's precision: what ``cost.pipeline_bytes_per_step``
+    charges."""
+    act = plan.micro_batch * plan.model.seq_len * plan.model.hidden * 4  # fp32 plans
     v = plan.virtual_stages
-    order = [(c, s) for c in range(v) for s in range(plan.pp)]  # chunk-major
-    per_mb = 0
-    for (_, a), (_, b) in itertools.pairwise(order):
-        ta, tb = plan.stages[a].tp, plan.stages[b].tp
-        per_mb += tb * act + ta * act  # activation a->b to each tb rank, gradient back
+    per_mb = 2 * act * (plan.pp * v - 1)
+    assert per_mb * plan.num_microbatches == cost.pipeline_bytes_per_step(
+        plan.model, plan.micro_batch, 4, plan.num_microbatches, plan.pp, v)
     return per_mb * plan.num_microbatches * plan.dp * steps
 
 
