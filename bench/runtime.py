@@ -28,8 +28,13 @@ of the custom autograd function every schedule now pays).
 With ``--schedule``: 1F1B vs interleaved 1F1B (virtual stages v) vs ZB-H1 on pp=2 layouts
 (runs alternated, median of repeats), ms/step and the ratio to 1F1B.
 
+With ``--p2p``: pipeline bytes per stage and step, measured (the ranks' summaries: what each
+stage sent across its boundaries, and its TP all-gathers on receipt) next to what the plan
+charges (``planning.cost.activation_bytes`` per boundary tensor sent), for fp32/bf16 plans and
+TP-sharded boundaries. Bytes are deterministic: one run per layout.
+
     .venv/bin/python bench/runtime.py [--repeats 3] [--steps 12] [--ab-recv-ahead] [--zb]
-                                      [--schedule]
+                                      [--schedule] [--p2p]
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ sys.path[:0] = [str(ROOT / "operator"), str(ROOT)]
 import torch  # noqa: E402
 from tests.runtime.training.plans import TINY, tiny_plan  # noqa: E402
 
+from hettrain.planning import cost  # noqa: E402
+from hettrain.runtime.collectives.p2p import plan_streams  # noqa: E402
 from hettrain.runtime.data import microbatches  # noqa: E402
 from hettrain.runtime.launch import launch_local, wait_all  # noqa: E402
 from hettrain.runtime.model import Linear, lm_loss, whole_model  # noqa: E402
@@ -122,8 +129,13 @@ def main() -> None:
                     help="also run the pp2 layouts with HETTRAIN_RECV_AHEAD=0")
     ap.add_argument("--schedule", action="store_true",
                     help="only the 1F1B vs interleaved vs ZB-H1 comparison (pp=2)")
+    ap.add_argument("--p2p", action="store_true",
+                    help="only the measured vs planned pipeline bytes per stage")
     a = ap.parse_args()
     model = TINY
+    if a.p2p:
+        p2p_bytes(a.steps)
+        return
     if a.schedule:
         schedules_compare(a.repeats, a.steps)
         return
@@ -220,6 +232,62 @@ def schedules_compare(repeats: int, steps: int) -> None:
               f"{w['interleaved'] / w['1f1b']:9.2f} {w['zb-h1'] / w['1f1b']:8.2f} | "
               f"{c['1f1b']:8.1f} {c['interleaved']:8.1f} {c['zb-h1']:8.1f} "
               f"{c['interleaved'] / c['1f1b']:9.2f}")
+
+
+
+def planned_p2p_per_stage(plan) -> dict[int, float]:
+    """Bytes per step each stage sends across its boundaries, as the plan charges them: one
+    ``cost.activation_bytes`` tensor per microbatch, stream and replica."""
+    act = cost.activation_bytes(plan.model, plan.micro_batch, cost.precision_bytes(plan.training))
+    out = dict.fromkeys(range(plan.pp), 0.0)
+    for st in plan_streams(plan):  # every replica's streams
+        out[st.from_stage] += act * plan.num_microbatches
+    return out
+
+
+def measured_p2p_per_stage(plan, steps: int) -> tuple[dict[int, float], dict[int, float]]:
+    """(sent, all-gathered) bytes per step per stage, from a real run's rank summaries."""
+    sent = dict.fromkeys(range(plan.pp), 0.0)
+    gathered = dict.fromkeys(range(plan.pp), 0.0)
+    with tempfile.TemporaryDirectory() as d:
+        summ = Path(d) / "summary"
+        codes = wait_all(launch_local(plan, Path(d), {"HETTRAIN_METRICS_PORT": "0",
+                                                      "HETTRAIN_SUMMARY_DIR": str(summ)}), 600)
+        if any(codes):
+            raise SystemExit(f"runtime failed: exit codes {codes}")
+        for f in summ.glob("rank-*.json"):
+            rec = json.loads(f.read_text())
+            sent[rec["stage"]] += sum(r["bytes"] for r in rec["p2p"]) / steps
+            gathered[rec["stage"]] += sum(r["gather_bytes"] for r in rec["p2p"]) / steps
+    return sent, gathered
+
+
+def p2p_bytes(steps: int) -> None:
+    """Print measured vs planned pipeline bytes per stage and step."""
+    steps = min(steps, 4)
+
+    def bf16(plan):
+        return dataclasses.replace(plan, training=dataclasses.replace(plan.training,
+                                                                      precision="bf16"))
+
+    two = [(0, 2, "pool-a"), (2, 4, "pool-b")]
+    layouts = {
+        "pp2 tp1 fp32": tiny_plan(two, dp=1, steps=steps),
+        "pp2 tp1 bf16": bf16(tiny_plan(two, dp=1, steps=steps)),
+        "pp2 tp2->2 bf16": bf16(tiny_plan(two, dp=1, steps=steps, tp=2)),
+        "pp2 tp2->1 fp32": tiny_plan(two, dp=1, steps=steps, tp=(2, 1)),
+        "pp2 v2 interleaved fp32": dataclasses.replace(
+            tiny_plan(two, dp=1, steps=steps, schedule="interleaved"), virtual_stages=2),
+    }
+    print(f"pipeline bytes per step, {steps} steps; TINY model, microbatch 2 x 4")
+    print(f"{'layout':26} {'stage':>5} {'measured':>10} {'planned':>10} {'meas/plan':>9} "
+          f"{'TP gather':>10}")
+    for name, plan in layouts.items():
+        want = planned_p2p_per_stage(plan)
+        got, gath = measured_p2p_per_stage(plan, steps)
+        for s in range(plan.pp):
+            print(f"{name:26} {s:5d} {got[s]:10.0f} {want[s]:10.0f} {got[s] / want[s]:9.3f} "
+                  f"{gath[s]:10.0f}")
 
 
 if __name__ == "__main__":
