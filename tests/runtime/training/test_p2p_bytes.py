@@ -17,6 +17,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 import yaml
 from tests.runtime.training.plans import TINY, tiny_plan
 
@@ -24,6 +26,7 @@ from hettrain.api.spec import parse_job_manifest
 from hettrain.planning import cost
 from hettrain.planning.inventory import load_cluster
 from hettrain.planning.planner import plan_job
+from hettrain.runtime.collectives import communicator
 from hettrain.runtime.collectives.p2p import (
     ACTIVATION,
     GRADIENT,
@@ -196,3 +199,43 @@ def test_planner_plan_bytes_per_step_are_what_the_runtime_sends(tmp_path):
     assert measured == plan.predicted.pp_bytes_per_step * steps
     assert {(row["boundary"], row["kind"]) for s in sums for row in s["p2p"]} == {
         (0, KIND_NAMES[ACTIVATION]), (0, KIND_NAMES[GRADIENT])}
+
+
+def _connect_as(monkeypatch, plan, rank, resolve):
+    """Run the communicator's p2p group set-up as ``rank`` with dist faked: returns the
+    ``new_group`` calls, the probes sent/received and the rank's stream groups."""
+    calls, probes = [], []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, backend: calls.append(
+        (tuple(ranks), backend)) or object())
+    monkeypatch.setattr(dist, "send", lambda t, dst, group: probes.append(("send", dst)))
+    monkeypatch.setattr(dist, "recv", lambda t, src, group: probes.append(("recv", src)))
+    monkeypatch.setattr(dist, "get_rank", lambda: rank)
+    comm = object.__new__(communicator.HetCommunicator)
+    comm.plan, comm.rank, comm.device = plan, rank, torch.device("cpu")
+    comm.pool_backends = {p: st.backend for st in plan.stages for p in st.pools}
+    comm._groups = communicator._Groups(resolve)
+    comm.p2p_groups = {}
+    comm._connect_p2p({r.rank: r.pool for r in plan.ranks})
+    return calls, probes, comm
+
+
+def test_stream_groups_same_sequence_on_every_host_one_per_same_vendor_piece(monkeypatch):
+    plan = tiny_plan([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=2, tp=(2, 1),
+                     vendors=("nvidia", "nvidia"))
+    pieces = [(p.sender, p.receiver, st.tag) for st in plan_streams(plan) for p in st.pieces]
+    on_gpu, probes, comm = _connect_as(monkeypatch, plan, 0, lambda b: "nccl")
+    on_cpu, cpu_probes, cpu_comm = _connect_as(monkeypatch, plan, 4, lambda b: "gloo")
+    assert [r for r, _ in on_gpu] == [r for r, _ in on_cpu]  # torch names groups by call count
+    assert [r for r, _ in on_gpu] == [tuple(sorted(p[:2])) for p in pieces]
+    assert {b for _, b in on_gpu} == {"nccl"} and {b for _, b in on_cpu} == {"gloo"}
+    mine = [p for p in pieces if 0 in p[:2]]  # rank 0: stage 0, replica 0, TP 0
+    assert sorted(comm.p2p_groups) == sorted(mine)
+    assert all(comm.backend(g) == "nccl" for g in comm.p2p_groups.values())
+    # a vendor group is connected at start-up by one probe per stream, in plan_streams order
+    assert probes == [("send", r) if s == 0 else ("recv", s) for s, r, _ in mine]
+    assert cpu_probes == [] and all(cpu_comm.backend(g) == "gloo"
+                                    for g in cpu_comm.p2p_groups.values())
+    across = tiny_plan([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=1, tp=2,
+                       vendors=("nvidia", "intel"))
+    calls, probes, comm = _connect_as(monkeypatch, across, 0, lambda b: b)
+    assert calls == [] and probes == [] and comm.p2p_group(0, 2, 0) is None  # world, staged
