@@ -216,6 +216,25 @@ def check_model_vocab(manifest: Manifest, model_vocab: int, where: str = "spec.m
                             f"{manifest.vocab_size} or prepare the data with a smaller tokenizer")
 
 
+def check_job_data(spec: Any) -> None:
+    """``hettrain validate`` / ``plan``: when the job's token set (``spec.data.uri``) is a local
+    directory visible here, its manifest must parse and its vocabulary fit ``spec.model.vocab``.
+    Object-store URIs and PVC paths are checked by the runtime at start-up instead."""
+    from hettrain.api.spec import SpecError
+
+    uri = spec.data.uri
+    if not uri or not is_local(uri) or not (local_path(uri) / MANIFEST).is_file():
+        return
+    try:
+        manifest = read_manifest(local_path(uri))
+        check_model_vocab(manifest, spec.model.vocab, dataset=uri)
+    except TokenSetError as exc:
+        field, _, message = str(exc).partition(": ")
+        if field != "spec.model.vocab":
+            field, message = "spec.data.uri", str(exc)
+        raise SpecError(field, message) from None
+
+
 def is_local(uri: str) -> bool:
     """True for a plain path or ``file://`` URI; false for object stores (``s3://`` ...)."""
     return "://" not in uri or uri.startswith("file://")
