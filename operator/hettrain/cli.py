@@ -41,7 +41,7 @@ EXTERNAL_COMMANDS: dict[str, ExternalCommand] = {
                                 "viz"),
     "demo": ExternalCommand("hettrain.demo", "run the end-to-end demo on a local control plane",
                             "operator"),
-    "data": ExternalCommand("hettrain.data.cli", "tokenize text into a token set for spec.data",
+    "data": ExternalCommand("hettrain.data.cli", "tokenize text into token sets for spec.data",
                             "runtime"),
 }
 
