@@ -55,6 +55,7 @@ def test_no_data_section_means_an_empty_plan_section():
     ({"synthetic": "yes"}, "spec.data.synthetic", "true or false"),
     ({"url": "/x"}, "spec.data.url", "unknown field"),
     ("s3://x", "spec.data", "must be a mapping"),
+    ({"uri": "/" + "x" * 2048}, "spec.data.uri", "at most 2048 characters"),
 ])
 def test_bad_data_names_the_field(data, field, words):
     with pytest.raises(SpecError) as err:
@@ -102,6 +103,14 @@ def test_validate_refuses_a_local_token_set_larger_than_the_model_vocab(opticks_
     job.write_text(yaml.safe_dump(doc))
     assert main(["validate", str(job)]) == 2
     assert "spec.data.uri: " in capsys.readouterr().err
+
+
+def test_a_path_this_file_system_cannot_hold_is_left_to_the_runtime(tmp_path, capsys):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["data"] = {"uri": "/" + "n" * 300 + "/set"}  # one name > NAME_MAX
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    assert main(["validate", str(job)]) == 0
 
 
 def test_the_example_job_validates_and_plans():

@@ -441,6 +441,10 @@ def _parse_data(f: _Fields, present: bool) -> DataSpec:
     if not (d.synthetic or d.uri or d.pvc):
         raise SpecError(f.path, "names no data: set uri (a token set from 'hettrain data "
                         "prepare': a path or s3://...), pvc + path, or synthetic: true")
+    for key, value, limit in (("uri", d.uri, 2048), ("path", d.path, 1024), ("pvc", d.pvc, 253)):
+        if value and len(value) > limit:
+            raise SpecError(f"{f.path}.{key}", f"must be at most {limit} characters (got "
+                            f"{len(value)})")
     if d.uri and "://" not in d.uri and not d.uri.startswith("/"):
         raise SpecError(f"{f.path}.uri", f"must be an absolute path or a URI such as "
                         f"s3://bucket/dir (got {d.uri!r})")

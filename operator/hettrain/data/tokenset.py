@@ -223,7 +223,10 @@ def check_job_data(spec: Any) -> None:
     from hettrain.api.spec import SpecError
 
     uri = spec.data.uri
-    if not uri or not is_local(uri) or not (local_path(uri) / MANIFEST).is_file():
+    try:
+        if not uri or not is_local(uri) or not (local_path(uri) / MANIFEST).is_file():
+            return
+    except OSError:  # e.g. a name too long for this file system: not a set visible here
         return
     try:
         manifest = read_manifest(local_path(uri))
