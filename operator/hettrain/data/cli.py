@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "else uint32, sharded, with a document index and a manifest (tokenizer "
                     "sha256, vocab size, token counts, sha256 of every file, train/validation "
                     "split). The output is written under a temporary name and renamed when "
-                    "complete. The format of each file comes from its extension (.txt/.md "
+                    "complete. The format of each file comes from its extension (.txt/.text "
                     "text, .jsonl/.ndjson JSON lines, .parquet) unless --format is given.")
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="text, JSONL or Parquet files, "
                                                               "or directories of them")

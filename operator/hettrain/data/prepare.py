@@ -29,7 +29,7 @@ from hettrain.data import tokenset as ts
 
 FORMATS = ("text", "jsonl", "parquet")
 TEXT_UNITS = ("file", "paragraph")
-EXTENSIONS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl",
+EXTENSIONS = {".txt": "text", ".text": "text", ".jsonl": "jsonl",
               ".ndjson": "jsonl", ".parquet": "parquet"}
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 DEFAULT_SHARD_TOKENS = 1 << 26  # 128 MiB of uint16
