@@ -41,6 +41,8 @@ EXTERNAL_COMMANDS: dict[str, ExternalCommand] = {
                                 "viz"),
     "demo": ExternalCommand("hettrain.demo", "run the end-to-end demo on a local control plane",
                             "operator"),
+    "data": ExternalCommand("hettrain.data.cli", "tokenize text into token sets for spec.data",
+                            "runtime"),
 }
 
 
@@ -80,7 +82,11 @@ def _parse_job_doc(doc: Any) -> tuple[str, JobSpec]:
     if not isinstance(doc, dict):
         raise SpecError("(document)", f"must be a mapping with kind: HetTrainingJob "
                                       f"(got {type(doc).__name__})")
-    return parse_job_manifest(doc)
+    from hettrain.data.tokenset import check_job_data
+
+    name, spec = parse_job_manifest(doc)
+    check_job_data(spec)  # a local token set must fit the model's vocab
+    return name, spec
 
 
 def load_job(path: str) -> tuple[str, JobSpec]:

@@ -838,5 +838,6 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         micro_batch=c.micro_batch, num_microbatches=m, schedule=c.schedule,
         stages=tuple(stages), ranks=ranks, predicted=pred, cross_dc=cross, notes=tuple(notes),
         virtual_stages=INTERLEAVE_CHUNKS if c.schedule == "interleaved" else 1,
+        data=spec.data.to_plan(),
     )
 
