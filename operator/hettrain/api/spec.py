@@ -16,7 +16,7 @@ from typing import Any
 from hettrain.api.constants import VENDORS
 
 PRECISIONS = ("bf16", "fp16", "fp32")
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "full", "auto")  # auto: the planner picks one
 SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1")
 CROSS_DC_MODES = ("sync", "compress", "diloco")
 COMPRESSIONS = ("none", "bf16", "int8")
@@ -115,6 +115,7 @@ class ParallelismSpec:
     pp: int | None = None
     dp: int | None = None
     schedule: str = "auto"
+    virtual_stages: int | None = None  # interleaved: model chunks per stage (None: searched)
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,8 +354,15 @@ def _parse_parallelism(f: _Fields) -> ParallelismSpec:
     p = ParallelismSpec(
         tp=f.int_("tp"), pp=f.int_("pp"), dp=f.int_("dp"),
         schedule=f.str_("schedule", "auto", SCHEDULES) or "auto",
+        virtual_stages=f.int_("virtualStages"),
     )
     f.reject_unknown()
+    if p.virtual_stages is not None and p.schedule != "interleaved":
+        raise SpecError(f"{f.path}.virtualStages", "only the interleaved schedule has model "
+                        "chunks: set schedule: interleaved, or omit virtualStages")
+    if p.virtual_stages is not None and p.virtual_stages < 2:
+        raise SpecError(f"{f.path}.virtualStages", f"must be >= 2 model chunks per stage (got "
+                        f"{p.virtual_stages}); for one chunk use schedule: 1f1b")
     if p.tp is not None and p.tp & (p.tp - 1):
         raise SpecError(f"{f.path}.tp", f"must be a power of two (got {p.tp})")
     return p

@@ -55,7 +55,7 @@ K_FULL_WINDOW = 1
 MAX_PERMUTED_UNITS = 4
 EXACT_LEAF_BUDGET = 20_000  # above this many (tp, k) combinations the k window applies
 MAX_MICRO_BATCH = 16
-INTERLEAVE_CHUNKS = 2
+MAX_INTERLEAVE_CHUNKS = 4  # interleaved: model chunks per stage searched in 2..4
 REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the best
 REPLAN_OPTIONS = 64  # distinct placements a re-plan compares by moved ranks
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
@@ -78,6 +78,7 @@ class Candidate:
     bubble_s: float
     memory: tuple[float, ...]
     grouping: str  # "split" or "merged"
+    chunks: int = 1  # interleaved: model chunks per stage (virtual stages)
 
     @property
     def pp(self) -> int:
@@ -87,6 +88,7 @@ class Candidate:
     def sort_key(self) -> tuple:
         """Deterministic preference: faster, then fewer stages, then names."""
         return (round(self.step_time_s, 12), self.pp, self.dp, self.micro_batch, self.schedule,
+                self.chunks,
                 tuple(u.key for u in self.units), self.tps, self.split)
 
 
@@ -97,12 +99,12 @@ class _Search:
         self.spec = spec
         self.slack = slack  # prune only what is worse than best·slack (re-plans keep near ones)
         # the largest bubble divisor among the schedules the search may pick (bounds.py)
-        self.bubble_div = {"1f1b": 1.0, "interleaved": float(INTERLEAVE_CHUNKS)}.get(
-            spec.parallelism.schedule, 3.0)
+        self.bubble_div = max(_bubble_divisor(s, v) for s, v in _schedule_options(spec, 2, None))
         self.exhaustive = exhaustive
         self.best: Candidate | None = None
         self.near: list[Candidate] = []  # within REPLAN_TOLERANCE of the best (for re-plans)
-        self.memory_shortfall: tuple[float, str] | None = None  # (GiB needed, device)
+        # (need / usable of the limiting stage, a sentence naming it) of the closest miss
+        self.memory_shortfall: tuple[float, str] | None = None
         self.evaluated = 0
         self.max_gpus = spec.placement.max_gpus  # spec.placement.maxGPUs: a hard cap
         self.over_max_gpus = 0  # layouts skipped for using more GPUs than that
@@ -116,6 +118,11 @@ class _Search:
         limit = self.best.step_time_s * REPLAN_TOLERANCE
         if len(self.near) > 64:
             self.near = [c for c in self.near if c.step_time_s <= limit]
+
+    def shortfall(self, ratio: float, clause: str) -> None:
+        """Keep the memory miss closest to fitting (for the refusal message)."""
+        if self.memory_shortfall is None or ratio < self.memory_shortfall[0]:
+            self.memory_shortfall = (ratio, clause)
 
     def bound(self) -> float:
         return math.inf if self.best is None else self.best.step_time_s * self.slack
@@ -175,42 +182,70 @@ def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_b
     return 2 * cost.transfer_s(nbytes, bw, lat)
 
 
-def _in_flight(stage: int, pp: int, m: int, schedule: str) -> float:
+def _in_flight(stage: int, pp: int, m: int, schedule: str, v: int = 1) -> float:
     base = float(min(pp - stage, m))
     if schedule == "interleaved":
-        base *= 1 + (pp - 1) / (pp * INTERLEAVE_CHUNKS)
+        base *= 1 + (pp - 1) / (pp * v)
     return base
 
 
+def _bubble_divisor(schedule: str, v: int) -> float:
+    """What a schedule divides the 1F1B bubble by (:func:`cost.pipeline_time_s`)."""
+    return {"1f1b": 1.0, "zb-h1": 3.0}.get(schedule, float(v))
+
+
+def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
+                      exhaustive: bool = True) -> list[tuple[str, int]]:
+    """(schedule, model chunks per stage) pairs to evaluate for a ``pp``-stage pipeline.
+
+    Interleaved takes ``v`` in ``2..MAX_INTERLEAVE_CHUNKS`` (or the pinned
+    ``spec.parallelism.virtualStages``), each stage holding at least ``v`` layers. With
+    ``exhaustive=False`` and ``schedule: auto`` only the schedules that can win are listed
+    (:func:`_evaluate_order`): 1F1B for ``pp = 1``, else ZB-H1 and interleaved with ``v ≥ 4``.
+    ``layers=None`` skips the layer check (for the bubble divisor).
+    """
+    par = spec.parallelism
+    pinned_v = par.virtual_stages
+    chunks = [pinned_v] if pinned_v is not None else list(range(2, MAX_INTERLEAVE_CHUNKS + 1))
+    if layers is not None:
+        chunks = [v for v in chunks if layers >= pp * v]
+    inter = [("interleaved", v) for v in chunks]
+    if par.schedule == "interleaved":
+        return inter
+    if par.schedule != "auto":
+        return [(par.schedule, 1)]
+    if exhaustive:
+        return [("1f1b", 1), *inter, ("zb-h1", 1)]
+    if pp == 1:
+        return [("1f1b", 1)]
+    return [("zb-h1", 1), *((s, v) for s, v in inter if v > 3)]
+
+
 def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
-                 schedule: str, inv: ClusterInventory, spec: JobSpec, memo: dict | None = None
-                 ) -> tuple[list[StageCost], list[tuple[cost.StageMemory, float]]]:
+                 schedule: str, inv: ClusterInventory, spec: JobSpec, memo: dict | None = None,
+                 v: int = 1) -> tuple[list[StageCost], list[tuple[cost.StageMemory, float]]]:
     """Per-stage cost coefficients and memory; identical stages are memoised in ``memo``."""
     if memo is not None:
         pp = len(units)
         out, mems = [], []
         for i, (u, tp) in enumerate(zip(units, tps, strict=True)):
-            key = (u.key, tp, dp, mb, _in_flight(i, pp, m, schedule), i == 0, i == pp - 1)
+            key = (u.key, tp, dp, mb, _in_flight(i, pp, m, schedule, v), i == 0, i == pp - 1)
             hit = memo.get(key)
             if hit is None:
-                sc, sm = _stage_costs_raw([u], [tp], dp, mb, m, schedule, inv, spec, i, pp)
+                sc, sm = _stage_costs_raw([u], [tp], dp, mb, m, schedule, inv, spec, i, pp, v)
                 hit = memo[key] = (sc, sm)
             out.append(hit[0])
             mems.append(hit[1])
         return out, mems
-    return _stage_costs_raw(units, tps, dp, mb, m, schedule, inv, spec, None, None)
+    return _stage_costs_raw(units, tps, dp, mb, m, schedule, inv, spec, None, None, v)
 
 
 def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
                      schedule: str, inv: ClusterInventory, spec: JobSpec, only: int | None,
-                     pp_real: int | None):
+                     pp_real: int | None, v: int = 1):
     """Costs of all stages, or (``only``) of stage ``only`` of a ``pp_real``-stage pipeline."""
     model, training = spec.model, spec.training
-    tokens = mb * model.seq_len
-    eb = cost.precision_bytes(training)
     pp = len(units)
-    layer_fl = cost.layer_flops(model, tokens, training.recompute)
-    head_fl = 3 * cost.head_forward_flops(model, tokens)
     grad_layer = cost.layer_params(model) * 4.0
     grad_embed = cost.embedding_params(model) * 4.0
     out, mems = [], []
@@ -220,15 +255,14 @@ def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int
         indices = [(only, (units[0], tps[0]))]
     for i, (u, tp) in indices:
         first, last = i == 0, i == pp - 1
-        f = u.device.effective_flops * tp
-        a = layer_fl / f + cost.tp_comm_per_layer_s(model, mb, tp, u.device, eb)
-        b = head_fl / f if last else 0.0
+        a = cost.layer_time_s(model, training, mb, tp, u.device)
+        b = cost.head_time_s(model, mb, tp, u.device) if last else 0.0
         lat, per_byte, _ = _dp_time_per_byte(u, dp, tp, inv, spec)
         fixed_grad = grad_embed * (int(first) + int(last)) / tp
         c = grad_layer / tp * per_byte
         e = (lat + fixed_grad * per_byte) if dp > 1 else 0.0
         mem = cost.stage_memory(model, training, tp=tp, dp=dp, micro_batch=mb,
-                                in_flight=_in_flight(i, pp, m, schedule), first=first, last=last)
+                                in_flight=_in_flight(i, pp, m, schedule, v), first=first, last=last)
         usable = u.device.hbm_bytes * cost.MEMORY_HEADROOM
         max_layers = int((usable - mem.fixed) // mem.per_layer) if usable > mem.fixed else 0
         out.append(StageCost(a, b, c, e, max_layers))
@@ -313,9 +347,9 @@ def _candidates_outer(units: Sequence[Unit], spec: JobSpec, dp_values: Sequence[
                         gpus = sum(k * tp for k, tp in zip(ks, tps, strict=True))
                         dropped.append(need / gpus / cost.MEMORY_HEADROOM / cost.GIB)
                     continue
-                flops = sum(k * tp * u.device.effective_flops
-                            for k, tp, u in zip(ks, tps, units, strict=True))
-                out.append((work / dp / flops, dp, tps, ks))
+                rate = sum(k * tp / cost.min_seconds_per_flop(u.device)
+                           for k, tp, u in zip(ks, tps, units, strict=True))
+                out.append((work / dp / rate, dp, tps, ks))
     out.sort()
     return out
 
@@ -332,7 +366,7 @@ def _boundary_memo(search: _Search, src: Unit, dst: Unit, tp_src: int, tp_dst: i
 
 
 def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int,
-              schedule: str, inv: ClusterInventory, grouping: str) -> None:
+              schedule: str, inv: ClusterInventory, grouping: str, v: int = 1) -> None:
     spec = search.spec
     model = spec.model
     m = spec.training.global_batch // (dp * mb)
@@ -340,15 +374,17 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
     if search.max_gpus is not None and dp * sum(tps) > search.max_gpus:
         search.over_max_gpus += 1  # exact: only removes layouts, every bound stays valid
         return
-    v = INTERLEAVE_CHUNKS if schedule == "interleaved" else 1
+    if schedule != "interleaved":
+        v = 1
     if schedule == "interleaved" and (pp < 2 or m % pp or model.layers < pp * v):
         return
     if schedule == "zb-h1" and pp < 2:
         return
-    stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec, search.stage_memo)
+    stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec, search.stage_memo,
+                                v)
     boundaries = [_boundary_memo(search, units[i], units[i + 1], tps[i], tps[i + 1], dp, mb, inv)
                   * v for i in range(pp - 1)]
-    f = {"1f1b": 1.0, "interleaved": float(v), "zb-h1": 3.0}[schedule]
+    f = _bubble_divisor(schedule, v)
     scaled = [StageCost(s.a, s.b, s.c * f, s.e * f, s.max_layers) for s in stages]
     p_max, p_sum = max(boundaries, default=0.0), sum(boundaries)
     search.evaluated += 1
@@ -365,10 +401,13 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
             return
     if result is None:
         per = math.ceil(model.layers / pp)
-        need = min(mem.bytes_for(per) / cost.MEMORY_HEADROOM for mem, _ in mems) / cost.GIB
-        if search.memory_shortfall is None or need < search.memory_shortfall[0]:
-            best_dev = max(units, key=lambda u: u.device.hbm_gib).device
-            search.memory_shortfall = (need, f"{best_dev.hbm_gib:.0f} GiB ({best_dev.name})")
+        ratio, i = max((mem.bytes_for(per) / usable, i) for i, (mem, usable) in enumerate(mems))
+        mem, usable = mems[i]
+        search.shortfall(ratio, (
+            f"stage {i} of {pp} ({units[i].device.name}, tp={tps[i]}, dp={dp}, microBatch {mb}, "
+            f"{schedule}) needs {mem.bytes_for(per) / cost.GIB:.1f} GiB per device for {per} "
+            f"layers; it has {usable / cost.GIB:.1f} GiB usable "
+            f"({cost.MEMORY_HEADROOM:.0%} of {units[i].device.hbm_gib:.0f} GiB)"))
         return
     _, split = result
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
@@ -378,7 +417,7 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
     memory = tuple(mem.bytes_for(n) / cost.GIB for (mem, _), n in zip(mems, split, strict=True))
     search.offer(Candidate(t, dp, mb, schedule, tuple(units), tuple(tps), tuple(split),
                            tuple(stage_s), tuple(stage_dp), tuple(boundaries), bubble, memory,
-                           grouping))
+                           grouping, v))
 
 
 def _search_exhaustive(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory,
@@ -387,12 +426,10 @@ def _search_exhaustive(search: _Search, units: tuple[Unit, ...], inv: ClusterInv
     gb = spec.training.global_batch
     dp_values = [d for d in _divisors(gb) if spec.parallelism.dp in (None, d)]
     mbs_pinned = spec.training.micro_batch
-    schedules = SCHEDULES if spec.parallelism.schedule == "auto" else (spec.parallelism.schedule,)
     dropped: list[float] = []
     outer = _candidates_outer(units, spec, dp_values, search.exhaustive, dropped)
     if dropped:
-        best_dev = max(units, key=lambda u: u.device.hbm_gib).device
-        search.memory_shortfall = (min(dropped), f"{best_dev.hbm_gib:.0f} GiB ({best_dev.name})")
+        _state_shortfall(search, units, min(dropped))
     for bound, dp, tps_u, ks in outer:
         if not search.exhaustive and bound >= search.bound():
             break
@@ -404,20 +441,16 @@ def _search_exhaustive(search: _Search, units: tuple[Unit, ...], inv: ClusterInv
             stage_units = tuple(units[i] for i in order for _ in range(ks[i]))
             stage_tps = tuple(tps_u[i] for i in order for _ in range(ks[i]))
             for mb in mbs:
-                for schedule in schedules:
-                    _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping)
+                for schedule, v in _schedule_options(spec, len(stage_units), spec.model.layers):
+                    _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping, v)
 
 
 def _unit_stats(unit: Unit, tp: int, dp: int, mb: int, inv: ClusterInventory,
                 spec: JobSpec) -> UnitStats:
     """Per-stage aggregates of ``unit`` (:mod:`hettrain.planning.bounds`), relaxed memory."""
     model, training = spec.model, spec.training
-    tokens = mb * model.seq_len
-    eb = cost.precision_bytes(training)
-    f = unit.device.effective_flops * tp
-    a = (cost.layer_flops(model, tokens, training.recompute) / f
-         + cost.tp_comm_per_layer_s(model, mb, tp, unit.device, eb))
-    head = 3 * cost.head_forward_flops(model, tokens) / f
+    a = cost.layer_time_s(model, training, mb, tp, unit.device)
+    head = cost.head_time_s(model, mb, tp, unit.device)
     lat, per_byte, _ = _dp_time_per_byte(unit, dp, tp, inv, spec)
     dp_c = cost.layer_params(model) * 4.0 / tp * per_byte if dp > 1 else 0.0
     dp_e = lat if dp > 1 else 0.0
@@ -623,28 +656,43 @@ def _evaluate_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Cho
     for c in choices:
         ks[c.unit], tps[c.unit] = c.k, c.tp
     pp = sum(ks)
-    pinned = search.spec.parallelism.schedule
-    schedules = (pinned,) if pinned != "auto" else (("1f1b",) if pp == 1 else ("zb-h1",))
+    schedules = _schedule_options(search.spec, pp, search.spec.model.layers, exhaustive=False)
     stage_units = tuple(units[i] for i in order for _ in range(ks[i]))
     stage_tps = tuple(tps[i] for i in order for _ in range(ks[i]))
-    for schedule in schedules:
-        _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping)
+    for schedule, v in schedules:
+        _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping, v)
+
+
+def _state_shortfall(search: _Search, units: Sequence[Unit], need_gib: float) -> None:
+    """Record that the weights, gradients and optimizer state alone exceed every layout."""
+    dev = max(units, key=lambda u: u.device.hbm_gib).device
+    usable = dev.hbm_gib * cost.MEMORY_HEADROOM
+    need = need_gib * cost.MEMORY_HEADROOM  # need_gib is HBM with headroom; this is bytes
+    search.shortfall(need / usable, (
+        f"the weights, gradients and optimizer state alone need {need:.1f} GiB per device "
+        f"on the widest layout; the largest device ({dev.name}) has {usable:.1f} GiB usable "
+        f"({cost.MEMORY_HEADROOM:.0%} of {dev.hbm_gib:.0f} GiB)"))
 
 
 def _record_shortfall(search: _Search, units: tuple[Unit, ...], spec: JobSpec,
                       dp_values: Sequence[int], pairs: Sequence) -> None:
     """When nothing fits: the per-device memory the most spread-out layouts would need."""
+    if search.memory_shortfall is not None:
+        return
     dropped: list[float] = []
     _candidates_outer(units, spec, dp_values, False, dropped)
-    needs = list(dropped)
+    if dropped:
+        _state_shortfall(search, units, min(dropped))
     for *_, opts, _rest, _singles in pairs:
         widest = [max(o, key=lambda c: (c.k * c.tp, c.tp)) for o in opts if o]
         if widest:
-            needs.append(memory_need_gib(widest, spec.model.layers, cost.GIB,
-                                         cost.MEMORY_HEADROOM))
-    if needs and search.memory_shortfall is None:
-        best_dev = max(units, key=lambda u: u.device.hbm_gib).device
-        search.memory_shortfall = (min(needs), f"{best_dev.hbm_gib:.0f} GiB ({best_dev.name})")
+            need = memory_need_gib(widest, spec.model.layers, cost.GIB, cost.MEMORY_HEADROOM)
+            dev = max((units[c.unit] for c in widest), key=lambda u: u.device.hbm_gib).device
+            usable = dev.hbm_gib * cost.MEMORY_HEADROOM
+            search.shortfall(need * cost.MEMORY_HEADROOM / usable, (
+                f"a stage of the widest layout needs {need * cost.MEMORY_HEADROOM:.1f} GiB per "
+                f"device; the largest device ({dev.name}) has {usable:.1f} GiB usable "
+                f"({cost.MEMORY_HEADROOM:.0%} of {dev.hbm_gib:.0f} GiB)"))
 
 
 # ---------------------------------------------------------------- public API
@@ -655,7 +703,8 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
     notes = [
         f"searched {search.evaluated} layouts ({'exhaustive' if search.exhaustive else 'fast'})",
         f"chose dp={best.dp} pp={best.pp} tp={'/'.join(map(str, best.tps))} "
-        f"mb={best.micro_batch} schedule={best.schedule}",
+        f"mb={best.micro_batch} schedule={best.schedule}"
+        + (f" chunks={best.chunks}" if best.schedule == "interleaved" else ""),
     ]
     crossings = [i for i in range(best.pp - 1)
                  if not set(best.units[i].datacenters) & set(best.units[i + 1].datacenters)]
@@ -755,7 +804,7 @@ def step_time_for_split(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
     tps = [s.tp for s in plan.stages]
     m, v = plan.num_microbatches, plan.virtual_stages
     stages, _ = _stage_costs(stage_units, tps, plan.dp, plan.micro_batch, m, plan.schedule,
-                             inventory, spec)
+                             inventory, spec, v=v)
     if any(n < 1 or n > s.max_layers for s, n in zip(stages, split, strict=True)):
         return None
     boundaries = [_boundary_s(stage_units[i], stage_units[i + 1], tps[i], tps[i + 1], plan.dp,
@@ -777,12 +826,8 @@ def _explain_failure(spec: JobSpec, pools: Sequence, searches: Sequence[_Search]
     shortfall = min((s.memory_shortfall for s in searches if s.memory_shortfall),
                     default=None)
     if shortfall is not None:
-        need, have = shortfall
-        return no_plan(
-            f"model does not fit: needs {need:.0f} GiB per device even for the best layout "
-            f"tried, largest device has {have}; add pools, allow more vendors, enable "
-            "spec.training.recompute=full or optimizerSharding"
-        )
+        return no_plan(f"model does not fit: in the closest layout tried, {shortfall[1]}; "
+                       + "; or ".join(_memory_suggestions(spec)))
     if spec.training.micro_batch is not None:
         return no_plan(
             f"spec.training.microBatch={spec.training.micro_batch} does not divide globalBatch "
@@ -793,6 +838,28 @@ def _explain_failure(spec: JobSpec, pools: Sequence, searches: Sequence[_Search]
         f"no feasible layout on {gpus} GPUs for globalBatch {gb} and {spec.model.layers} layers "
         f"with the pins in spec.parallelism ({spec.parallelism}); relax the pins"
     )
+
+
+def _memory_suggestions(spec: JobSpec) -> list[str]:
+    """Only the changes that would lower per-device memory and are not already in effect."""
+    t, par, pl = spec.training, spec.parallelism, spec.placement
+    out = []
+    if t.recompute not in ("full", "auto"):
+        out.append(f"set spec.training.recompute: full (now {t.recompute})")
+    if not t.optimizer_sharding:
+        out.append("set spec.training.optimizerSharding: true")
+    if t.micro_batch is not None and t.micro_batch > 1:
+        out.append(f"lower spec.training.microBatch (now {t.micro_batch}) or omit it")
+    pins = [f"{k}={v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("dp", par.dp))
+            if v is not None]
+    if pins:
+        out.append(f"unpin spec.parallelism ({', '.join(pins)}) so TP/PP can spread the model")
+    if pl.max_gpus is not None:
+        out.append(f"raise spec.placement.maxGPUs (now {pl.max_gpus})")
+    if pl.vendors or pl.datacenters or pl.pools:
+        out.append("allow more pools in spec.placement")
+    out.append("add nodes with more device memory")
+    return out
 
 
 def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[str],
@@ -837,6 +904,6 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         job=name, model=model, training=spec.training, dp=c.dp, pp=c.pp,
         micro_batch=c.micro_batch, num_microbatches=m, schedule=c.schedule,
         stages=tuple(stages), ranks=ranks, predicted=pred, cross_dc=cross, notes=tuple(notes),
-        virtual_stages=INTERLEAVE_CHUNKS if c.schedule == "interleaved" else 1,
+        virtual_stages=c.chunks if c.schedule == "interleaved" else 1,
     )
 
