@@ -360,6 +360,9 @@ def _parse_parallelism(f: _Fields) -> ParallelismSpec:
     if p.virtual_stages is not None and p.schedule != "interleaved":
         raise SpecError(f"{f.path}.virtualStages", "only the interleaved schedule has model "
                         "chunks: set schedule: interleaved, or omit virtualStages")
+    if p.virtual_stages is not None and p.virtual_stages > 64:
+        raise SpecError(f"{f.path}.virtualStages", f"must be <= 64 model chunks per stage (got "
+                        f"{p.virtual_stages})")
     if p.virtual_stages is not None and p.virtual_stages < 2:
         raise SpecError(f"{f.path}.virtualStages", f"must be >= 2 model chunks per stage (got "
                         f"{p.virtual_stages}); for one chunk use schedule: 1f1b")

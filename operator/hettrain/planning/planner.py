@@ -26,7 +26,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hettrain.api.spec import JobSpec
 from hettrain.planning import cost
@@ -34,7 +34,6 @@ from hettrain.planning.bounds import (
     Choice,
     UnitStats,
     boundary_lower_bounds,
-    memory_need_gib,
     ordered_boundaries,
     partial_lower_bound,
     step_lower_bound,
@@ -59,6 +58,7 @@ MAX_INTERLEAVE_CHUNKS = 4  # interleaved: model chunks per stage searched in 2..
 REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the best
 REPLAN_OPTIONS = 64  # distinct placements a re-plan compares by moved ranks
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+RECOMPUTE_SEARCH = ("none", "selective", "full")  # recompute: auto; least recompute first
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +103,9 @@ class _Search:
         self.exhaustive = exhaustive
         self.best: Candidate | None = None
         self.near: list[Candidate] = []  # within REPLAN_TOLERANCE of the best (for re-plans)
-        # (need / usable of the limiting stage, a sentence naming it) of the closest miss
-        self.memory_shortfall: tuple[float, str] | None = None
+        # (need / usable of the limiting stage, a sentence naming it, state alone?) of the
+        # closest miss
+        self.memory_shortfall: tuple[float, str, bool] | None = None
         self.evaluated = 0
         self.max_gpus = spec.placement.max_gpus  # spec.placement.maxGPUs: a hard cap
         self.over_max_gpus = 0  # layouts skipped for using more GPUs than that
@@ -119,10 +120,11 @@ class _Search:
         if len(self.near) > 64:
             self.near = [c for c in self.near if c.step_time_s <= limit]
 
-    def shortfall(self, ratio: float, clause: str) -> None:
-        """Keep the memory miss closest to fitting (for the refusal message)."""
+    def shortfall(self, ratio: float, clause: str, state_only: bool = False) -> None:
+        """Keep the memory miss closest to fitting (for the refusal message); ``state_only``:
+        the weights and optimizer state alone do not fit (activations are not the problem)."""
         if self.memory_shortfall is None or ratio < self.memory_shortfall[0]:
-            self.memory_shortfall = (ratio, clause)
+            self.memory_shortfall = (ratio, clause, state_only)
 
     def bound(self) -> float:
         return math.inf if self.best is None else self.best.step_time_s * self.slack
@@ -671,7 +673,7 @@ def _state_shortfall(search: _Search, units: Sequence[Unit], need_gib: float) ->
     search.shortfall(need / usable, (
         f"the weights, gradients and optimizer state alone need {need:.1f} GiB per device "
         f"on the widest layout; the largest device ({dev.name}) has {usable:.1f} GiB usable "
-        f"({cost.MEMORY_HEADROOM:.0%} of {dev.hbm_gib:.0f} GiB)"))
+        f"({cost.MEMORY_HEADROOM:.0%} of {dev.hbm_gib:.0f} GiB)"), state_only=True)
 
 
 def _record_shortfall(search: _Search, units: tuple[Unit, ...], spec: JobSpec,
@@ -683,16 +685,21 @@ def _record_shortfall(search: _Search, units: tuple[Unit, ...], spec: JobSpec,
     _candidates_outer(units, spec, dp_values, False, dropped)
     if dropped:
         _state_shortfall(search, units, min(dropped))
-    for *_, opts, _rest, _singles in pairs:
+    pinned_pp = spec.parallelism.pp
+    for _, dp, mb, _m, opts, _rest, _singles in pairs:
         widest = [max(o, key=lambda c: (c.k * c.tp, c.tp)) for o in opts if o]
-        if widest:
-            need = memory_need_gib(widest, spec.model.layers, cost.GIB, cost.MEMORY_HEADROOM)
-            dev = max((units[c.unit] for c in widest), key=lambda u: u.device.hbm_gib).device
+        if not widest:
+            continue
+        pp = min(sum(c.k for c in widest), pinned_pp or spec.model.layers)
+        per = math.ceil(spec.model.layers / pp)
+        for c in widest:  # relaxed (one microbatch in flight, no embedding): "at least"
+            dev = units[c.unit].device
             usable = dev.hbm_gib * cost.MEMORY_HEADROOM
-            search.shortfall(need * cost.MEMORY_HEADROOM / usable, (
-                f"a stage of the widest layout needs {need * cost.MEMORY_HEADROOM:.1f} GiB per "
-                f"device; the largest device ({dev.name}) has {usable:.1f} GiB usable "
-                f"({cost.MEMORY_HEADROOM:.0%} of {dev.hbm_gib:.0f} GiB)"))
+            need = (c.stats.fixed_bytes + c.stats.layer_bytes * per) / cost.GIB
+            search.shortfall(need / usable, (
+                f"each of {pp} stages ({dev.name}, tp={c.tp}, dp={dp}, microBatch {mb}) needs "
+                f"at least {need:.1f} GiB per device for {per} layers; it has {usable:.1f} GiB "
+                f"usable ({cost.MEMORY_HEADROOM:.0%} of {dev.hbm_gib:.0f} GiB)"))
 
 
 # ---------------------------------------------------------------- public API
@@ -729,8 +736,11 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
 
     With ``previous`` (a re-plan after failures) the global batch is kept (gradient
     accumulation absorbs a smaller ``dp``) and, among layouts within 2% of the best, the one
-    that moves the fewest surviving ranks to another stage wins.
+    that moves the fewest surviving ranks to another stage wins. ``recompute: auto`` plans
+    each mode and keeps the fastest (:func:`_plan_recompute_auto`).
     """
+    if spec.training.recompute == "auto":
+        return _plan_recompute_auto(name, spec, inventory, exhaustive, previous)
     pools = filter_pools(inventory, spec.placement)
     if not pools:
         pl = spec.placement
@@ -768,6 +778,35 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     if previous is not None:
         notes.append(f"re-plan: {moved_ranks(previous, ranks)} of {len(ranks)} ranks change stage")
     return _to_plan(name, spec, chosen, ranks, notes, inventory)
+
+
+def _plan_recompute_auto(name: str, spec: JobSpec, inventory: ClusterInventory,
+                         exhaustive: bool, previous: Plan | None) -> Plan:
+    """``spec.training.recompute: auto``: the best plan over :data:`RECOMPUTE_SEARCH`.
+
+    Exact: each mode's search is exact, and the fastest wins (ties: less recomputation). A
+    re-plan takes, among the modes' plans within ``REPLAN_TOLERANCE`` of the fastest, the one
+    moving the fewest ranks. The plan carries the chosen mode: the runtime never sees ``auto``.
+    """
+    plans: list[Plan] = []
+    failures: list[PlanningError] = []
+    for mode in RECOMPUTE_SEARCH:
+        concrete = replace(spec, training=replace(spec.training, recompute=mode))
+        try:
+            plans.append(plan_job(name, concrete, inventory, exhaustive=exhaustive,
+                                  previous=previous))
+        except PlanningError as exc:
+            failures.append(exc)
+    if not plans:
+        raise failures[-1]  # full recompute: the least memory, the most telling refusal
+    fastest = min(p.predicted.step_time_s for p in plans)
+    best = plans[[p.predicted.step_time_s for p in plans].index(fastest)]
+    if previous is not None:
+        near = [p for p in plans if p.predicted.step_time_s <= fastest * REPLAN_TOLERANCE]
+        best = min(near, key=lambda p: moved_ranks(previous, p.ranks))
+    tried = ", ".join(f"{p.training.recompute} {p.predicted.step_time_s:.4g}s" for p in plans)
+    return replace(best, notes=(*best.notes,
+                                f"recompute=auto chose {best.training.recompute} ({tried})"))
 
 
 def _fewest_moves(best: Candidate, near: Sequence[Candidate], previous: Plan
@@ -827,7 +866,7 @@ def _explain_failure(spec: JobSpec, pools: Sequence, searches: Sequence[_Search]
                     default=None)
     if shortfall is not None:
         return no_plan(f"model does not fit: in the closest layout tried, {shortfall[1]}; "
-                       + "; or ".join(_memory_suggestions(spec)))
+                       + "; or ".join(_memory_suggestions(spec, shortfall[2])))
     if spec.training.micro_batch is not None:
         return no_plan(
             f"spec.training.microBatch={spec.training.micro_batch} does not divide globalBatch "
@@ -840,15 +879,16 @@ def _explain_failure(spec: JobSpec, pools: Sequence, searches: Sequence[_Search]
     )
 
 
-def _memory_suggestions(spec: JobSpec) -> list[str]:
-    """Only the changes that would lower per-device memory and are not already in effect."""
+def _memory_suggestions(spec: JobSpec, state_only: bool) -> list[str]:
+    """Only the changes that would lower per-device memory and are not already in effect
+    (activation options only when activations, not the state alone, are the problem)."""
     t, par, pl = spec.training, spec.parallelism, spec.placement
     out = []
-    if t.recompute not in ("full", "auto"):
+    if t.recompute not in ("full", "auto") and not state_only:
         out.append(f"set spec.training.recompute: full (now {t.recompute})")
     if not t.optimizer_sharding:
         out.append("set spec.training.optimizerSharding: true")
-    if t.micro_batch is not None and t.micro_batch > 1:
+    if t.micro_batch is not None and t.micro_batch > 1 and not state_only:
         out.append(f"lower spec.training.microBatch (now {t.micro_batch}) or omit it")
     pins = [f"{k}={v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("dp", par.dp))
             if v is not None]
