@@ -54,7 +54,8 @@ K_FULL_WINDOW = 1
 MAX_PERMUTED_UNITS = 4
 EXACT_LEAF_BUDGET = 20_000  # above this many (tp, k) combinations the k window applies
 MAX_MICRO_BATCH = 16
-MAX_INTERLEAVE_CHUNKS = 4  # interleaved: model chunks per stage searched in 2..4
+MAX_INTERLEAVE_CHUNKS = 4  # schedule: interleaved: model chunks per stage searched in 2..4
+AUTO_MAX_CHUNKS = 3  # schedule: auto: interleaved with 2..3 chunks (all dominated by ZB-H1)
 REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the best
 REPLAN_OPTIONS = 64  # distinct placements a re-plan compares by moved ranks
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
@@ -201,14 +202,18 @@ def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
     """(schedule, model chunks per stage) pairs to evaluate for a ``pp``-stage pipeline.
 
     Interleaved takes ``v`` in ``2..MAX_INTERLEAVE_CHUNKS`` (or the pinned
-    ``spec.parallelism.virtualStages``), each stage holding at least ``v`` layers. With
-    ``exhaustive=False`` and ``schedule: auto`` only the schedules that can win are listed
-    (:func:`_evaluate_order`): 1F1B for ``pp = 1``, else ZB-H1 and interleaved with ``v ≥ 4``.
-    ``layers=None`` skips the layer check (for the bubble divisor).
+    ``spec.parallelism.virtualStages``), each stage holding at least ``v`` layers. Under
+    ``schedule: auto`` the space is 1F1B, ZB-H1 and interleaved with ``v ≤ AUTO_MAX_CHUNKS``;
+    with ``exhaustive=False`` only the schedules that can win are listed
+    (:func:`_evaluate_order`): 1F1B for ``pp = 1``, else ZB-H1. (More chunks could beat ZB-H1
+    in this model at ``v``× the boundary traffic; searching them under auto loosens every bound
+    from ``bubble/3`` to ``bubble/v``, so they are left to an explicit ``schedule:
+    interleaved``.) ``layers=None`` skips the layer check (for the bubble divisor).
     """
     par = spec.parallelism
     pinned_v = par.virtual_stages
-    chunks = [pinned_v] if pinned_v is not None else list(range(2, MAX_INTERLEAVE_CHUNKS + 1))
+    top = MAX_INTERLEAVE_CHUNKS if par.schedule == "interleaved" else AUTO_MAX_CHUNKS
+    chunks = [pinned_v] if pinned_v is not None else list(range(2, top + 1))
     if layers is not None:
         chunks = [v for v in chunks if layers >= pp * v]
     inter = [("interleaved", v) for v in chunks]
@@ -218,9 +223,7 @@ def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
         return [(par.schedule, 1)]
     if exhaustive:
         return [("1f1b", 1), *inter, ("zb-h1", 1)]
-    if pp == 1:
-        return [("1f1b", 1)]
-    return [("zb-h1", 1), *((s, v) for s, v in inter if v > 3)]
+    return [("1f1b", 1)] if pp == 1 else [("zb-h1", 1)]
 
 
 def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
@@ -648,9 +651,10 @@ def _evaluate_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Cho
 
     Dominance (exact in this cost model): with ``X`` the slowest of stages and boundaries and
     ``Σ`` their sum, 1F1B costs ``m·X + (Σ − X)`` and ZB-H1 ``m·X + (Σ − X)/3`` at the same
-    memory, so ZB-H1 ≤ 1F1B for every split. Interleaved (``v = 2``) holds more activations (its
-    feasible splits are a subset), doubles boundary traffic (``X_i ≥ X``, ``Σ_i ≥ Σ``) and costs
-    ``(m − 1/2)·X_i + Σ_i/2 ≥ (m − 1/3)·X + Σ/3 + (Σ − X)/6``. So with ``schedule: auto`` and
+    memory, so ZB-H1 ≤ 1F1B for every split. Interleaved with ``v ≤ AUTO_MAX_CHUNKS = 3``
+    chunks holds more activations (its feasible splits are a subset), multiplies boundary
+    traffic by ``v`` (``X_v ≥ X``, ``Σ_v ≥ Σ``) and costs ``(m − 1/v)·X_v + Σ_v/v ≥
+    (m − 1/3)·X + Σ/3 + (Σ − X)·(1/v − 1/3)``, the last term ≥ 0. So with ``schedule: auto`` and
     ``pp ≥ 2`` only ZB-H1 is evaluated; for ``pp = 1`` only 1F1B exists.
     """
     ks = [0] * len(units)
