@@ -7,6 +7,7 @@ the job's annotations (``fidelity/metric``, ``fidelity/published``). The row is 
 
 - ``megatron_tflops``: achieved TFLOP/s per GPU by Narayanan et al.'s formula (SC'21, eq. 3)
   ``96·B·s·l·h²·(1 + s/6h + V/16lh)`` per step, which counts the full-recompute forward.
+- ``tokens_per_gpu_s``: training tokens per second per GPU (torchtitan's WPS).
 
 A row is ``fitted`` when the catalog/time-model constants were fitted to it, ``checked`` when it
 is only compared (a row's ``fidelity/role`` annotation, default ``fitted`` for Megatron SC'21
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
 
 from hettrain.api.spec import JobSpec, parse_job_manifest  # noqa: E402
+from hettrain.planning.catalog import resolve_device  # noqa: E402
 from hettrain.planning.errors import PlanningError  # noqa: E402
 from hettrain.planning.inventory import load_cluster  # noqa: E402
 from hettrain.planning.planner import plan_job  # noqa: E402
@@ -51,6 +53,7 @@ class Row:
     predicted: float | None  # None: refused
     refusal: str | None
     layout: str
+    time_only: float | None = None  # refused rows: the prediction with memory ignored
 
     @property
     def error(self) -> float | None:
@@ -69,6 +72,8 @@ def predicted_metric(metric: str, spec: JobSpec, step_time_s: float, gpus: int) 
     """The published metric computed from a predicted step time."""
     if metric == "megatron_tflops":
         return megatron_flops_per_step(spec) / step_time_s / gpus / 1e12
+    if metric == "tokens_per_gpu_s":
+        return spec.training.global_batch * spec.model.seq_len / step_time_s / gpus
     raise ValueError(f"unknown fidelity/metric {metric!r}")
 
 
@@ -85,7 +90,9 @@ def evaluate_row(directory: Path) -> Row:
     try:
         plan = plan_job(name, spec, inventory)
     except PlanningError as exc:
-        return Row(source, directory.name, role, gpus, metric, published, None, exc.message, "")
+        return Row(source, directory.name, role, gpus, metric, published, None, exc.message, "",
+                   _time_only(name, spec, directory / ann.get("fidelity/cluster",
+                                                              "cluster.yaml"), metric, gpus))
     used = plan.dp * sum(s.tp for s in plan.stages)
     layout = (f"tp={plan.stages[0].tp} pp={plan.pp} dp={plan.dp} mb={plan.micro_batch} "
               f"{plan.schedule}" + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else ""))
@@ -93,6 +100,26 @@ def evaluate_row(directory: Path) -> Row:
         layout += f" (uses {used} GPUs)"
     pred = predicted_metric(metric, spec, plan.predicted.step_time_s, gpus)
     return Row(source, directory.name, role, gpus, metric, published, pred, None, layout)
+
+
+def _time_only(name: str, spec: JobSpec, cluster: Path, metric: str, gpus: int) -> float | None:
+    """The metric predicted with 100x device memory: checks the time model on a layout the
+    memory model refuses (a refusal still counts as one)."""
+    doc = yaml.safe_load(cluster.read_text())
+    devices: dict = {}  # the calibration clusters use catalog devices only
+    big = []
+    for pool in doc["pools"]:
+        dev = resolve_device(pool["device"], devices, "pools")
+        big.append({"name": dev.name, "vendor": dev.vendor, "bf16Tflops": dev.bf16_tflops,
+                    "hbmGiB": dev.hbm_gib * 100, "hbmTBps": dev.hbm_tbps,
+                    "intraNodeGBps": dev.intra_node_gbps, "backend": dev.backend,
+                    "efficiency": dev.efficiency, "pcieGBps": dev.pcie_gbps})
+    doc = {**doc, "devices": list({d["name"]: d for d in big}.values())}
+    try:
+        plan = plan_job(name, spec, load_cluster(doc))
+    except PlanningError:
+        return None
+    return predicted_metric(metric, spec, plan.predicted.step_time_s, gpus)
 
 
 def evaluate(sources: list[str] | None = None) -> list[Row]:
@@ -123,8 +150,10 @@ def _table(rows: list[Row]) -> str:
              f"{'predicted':>9} {'error':>7}  layout"]
     for r in rows:
         if r.predicted is None:
+            what = "" if r.time_only is None else (
+                f"[memory ignored: {r.time_only:.1f}, {r.time_only / r.published - 1:+.1%}] ")
             lines.append(f"{r.source:>14} {r.name:>8} {r.role:>7} {r.gpus:>5} "
-                         f"{r.published:9.1f} {'REFUSED':>9} {'':>7}  {r.refusal}")
+                         f"{r.published:9.1f} {'REFUSED':>9} {'':>7}  {what}{r.refusal}")
         else:
             lines.append(f"{r.source:>14} {r.name:>8} {r.role:>7} {r.gpus:>5} "
                          f"{r.published:9.1f} {r.predicted:9.1f} {r.error:+7.1%}  {r.layout}")
