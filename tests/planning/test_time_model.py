@@ -233,3 +233,26 @@ def test_refusal_names_the_limiting_stage_when_activations_do_not_fit() -> None:
     assert "lower spec.training.microBatch (now 16)" in msg
     assert "optimizerSharding" not in msg  # on by default
     assert "maxGPUs" not in msg and "spec.placement" not in msg  # nothing restricts them
+
+
+def test_cross_dc_auto_is_best_of_sync_and_compress() -> None:
+    pools = [{**_pool("a", "H100-SXM", 1, 8), "datacenter": "a"},
+             {**_pool("b", "H100-SXM", 1, 8), "datacenter": "b"}]
+    cluster = {**_cluster(pools), "datacenters": [{"name": "a"}, {"name": "b"}],
+               "links": [{"between": ["a", "b"], "bandwidthGbps": 10, "latencyMs": 20}]}
+    inv = load_cluster(cluster)
+    base = {"model": {"preset": "gpt3-1.3b"}, "training": {"globalBatch": 64, "steps": 1},
+            "parallelism": {"dp": 2, "tp": 8, "pp": 1}}  # DP across the slow link
+    times = {mode: plan_job("j", parse_job_spec({**base, "crossDC": {"mode": mode}}), inv)
+             for mode in ("sync", "compress")}
+    auto = plan_job("j", parse_job_spec({**base, "crossDC": {"mode": "auto"}}), inv)
+    want = min(times, key=lambda k: (times[k].predicted.step_time_s, k != "sync"))
+    assert want == "compress"  # bf16 halves the bytes on the 10 Gbps link
+    assert auto.cross_dc["mode"] == want  # concrete: the runtime never sees auto
+    assert auto.predicted.step_time_s == times[want].predicted.step_time_s
+    assert f"crossDC.mode=auto chose {want}" in auto.notes[-1]
+    # compression none leaves only sync
+    none = plan_job("j", parse_job_spec({**base, "crossDC": {"mode": "auto",
+                                                             "compression": "none"}}), inv)
+    assert none.cross_dc["mode"] == "sync"
+    assert none.predicted.step_time_s == times["sync"].predicted.step_time_s

@@ -16,9 +16,11 @@ from typing import Any
 from hettrain.api.constants import VENDORS
 
 PRECISIONS = ("bf16", "fp16", "fp32")
-RECOMPUTE_MODES = ("none", "selective", "full", "auto")  # auto: the planner picks one
+RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_SPEC_MODES = (*RECOMPUTE_MODES, "auto")  # spec only: the planner picks a mode
 SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1")
 CROSS_DC_MODES = ("sync", "compress", "diloco")
+CROSS_DC_SPEC_MODES = (*CROSS_DC_MODES, "auto")  # spec only: the planner picks sync|compress
 COMPRESSIONS = ("none", "bf16", "int8")
 REPAIR_MODES = ("Shrink", "WaitForReplacement")
 
@@ -321,7 +323,7 @@ def _parse_training(f: _Fields) -> TrainingSpec:
     mb = f.int_("microBatch")
     precision = f.str_("precision", "bf16", PRECISIONS)
     sharding = f.bool_("optimizerSharding", True)
-    recompute = f.str_("recompute", "selective", RECOMPUTE_MODES)
+    recompute = f.str_("recompute", "selective", RECOMPUTE_SPEC_MODES)
     lr = f.float_("learningRate", 3e-4)
     seed = f.int_("seed", 1234, minimum=0)
     f.reject_unknown()
@@ -373,7 +375,7 @@ def _parse_parallelism(f: _Fields) -> ParallelismSpec:
 
 def _parse_cross_dc(f: _Fields) -> CrossDCSpec:
     c = CrossDCSpec(
-        mode=f.str_("mode", "sync", CROSS_DC_MODES) or "sync",
+        mode=f.str_("mode", "sync", CROSS_DC_SPEC_MODES) or "sync",
         compression=f.str_("compression", "bf16", COMPRESSIONS) or "bf16",
         outer_steps=f.int_("outerSteps", 50) or 50,
         outer_lr=f.float_("outerLearningRate", 0.7),

@@ -60,6 +60,8 @@ REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the
 REPLAN_OPTIONS = 64  # distinct placements a re-plan compares by moved ranks
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 RECOMPUTE_SEARCH = ("none", "selective", "full")  # recompute: auto; least recompute first
+# crossDC.mode: auto; exact gradients first. DiLoCo changes the optimizer: opt-in only.
+CROSS_DC_SEARCH = ("sync", "compress")
 
 
 @dataclass(frozen=True, slots=True)
@@ -744,7 +746,13 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     each mode and keeps the fastest (:func:`_plan_recompute_auto`).
     """
     if spec.training.recompute == "auto":
-        return _plan_recompute_auto(name, spec, inventory, exhaustive, previous)
+        return _plan_auto(name, inventory, exhaustive, previous, "recompute", [
+            (mode, replace(spec, training=replace(spec.training, recompute=mode)))
+            for mode in RECOMPUTE_SEARCH])
+    if spec.cross_dc.mode == "auto":
+        modes = CROSS_DC_SEARCH if spec.cross_dc.compression != "none" else ("sync",)
+        return _plan_auto(name, inventory, exhaustive, previous, "crossDC.mode", [
+            (mode, replace(spec, cross_dc=replace(spec.cross_dc, mode=mode))) for mode in modes])
     pools = filter_pools(inventory, spec.placement)
     if not pools:
         pl = spec.placement
@@ -784,33 +792,33 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     return _to_plan(name, spec, chosen, ranks, notes, inventory)
 
 
-def _plan_recompute_auto(name: str, spec: JobSpec, inventory: ClusterInventory,
-                         exhaustive: bool, previous: Plan | None) -> Plan:
-    """``spec.training.recompute: auto``: the best plan over :data:`RECOMPUTE_SEARCH`.
+def _plan_auto(name: str, inventory: ClusterInventory, exhaustive: bool,
+               previous: Plan | None, field: str, variants: Sequence[tuple[str, JobSpec]]) -> Plan:
+    """An ``auto`` spec option (``recompute``, ``crossDC.mode``): the best plan over
+    ``variants``, each a concrete spec.
 
-    Exact: each mode's search is exact, and the fastest wins (ties: less recomputation). A
-    re-plan takes, among the modes' plans within ``REPLAN_TOLERANCE`` of the fastest, the one
-    moving the fewest ranks. The plan carries the chosen mode: the runtime never sees ``auto``.
+    Exact: each variant's search is exact, and the fastest wins (ties: the first variant, the
+    least recomputation / exact gradients). A re-plan takes, among the variants' plans within
+    ``REPLAN_TOLERANCE`` of the fastest, the one moving the fewest ranks. The plan carries the
+    chosen mode: the runtime never sees ``auto``.
     """
-    plans: list[Plan] = []
+    plans: list[tuple[str, Plan]] = []
     failures: list[PlanningError] = []
-    for mode in RECOMPUTE_SEARCH:
-        concrete = replace(spec, training=replace(spec.training, recompute=mode))
+    for mode, concrete in variants:
         try:
-            plans.append(plan_job(name, concrete, inventory, exhaustive=exhaustive,
-                                  previous=previous))
+            plans.append((mode, plan_job(name, concrete, inventory, exhaustive=exhaustive,
+                                         previous=previous)))
         except PlanningError as exc:
             failures.append(exc)
     if not plans:
-        raise failures[-1]  # full recompute: the least memory, the most telling refusal
-    fastest = min(p.predicted.step_time_s for p in plans)
-    best = plans[[p.predicted.step_time_s for p in plans].index(fastest)]
+        raise failures[-1]  # the last variant needs the least memory: the most telling refusal
+    fastest = min(p.predicted.step_time_s for _, p in plans)
+    chosen, best = next((m, p) for m, p in plans if p.predicted.step_time_s == fastest)
     if previous is not None:
-        near = [p for p in plans if p.predicted.step_time_s <= fastest * REPLAN_TOLERANCE]
-        best = min(near, key=lambda p: moved_ranks(previous, p.ranks))
-    tried = ", ".join(f"{p.training.recompute} {p.predicted.step_time_s:.4g}s" for p in plans)
-    return replace(best, notes=(*best.notes,
-                                f"recompute=auto chose {best.training.recompute} ({tried})"))
+        near = [(m, p) for m, p in plans if p.predicted.step_time_s <= fastest * REPLAN_TOLERANCE]
+        chosen, best = min(near, key=lambda mp: moved_ranks(previous, mp[1].ranks))
+    tried = ", ".join(f"{m} {p.predicted.step_time_s:.4g}s" for m, p in plans)
+    return replace(best, notes=(*best.notes, f"{field}=auto chose {chosen} ({tried})"))
 
 
 def _fewest_moves(best: Candidate, near: Sequence[Candidate], previous: Plan
