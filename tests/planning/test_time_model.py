@@ -256,3 +256,25 @@ def test_cross_dc_auto_is_best_of_sync_and_compress() -> None:
                                                              "compression": "none"}}), inv)
     assert none.cross_dc["mode"] == "sync"
     assert none.predicted.step_time_s == times["sync"].predicted.step_time_s
+
+
+@pytest.mark.parametrize("precision,factor", [("bf16", 1.25), ("fp32", 1.5)])
+def test_dp_sync_charges_the_runtimes_zero1_all_reduce_and_all_gather(precision: str,
+                                                                      factor: float) -> None:
+    """runtime/optim.py: ZeRO-1 all-reduces the fp32 main grads, then all-gathers the params
+    at the training precision (eb bytes vs the all-reduce's 2·4): 1 + eb/8 all-reduces."""
+    from hettrain.planning import planner as P
+    from hettrain.planning.units import build_units
+
+    inv = load_cluster(_cluster([_pool("a", "A100-80GB", 2, 8)]))
+    unit = build_units(inv.pools, merged=False)[0]
+    per = {}
+    for sharding in (False, True):
+        spec = parse_job_spec({"model": {"preset": "gpt3-1.3b"},
+                               "training": {"globalBatch": 16, "steps": 1,
+                                            "precision": precision,
+                                            "optimizerSharding": sharding}})
+        per[sharding] = P._dp_time_per_byte(unit, 4, 4, inv, spec)[1]
+    nic = unit.nic_gbytes_per_gpu * 1e9  # dp·tp = 16 GPUs span 2 nodes: the NIC
+    assert per[False] == pytest.approx(2 * 3 / 4 / nic)
+    assert per[True] == pytest.approx(factor * per[False])

@@ -144,8 +144,12 @@ def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
     same_node = dp * tp <= unit.gpus_per_node
     bw = unit.device.intra_node_gbps if same_node else unit.nic_gbytes_per_gpu
     dcs = unit.datacenters
-    # distributed optimizer: reduce-scatter fp32 grads + all-gather bf16 params = 3/4 all-reduce
-    factor = 0.75 if spec.training.optimizer_sharding else 1.0
+    # the runtime reduces its fp32 main grads with an all-reduce after the last microbatch (no
+    # overlap); ZeRO-1 (runtime/optim.py) keeps that all-reduce (the hierarchical and compressed
+    # paths are all-reduce only) and then all-gathers the updated parameters at the training
+    # precision: eb bytes vs the all-reduce's 2·4 per element, so 1 + eb/8 all-reduces
+    eb = cost.precision_bytes(spec.training)
+    factor = 1.0 + eb / 8.0 if spec.training.optimizer_sharding else 1.0
     if len(dcs) == 1:
         lat = 2 * (dp - 1) * cost.COLLECTIVE_LATENCY_S
         return lat, factor * 2 * (dp - 1) / dp / (bw * 1e9), 0.0
