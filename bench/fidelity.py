@@ -161,8 +161,10 @@ def _table(rows: list[Row]) -> str:
         sel = [r for r in rows if r.role == role]
         if sel:
             s = summary(sel)
-            lines.append(f"{role}: {s['rows']} rows, median |error| {s['median_abs_error']:.1%}, "
-                         f"max |error| {s['max_abs_error']:.1%}, refused {s['refused']}")
+            answered = s["rows"] - s["refused"]
+            errs = (f"median |error| {s['median_abs_error']:.1%}, max |error| "
+                    f"{s['max_abs_error']:.1%}" if answered else "no row answered")
+            lines.append(f"{role}: {s['rows']} rows, {errs}, refused {s['refused']}")
     return "\n".join(lines)
 
 
