@@ -278,3 +278,16 @@ def test_dp_sync_charges_the_runtimes_zero1_all_reduce_and_all_gather(precision:
     nic = unit.nic_gbytes_per_gpu * 1e9  # dp·tp = 16 GPUs span 2 nodes: the NIC
     assert per[False] == pytest.approx(2 * 3 / 4 / nic)
     assert per[True] == pytest.approx(factor * per[False])
+
+
+def test_prediction_reports_the_bottleneck_stages_tp_comm() -> None:
+    inv = load_cluster(_cluster([_pool("h", "H100-SXM", 2, 8)]))
+    plan = plan_job("j", parse_job_spec(_job(parallelism={"schedule": "1f1b", "pp": 2,
+                                                          "tp": 8})), inv)
+    slow = max(plan.stages, key=lambda st: st.time_ms)
+    per_layer = cost.tp_comm_per_layer_s(plan.model, plan.micro_batch, 8,
+                                         load_cluster(_cluster([_pool("h", "H100-SXM", 1, 8)]))
+                                         .pools[0].device, 2, "selective")
+    want = plan.num_microbatches * (slow.layer_end - slow.layer_start) * per_layer
+    assert plan.predicted.tp_comm_s == pytest.approx(want, rel=1e-12)
+    assert 0 < plan.predicted.tp_comm_s < plan.predicted.compute_s

@@ -918,6 +918,13 @@ def _memory_suggestions(spec: JobSpec, state_only: bool) -> list[str]:
     return out
 
 
+def _tp_comm_s(c: Candidate, spec: JobSpec, i: int) -> float:
+    """Exposed TP comm of stage ``i`` per microbatch (part of its stage time)."""
+    eb = cost.precision_bytes(spec.training)
+    return c.split[i] * cost.tp_comm_per_layer_s(spec.model, c.micro_batch, c.tps[i],
+                                                 c.units[i].device, eb, spec.training.recompute)
+
+
 def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[str],
              inv: ClusterInventory) -> Plan:
     model = spec.model
@@ -948,7 +955,7 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         mfu=cost.model_flops_per_step(model, gb) / (c.step_time_s * peak),
         compute_s=m * max(c.stage_s),
         bubble_s=c.bubble_s,
-        tp_comm_s=0.0,
+        tp_comm_s=m * _tp_comm_s(c, spec, c.stage_s.index(max(c.stage_s))),
         pp_comm_s=m * sum(c.boundary_s),
         dp_comm_s=max(c.stage_dp_s),
         cross_dc_bytes_per_step=cross_bytes,
