@@ -8,6 +8,8 @@ the job's annotations (``fidelity/metric``, ``fidelity/published``). The row is 
 - ``megatron_tflops``: achieved TFLOP/s per GPU by Narayanan et al.'s formula (SC'21, eq. 3)
   ``96·B·s·l·h²·(1 + s/6h + V/16lh)`` per step, which counts the full-recompute forward.
 - ``tokens_per_gpu_s``: training tokens per second per GPU (torchtitan's WPS).
+- ``palm_tflops``: TFLOP/s per GPU by the PaLM MFU count ``6·N + 12·L·H·Q·T`` per token (the
+  count behind the Llama 3 paper's BF16 MFU).
 
 A row is ``fitted`` when the catalog/time-model constants were fitted to it, ``checked`` when it
 is only compared (a row's ``fidelity/role`` annotation, default ``fitted`` for Megatron SC'21
@@ -68,10 +70,20 @@ def megatron_flops_per_step(spec: JobSpec) -> float:
     return 96.0 * b * s * ll * h * h * (1 + s / (6 * h) + v / (16 * ll * h))
 
 
+def palm_flops_per_step(spec: JobSpec) -> float:
+    """Chowdhery et al. (PaLM, appendix B) model FLOPs of one step: ``6·N + 12·L·H·Q·T`` per
+    token (``N`` all parameters, ``H`` heads, ``Q`` head dim, ``T`` sequence length)."""
+    m = spec.model
+    per_token = 6.0 * m.parameters() + 12.0 * m.layers * m.heads * m.head_dim * m.seq_len
+    return per_token * spec.training.global_batch * m.seq_len
+
+
 def predicted_metric(metric: str, spec: JobSpec, step_time_s: float, gpus: int) -> float:
     """The published metric computed from a predicted step time."""
     if metric == "megatron_tflops":
         return megatron_flops_per_step(spec) / step_time_s / gpus / 1e12
+    if metric == "palm_tflops":
+        return palm_flops_per_step(spec) / step_time_s / gpus / 1e12
     if metric == "tokens_per_gpu_s":
         return spec.training.global_batch * spec.model.seq_len / step_time_s / gpus
     raise ValueError(f"unknown fidelity/metric {metric!r}")
