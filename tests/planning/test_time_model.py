@@ -291,3 +291,13 @@ def test_prediction_reports_the_bottleneck_stages_tp_comm() -> None:
     want = plan.num_microbatches * (slow.layer_end - slow.layer_start) * per_layer
     assert plan.predicted.tp_comm_s == pytest.approx(want, rel=1e-12)
     assert 0 < plan.predicted.tp_comm_s < plan.predicted.compute_s
+
+
+def test_palm_formula_hand_value() -> None:
+    spec = parse_job_spec({"model": {"layers": 2, "hidden": 64, "heads": 4, "seqLen": 16,
+                                     "vocab": 100},
+                           "training": {"globalBatch": 2, "steps": 1}})
+    # params: 2·(4·64² + 2·64·256 + 2·64) + 2·100·64 + 64 = 111,424
+    assert spec.model.parameters() == 111_424
+    per_token = 6 * 111_424 + 12 * 2 * 4 * 16 * 16  # 6N + 12·L·H·Q·T
+    assert fidelity.palm_flops_per_step(spec) == per_token * 2 * 16 == 22_179_840
