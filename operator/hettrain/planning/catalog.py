@@ -42,6 +42,7 @@ class DeviceSpec:
     backend: str  # torch.distributed backend inside a pool: nccl (CUDA and ROCm), hccl, gloo
     efficiency: float = 0.45  # fraction of peak a large GEMM reaches (time-model asymptote)
     pcie_gbps: float = 25.0  # GB/s device<->host for host-staged transfers
+    profile: Any = None  # planning.profiles.LayerProfile: measured layer costs (hettrain profile)
 
     @property
     def flops(self) -> float:

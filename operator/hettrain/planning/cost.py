@@ -141,8 +141,19 @@ def gemm_efficiency(device: DeviceSpec, gemm_flops: float) -> float:
 
 def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
                     recompute: str, elem_bytes: int = 2) -> float:
-    """Compute seconds of one layer for one microbatch on one TP rank (no communication)."""
+    """Compute seconds of one layer for one microbatch on one TP rank (no communication).
+
+    A device profile that measured this layer shape (``planning/profiles.py``) replaces the
+    model: its fitted seconds, plus one modelled attention forward for selective recompute.
+    """
     tokens = micro_batch * model.seq_len
+    prof = device.profile
+    if prof is not None and prof.matches(model):
+        t = prof.layer_s(micro_batch, tp, recompute)
+        if recompute == "selective":
+            t += (4.0 * tokens * model.seq_len * model.hidden / tp
+                  / (device.flops * device.efficiency * ATTENTION_EFFICIENCY))
+        return t
     passes = compute_passes(recompute)
     gemm = passes * 2.0 * tokens * layer_matmul_params(model) / tp
     attn = attention_passes(recompute) * 4.0 * tokens * model.seq_len * model.hidden / tp
@@ -170,9 +181,15 @@ def head_time_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec)
     return flops / (device.flops * device.efficiency) + 3 * KERNEL_FIXED_S
 
 
-def min_seconds_per_flop(device: DeviceSpec) -> float:
-    """A lower bound on seconds per model FLOP on ``device`` (every term above only adds)."""
-    return 1.0 / (device.flops * device.efficiency)
+def min_seconds_per_flop(device: DeviceSpec, model: ModelSpec | None = None) -> float:
+    """A lower bound on seconds per model FLOP (fwd + bwd, no recompute) on ``device``: every
+    term of the model only adds to ``F/(peak·e)``; a matching profile's layer takes at least
+    ``β·b/tp`` for ``3·F(b)/tp`` FLOPs."""
+    bound = 1.0 / (device.flops * device.efficiency)
+    prof = device.profile
+    if model is not None and prof is not None and prof.matches(model):
+        bound = min(bound, prof.beta / (3.0 * layer_forward_flops(model, model.seq_len)))
+    return bound
 
 
 # ---------------------------------------------------------------- memory

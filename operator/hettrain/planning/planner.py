@@ -358,7 +358,7 @@ def _candidates_outer(units: Sequence[Unit], spec: JobSpec, dp_values: Sequence[
                         gpus = sum(k * tp for k, tp in zip(ks, tps, strict=True))
                         dropped.append(need / gpus / cost.MEMORY_HEADROOM / cost.GIB)
                     continue
-                rate = sum(k * tp / cost.min_seconds_per_flop(u.device)
+                rate = sum(k * tp / cost.min_seconds_per_flop(u.device, model)
                            for k, tp, u in zip(ks, tps, units, strict=True))
                 out.append((work / dp / rate, dp, tps, ks))
     out.sort()
@@ -733,6 +733,11 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
             f"{better} across datacenters beats {worse} across them: "
             f"{best.step_time_s:.3f}s vs {alt.step_time_s:.3f}s per step"
         )
+    measured = sorted({u.device.name for u in best.units
+                       if u.device.profile is not None and u.device.profile.matches(spec.model)})
+    if measured:
+        notes.append(f"layer times of {', '.join(measured)} from device profiles (measured); "
+                     "other devices, the LM head and communication from the catalog model")
     used = best.dp * sum(best.tps)
     total = sum(u.gpus for u in set(best.units))
     if used < total:
