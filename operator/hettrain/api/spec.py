@@ -17,8 +17,10 @@ from hettrain.api.constants import VENDORS
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_SPEC_MODES = (*RECOMPUTE_MODES, "auto")  # spec only: the planner picks a mode
 SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1")
 CROSS_DC_MODES = ("sync", "compress", "diloco")
+CROSS_DC_SPEC_MODES = (*CROSS_DC_MODES, "auto")  # spec only: the planner picks sync|compress
 COMPRESSIONS = ("none", "bf16", "int8")
 REPAIR_MODES = ("Shrink", "WaitForReplacement")
 
@@ -115,6 +117,7 @@ class ParallelismSpec:
     pp: int | None = None
     dp: int | None = None
     schedule: str = "auto"
+    virtual_stages: int | None = None  # interleaved: model chunks per stage (None: searched)
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,7 +347,7 @@ def _parse_training(f: _Fields) -> TrainingSpec:
     mb = f.int_("microBatch")
     precision = f.str_("precision", "bf16", PRECISIONS)
     sharding = f.bool_("optimizerSharding", True)
-    recompute = f.str_("recompute", "selective", RECOMPUTE_MODES)
+    recompute = f.str_("recompute", "selective", RECOMPUTE_SPEC_MODES)
     lr = f.float_("learningRate", 3e-4)
     seed = f.int_("seed", 1234, minimum=0)
     f.reject_unknown()
@@ -377,8 +380,18 @@ def _parse_parallelism(f: _Fields) -> ParallelismSpec:
     p = ParallelismSpec(
         tp=f.int_("tp"), pp=f.int_("pp"), dp=f.int_("dp"),
         schedule=f.str_("schedule", "auto", SCHEDULES) or "auto",
+        virtual_stages=f.int_("virtualStages"),
     )
     f.reject_unknown()
+    if p.virtual_stages is not None and p.schedule != "interleaved":
+        raise SpecError(f"{f.path}.virtualStages", "only the interleaved schedule has model "
+                        "chunks: set schedule: interleaved, or omit virtualStages")
+    if p.virtual_stages is not None and p.virtual_stages > 64:
+        raise SpecError(f"{f.path}.virtualStages", f"must be <= 64 model chunks per stage (got "
+                        f"{p.virtual_stages})")
+    if p.virtual_stages is not None and p.virtual_stages < 2:
+        raise SpecError(f"{f.path}.virtualStages", f"must be >= 2 model chunks per stage (got "
+                        f"{p.virtual_stages}); for one chunk use schedule: 1f1b")
     if p.tp is not None and p.tp & (p.tp - 1):
         raise SpecError(f"{f.path}.tp", f"must be a power of two (got {p.tp})")
     return p
@@ -386,7 +399,7 @@ def _parse_parallelism(f: _Fields) -> ParallelismSpec:
 
 def _parse_cross_dc(f: _Fields) -> CrossDCSpec:
     c = CrossDCSpec(
-        mode=f.str_("mode", "sync", CROSS_DC_MODES) or "sync",
+        mode=f.str_("mode", "sync", CROSS_DC_SPEC_MODES) or "sync",
         compression=f.str_("compression", "bf16", COMPRESSIONS) or "bf16",
         outer_steps=f.int_("outerSteps", 50) or 50,
         outer_lr=f.float_("outerLearningRate", 0.7),
