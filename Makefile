@@ -59,6 +59,7 @@ demo: $(STAMP)  ## the embedded demo: local control plane, operator, plan, CPU t
 
 bench: $(STAMP)  ## run the benchmarks (ratios, medians of repeats; collectives needs root for netns)
 	$(PY) bench/plan_scale.py
+	$(PY) bench/fidelity.py
 	$(PY) bench/simulate.py
 	$(PY) bench/operator_latency.py
 	$(PY) bench/runtime.py

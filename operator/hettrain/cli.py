@@ -41,6 +41,10 @@ EXTERNAL_COMMANDS: dict[str, ExternalCommand] = {
                                 "viz"),
     "demo": ExternalCommand("hettrain.demo", "run the end-to-end demo on a local control plane",
                             "operator"),
+    "data": ExternalCommand("hettrain.data.cli", "tokenize text into token sets for spec.data",
+                            "runtime"),
+    "profile": ExternalCommand("hettrain.profile_cli", "measure the runtime's layer on this "
+                               "device and write a device profile for plan --profile", "runtime"),
 }
 
 
@@ -80,7 +84,11 @@ def _parse_job_doc(doc: Any) -> tuple[str, JobSpec]:
     if not isinstance(doc, dict):
         raise SpecError("(document)", f"must be a mapping with kind: HetTrainingJob "
                                       f"(got {type(doc).__name__})")
-    return parse_job_manifest(doc)
+    from hettrain.data.tokenset import check_job_data
+
+    name, spec = parse_job_manifest(doc)
+    check_job_data(spec)  # a local token set must fit the model's vocab
+    return name, spec
 
 
 def load_job(path: str) -> tuple[str, JobSpec]:
@@ -108,6 +116,17 @@ def load_inventory(path: str) -> Any:
         raise CliError(f"{path}: {_one_line(str(exc))}") from None
 
 
+def with_profiles(inventory: Any, paths: Sequence[str]) -> Any:
+    """The inventory with the device profiles in ``paths`` attached (``--profile``)."""
+    from hettrain.planning.errors import PlanningError
+    from hettrain.planning.profiles import apply_profiles, load_profile
+
+    try:
+        return apply_profiles(inventory, [load_profile(p) for p in paths])
+    except PlanningError as exc:
+        raise CliError(f"--profile {_one_line(str(exc))}") from None
+
+
 def make_plan(name: str, spec: JobSpec, inventory: Any, exhaustive: bool, where: str) -> Any:
     """Run the planner; a ``PlanningError`` becomes a :class:`CliError` with its reason."""
     from hettrain.planning.errors import PlanningError
@@ -125,7 +144,7 @@ def make_plan(name: str, spec: JobSpec, inventory: Any, exhaustive: bool, where:
 def cmd_plan(args: argparse.Namespace, out: IO[str]) -> int:
     """``hettrain plan``: plan one job on a cluster and print it (table or JSON), maybe draw it."""
     name, spec = load_job(args.job)
-    inventory = load_inventory(args.cluster)
+    inventory = with_profiles(load_inventory(args.cluster), args.profile or [])
     plan = make_plan(name, spec, inventory, args.exhaustive, args.job)
     picture = args.svg or args.png
     if picture:
@@ -269,6 +288,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                           help="also draw the placement map and pipeline schedule as SVG")
     pictures.add_argument("--png", metavar="FILE", help="same picture as PNG")
     plan.add_argument("--out", metavar="FILE", help="write the table or JSON to FILE, not stdout")
+    plan.add_argument("--profile", action="append", metavar="FILE",
+                      help="device profile from 'hettrain profile' (repeatable): measured layer "
+                           "times for its device and model shape replace the catalog model")
     plan.set_defaults(func=cmd_plan)
 
     validate = sub.add_parser(

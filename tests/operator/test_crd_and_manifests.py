@@ -82,8 +82,8 @@ def test_every_parser_field_is_in_the_crd():
     for f in S.JobSpec.__dataclass_fields__:
         assert camel(f) in spec or f == "cross_dc", f"spec.{camel(f)} missing from the CRD"
     enums = {("training", "precision"): S.PRECISIONS, ("training", "recompute"):
-             S.RECOMPUTE_MODES, ("parallelism", "schedule"): S.SCHEDULES,
-             ("crossDC", "mode"): S.CROSS_DC_MODES, ("crossDC", "compression"): S.COMPRESSIONS,
+             S.RECOMPUTE_SPEC_MODES, ("parallelism", "schedule"): S.SCHEDULES,
+             ("crossDC", "mode"): S.CROSS_DC_SPEC_MODES, ("crossDC", "compression"): S.COMPRESSIONS,
              ("failurePolicy", "mode"): S.REPAIR_MODES}
     for (sec, prop), values in enums.items():
         assert tuple(spec[sec]["properties"][prop]["enum"]) == values

@@ -44,7 +44,7 @@ def instances(draw: st.DrawFn) -> tuple[dict, dict]:
     hidden = draw(st.sampled_from([1024, 4096, 12288]))
     training = {"globalBatch": draw(st.sampled_from([2, 4, 6, 8, 12])), "steps": 1,
                 "optimizerSharding": draw(st.booleans()),
-                "recompute": draw(st.sampled_from(["none", "selective", "full"]))}
+                "recompute": draw(st.sampled_from(["none", "selective", "full", "auto"]))}
     job = {"model": {"layers": draw(st.integers(2, 6)), "hidden": hidden, "heads": 16,
                      "seqLen": draw(st.sampled_from([1024, 4096])), "vocab": 32000},
            "training": training}
@@ -64,6 +64,40 @@ def _step_or_error(spec, inv, exhaustive: bool) -> float | str:
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(instances())
 def test_fast_equals_exhaustive(instance: tuple[dict, dict]) -> None:
+    cluster, job = instance
+    inv = load_cluster(cluster)
+    spec = parse_job_spec(job)
+    full = _step_or_error(spec, inv, exhaustive=True)
+    fast = _step_or_error(spec, inv, exhaustive=False)
+    if isinstance(full, str):
+        assert fast == full
+    else:
+        assert isinstance(fast, float)
+        assert fast == pytest.approx(full, rel=1e-9)
+
+
+@st.composite
+def chunked_instances(draw: st.DrawFn) -> tuple[dict, dict]:
+    """1-2 pools and 8-12 layers: interleaved with 2-4 chunks per stage is reachable."""
+    pools = [{"name": f"p{i}", "datacenter": "a", "device": draw(st.sampled_from(DEVICES)),
+              "nodes": draw(st.integers(1, 2)), "gpusPerNode": draw(st.sampled_from([1, 2])),
+              "nicGbps": draw(st.sampled_from([100, 1600]))}
+             for i in range(draw(st.integers(1, 2)))]
+    cluster = {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
+               "metadata": {"name": "h"}, "datacenters": [{"name": "a"}], "pools": pools}
+    job = {"model": {"layers": draw(st.integers(8, 12)), "hidden": draw(st.sampled_from(
+               [1024, 4096])), "heads": 16, "seqLen": 2048, "vocab": 32000},
+           "training": {"globalBatch": draw(st.sampled_from([4, 8])), "steps": 1,
+                        "recompute": draw(st.sampled_from(["selective", "full"]))},
+           "parallelism": {"schedule": draw(st.sampled_from(["auto", "interleaved"]))}}
+    return cluster, job
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(chunked_instances())
+def test_fast_equals_exhaustive_with_chunk_counts(instance: tuple[dict, dict]) -> None:
+    """The searched interleaved chunk count (2..4 when interleaved is pinned; under auto
+    2..3, all dominated by ZB-H1)."""
     cluster, job = instance
     inv = load_cluster(cluster)
     spec = parse_job_spec(job)

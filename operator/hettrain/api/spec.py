@@ -17,8 +17,10 @@ from hettrain.api.constants import VENDORS
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_SPEC_MODES = (*RECOMPUTE_MODES, "auto")  # spec only: the planner picks a mode
 SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1")
 CROSS_DC_MODES = ("sync", "compress", "diloco")
+CROSS_DC_SPEC_MODES = (*CROSS_DC_MODES, "auto")  # spec only: the planner picks sync|compress
 COMPRESSIONS = ("none", "bf16", "int8")
 REPAIR_MODES = ("Shrink", "WaitForReplacement")
 
@@ -115,6 +117,7 @@ class ParallelismSpec:
     pp: int | None = None
     dp: int | None = None
     schedule: str = "auto"
+    virtual_stages: int | None = None  # interleaved: model chunks per stage (None: searched)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +138,29 @@ class CheckpointSpec:
     uri: str | None = None
     pvc: str | None = None
     interval_steps: int = 100
+
+
+DATA_MOUNT_DIR = "/data"  # where the pods mount spec.data.pvc (read-only)
+
+
+@dataclass(frozen=True, slots=True)
+class DataSpec:
+    """Training data: a token set written by ``hettrain data prepare`` at ``uri`` (a path or an
+    fsspec URI such as ``s3://bucket/set``) or at ``path`` inside the PVC ``pvc``; or the
+    synthetic pool when ``synthetic``. All unset: the spec has no data section."""
+
+    uri: str | None = None
+    pvc: str | None = None
+    path: str = ""
+    synthetic: bool = False
+
+    def to_plan(self) -> dict[str, Any]:
+        """The plan's ``data`` section: what the runtime opens (``{}`` when unset)."""
+        if self.synthetic:
+            return {"synthetic": True}
+        if self.pvc:
+            return {"uri": f"{DATA_MOUNT_DIR}/{self.path}".rstrip("/"), "pvc": self.pvc}
+        return {"uri": self.uri} if self.uri else {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +185,7 @@ class JobSpec:
     cross_dc: CrossDCSpec = CrossDCSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     failure_policy: FailurePolicy = FailurePolicy()
+    data: DataSpec = DataSpec()
     image: str = "ghcr.io/hettrain/runtime:0.1.0"
     command: tuple[str, ...] = ()
     args: tuple[str, ...] = ()
@@ -320,7 +347,7 @@ def _parse_training(f: _Fields) -> TrainingSpec:
     mb = f.int_("microBatch")
     precision = f.str_("precision", "bf16", PRECISIONS)
     sharding = f.bool_("optimizerSharding", True)
-    recompute = f.str_("recompute", "selective", RECOMPUTE_MODES)
+    recompute = f.str_("recompute", "selective", RECOMPUTE_SPEC_MODES)
     lr = f.float_("learningRate", 3e-4)
     seed = f.int_("seed", 1234, minimum=0)
     f.reject_unknown()
@@ -353,8 +380,18 @@ def _parse_parallelism(f: _Fields) -> ParallelismSpec:
     p = ParallelismSpec(
         tp=f.int_("tp"), pp=f.int_("pp"), dp=f.int_("dp"),
         schedule=f.str_("schedule", "auto", SCHEDULES) or "auto",
+        virtual_stages=f.int_("virtualStages"),
     )
     f.reject_unknown()
+    if p.virtual_stages is not None and p.schedule != "interleaved":
+        raise SpecError(f"{f.path}.virtualStages", "only the interleaved schedule has model "
+                        "chunks: set schedule: interleaved, or omit virtualStages")
+    if p.virtual_stages is not None and p.virtual_stages > 64:
+        raise SpecError(f"{f.path}.virtualStages", f"must be <= 64 model chunks per stage (got "
+                        f"{p.virtual_stages})")
+    if p.virtual_stages is not None and p.virtual_stages < 2:
+        raise SpecError(f"{f.path}.virtualStages", f"must be >= 2 model chunks per stage (got "
+                        f"{p.virtual_stages}); for one chunk use schedule: 1f1b")
     if p.tp is not None and p.tp & (p.tp - 1):
         raise SpecError(f"{f.path}.tp", f"must be a power of two (got {p.tp})")
     return p
@@ -362,7 +399,7 @@ def _parse_parallelism(f: _Fields) -> ParallelismSpec:
 
 def _parse_cross_dc(f: _Fields) -> CrossDCSpec:
     c = CrossDCSpec(
-        mode=f.str_("mode", "sync", CROSS_DC_MODES) or "sync",
+        mode=f.str_("mode", "sync", CROSS_DC_SPEC_MODES) or "sync",
         compression=f.str_("compression", "bf16", COMPRESSIONS) or "bf16",
         outer_steps=f.int_("outerSteps", 50) or 50,
         outer_lr=f.float_("outerLearningRate", 0.7),
@@ -399,6 +436,37 @@ def _parse_failure_policy(f: _Fields) -> FailurePolicy:
     return p
 
 
+def _parse_data(f: _Fields, present: bool) -> DataSpec:
+    d = DataSpec(uri=f.str_("uri"), pvc=f.str_("pvc"), path=f.str_("path", "") or "",
+                 synthetic=f.bool_("synthetic", False))
+    f.reject_unknown()
+    if not present:
+        return d
+    if d.synthetic and (d.uri or d.pvc):
+        raise SpecError(f"{f.path}.synthetic", "true trains on generated tokens: remove uri/pvc, "
+                        "or set synthetic: false to read the token set")
+    if d.uri and d.pvc:
+        raise SpecError(f"{f.path}.uri", "set either uri or pvc (with path inside the claim), "
+                        "not both")
+    if d.path and not d.pvc:
+        raise SpecError(f"{f.path}.path", "is a directory inside spec.data.pvc; set pvc, or "
+                        "give the full location as uri")
+    if not (d.synthetic or d.uri or d.pvc):
+        raise SpecError(f.path, "names no data: set uri (a token set from 'hettrain data "
+                        "prepare': a path or s3://...), pvc + path, or synthetic: true")
+    for key, value, limit in (("uri", d.uri, 2048), ("path", d.path, 1024), ("pvc", d.pvc, 253)):
+        if value and len(value) > limit:
+            raise SpecError(f"{f.path}.{key}", f"must be at most {limit} characters (got "
+                            f"{len(value)})")
+    if d.uri and "://" not in d.uri and not d.uri.startswith("/"):
+        raise SpecError(f"{f.path}.uri", f"must be an absolute path or a URI such as "
+                        f"s3://bucket/dir (got {d.uri!r})")
+    if d.path.startswith("/") or ".." in d.path.split("/"):
+        raise SpecError(f"{f.path}.path", f"must be relative inside the claim, without .. "
+                        f"(got {d.path!r})")
+    return d
+
+
 def parse_job_spec(spec: Mapping[str, Any] | None) -> JobSpec:
     """Parse a HetTrainingJob ``spec`` (camelCase dict) into a :class:`JobSpec`.
 
@@ -412,6 +480,7 @@ def parse_job_spec(spec: Mapping[str, Any] | None) -> JobSpec:
     cross_dc = _parse_cross_dc(f.sub("crossDC"))
     checkpoint = _parse_checkpoint(f.sub("checkpoint"))
     failure = _parse_failure_policy(f.sub("failurePolicy"))
+    data = _parse_data(f.sub("data"), f.data.get("data") is not None)
     default_image = JobSpec.__dataclass_fields__["image"].default  # slots: no class attr
     image = f.str_("image", default_image) or default_image
     command = f.str_list("command")
@@ -432,7 +501,7 @@ def parse_job_spec(spec: Mapping[str, Any] | None) -> JobSpec:
         )
     return JobSpec(
         model=model, training=training, placement=placement, parallelism=parallelism,
-        cross_dc=cross_dc, checkpoint=checkpoint, failure_policy=failure, image=image,
+        cross_dc=cross_dc, checkpoint=checkpoint, failure_policy=failure, data=data, image=image,
         command=command, args=args, suspend=suspend, priority_class_name=priority,
         scheduler_name=scheduler,
     )

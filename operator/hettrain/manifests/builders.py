@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hettrain.api import constants as c
-from hettrain.api.spec import JobSpec
+from hettrain.api.spec import DATA_MOUNT_DIR, JobSpec
 from hettrain.planning.plan import Plan
 
 MAX_NAME = 63
@@ -175,6 +175,10 @@ def build_pods(job: JobRef, spec: JobSpec, plan: Plan, attempt: int,
             env[c.ENV_CHECKPOINT_URI] = CHECKPOINT_MOUNT_DIR
         elif spec.checkpoint.uri:
             env[c.ENV_CHECKPOINT_URI] = spec.checkpoint.uri
+        if spec.data.pvc:  # the token set; the plan's data.uri points inside this mount
+            volumes.append({"name": "data", "persistentVolumeClaim": {
+                "claimName": spec.data.pvc, "readOnly": True}})
+            mounts.append({"name": "data", "mountPath": DATA_MOUNT_DIR, "readOnly": True})
         container: dict[str, Any] = {
             "name": "trainer", "image": spec.image,
             "env": [{"name": k, "value": v} for k, v in env.items()],

@@ -11,8 +11,12 @@ Numbers are vendor datasheet values for dense (non-sparse) BF16 math:
   (~262 GB/s). Gaudi 3: 1835 TFLOP/s, 128 GB HBM2e at 3.7 TB/s, 21x200 GbE (~525 GB/s).
 - Huawei Ascend 910B: ~320 TFLOP/s FP16/BF16, 64 GB HBM2e at 1.6 TB/s, HCCS 392 GB/s.
 
-Achievable efficiency is never the peak: ``efficiency`` is the fraction of peak a well-tuned
-transformer layer reaches on the device (explicit and overridable per cluster).
+Achievable efficiency is never the peak: ``efficiency`` is the fraction of peak a large,
+well-shaped GEMM reaches on the device (the asymptote of the time model's saturating GEMM curve;
+attention, memory-bound operators and kernel overheads are costed on top, ``cost.py``). It is
+explicit and overridable per cluster. A100-80GB's 0.63 is FITTED to Megatron-LM SC'21 Table 1
+(``bench/fit_time_model.py``); the other devices' values are estimates not yet checked against
+published runs.
 Unknown devices must be declared in the cluster YAML ``devices:``; they are never guessed.
 """
 
@@ -36,8 +40,9 @@ class DeviceSpec:
     hbm_tbps: float
     intra_node_gbps: float  # GB/s per GPU, per direction, inside a node
     backend: str  # torch.distributed backend inside a pool: nccl (CUDA and ROCm), hccl, gloo
-    efficiency: float = 0.45  # achievable fraction of peak on transformer layers
+    efficiency: float = 0.45  # fraction of peak a large GEMM reaches (time-model asymptote)
     pcie_gbps: float = 25.0  # GB/s device<->host for host-staged transfers
+    profile: Any = None  # planning.profiles.LayerProfile: measured layer costs (hettrain profile)
 
     @property
     def flops(self) -> float:
@@ -62,7 +67,7 @@ CATALOG: dict[str, DeviceSpec] = {
     for d in (
         DeviceSpec("H100-SXM", "nvidia", 989, 80 * _GB, 3.35, 450, "nccl", 0.45, 55),
         DeviceSpec("H200", "nvidia", 989, 141 * _GB, 4.8, 450, "nccl", 0.47, 55),
-        DeviceSpec("A100-80GB", "nvidia", 312, 80 * _GB, 2.04, 300, "nccl", 0.50, 25),
+        DeviceSpec("A100-80GB", "nvidia", 312, 80 * _GB, 2.04, 300, "nccl", 0.63, 25),
         DeviceSpec("L40S", "nvidia", 362, 48 * _GB, 0.864, 32, "nccl", 0.40, 25),
         DeviceSpec("MI300X", "amd", 1307, 192 * _GB, 5.3, 448, "nccl", 0.35, 55),
         DeviceSpec("MI250X", "amd", 383, 128 * _GB, 3.2, 400, "nccl", 0.35, 25),

@@ -96,6 +96,102 @@ def model_flops_per_step(model: ModelSpec, global_batch: int) -> float:
                   head_forward_flops(model, tokens))
 
 
+# ---------------------------------------------------------------- compute time
+#
+# Time of one layer for one microbatch on one TP rank (forward + backward + recompute):
+#
+#   t = F_gemm / (peak·e) + F_attn / (peak·e·ATTENTION_EFFICIENCY)
+#       + bytes_elementwise / HBM bandwidth + kernels · KERNEL_FIXED_S
+#
+# ``e`` is the device's ``efficiency`` (catalog.py): the fraction of peak a large GEMM reaches,
+# the asymptote. The fixed time per kernel makes the achieved GEMM efficiency a saturating curve
+# of the GEMM's size, ``e(x) = e·x / (x + peak·e·KERNEL_FIXED_S)``, and is also the
+# per-microbatch overhead that keeps microbatch 1 from always winning. Attention (the score and
+# value products with their softmax, FlashAttention-like: one fused kernel per pass) has its
+# own efficiency. Normalisation, residual, dropout and activation functions are memory-bound:
+# costed by the HBM bytes they move. Each constant says where it comes from and whether it was
+# fitted (to Megatron-LM SC'21 Table 1, ``bench/fidelity.py``; A100 only).
+
+KERNEL_FIXED_S = 8e-6  # launch latency (~5 us) + wave-quantisation tail per kernel; estimate
+ATTENTION_EFFICIENCY = 0.50  # attention core vs large GEMMs; FITTED (Table 1)
+ELEMENTWISE_BYTES_PER_HIDDEN = 24.0  # counted: 2 norms, 2 bias+dropout+residual, bf16
+ELEMENTWISE_BYTES_PER_FFN = 4.0  # counted: the MLP activation reads + writes f, bf16
+KERNELS_PER_PASS = 14  # counted: 4-5 GEMMs, attention, ~8 elementwise per layer forward
+TP_BUS_EFFICIENCY = 0.85  # NCCL ring bus bandwidth / link bandwidth on NVLink; FITTED (Table 1)
+TP_LATENCY_S = 5e-6  # α of one ring step over NVLink (NCCL small-message latency); estimate
+
+
+def compute_passes(recompute: str) -> int:
+    """Forward-pass equivalents of a layer's GEMMs per microbatch: forward 1, backward 2
+    (input and weight gradients), plus 1 when the whole forward is recomputed."""
+    return 3 + (1 if recompute == "full" else 0)
+
+
+def attention_passes(recompute: str) -> int:
+    """Forward-pass equivalents of the attention core: selective recompute redoes it too."""
+    return 3 + (1 if recompute in ("full", "selective") else 0)
+
+
+def gemm_efficiency(device: DeviceSpec, gemm_flops: float) -> float:
+    """Achieved fraction of peak of one GEMM of ``gemm_flops`` FLOPs: the saturating curve
+    ``e·x / (x + peak·e·KERNEL_FIXED_S)`` implied by a fixed time per kernel."""
+    e = device.efficiency
+    return e * gemm_flops / (gemm_flops + device.flops * e * KERNEL_FIXED_S)
+
+
+def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
+                    recompute: str, elem_bytes: int = 2) -> float:
+    """Compute seconds of one layer for one microbatch on one TP rank (no communication).
+
+    A device profile that measured this layer shape (``planning/profiles.py``) replaces the
+    model: its fitted seconds, plus one modelled attention forward for selective recompute.
+    """
+    tokens = micro_batch * model.seq_len
+    prof = device.profile
+    if prof is not None and prof.matches(model):
+        t = prof.layer_s(micro_batch, tp, recompute)
+        if recompute == "selective":
+            t += (4.0 * tokens * model.seq_len * model.hidden / tp
+                  / (device.flops * device.efficiency * ATTENTION_EFFICIENCY))
+        return t
+    passes = compute_passes(recompute)
+    gemm = passes * 2.0 * tokens * layer_matmul_params(model) / tp
+    attn = attention_passes(recompute) * 4.0 * tokens * model.seq_len * model.hidden / tp
+    peak = device.flops * device.efficiency
+    elementwise = (passes * tokens * (ELEMENTWISE_BYTES_PER_HIDDEN * model.hidden
+                                      + ELEMENTWISE_BYTES_PER_FFN * model.ffn_hidden)
+                   / tp * elem_bytes / 2)
+    return (gemm / peak + attn / (peak * ATTENTION_EFFICIENCY)
+            + elementwise / (device.hbm_tbps * 1e12)
+            + passes * KERNELS_PER_PASS * KERNEL_FIXED_S)
+
+
+def layer_time_s(model: ModelSpec, training: TrainingSpec, micro_batch: int, tp: int,
+                 device: DeviceSpec) -> float:
+    """Seconds of one layer per microbatch on a stage: compute plus exposed TP comm."""
+    eb = precision_bytes(training)
+    return (layer_compute_s(model, micro_batch, tp, device, training.recompute, eb)
+            + tp_comm_per_layer_s(model, micro_batch, tp, device, eb, training.recompute))
+
+
+def head_time_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec) -> float:
+    """Seconds of the LM head (vocab-parallel logits, forward + 2 backward GEMMs) per
+    microbatch on one TP rank."""
+    flops = 3 * head_forward_flops(model, micro_batch * model.seq_len) / tp
+    return flops / (device.flops * device.efficiency) + 3 * KERNEL_FIXED_S
+
+
+def min_seconds_per_flop(device: DeviceSpec, model: ModelSpec | None = None) -> float:
+    """A lower bound on seconds per model FLOP (fwd + bwd, no recompute) on ``device``: every
+    term of the model only adds to ``F/(peak·e)``; a matching profile's layer takes at least
+    ``β·b/tp`` for ``3·F(b)/tp`` FLOPs."""
+    bound = 1.0 / (device.flops * device.efficiency)
+    prof = device.profile
+    if model is not None and prof is not None and prof.matches(model):
+        bound = min(bound, prof.beta / (3.0 * layer_forward_flops(model, model.seq_len)))
+    return bound
+
+
 # ---------------------------------------------------------------- memory
 
 
@@ -186,13 +282,25 @@ def host_staged_gbytes(src: DeviceSpec, dst: DeviceSpec, network_gbytes: float) 
     return 1.0 / (1.0 / src.pcie_gbps + 1.0 / network_gbytes + 1.0 / dst.pcie_gbps)
 
 
+def tp_all_reduces_per_layer(recompute: str) -> int:
+    """All-reduce-equivalents of one layer's TP comm for one microbatch.
+
+    Megatron TP(+SP): 2 forward (attention and MLP outputs) and 2 backward; a full-recompute
+    forward repeats the 2 forward ones.
+    """
+    return 4 + (2 if recompute == "full" else 0)
+
+
 def tp_comm_per_layer_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
-                        elem_bytes: int = 2) -> float:
-    """Megatron TP(+SP): 2 all-reduce-equivalents forward and 2 backward per layer."""
+                        elem_bytes: int = 2, recompute: str = "none") -> float:
+    """Exposed TP comm of one layer and microbatch (the runtime's TP collectives are
+    synchronous: nothing overlaps them), at ``TP_BUS_EFFICIENCY`` of the intra-node link."""
     if tp <= 1:
         return 0.0
     nbytes = model.seq_len * micro_batch * model.hidden * elem_bytes
-    return 4 * ring_all_reduce_s(nbytes, tp, device.intra_node_gbps, 5e-6)
+    bw = device.intra_node_gbps * TP_BUS_EFFICIENCY
+    return tp_all_reduces_per_layer(recompute) * ring_all_reduce_s(nbytes, tp, bw,
+                                                                    TP_LATENCY_S)
 
 
 def activation_bytes(model: ModelSpec, micro_batch: int, elem_bytes: int = 2) -> float:

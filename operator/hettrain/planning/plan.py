@@ -97,6 +97,7 @@ class Plan:
     cross_dc: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # why the planner chose this (and what it rejected)
     virtual_stages: int = 1  # interleaved schedule: model chunks per rank
+    data: dict[str, Any] = field(default_factory=dict)  # spec.data.to_plan(): uri | synthetic
     version: int = PLAN_VERSION
 
     @property
@@ -171,6 +172,7 @@ class Plan:
             cross_dc=dict(d.get("cross_dc", {})),
             notes=tuple(d.get("notes", ())),
             virtual_stages=d.get("virtual_stages", 1),
+            data=dict(d.get("data", {})),
             version=version,
         )
 

@@ -26,7 +26,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hettrain.api.spec import JobSpec
 from hettrain.planning import cost
@@ -34,7 +34,6 @@ from hettrain.planning.bounds import (
     Choice,
     UnitStats,
     boundary_lower_bounds,
-    memory_need_gib,
     ordered_boundaries,
     partial_lower_bound,
     step_lower_bound,
@@ -55,10 +54,14 @@ K_FULL_WINDOW = 1
 MAX_PERMUTED_UNITS = 4
 EXACT_LEAF_BUDGET = 20_000  # above this many (tp, k) combinations the k window applies
 MAX_MICRO_BATCH = 16
-INTERLEAVE_CHUNKS = 2
+MAX_INTERLEAVE_CHUNKS = 4  # schedule: interleaved: model chunks per stage searched in 2..4
+AUTO_MAX_CHUNKS = 3  # schedule: auto: interleaved with 2..3 chunks (all dominated by ZB-H1)
 REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the best
 REPLAN_OPTIONS = 64  # distinct placements a re-plan compares by moved ranks
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+RECOMPUTE_SEARCH = ("none", "selective", "full")  # recompute: auto; least recompute first
+# crossDC.mode: auto; exact gradients first. DiLoCo changes the optimizer: opt-in only.
+CROSS_DC_SEARCH = ("sync", "compress")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,7 @@ class Candidate:
     bubble_s: float
     memory: tuple[float, ...]
     grouping: str  # "split" or "merged"
+    chunks: int = 1  # interleaved: model chunks per stage (virtual stages)
 
     @property
     def pp(self) -> int:
@@ -87,6 +91,7 @@ class Candidate:
     def sort_key(self) -> tuple:
         """Deterministic preference: faster, then fewer stages, then names."""
         return (round(self.step_time_s, 12), self.pp, self.dp, self.micro_batch, self.schedule,
+                self.chunks,
                 tuple(u.key for u in self.units), self.tps, self.split)
 
 
@@ -97,12 +102,13 @@ class _Search:
         self.spec = spec
         self.slack = slack  # prune only what is worse than best·slack (re-plans keep near ones)
         # the largest bubble divisor among the schedules the search may pick (bounds.py)
-        self.bubble_div = {"1f1b": 1.0, "interleaved": float(INTERLEAVE_CHUNKS)}.get(
-            spec.parallelism.schedule, 3.0)
+        self.bubble_div = max(_bubble_divisor(s, v) for s, v in _schedule_options(spec, 2, None))
         self.exhaustive = exhaustive
         self.best: Candidate | None = None
         self.near: list[Candidate] = []  # within REPLAN_TOLERANCE of the best (for re-plans)
-        self.memory_shortfall: tuple[float, str] | None = None  # (GiB needed, device)
+        # (need / usable of the limiting stage, a sentence naming it, state alone?) of the
+        # closest miss
+        self.memory_shortfall: tuple[float, str, bool] | None = None
         self.evaluated = 0
         self.max_gpus = spec.placement.max_gpus  # spec.placement.maxGPUs: a hard cap
         self.over_max_gpus = 0  # layouts skipped for using more GPUs than that
@@ -116,6 +122,12 @@ class _Search:
         limit = self.best.step_time_s * REPLAN_TOLERANCE
         if len(self.near) > 64:
             self.near = [c for c in self.near if c.step_time_s <= limit]
+
+    def shortfall(self, ratio: float, clause: str, state_only: bool = False) -> None:
+        """Keep the memory miss closest to fitting (for the refusal message); ``state_only``:
+        the weights and optimizer state alone do not fit (activations are not the problem)."""
+        if self.memory_shortfall is None or ratio < self.memory_shortfall[0]:
+            self.memory_shortfall = (ratio, clause, state_only)
 
     def bound(self) -> float:
         return math.inf if self.best is None else self.best.step_time_s * self.slack
@@ -132,8 +144,12 @@ def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
     same_node = dp * tp <= unit.gpus_per_node
     bw = unit.device.intra_node_gbps if same_node else unit.nic_gbytes_per_gpu
     dcs = unit.datacenters
-    # distributed optimizer: reduce-scatter fp32 grads + all-gather bf16 params = 3/4 all-reduce
-    factor = 0.75 if spec.training.optimizer_sharding else 1.0
+    # the runtime reduces its fp32 main grads with an all-reduce after the last microbatch (no
+    # overlap); ZeRO-1 (runtime/optim.py) keeps that all-reduce (the hierarchical and compressed
+    # paths are all-reduce only) and then all-gathers the updated parameters at the training
+    # precision: eb bytes vs the all-reduce's 2·4 per element, so 1 + eb/8 all-reduces
+    eb = cost.precision_bytes(spec.training)
+    factor = 1.0 + eb / 8.0 if spec.training.optimizer_sharding else 1.0
     if len(dcs) == 1:
         lat = 2 * (dp - 1) * cost.COLLECTIVE_LATENCY_S
         return lat, factor * 2 * (dp - 1) / dp / (bw * 1e9), 0.0
@@ -175,42 +191,72 @@ def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_b
     return 2 * cost.transfer_s(nbytes, bw, lat)
 
 
-def _in_flight(stage: int, pp: int, m: int, schedule: str) -> float:
+def _in_flight(stage: int, pp: int, m: int, schedule: str, v: int = 1) -> float:
     base = float(min(pp - stage, m))
     if schedule == "interleaved":
-        base *= 1 + (pp - 1) / (pp * INTERLEAVE_CHUNKS)
+        base *= 1 + (pp - 1) / (pp * v)
     return base
 
 
+def _bubble_divisor(schedule: str, v: int) -> float:
+    """What a schedule divides the 1F1B bubble by (:func:`cost.pipeline_time_s`)."""
+    return {"1f1b": 1.0, "zb-h1": 3.0}.get(schedule, float(v))
+
+
+def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
+                      exhaustive: bool = True) -> list[tuple[str, int]]:
+    """(schedule, model chunks per stage) pairs to evaluate for a ``pp``-stage pipeline.
+
+    Interleaved takes ``v`` in ``2..MAX_INTERLEAVE_CHUNKS`` (or the pinned
+    ``spec.parallelism.virtualStages``), each stage holding at least ``v`` layers. Under
+    ``schedule: auto`` the space is 1F1B, ZB-H1 and interleaved with ``v ≤ AUTO_MAX_CHUNKS``;
+    with ``exhaustive=False`` only the schedules that can win are listed
+    (:func:`_evaluate_order`): 1F1B for ``pp = 1``, else ZB-H1. (More chunks could beat ZB-H1
+    in this model at ``v``× the boundary traffic; searching them under auto loosens every bound
+    from ``bubble/3`` to ``bubble/v``, so they are left to an explicit ``schedule:
+    interleaved``.) ``layers=None`` skips the layer check (for the bubble divisor).
+    """
+    par = spec.parallelism
+    pinned_v = par.virtual_stages
+    top = MAX_INTERLEAVE_CHUNKS if par.schedule == "interleaved" else AUTO_MAX_CHUNKS
+    chunks = [pinned_v] if pinned_v is not None else list(range(2, top + 1))
+    if layers is not None:
+        chunks = [v for v in chunks if layers >= pp * v]
+    inter = [("interleaved", v) for v in chunks]
+    if par.schedule == "interleaved":
+        return inter
+    if par.schedule != "auto":
+        return [(par.schedule, 1)]
+    if exhaustive:
+        return [("1f1b", 1), *inter, ("zb-h1", 1)]
+    return [("1f1b", 1)] if pp == 1 else [("zb-h1", 1)]
+
+
 def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
-                 schedule: str, inv: ClusterInventory, spec: JobSpec, memo: dict | None = None
-                 ) -> tuple[list[StageCost], list[tuple[cost.StageMemory, float]]]:
+                 schedule: str, inv: ClusterInventory, spec: JobSpec, memo: dict | None = None,
+                 v: int = 1) -> tuple[list[StageCost], list[tuple[cost.StageMemory, float]]]:
     """Per-stage cost coefficients and memory; identical stages are memoised in ``memo``."""
     if memo is not None:
         pp = len(units)
         out, mems = [], []
         for i, (u, tp) in enumerate(zip(units, tps, strict=True)):
-            key = (u.key, tp, dp, mb, _in_flight(i, pp, m, schedule), i == 0, i == pp - 1)
+            key = (u.key, tp, dp, mb, _in_flight(i, pp, m, schedule, v), i == 0, i == pp - 1)
             hit = memo.get(key)
             if hit is None:
-                sc, sm = _stage_costs_raw([u], [tp], dp, mb, m, schedule, inv, spec, i, pp)
+                sc, sm = _stage_costs_raw([u], [tp], dp, mb, m, schedule, inv, spec, i, pp, v)
                 hit = memo[key] = (sc, sm)
             out.append(hit[0])
             mems.append(hit[1])
         return out, mems
-    return _stage_costs_raw(units, tps, dp, mb, m, schedule, inv, spec, None, None)
+    return _stage_costs_raw(units, tps, dp, mb, m, schedule, inv, spec, None, None, v)
 
 
 def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
                      schedule: str, inv: ClusterInventory, spec: JobSpec, only: int | None,
-                     pp_real: int | None):
+                     pp_real: int | None, v: int = 1):
     """Costs of all stages, or (``only``) of stage ``only`` of a ``pp_real``-stage pipeline."""
     model, training = spec.model, spec.training
-    tokens = mb * model.seq_len
-    eb = cost.precision_bytes(training)
     pp = len(units)
-    layer_fl = cost.layer_flops(model, tokens, training.recompute)
-    head_fl = 3 * cost.head_forward_flops(model, tokens)
     grad_layer = cost.layer_params(model) * 4.0
     grad_embed = cost.embedding_params(model) * 4.0
     out, mems = [], []
@@ -220,15 +266,14 @@ def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int
         indices = [(only, (units[0], tps[0]))]
     for i, (u, tp) in indices:
         first, last = i == 0, i == pp - 1
-        f = u.device.effective_flops * tp
-        a = layer_fl / f + cost.tp_comm_per_layer_s(model, mb, tp, u.device, eb)
-        b = head_fl / f if last else 0.0
+        a = cost.layer_time_s(model, training, mb, tp, u.device)
+        b = cost.head_time_s(model, mb, tp, u.device) if last else 0.0
         lat, per_byte, _ = _dp_time_per_byte(u, dp, tp, inv, spec)
         fixed_grad = grad_embed * (int(first) + int(last)) / tp
         c = grad_layer / tp * per_byte
         e = (lat + fixed_grad * per_byte) if dp > 1 else 0.0
         mem = cost.stage_memory(model, training, tp=tp, dp=dp, micro_batch=mb,
-                                in_flight=_in_flight(i, pp, m, schedule), first=first, last=last)
+                                in_flight=_in_flight(i, pp, m, schedule, v), first=first, last=last)
         usable = u.device.hbm_bytes * cost.MEMORY_HEADROOM
         max_layers = int((usable - mem.fixed) // mem.per_layer) if usable > mem.fixed else 0
         out.append(StageCost(a, b, c, e, max_layers))
@@ -313,9 +358,9 @@ def _candidates_outer(units: Sequence[Unit], spec: JobSpec, dp_values: Sequence[
                         gpus = sum(k * tp for k, tp in zip(ks, tps, strict=True))
                         dropped.append(need / gpus / cost.MEMORY_HEADROOM / cost.GIB)
                     continue
-                flops = sum(k * tp * u.device.effective_flops
-                            for k, tp, u in zip(ks, tps, units, strict=True))
-                out.append((work / dp / flops, dp, tps, ks))
+                rate = sum(k * tp / cost.min_seconds_per_flop(u.device, model)
+                           for k, tp, u in zip(ks, tps, units, strict=True))
+                out.append((work / dp / rate, dp, tps, ks))
     out.sort()
     return out
 
@@ -332,7 +377,7 @@ def _boundary_memo(search: _Search, src: Unit, dst: Unit, tp_src: int, tp_dst: i
 
 
 def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int,
-              schedule: str, inv: ClusterInventory, grouping: str) -> None:
+              schedule: str, inv: ClusterInventory, grouping: str, v: int = 1) -> None:
     spec = search.spec
     model = spec.model
     m = spec.training.global_batch // (dp * mb)
@@ -340,15 +385,17 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
     if search.max_gpus is not None and dp * sum(tps) > search.max_gpus:
         search.over_max_gpus += 1  # exact: only removes layouts, every bound stays valid
         return
-    v = INTERLEAVE_CHUNKS if schedule == "interleaved" else 1
+    if schedule != "interleaved":
+        v = 1
     if schedule == "interleaved" and (pp < 2 or m % pp or model.layers < pp * v):
         return
     if schedule == "zb-h1" and pp < 2:
         return
-    stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec, search.stage_memo)
+    stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec, search.stage_memo,
+                                v)
     boundaries = [_boundary_memo(search, units[i], units[i + 1], tps[i], tps[i + 1], dp, mb, inv)
                   * v for i in range(pp - 1)]
-    f = {"1f1b": 1.0, "interleaved": float(v), "zb-h1": 3.0}[schedule]
+    f = _bubble_divisor(schedule, v)
     scaled = [StageCost(s.a, s.b, s.c * f, s.e * f, s.max_layers) for s in stages]
     p_max, p_sum = max(boundaries, default=0.0), sum(boundaries)
     search.evaluated += 1
@@ -365,10 +412,13 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
             return
     if result is None:
         per = math.ceil(model.layers / pp)
-        need = min(mem.bytes_for(per) / cost.MEMORY_HEADROOM for mem, _ in mems) / cost.GIB
-        if search.memory_shortfall is None or need < search.memory_shortfall[0]:
-            best_dev = max(units, key=lambda u: u.device.hbm_gib).device
-            search.memory_shortfall = (need, f"{best_dev.hbm_gib:.0f} GiB ({best_dev.name})")
+        ratio, i = max((mem.bytes_for(per) / usable, i) for i, (mem, usable) in enumerate(mems))
+        mem, usable = mems[i]
+        search.shortfall(ratio, (
+            f"stage {i} of {pp} ({units[i].device.name}, tp={tps[i]}, dp={dp}, microBatch {mb}, "
+            f"{schedule}) needs {mem.bytes_for(per) / cost.GIB:.1f} GiB per device for {per} "
+            f"layers; it has {usable / cost.GIB:.1f} GiB usable "
+            f"({cost.MEMORY_HEADROOM:.0%} of {units[i].device.hbm_gib:.0f} GiB)"))
         return
     _, split = result
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
@@ -378,7 +428,7 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
     memory = tuple(mem.bytes_for(n) / cost.GIB for (mem, _), n in zip(mems, split, strict=True))
     search.offer(Candidate(t, dp, mb, schedule, tuple(units), tuple(tps), tuple(split),
                            tuple(stage_s), tuple(stage_dp), tuple(boundaries), bubble, memory,
-                           grouping))
+                           grouping, v))
 
 
 def _search_exhaustive(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory,
@@ -387,12 +437,10 @@ def _search_exhaustive(search: _Search, units: tuple[Unit, ...], inv: ClusterInv
     gb = spec.training.global_batch
     dp_values = [d for d in _divisors(gb) if spec.parallelism.dp in (None, d)]
     mbs_pinned = spec.training.micro_batch
-    schedules = SCHEDULES if spec.parallelism.schedule == "auto" else (spec.parallelism.schedule,)
     dropped: list[float] = []
     outer = _candidates_outer(units, spec, dp_values, search.exhaustive, dropped)
     if dropped:
-        best_dev = max(units, key=lambda u: u.device.hbm_gib).device
-        search.memory_shortfall = (min(dropped), f"{best_dev.hbm_gib:.0f} GiB ({best_dev.name})")
+        _state_shortfall(search, units, min(dropped))
     for bound, dp, tps_u, ks in outer:
         if not search.exhaustive and bound >= search.bound():
             break
@@ -404,20 +452,16 @@ def _search_exhaustive(search: _Search, units: tuple[Unit, ...], inv: ClusterInv
             stage_units = tuple(units[i] for i in order for _ in range(ks[i]))
             stage_tps = tuple(tps_u[i] for i in order for _ in range(ks[i]))
             for mb in mbs:
-                for schedule in schedules:
-                    _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping)
+                for schedule, v in _schedule_options(spec, len(stage_units), spec.model.layers):
+                    _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping, v)
 
 
 def _unit_stats(unit: Unit, tp: int, dp: int, mb: int, inv: ClusterInventory,
                 spec: JobSpec) -> UnitStats:
     """Per-stage aggregates of ``unit`` (:mod:`hettrain.planning.bounds`), relaxed memory."""
     model, training = spec.model, spec.training
-    tokens = mb * model.seq_len
-    eb = cost.precision_bytes(training)
-    f = unit.device.effective_flops * tp
-    a = (cost.layer_flops(model, tokens, training.recompute) / f
-         + cost.tp_comm_per_layer_s(model, mb, tp, unit.device, eb))
-    head = 3 * cost.head_forward_flops(model, tokens) / f
+    a = cost.layer_time_s(model, training, mb, tp, unit.device)
+    head = cost.head_time_s(model, mb, tp, unit.device)
     lat, per_byte, _ = _dp_time_per_byte(unit, dp, tp, inv, spec)
     dp_c = cost.layer_params(model) * 4.0 / tp * per_byte if dp > 1 else 0.0
     dp_e = lat if dp > 1 else 0.0
@@ -613,9 +657,10 @@ def _evaluate_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Cho
 
     Dominance (exact in this cost model): with ``X`` the slowest of stages and boundaries and
     ``Σ`` their sum, 1F1B costs ``m·X + (Σ − X)`` and ZB-H1 ``m·X + (Σ − X)/3`` at the same
-    memory, so ZB-H1 ≤ 1F1B for every split. Interleaved (``v = 2``) holds more activations (its
-    feasible splits are a subset), doubles boundary traffic (``X_i ≥ X``, ``Σ_i ≥ Σ``) and costs
-    ``(m − 1/2)·X_i + Σ_i/2 ≥ (m − 1/3)·X + Σ/3 + (Σ − X)/6``. So with ``schedule: auto`` and
+    memory, so ZB-H1 ≤ 1F1B for every split. Interleaved with ``v ≤ AUTO_MAX_CHUNKS = 3``
+    chunks holds more activations (its feasible splits are a subset), multiplies boundary
+    traffic by ``v`` (``X_v ≥ X``, ``Σ_v ≥ Σ``) and costs ``(m − 1/v)·X_v + Σ_v/v ≥
+    (m − 1/3)·X + Σ/3 + (Σ − X)·(1/v − 1/3)``, the last term ≥ 0. So with ``schedule: auto`` and
     ``pp ≥ 2`` only ZB-H1 is evaluated; for ``pp = 1`` only 1F1B exists.
     """
     ks = [0] * len(units)
@@ -623,28 +668,48 @@ def _evaluate_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Cho
     for c in choices:
         ks[c.unit], tps[c.unit] = c.k, c.tp
     pp = sum(ks)
-    pinned = search.spec.parallelism.schedule
-    schedules = (pinned,) if pinned != "auto" else (("1f1b",) if pp == 1 else ("zb-h1",))
+    schedules = _schedule_options(search.spec, pp, search.spec.model.layers, exhaustive=False)
     stage_units = tuple(units[i] for i in order for _ in range(ks[i]))
     stage_tps = tuple(tps[i] for i in order for _ in range(ks[i]))
-    for schedule in schedules:
-        _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping)
+    for schedule, v in schedules:
+        _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping, v)
+
+
+def _state_shortfall(search: _Search, units: Sequence[Unit], need_gib: float) -> None:
+    """Record that the weights, gradients and optimizer state alone exceed every layout."""
+    dev = max(units, key=lambda u: u.device.hbm_gib).device
+    usable = dev.hbm_gib * cost.MEMORY_HEADROOM
+    need = need_gib * cost.MEMORY_HEADROOM  # need_gib is HBM with headroom; this is bytes
+    search.shortfall(need / usable, (
+        f"the weights, gradients and optimizer state alone need {need:.1f} GiB per device "
+        f"on the widest layout; the largest device ({dev.name}) has {usable:.1f} GiB usable "
+        f"({cost.MEMORY_HEADROOM:.0%} of {dev.hbm_gib:.0f} GiB)"), state_only=True)
 
 
 def _record_shortfall(search: _Search, units: tuple[Unit, ...], spec: JobSpec,
                       dp_values: Sequence[int], pairs: Sequence) -> None:
     """When nothing fits: the per-device memory the most spread-out layouts would need."""
+    if search.memory_shortfall is not None:
+        return
     dropped: list[float] = []
     _candidates_outer(units, spec, dp_values, False, dropped)
-    needs = list(dropped)
-    for *_, opts, _rest, _singles in pairs:
+    if dropped:
+        _state_shortfall(search, units, min(dropped))
+    pinned_pp = spec.parallelism.pp
+    for _, dp, mb, _m, opts, _rest, _singles in pairs:
         widest = [max(o, key=lambda c: (c.k * c.tp, c.tp)) for o in opts if o]
-        if widest:
-            needs.append(memory_need_gib(widest, spec.model.layers, cost.GIB,
-                                         cost.MEMORY_HEADROOM))
-    if needs and search.memory_shortfall is None:
-        best_dev = max(units, key=lambda u: u.device.hbm_gib).device
-        search.memory_shortfall = (min(needs), f"{best_dev.hbm_gib:.0f} GiB ({best_dev.name})")
+        if not widest:
+            continue
+        pp = min(sum(c.k for c in widest), pinned_pp or spec.model.layers)
+        per = math.ceil(spec.model.layers / pp)
+        for c in widest:  # relaxed (one microbatch in flight, no embedding): "at least"
+            dev = units[c.unit].device
+            usable = dev.hbm_gib * cost.MEMORY_HEADROOM
+            need = (c.stats.fixed_bytes + c.stats.layer_bytes * per) / cost.GIB
+            search.shortfall(need / usable, (
+                f"each of {pp} stages ({dev.name}, tp={c.tp}, dp={dp}, microBatch {mb}) needs "
+                f"at least {need:.1f} GiB per device for {per} layers; it has {usable:.1f} GiB "
+                f"usable ({cost.MEMORY_HEADROOM:.0%} of {dev.hbm_gib:.0f} GiB)"))
 
 
 # ---------------------------------------------------------------- public API
@@ -655,7 +720,8 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
     notes = [
         f"searched {search.evaluated} layouts ({'exhaustive' if search.exhaustive else 'fast'})",
         f"chose dp={best.dp} pp={best.pp} tp={'/'.join(map(str, best.tps))} "
-        f"mb={best.micro_batch} schedule={best.schedule}",
+        f"mb={best.micro_batch} schedule={best.schedule}"
+        + (f" chunks={best.chunks}" if best.schedule == "interleaved" else ""),
     ]
     crossings = [i for i in range(best.pp - 1)
                  if not set(best.units[i].datacenters) & set(best.units[i + 1].datacenters)]
@@ -667,6 +733,11 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
             f"{better} across datacenters beats {worse} across them: "
             f"{best.step_time_s:.3f}s vs {alt.step_time_s:.3f}s per step"
         )
+    measured = sorted({u.device.name for u in best.units
+                       if u.device.profile is not None and u.device.profile.matches(spec.model)})
+    if measured:
+        notes.append(f"layer times of {', '.join(measured)} from device profiles (measured); "
+                     "other devices, the LM head and communication from the catalog model")
     used = best.dp * sum(best.tps)
     total = sum(u.gpus for u in set(best.units))
     if used < total:
@@ -680,8 +751,17 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
 
     With ``previous`` (a re-plan after failures) the global batch is kept (gradient
     accumulation absorbs a smaller ``dp``) and, among layouts within 2% of the best, the one
-    that moves the fewest surviving ranks to another stage wins.
+    that moves the fewest surviving ranks to another stage wins. ``recompute: auto`` plans
+    each mode and keeps the fastest (:func:`_plan_recompute_auto`).
     """
+    if spec.training.recompute == "auto":
+        return _plan_auto(name, inventory, exhaustive, previous, "recompute", [
+            (mode, replace(spec, training=replace(spec.training, recompute=mode)))
+            for mode in RECOMPUTE_SEARCH])
+    if spec.cross_dc.mode == "auto":
+        modes = CROSS_DC_SEARCH if spec.cross_dc.compression != "none" else ("sync",)
+        return _plan_auto(name, inventory, exhaustive, previous, "crossDC.mode", [
+            (mode, replace(spec, cross_dc=replace(spec.cross_dc, mode=mode))) for mode in modes])
     pools = filter_pools(inventory, spec.placement)
     if not pools:
         pl = spec.placement
@@ -721,6 +801,35 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     return _to_plan(name, spec, chosen, ranks, notes, inventory)
 
 
+def _plan_auto(name: str, inventory: ClusterInventory, exhaustive: bool,
+               previous: Plan | None, field: str, variants: Sequence[tuple[str, JobSpec]]) -> Plan:
+    """An ``auto`` spec option (``recompute``, ``crossDC.mode``): the best plan over
+    ``variants``, each a concrete spec.
+
+    Exact: each variant's search is exact, and the fastest wins (ties: the first variant, the
+    least recomputation / exact gradients). A re-plan takes, among the variants' plans within
+    ``REPLAN_TOLERANCE`` of the fastest, the one moving the fewest ranks. The plan carries the
+    chosen mode: the runtime never sees ``auto``.
+    """
+    plans: list[tuple[str, Plan]] = []
+    failures: list[PlanningError] = []
+    for mode, concrete in variants:
+        try:
+            plans.append((mode, plan_job(name, concrete, inventory, exhaustive=exhaustive,
+                                         previous=previous)))
+        except PlanningError as exc:
+            failures.append(exc)
+    if not plans:
+        raise failures[-1]  # the last variant needs the least memory: the most telling refusal
+    fastest = min(p.predicted.step_time_s for _, p in plans)
+    chosen, best = next((m, p) for m, p in plans if p.predicted.step_time_s == fastest)
+    if previous is not None:
+        near = [(m, p) for m, p in plans if p.predicted.step_time_s <= fastest * REPLAN_TOLERANCE]
+        chosen, best = min(near, key=lambda mp: moved_ranks(previous, mp[1].ranks))
+    tried = ", ".join(f"{m} {p.predicted.step_time_s:.4g}s" for m, p in plans)
+    return replace(best, notes=(*best.notes, f"{field}=auto chose {chosen} ({tried})"))
+
+
 def _fewest_moves(best: Candidate, near: Sequence[Candidate], previous: Plan
                   ) -> tuple[Candidate, tuple]:
     """Among layouts within ``REPLAN_TOLERANCE`` of ``best`` (the fastest of each distinct
@@ -755,7 +864,7 @@ def step_time_for_split(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
     tps = [s.tp for s in plan.stages]
     m, v = plan.num_microbatches, plan.virtual_stages
     stages, _ = _stage_costs(stage_units, tps, plan.dp, plan.micro_batch, m, plan.schedule,
-                             inventory, spec)
+                             inventory, spec, v=v)
     if any(n < 1 or n > s.max_layers for s, n in zip(stages, split, strict=True)):
         return None
     boundaries = [_boundary_s(stage_units[i], stage_units[i + 1], tps[i], tps[i + 1], plan.dp,
@@ -777,12 +886,8 @@ def _explain_failure(spec: JobSpec, pools: Sequence, searches: Sequence[_Search]
     shortfall = min((s.memory_shortfall for s in searches if s.memory_shortfall),
                     default=None)
     if shortfall is not None:
-        need, have = shortfall
-        return no_plan(
-            f"model does not fit: needs {need:.0f} GiB per device even for the best layout "
-            f"tried, largest device has {have}; add pools, allow more vendors, enable "
-            "spec.training.recompute=full or optimizerSharding"
-        )
+        return no_plan(f"model does not fit: in the closest layout tried, {shortfall[1]}; "
+                       + "; or ".join(_memory_suggestions(spec, shortfall[2])))
     if spec.training.micro_batch is not None:
         return no_plan(
             f"spec.training.microBatch={spec.training.micro_batch} does not divide globalBatch "
@@ -793,6 +898,36 @@ def _explain_failure(spec: JobSpec, pools: Sequence, searches: Sequence[_Search]
         f"no feasible layout on {gpus} GPUs for globalBatch {gb} and {spec.model.layers} layers "
         f"with the pins in spec.parallelism ({spec.parallelism}); relax the pins"
     )
+
+
+def _memory_suggestions(spec: JobSpec, state_only: bool) -> list[str]:
+    """Only the changes that would lower per-device memory and are not already in effect
+    (activation options only when activations, not the state alone, are the problem)."""
+    t, par, pl = spec.training, spec.parallelism, spec.placement
+    out = []
+    if t.recompute not in ("full", "auto") and not state_only:
+        out.append(f"set spec.training.recompute: full (now {t.recompute})")
+    if not t.optimizer_sharding:
+        out.append("set spec.training.optimizerSharding: true")
+    if t.micro_batch is not None and t.micro_batch > 1 and not state_only:
+        out.append(f"lower spec.training.microBatch (now {t.micro_batch}) or omit it")
+    pins = [f"{k}={v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("dp", par.dp))
+            if v is not None]
+    if pins:
+        out.append(f"unpin spec.parallelism ({', '.join(pins)}) so TP/PP can spread the model")
+    if pl.max_gpus is not None:
+        out.append(f"raise spec.placement.maxGPUs (now {pl.max_gpus})")
+    if pl.vendors or pl.datacenters or pl.pools:
+        out.append("allow more pools in spec.placement")
+    out.append("add nodes with more device memory")
+    return out
+
+
+def _tp_comm_s(c: Candidate, spec: JobSpec, i: int) -> float:
+    """Exposed TP comm of stage ``i`` per microbatch (part of its stage time)."""
+    eb = cost.precision_bytes(spec.training)
+    return c.split[i] * cost.tp_comm_per_layer_s(spec.model, c.micro_batch, c.tps[i],
+                                                 c.units[i].device, eb, spec.training.recompute)
 
 
 def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[str],
@@ -825,13 +960,13 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         mfu=cost.model_flops_per_step(model, gb) / (c.step_time_s * peak),
         compute_s=m * max(c.stage_s),
         bubble_s=c.bubble_s,
-        tp_comm_s=0.0,
+        tp_comm_s=m * _tp_comm_s(c, spec, c.stage_s.index(max(c.stage_s))),
         pp_comm_s=m * sum(c.boundary_s),
         dp_comm_s=max(c.stage_dp_s),
         cross_dc_bytes_per_step=cross_bytes,
         pp_bytes_per_step=c.dp * cost.pipeline_bytes_per_step(
             model, c.micro_batch, cost.precision_bytes(spec.training), m, c.pp,
-            INTERLEAVE_CHUNKS if c.schedule == "interleaved" else 1),
+            c.chunks if c.schedule == "interleaved" else 1),
     )
     cross = {"mode": spec.cross_dc.mode, "compression": spec.cross_dc.compression,
              "outer_steps": spec.cross_dc.outer_steps, "outer_lr": spec.cross_dc.outer_lr,
@@ -840,6 +975,7 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         job=name, model=model, training=spec.training, dp=c.dp, pp=c.pp,
         micro_batch=c.micro_batch, num_microbatches=m, schedule=c.schedule,
         stages=tuple(stages), ranks=ranks, predicted=pred, cross_dc=cross, notes=tuple(notes),
-        virtual_stages=INTERLEAVE_CHUNKS if c.schedule == "interleaved" else 1,
+        virtual_stages=c.chunks if c.schedule == "interleaved" else 1,
+        data=spec.data.to_plan(),
     )
 

@@ -19,6 +19,8 @@ ENV_STEP_SLEEP = "HETTRAIN_STEP_SLEEP"  # optional seconds to sleep per step (te
 ENV_OPTIMIZER = "HETTRAIN_OPTIMIZER"  # inner optimizer: adamw (default) | sgd (exactness checks)
 ENV_SUMMARY_DIR = "HETTRAIN_SUMMARY_DIR"  # optional: each rank writes rank-R.json at the end
 ENV_RECV_AHEAD = "HETTRAIN_RECV_AHEAD"  # pipeline receives posted ahead per peer (default 1)
+ENV_DATA_VERIFY = "HETTRAIN_DATA_VERIFY"  # token set check at start-up: full (sha256) | size
+ENV_DATA_CACHE = "HETTRAIN_DATA_CACHE"  # download dir for object-store token sets
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -54,6 +56,8 @@ class RuntimeConfig:
     summary_dir: str = ""
     recv_ahead: int = 1
     device: str = "auto"
+    data_verify: str = "full"
+    data_cache: str = ""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> RuntimeConfig:
@@ -84,7 +88,11 @@ class RuntimeConfig:
             summary_dir=env.get(ENV_SUMMARY_DIR, ""),
             recv_ahead=_int(env, ENV_RECV_AHEAD, 1),
             device=check_choice(env.get(ENV_DEVICE, "") or "auto"),
+            data_verify=env.get(ENV_DATA_VERIFY, "") or "full",
+            data_cache=env.get(ENV_DATA_CACHE, ""),
         )
+        if cfg.data_verify not in ("full", "size"):
+            raise ValueError(f"env {ENV_DATA_VERIFY}={cfg.data_verify!r}: must be full or size")
         if cfg.recv_ahead < 0:
             raise ValueError(f"env {ENV_RECV_AHEAD}={cfg.recv_ahead} must be >= 0 "
                              "(0 = receive only when needed)")

@@ -17,7 +17,7 @@ from hettrain.planning.plan import Plan
 from hettrain.runtime import checkpoint as ckpt
 from hettrain.runtime.collectives import DiLoCo, HetCommunicator, Tier
 from hettrain.runtime.config import ENV_OPTIMIZER, OPTIMIZERS, RuntimeConfig
-from hettrain.runtime.data import microbatches
+from hettrain.runtime.dataset import open_data
 from hettrain.runtime.devices import activate, select_device
 from hettrain.runtime.metrics import RuntimeMetrics
 from hettrain.runtime.model import StageModel, lm_loss, whole_model
@@ -82,6 +82,7 @@ def reference_losses(plan: Plan, steps: int, start_step: int = 0,
                      optimizer: str = "adamw") -> list[float]:
     """Single-process run of the same model and global batches: the losses to match."""
     t = plan.training
+    data = open_data(plan.data, seed=t.seed, seq_len=plan.model.seq_len, vocab=plan.model.vocab)
     model = whole_model(plan.model, t.seed)
     opt = make_optimizer(model, t.learning_rate, optimizer)
     out = []
@@ -90,7 +91,7 @@ def reference_losses(plan: Plan, steps: int, start_step: int = 0,
         total = 0.0
         n = plan.dp * plan.num_microbatches
         for d in range(plan.dp):
-            for x, y in microbatches(t.seed, step, dp=plan.dp, dp_index=d,
+            for x, y in data.microbatches(t.seed, step, dp=plan.dp, dp_index=d,
                                      micro_batch=plan.micro_batch,
                                      num_microbatches=plan.num_microbatches,
                                      seq_len=plan.model.seq_len, vocab=plan.model.vocab):
@@ -111,6 +112,9 @@ class Trainer:
         self.me = plan.ranks[rank]
         st = plan.stages[self.me.stage]
         check_tp(plan.model, st.tp, f"plan.stages[{st.index}]")
+        self.data = open_data(plan.data, seed=plan.training.seed, seq_len=plan.model.seq_len,
+                              vocab=plan.model.vocab, verify=cfg.data_verify,
+                              cache_dir=cfg.data_cache or None)
         self.xdc = cross_dc_settings(plan)
         choice = select_device(st.vendor, rank - cfg.rank_start, cfg.device)
         self.device = choice.device
@@ -209,7 +213,7 @@ class Trainer:
         for step in range(start, t.steps):
             t0, c0 = time.perf_counter(), time.process_time()
             self.opt.zero_grad(set_to_none=False)
-            batches = microbatches(t.seed, step, dp=plan.dp, dp_index=self.me.dp,
+            batches = self.data.microbatches(t.seed, step, dp=plan.dp, dp_index=self.me.dp,
                                    micro_batch=plan.micro_batch,
                                    num_microbatches=plan.num_microbatches,
                                    seq_len=plan.model.seq_len, vocab=plan.model.vocab)

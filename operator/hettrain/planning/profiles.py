@@ -1,0 +1,167 @@
+"""Device profiles: measured layer costs of one device, used by the time model where they exist.
+
+``hettrain profile`` (``runtime/profile.py``) runs the runtime's own transformer block on the
+local device for one model shape and a few microbatch sizes and writes a versioned YAML
+document::
+
+    apiVersion: hettrain.dev/v1alpha1
+    kind: DeviceProfile
+    version: 1
+    device: CPU                       # the catalog / cluster device name it measured
+    software: {torch: 2.9.1, python: 3.12.3}
+    model: {hidden: 64, heads: 4, kvHeads: 4, ffnHidden: 256, seqLen: 64, gatedMlp: false}
+    layer:                            # one layer, tp 1, no recompute; medians of repeats
+      - {microBatch: 1, forwardS: 0.0011, backwardS: 0.0023}
+      - {microBatch: 2, forwardS: 0.0019, backwardS: 0.0041}
+
+The planner (``hettrain plan --profile FILE``) fits ``t(b) = α + β·b`` (least squares over the
+measured microbatch sizes, ``α ≥ 0``) to forward+backward seconds and uses it, divided by ``tp``,
+for every layer of a device and model shape the profile matches; full recompute adds the
+measured forward share. Everything else (TP/DP/PP communication, the LM head, other devices and
+shapes) stays on the catalog model, and the plan notes say which devices were measured.
+Pure: no torch here (the runtime writes the document, this module reads it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hettrain.api.spec import ModelSpec
+from hettrain.planning.errors import PlanningInputError
+
+PROFILE_VERSION = 1
+PROFILE_KIND = "DeviceProfile"
+
+Shape = tuple[int, int, int, int, int, bool]
+
+
+def model_shape(model: ModelSpec) -> Shape:
+    """What a layer's cost depends on: hidden, heads, kv heads, FFN width, sequence, gating."""
+    return (model.hidden, model.heads, model.kv_heads, model.ffn_hidden, model.seq_len,
+            model.gated_mlp)
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``y = α + β·x`` with ``α ≥ 0`` (refit through the origin otherwise)."""
+    if not points:
+        raise ValueError("no points to fit")
+    n = len(points)
+    sx = sum(x for x, _ in points)
+    sy = sum(y for _, y in points)
+    sxx = sum(x * x for x, _ in points)
+    sxy = sum(x * y for x, y in points)
+    den = n * sxx - sx * sx
+    if n > 1 and den > 0:
+        beta = (n * sxy - sx * sy) / den
+        alpha = (sy - beta * sx) / n
+        if alpha >= 0 and beta > 0:
+            return alpha, beta
+    return 0.0, sxy / sxx  # through the origin
+
+
+@dataclass(frozen=True, slots=True)
+class LayerProfile:
+    """Measured seconds of one layer (forward + backward, tp 1) as ``α + β·microbatch``."""
+
+    device: str
+    shape: Shape
+    alpha: float
+    beta: float
+    forward_share: float  # forward / (forward + backward), for full recompute
+    software: tuple[tuple[str, str], ...] = ()
+    source: str = ""
+
+    def matches(self, model: ModelSpec) -> bool:
+        """True when the profile measured this model's layer shape."""
+        return self.shape == model_shape(model)
+
+    def layer_s(self, micro_batch: int, tp: int, recompute: str) -> float:
+        """Seconds of one layer and microbatch on one of ``tp`` ranks (compute only)."""
+        t = (self.alpha + self.beta * micro_batch) / tp
+        return t * (1 + self.forward_share) if recompute == "full" else t
+
+
+def profile_from_doc(doc: Any, where: str) -> LayerProfile:
+    """Parse a ``DeviceProfile`` document; errors name the field (``where.field``)."""
+    if not isinstance(doc, Mapping):
+        raise PlanningInputError(where, "must be a DeviceProfile mapping (hettrain profile)")
+    if doc.get("kind") != PROFILE_KIND:
+        raise PlanningInputError(f"{where}.kind", f"must be {PROFILE_KIND} (got "
+                                 f"{doc.get('kind')!r}); write one with hettrain profile")
+    if doc.get("version") != PROFILE_VERSION:
+        raise PlanningInputError(f"{where}.version", f"must be {PROFILE_VERSION} (got "
+                                 f"{doc.get('version')!r}); re-run hettrain profile")
+    device = doc.get("device")
+    if not isinstance(device, str) or not device:
+        raise PlanningInputError(f"{where}.device", "is required (the device name it measured)")
+    m = doc.get("model")
+    keys = ("hidden", "heads", "kvHeads", "ffnHidden", "seqLen")
+    if not isinstance(m, Mapping) or any(not isinstance(m.get(k), int) or isinstance(
+            m.get(k), bool) or m.get(k) < 1 for k in keys):
+        raise PlanningInputError(f"{where}.model", f"needs positive integers {', '.join(keys)}"
+                                 " and gatedMlp")
+    shape: Shape = (m["hidden"], m["heads"], m["kvHeads"], m["ffnHidden"], m["seqLen"],
+                    bool(m.get("gatedMlp", False)))
+    rows = doc.get("layer")
+    if not isinstance(rows, list) or not rows:
+        raise PlanningInputError(f"{where}.layer", "needs at least one measured microbatch")
+    points, fwd, total = [], 0.0, 0.0
+    for i, r in enumerate(rows):
+        at = f"{where}.layer[{i}]"
+        try:
+            b, f, bw = int(r["microBatch"]), float(r["forwardS"]), float(r["backwardS"])
+        except (KeyError, TypeError, ValueError):
+            raise PlanningInputError(at, "needs microBatch, forwardS, backwardS") from None
+        if b < 1 or f <= 0 or bw <= 0:
+            raise PlanningInputError(at, "microBatch >= 1 and positive seconds required")
+        points.append((float(b), f + bw))
+        fwd, total = fwd + f, total + f + bw
+    alpha, beta = fit_line(points)
+    sw = doc.get("software") or {}
+    software = tuple(sorted((str(k), str(v)) for k, v in sw.items())) if isinstance(
+        sw, Mapping) else ()
+    return LayerProfile(device, shape, alpha, beta, fwd / total, software, where)
+
+
+def load_profile(path: str | Path) -> LayerProfile:
+    """Read a profile YAML file (errors name the file)."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise PlanningInputError(str(path), f"cannot read the profile: {exc}") from None
+    return profile_from_doc(doc, str(path))
+
+
+def apply_profiles(inventory: Any, profiles: Iterable[LayerProfile]) -> Any:
+    """The inventory with each profile attached to its device (by name) in every pool."""
+    by_device = {p.device: p for p in profiles}
+    if not by_device:
+        return inventory
+    known = {p.device.name for p in inventory.pools}
+    unknown = sorted(set(by_device) - known)
+    if unknown:
+        raise PlanningInputError(by_device[unknown[0]].source + ".device", (
+            f"{unknown[0]!r} is not a device of this cluster ({', '.join(sorted(known))})"))
+    pools = tuple(dataclasses.replace(p, device=dataclasses.replace(
+        p.device, profile=by_device[p.device.name])) if p.device.name in by_device else p
+        for p in inventory.pools)
+    return dataclasses.replace(inventory, pools=pools)
+
+
+def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
+                rows: Sequence[tuple[int, float, float]]) -> dict[str, Any]:
+    """The YAML document for measured ``(microBatch, forwardS, backwardS)`` rows."""
+    return {
+        "apiVersion": "hettrain.dev/v1alpha1", "kind": PROFILE_KIND, "version": PROFILE_VERSION,
+        "device": device, "software": dict(software),
+        "model": {"hidden": model.hidden, "heads": model.heads, "kvHeads": model.kv_heads,
+                  "ffnHidden": model.ffn_hidden, "seqLen": model.seq_len,
+                  "gatedMlp": model.gated_mlp},
+        "layer": [{"microBatch": b, "forwardS": f, "backwardS": bw} for b, f, bw in rows],
+    }

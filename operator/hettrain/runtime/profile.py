@@ -1,0 +1,95 @@
+"""``hettrain profile``'s measuring side: the runtime's real transformer block on the local device.
+
+For one model shape (a job's ``spec.model``) and a few microbatch sizes, times one
+:class:`hettrain.runtime.model.Block` forward and backward (tp 1, no recompute; the median of
+``repeats`` runs after two warm-up runs) and writes the versioned ``DeviceProfile`` YAML that
+``planning/profiles.py`` reads (``hettrain plan --profile FILE``).
+
+Usage: python -m hettrain.runtime.profile JOB.yaml --device-name CPU --out profile.yaml
+       [--micro-batches 1,2,4] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import yaml
+
+from hettrain.api.spec import ModelSpec, SpecError, parse_job_manifest
+from hettrain.planning.profiles import profile_doc
+from hettrain.profile_cli import add_arguments
+from hettrain.runtime.model import Block
+
+WARMUP = 2  # untimed runs before the timed ones
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_layer(model: ModelSpec, micro_batch: int, repeats: int,
+                  device: torch.device) -> tuple[float, float]:
+    """Median (forward, backward) seconds of one block for ``micro_batch`` sequences."""
+    torch.manual_seed(0)
+    block = Block(model).to(device)
+    x = torch.randn(micro_batch, model.seq_len, model.hidden, device=device, requires_grad=True)
+    fwd, bwd = [], []
+    for i in range(repeats + WARMUP):  # warm-up runs: allocator, kernels, caches
+        _sync(device)
+        t0 = time.perf_counter()
+        y = block(x)
+        _sync(device)
+        t1 = time.perf_counter()
+        y.sum().backward()
+        _sync(device)
+        t2 = time.perf_counter()
+        if i >= WARMUP:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def profile(model: ModelSpec, device_name: str, micro_batches: Sequence[int], repeats: int,
+            device: torch.device) -> dict:
+    """The ``DeviceProfile`` document of ``model``'s layer on ``device``."""
+    rows = [(b, *measure_layer(model, b, repeats, device)) for b in micro_batches]
+    software = {"torch": str(torch.__version__), "python": platform.python_version()}
+    return profile_doc(device_name, software, model, rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure and write the profile; bad input: one line on stderr, exit 2."""
+    ap = argparse.ArgumentParser(prog="hettrain profile", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    try:
+        doc = yaml.safe_load(Path(args.job).read_text())
+        _, spec = parse_job_manifest(doc)
+    except (OSError, yaml.YAMLError) as exc:
+        print(f"error: {args.job}: cannot read the job: {exc}", file=sys.stderr)
+        return 2
+    except SpecError as exc:
+        print(f"error: {args.job}: {exc}", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = profile(spec.model, args.device_name, args.micro_batches, args.repeats, device)
+    try:
+        Path(args.out).write_text(yaml.safe_dump(out, sort_keys=False))
+    except OSError as exc:
+        print(f"error: {args.out}: cannot write: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Device profiles: parsing with field-path errors, the fitted line against hand values, the
+time model using measured layer times (and saying so), and fast == exhaustive with a profile
+(its lower bound stays admissible)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hettrain.api.spec import parse_job_spec
+from hettrain.planning import cost
+from hettrain.planning.errors import PlanningInputError
+from hettrain.planning.inventory import load_cluster
+from hettrain.planning.planner import plan_job
+from hettrain.planning.profiles import (
+    apply_profiles,
+    fit_line,
+    profile_doc,
+    profile_from_doc,
+)
+
+JOB = {"model": {"layers": 6, "hidden": 1024, "heads": 16, "seqLen": 512, "vocab": 8000},
+       "training": {"globalBatch": 8, "steps": 1, "recompute": "none"}}
+
+
+def _cluster() -> dict:
+    pools = [{"name": "h", "datacenter": "a", "device": "H100-SXM", "nodes": 1, "gpusPerNode": 4,
+              "nicGbps": 400},
+             {"name": "m", "datacenter": "a", "device": "MI300X", "nodes": 1, "gpusPerNode": 4,
+              "nicGbps": 400}]
+    return {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "t"},
+            "datacenters": [{"name": "a"}], "pools": pools}
+
+
+def _doc(device: str = "H100-SXM", rows=((1, 1e-3, 2e-3), (2, 1.5e-3, 3e-3),
+                                         (4, 2.5e-3, 5e-3))) -> dict:
+    return profile_doc(device, {"torch": "x"}, parse_job_spec(JOB).model, rows)
+
+
+def test_fit_line_hand_values() -> None:
+    assert fit_line([(1, 3), (2, 5), (4, 9)]) == pytest.approx((1.0, 2.0))
+    # a negative intercept is refit through the origin: β = Σxy / Σx²
+    assert fit_line([(1, 1), (2, 4)]) == pytest.approx((0.0, 9 / 5))
+    assert fit_line([(2, 4)]) == pytest.approx((0.0, 2.0))
+
+
+def test_profile_parses_and_fits_forward_plus_backward() -> None:
+    prof = profile_from_doc(_doc(), "p.yaml")
+    # t = fwd + bwd: (1, 3e-3), (2, 4.5e-3), (4, 7.5e-3) → α = 1.5e-3, β = 1.5e-3
+    assert (prof.alpha, prof.beta) == pytest.approx((1.5e-3, 1.5e-3))
+    assert prof.forward_share == pytest.approx(5e-3 / 15e-3)
+    model = parse_job_spec(JOB).model
+    assert prof.matches(model)
+    assert not prof.matches(dataclasses.replace(model, seq_len=1024))
+
+
+@pytest.mark.parametrize("edit,field", [
+    ({"kind": "Cluster"}, "p.yaml.kind"), ({"version": 7}, "p.yaml.version"),
+    ({"device": ""}, "p.yaml.device"), ({"layer": []}, "p.yaml.layer"),
+    ({"layer": [{"microBatch": 1, "forwardS": -1, "backwardS": 1}]}, r"p.yaml.layer\[0\]"),
+    ({"model": {"hidden": 64}}, "p.yaml.model"),
+])
+def test_bad_profiles_name_the_field(edit: dict, field: str) -> None:
+    with pytest.raises(PlanningInputError, match=rf"^{field}: "):
+        profile_from_doc({**_doc(), **edit}, "p.yaml")
+
+
+def test_time_model_uses_the_profile_for_its_device_and_shape_only() -> None:
+    inv = apply_profiles(load_cluster(_cluster()), [profile_from_doc(_doc(), "p.yaml")])
+    h100 = inv.pool("h").device
+    model = parse_job_spec(JOB).model
+    assert cost.layer_compute_s(model, 2, 2, h100, "none") == pytest.approx(4.5e-3 / 2)
+    assert cost.layer_compute_s(model, 2, 1, h100, "full") == pytest.approx(
+        4.5e-3 * (1 + 1 / 3))
+    attn = 4.0 * 1024 * 512 * 1024 / (h100.flops * h100.efficiency * cost.ATTENTION_EFFICIENCY)
+    assert cost.layer_compute_s(model, 2, 1, h100, "selective") == pytest.approx(4.5e-3 + attn)
+    other = dataclasses.replace(model, hidden=2048)  # another shape: the catalog model
+    plain = dataclasses.replace(h100, profile=None)
+    assert cost.layer_compute_s(other, 2, 1, h100, "none") == cost.layer_compute_s(
+        other, 2, 1, plain, "none")
+    # the search's per-FLOP bound stays below the profile's slope
+    per_flop = 1.5e-3 / (3 * cost.layer_forward_flops(model, 512))
+    assert cost.min_seconds_per_flop(h100, model) == pytest.approx(
+        min(per_flop, 1 / (h100.flops * h100.efficiency)))
+
+
+def test_unknown_profile_device_is_refused() -> None:
+    with pytest.raises(PlanningInputError, match=r"p.yaml.device: 'Gaudi3' is not a device"):
+        apply_profiles(load_cluster(_cluster()), [profile_from_doc(_doc("Gaudi3"), "p.yaml")])
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_fast_equals_exhaustive_with_a_profile(scale: float) -> None:
+    """A profile 1000x faster than, equal to, or slower than the model: the plan changes with
+    it, the bound stays admissible, and the notes name the measured device when it is used."""
+    rows = [(b, f * scale, bw * scale) for b, f, bw in ((1, 1e-3, 2e-3), (2, 1.5e-3, 3e-3),
+                                                        (4, 2.5e-3, 5e-3))]
+    inv = apply_profiles(load_cluster(_cluster()), [profile_from_doc(_doc(rows=rows), "p")])
+    spec = parse_job_spec(JOB)
+    fast = plan_job("j", spec, inv)
+    full = plan_job("j", spec, inv, exhaustive=True)
+    assert fast.predicted.step_time_s == pytest.approx(full.predicted.step_time_s, rel=1e-9)
+    uses_h100 = any(s.device == "H100-SXM" for s in fast.stages)
+    noted = any("layer times of H100-SXM from device profiles" in n for n in fast.notes)
+    assert noted == uses_h100
+    if scale == 1e-3:
+        assert uses_h100  # the measured device is far faster: the plan must use it

@@ -1,0 +1,303 @@
+"""Time model: hand-computed values of the new time functions, the Megatron SC'21 Table 1
+fidelity targets (through bench/fidelity.py, the same code as the bench), the searched
+interleaved chunk count and ``recompute: auto`` against brute force over pinned runs, and the
+refusal message."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bench import fidelity
+from hettrain.api.spec import SpecError, parse_job_spec
+from hettrain.planning import cost
+from hettrain.planning.catalog import DeviceSpec
+from hettrain.planning.errors import PlanningError
+from hettrain.planning.inventory import load_cluster
+from hettrain.planning.planner import plan_job
+
+DEV = DeviceSpec("X", "nvidia", 100.0, 80.0, 2.0, 100.0, "nccl", 0.5)  # 100 TF, 2 TB/s, 100 GB/s
+
+
+def _model(**extra):
+    return parse_job_spec({"model": {"layers": 2, "hidden": 1024, "heads": 16, "seqLen": 512,
+                                     "vocab": 1000, **extra},
+                           "training": {"globalBatch": 8, "steps": 1}}).model
+
+
+def _cluster(pools: list[dict]) -> dict:
+    return {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "t"},
+            "datacenters": [{"name": "a"}], "pools": pools}
+
+
+def _pool(name: str, device: str, nodes: int, gpn: int) -> dict:
+    return {"name": name, "datacenter": "a", "device": device, "nodes": nodes,
+            "gpusPerNode": gpn, "nicGbps": 400}
+
+
+# ---------------------------------------------------------------- hand-computed values
+
+
+def test_layer_compute_matches_hand_computation() -> None:
+    m = _model()  # h 1024, f 4096, s 512, MHA: matmul params 4h² + 2hf = 12,582,912
+    assert cost.layer_matmul_params(m) == 12_582_912
+    # mb 2, tp 2, no recompute: 1024 tokens, 3 passes
+    gemm = 3 * 2 * 1024 * 12_582_912 / 2 / (100e12 * 0.5)  # 7.7309e-4 s
+    attn = 3 * 4 * 1024 * 512 * 1024 / 2 / (100e12 * 0.5 * cost.ATTENTION_EFFICIENCY)
+    elem = 3 * 1024 * (cost.ELEMENTWISE_BYTES_PER_HIDDEN * 1024
+                       + cost.ELEMENTWISE_BYTES_PER_FFN * 4096) / 2 / 2e12
+    kernels = 3 * cost.KERNELS_PER_PASS * cost.KERNEL_FIXED_S
+    assert cost.layer_compute_s(m, 2, 2, DEV, "none") == pytest.approx(
+        gemm + attn + elem + kernels, rel=1e-12)
+    assert gemm == pytest.approx(7.7309411328e-4, rel=1e-10)
+    # full recompute: 4 passes of everything; selective: the attention core once more
+    gemm4 = gemm * 4 / 3
+    assert cost.layer_compute_s(m, 2, 2, DEV, "full") == pytest.approx(
+        gemm4 + attn * 4 / 3 + elem * 4 / 3 + kernels * 4 / 3, rel=1e-12)
+    assert cost.layer_compute_s(m, 2, 2, DEV, "selective") == pytest.approx(
+        gemm + attn * 4 / 3 + elem + kernels, rel=1e-12)
+
+
+def test_tp_comm_hand_computation() -> None:
+    m = _model()
+    nbytes = 512 * 2 * 1024 * 2  # s·b·h·2 bytes
+    bw = 100e9 * cost.TP_BUS_EFFICIENCY
+    ring = 2 * 1 * cost.TP_LATENCY_S + 2 * (1 / 2) * nbytes / bw  # 2 ranks
+    assert cost.tp_comm_per_layer_s(m, 2, 2, DEV, 2, "none") == pytest.approx(4 * ring)
+    assert cost.tp_comm_per_layer_s(m, 2, 2, DEV, 2, "full") == pytest.approx(6 * ring)
+    assert cost.tp_comm_per_layer_s(m, 2, 1, DEV, 2, "full") == 0.0
+
+
+def test_gemm_efficiency_is_a_saturating_curve() -> None:
+    half = DEV.flops * DEV.efficiency * cost.KERNEL_FIXED_S  # 4e8 FLOPs at 100 TF, 8 us
+    assert half == pytest.approx(4e8)
+    assert cost.gemm_efficiency(DEV, half) == pytest.approx(DEV.efficiency / 2)
+    assert cost.gemm_efficiency(DEV, 1e15) == pytest.approx(DEV.efficiency, rel=1e-6)
+    effs = [cost.gemm_efficiency(DEV, x) for x in (1e6, 1e8, 1e10, 1e12)]
+    assert effs == sorted(effs)
+
+
+def test_per_kernel_overhead_makes_larger_microbatches_cheaper_per_sequence() -> None:
+    m = _model()
+    one = cost.layer_compute_s(m, 1, 1, DEV, "none")
+    four = cost.layer_compute_s(m, 4, 1, DEV, "none")
+    assert four < 4 * one
+    assert 4 * one - four == pytest.approx(3 * 3 * cost.KERNELS_PER_PASS * cost.KERNEL_FIXED_S)
+
+
+def test_head_time_hand_computation() -> None:
+    m = _model()
+    want = 3 * 2 * 512 * 1024 * 1000 / 1 / 5e13 + 3 * cost.KERNEL_FIXED_S
+    assert cost.head_time_s(m, 1, 1, DEV) == pytest.approx(want, rel=1e-12)
+
+
+def test_min_seconds_per_flop_is_a_lower_bound() -> None:
+    """The planner's root bound divides model FLOPs by peak·efficiency: every layer time
+    must be at least its FLOPs at that rate (attention efficiency ≤ 1)."""
+    assert 0 < cost.ATTENTION_EFFICIENCY <= 1
+    for preset in ("gpt3-1.3b", "llama3-70b"):
+        m = parse_job_spec({"model": {"preset": preset},
+                            "training": {"globalBatch": 8, "steps": 1}}).model
+        for mb, tp, rc in ((1, 1, "none"), (4, 8, "full"), (2, 2, "selective")):
+            flops = cost.layer_flops(m, mb * m.seq_len, rc) / tp
+            assert cost.layer_compute_s(m, mb, tp, DEV, rc) >= flops * cost.min_seconds_per_flop(
+                DEV)
+
+
+# ---------------------------------------------------------------- Megatron SC'21 Table 1
+
+
+def test_megatron_table1_targets() -> None:
+    """bench/fidelity.py's rows: median |error| ≤ 5%, max ≤ 10%, no published layout refused."""
+    rows = fidelity.evaluate(["megatron-sc21"])
+    assert len(rows) == 10 and all(r.role == "fitted" for r in rows)
+    s = fidelity.summary(rows)
+    assert s["refused"] == 0, [r.refusal for r in rows if r.refusal]
+    assert s["median_abs_error"] <= 0.05
+    assert s["max_abs_error"] <= 0.10
+    # every row ran with its published GPU count and chunk count
+    assert all("uses" not in r.layout for r in rows)
+    assert {r.name: r.layout.split()[-1] for r in rows if "interleaved" in r.layout} == {
+        "A-76b": "v=3", "A-145b": "v=2", "A-310b": "v=2", "A-530b": "v=3"}
+
+
+def test_megatron_formula_hand_value() -> None:
+    spec = parse_job_spec({"model": {"layers": 24, "hidden": 2304, "heads": 24, "seqLen": 2048,
+                                     "vocab": 51200},
+                           "training": {"globalBatch": 512, "steps": 1}})
+    b, s, ll, h, v = 512, 2048, 24, 2304, 51200
+    want = 96 * b * s * ll * h * h * (1 + s / (6 * h) + v / (16 * ll * h))
+    assert fidelity.megatron_flops_per_step(spec) == pytest.approx(want, rel=1e-12)
+    assert fidelity.predicted_metric("megatron_tflops", spec, 2.0, 32) == pytest.approx(
+        want / 2.0 / 32 / 1e12)
+
+
+# ---------------------------------------------------------------- searched options
+
+
+def _job(**over) -> dict:
+    job = {"model": {"layers": 16, "hidden": 4096, "heads": 32, "seqLen": 2048, "vocab": 32000},
+           "training": {"globalBatch": 32, "steps": 1, "recompute": "selective"},
+           "parallelism": {"schedule": "interleaved", "pp": 4, "tp": 8}}
+    for k, v in over.items():
+        job[k] = {**job[k], **v}
+    return job
+
+
+def test_interleaved_chunk_count_searched_equals_best_pinned() -> None:
+    inv = load_cluster(_cluster([_pool("h", "H100-SXM", 8, 8)]))
+    free = plan_job("j", parse_job_spec(_job()), inv)
+    pinned = {}
+    for v in (2, 3, 4):
+        plan = plan_job("j", parse_job_spec(_job(parallelism={"virtualStages": v})), inv,
+                        exhaustive=True)
+        assert plan.virtual_stages == v
+        pinned[v] = plan.predicted.step_time_s
+    assert free.predicted.step_time_s == pytest.approx(min(pinned.values()), rel=1e-9)
+    assert free.virtual_stages == min(pinned, key=lambda v: (pinned[v], v))
+    assert f"chunks={free.virtual_stages}" in free.notes[1]
+
+
+def test_virtual_stages_spec_errors() -> None:
+    with pytest.raises(SpecError, match=r"spec.parallelism.virtualStages: only the interleaved"):
+        parse_job_spec(_job(parallelism={"schedule": "1f1b", "virtualStages": 2}))
+    with pytest.raises(SpecError, match=r"spec.parallelism.virtualStages: must be >= 2"):
+        parse_job_spec(_job(parallelism={"virtualStages": 1}))
+
+
+@pytest.mark.parametrize("layers,nodes", [(16, 4), (40, 1)])
+def test_recompute_auto_is_best_pinned_mode(layers: int, nodes: int) -> None:
+    inv = load_cluster(_cluster([_pool("a", "A100-80GB", nodes, 8)]))
+    base = {"model": {"layers": layers, "hidden": 5120, "heads": 40, "seqLen": 2048,
+                      "vocab": 32000},
+            "training": {"globalBatch": 16, "steps": 1, "optimizerSharding": True}}
+    times = {}
+    for mode in ("none", "selective", "full"):
+        spec = parse_job_spec({**base, "training": {**base["training"], "recompute": mode}})
+        try:
+            times[mode] = plan_job("j", spec, inv).predicted.step_time_s
+        except PlanningError:
+            continue
+    auto = plan_job("j", parse_job_spec({**base, "training": {**base["training"],
+                                                                "recompute": "auto"}}), inv)
+    assert times, "at least one mode fits"
+    want = min(times, key=lambda k: times[k])
+    assert auto.training.recompute == want  # concrete: the runtime never sees auto
+    assert auto.predicted.step_time_s == pytest.approx(times[want], rel=1e-12)
+    assert f"recompute=auto chose {want}" in auto.notes[-1]
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_refusal_names_stage_need_capacity_and_only_helpful_options() -> None:
+    inv = load_cluster(_cluster([_pool("a", "A100-80GB", 1, 8)]))
+    spec = parse_job_spec({
+        "model": {"preset": "llama3-70b"},
+        "training": {"globalBatch": 8, "steps": 1, "recompute": "full",
+                     "optimizerSharding": True},
+        "parallelism": {"tp": 8, "pp": 1},
+    })
+    with pytest.raises(PlanningError) as err:
+        plan_job("j", spec, inv)
+    msg = err.value.message
+    assert "the weights, gradients and optimizer state alone need" in msg
+    assert "GiB usable (92% of 75 GiB)" in msg  # 80 GB = 74.5 GiB
+    assert "recompute: full" not in msg  # already on
+    assert "optimizerSharding" not in msg  # already on
+    assert "unpin spec.parallelism (tp=8, pp=1)" in msg
+    # the same job without those options on suggests them
+    spec2 = dataclasses.replace(spec, training=dataclasses.replace(
+        spec.training, recompute="selective", optimizer_sharding=False))
+    with pytest.raises(PlanningError) as err2:
+        plan_job("j", spec2, inv)
+    # the state alone does not fit: recompute would not help, ZeRO-1 would
+    assert "recompute" not in err2.value.message
+    assert "set spec.training.optimizerSharding: true" in err2.value.message
+
+
+def test_refusal_names_the_limiting_stage_when_activations_do_not_fit() -> None:
+    inv = load_cluster(_cluster([_pool("a", "A100-80GB", 1, 8)]))
+    spec = parse_job_spec({
+        "model": {"preset": "gpt3-1.3b"},
+        "training": {"globalBatch": 16, "steps": 1, "recompute": "none", "microBatch": 16},
+        "parallelism": {"tp": 1, "pp": 1, "dp": 1},
+    })
+    with pytest.raises(PlanningError) as err:
+        plan_job("j", spec, inv)
+    msg = err.value.message
+    assert "stage" in msg and "(A100-80GB, tp=1, dp=1, microBatch 16" in msg
+    assert "GiB per device for 24 layers; it has 68.5 GiB usable (92% of 75 GiB)" in msg
+    assert "set spec.training.recompute: full (now none)" in msg
+    assert "lower spec.training.microBatch (now 16)" in msg
+    assert "optimizerSharding" not in msg  # on by default
+    assert "maxGPUs" not in msg and "spec.placement" not in msg  # nothing restricts them
+
+
+def test_cross_dc_auto_is_best_of_sync_and_compress() -> None:
+    pools = [{**_pool("a", "H100-SXM", 1, 8), "datacenter": "a"},
+             {**_pool("b", "H100-SXM", 1, 8), "datacenter": "b"}]
+    cluster = {**_cluster(pools), "datacenters": [{"name": "a"}, {"name": "b"}],
+               "links": [{"between": ["a", "b"], "bandwidthGbps": 10, "latencyMs": 20}]}
+    inv = load_cluster(cluster)
+    base = {"model": {"preset": "gpt3-1.3b"}, "training": {"globalBatch": 64, "steps": 1},
+            "parallelism": {"dp": 2, "tp": 8, "pp": 1}}  # DP across the slow link
+    times = {mode: plan_job("j", parse_job_spec({**base, "crossDC": {"mode": mode}}), inv)
+             for mode in ("sync", "compress")}
+    auto = plan_job("j", parse_job_spec({**base, "crossDC": {"mode": "auto"}}), inv)
+    want = min(times, key=lambda k: (times[k].predicted.step_time_s, k != "sync"))
+    assert want == "compress"  # bf16 halves the bytes on the 10 Gbps link
+    assert auto.cross_dc["mode"] == want  # concrete: the runtime never sees auto
+    assert auto.predicted.step_time_s == times[want].predicted.step_time_s
+    assert f"crossDC.mode=auto chose {want}" in auto.notes[-1]
+    # compression none leaves only sync
+    none = plan_job("j", parse_job_spec({**base, "crossDC": {"mode": "auto",
+                                                             "compression": "none"}}), inv)
+    assert none.cross_dc["mode"] == "sync"
+    assert none.predicted.step_time_s == times["sync"].predicted.step_time_s
+
+
+@pytest.mark.parametrize("precision,factor", [("bf16", 1.25), ("fp32", 1.5)])
+def test_dp_sync_charges_the_runtimes_zero1_all_reduce_and_all_gather(precision: str,
+                                                                      factor: float) -> None:
+    """runtime/optim.py: ZeRO-1 all-reduces the fp32 main grads, then all-gathers the params
+    at the training precision (eb bytes vs the all-reduce's 2·4): 1 + eb/8 all-reduces."""
+    from hettrain.planning import planner as P
+    from hettrain.planning.units import build_units
+
+    inv = load_cluster(_cluster([_pool("a", "A100-80GB", 2, 8)]))
+    unit = build_units(inv.pools, merged=False)[0]
+    per = {}
+    for sharding in (False, True):
+        spec = parse_job_spec({"model": {"preset": "gpt3-1.3b"},
+                               "training": {"globalBatch": 16, "steps": 1,
+                                            "precision": precision,
+                                            "optimizerSharding": sharding}})
+        per[sharding] = P._dp_time_per_byte(unit, 4, 4, inv, spec)[1]
+    nic = unit.nic_gbytes_per_gpu * 1e9  # dp·tp = 16 GPUs span 2 nodes: the NIC
+    assert per[False] == pytest.approx(2 * 3 / 4 / nic)
+    assert per[True] == pytest.approx(factor * per[False])
+
+
+def test_prediction_reports_the_bottleneck_stages_tp_comm() -> None:
+    inv = load_cluster(_cluster([_pool("h", "H100-SXM", 2, 8)]))
+    plan = plan_job("j", parse_job_spec(_job(parallelism={"schedule": "1f1b", "pp": 2,
+                                                          "tp": 8})), inv)
+    slow = max(plan.stages, key=lambda st: st.time_ms)
+    per_layer = cost.tp_comm_per_layer_s(plan.model, plan.micro_batch, 8,
+                                         load_cluster(_cluster([_pool("h", "H100-SXM", 1, 8)]))
+                                         .pools[0].device, 2, "selective")
+    want = plan.num_microbatches * (slow.layer_end - slow.layer_start) * per_layer
+    assert plan.predicted.tp_comm_s == pytest.approx(want, rel=1e-12)
+    assert 0 < plan.predicted.tp_comm_s < plan.predicted.compute_s
+
+
+def test_palm_formula_hand_value() -> None:
+    spec = parse_job_spec({"model": {"layers": 2, "hidden": 64, "heads": 4, "seqLen": 16,
+                                     "vocab": 100},
+                           "training": {"globalBatch": 2, "steps": 1}})
+    # params: 2·(4·64² + 2·64·256 + 2·64) + 2·100·64 + 64 = 111,424
+    assert spec.model.parameters() == 111_424
+    per_token = 6 * 111_424 + 12 * 2 * 4 * 16 * 16  # 6N + 12·L·H·Q·T
+    assert fidelity.palm_flops_per_step(spec) == per_token * 2 * 16 == 22_179_840
