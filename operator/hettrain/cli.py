@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import yaml
-
 from hettrain.api.spec import JobSpec, SpecError, parse_job_manifest
+from hettrain.api.yamlsafe import YamlInputError, read_yaml_documents
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -56,24 +55,15 @@ def _one_line(text: str) -> str:
 
 
 def load_yaml_documents(path: str) -> list[Any]:
-    """All YAML documents of ``path`` (``-`` is stdin), empty documents dropped."""
+    """All YAML documents of ``path`` (``-`` is stdin), empty documents dropped.
+
+    Read through :mod:`hettrain.api.yamlsafe`: size, nesting and alias expansion are bounded,
+    non-UTF-8 and malformed files give one line naming the place.
+    """
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text()
-    except FileNotFoundError:
-        raise CliError(f"{path}: no such file; check the path") from None
-    except IsADirectoryError:
-        raise CliError(f"{path}: is a directory; give a YAML file") from None
-    except OSError as exc:
-        raise CliError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        docs = list(yaml.safe_load_all(text))
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
-        raise CliError(f"{where}: invalid YAML: {_one_line(exc.problem or str(exc))}") from None
-    except yaml.YAMLError as exc:
-        raise CliError(f"{path}: invalid YAML: {_one_line(str(exc))}") from None
-    return [d for d in docs if d is not None]
+        return read_yaml_documents(path)
+    except YamlInputError as exc:
+        raise CliError(_one_line(str(exc))) from None
 
 
 def _parse_job_doc(doc: Any) -> tuple[str, JobSpec]:
