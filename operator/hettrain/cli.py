@@ -228,11 +228,20 @@ def _chosen_command(argv: Sequence[str]) -> str | None:
 # ---------------------------------------------------------------- parser
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr (exit 2), like every
+    other bad-input error of the CLI; subcommand parsers inherit it."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Raise :class:`CliError` ``PROG: MESSAGE; see PROG --help`` (:func:`main`: exit 2)."""
+        raise CliError(f"{self.prog}: {_one_line(message)}; see {self.prog} --help")
+
+
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The argument parser; the hooked module of the subcommand named in ``argv`` is loaded."""
     from hettrain import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="hettrain",
         description="Plan and check LLM training jobs across heterogeneous, multi-vendor, "
                     "multi-datacenter GPU pools, offline.",
@@ -291,11 +300,11 @@ def main(argv: Sequence[str] | None = None, out: IO[str] | None = None) -> int:
     """Entry point of the ``hettrain`` script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     out = out or sys.stdout
-    parser = build_parser(argv)
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args.func, "ignores_arguments", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        parser = build_parser(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown and not getattr(args.func, "ignores_arguments", False):
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         return args.func(args, out)
     except CliError as exc:
         print(f"error: {exc}", file=sys.stderr)
