@@ -30,6 +30,7 @@ SPEC_MAXIMUMS: dict[str, int | float] = {
     "spec.parallelism.dp": 2**24,
     "spec.crossDC.outerSteps": 10**6,
     "spec.crossDC.outerLearningRate": 10.0,
+    "spec.crossDC.outerMomentum": 1.0,  # exclusive in the CRD and the parser
     "spec.checkpoint.intervalSteps": 10**9,
     "spec.failurePolicy.maxRepairs": 10**4,
     "spec.failurePolicy.minGPUs": 10**7,
