@@ -173,10 +173,91 @@ class _Candidates:
         return out
 
 
+SCAN_CANDIDATES = 4096  # up to this many bottleneck candidates a plain scan is fastest
+
+
 def split_layers(stages: Sequence[StageCost], total: int, m: float, boundary: float = 0.0,
                  lo: int = 1, bound: float = math.inf) -> tuple[float, list[int]] | None:
     """Optimal split of ``total`` layers; None when memory cannot hold them, or when no split
     beats ``bound`` (an incumbent from elsewhere in a search).
+
+    Two exact methods: a scan over every candidate bottleneck value (:func:`_split_layers_scan`,
+    fastest for real layer counts) and, above ``SCAN_CANDIDATES`` candidates, a bisection over
+    them whose cost does not grow with ``total`` (:func:`_split_layers_kinds`).
+    """
+    k = len(stages)
+    hard = [min(s.max_layers, total - lo * (k - 1)) for s in stages]
+    if any(h < lo for h in hard) or sum(hard) < total:
+        return None
+    distinct = {(s.a, s.b, s.c, s.e, h) for s, h in zip(stages, hard, strict=True)}
+    if sum(h - lo + 1 for *_, h in distinct) <= SCAN_CANDIDATES:
+        return _split_layers_scan(stages, total, m, boundary, lo, bound)
+    return _split_layers_kinds(stages, total, m, boundary, lo, bound)
+
+
+def _split_layers_scan(stages: Sequence[StageCost], total: int, m: float, boundary: float,
+                       lo: int, bound: float) -> tuple[float, list[int]] | None:
+    """:func:`split_layers` by a scan over every candidate bottleneck (fastest when there are
+    few: real layer counts)."""
+    k = len(stages)
+    hard = [min(s.max_layers, total - lo * (k - 1)) for s in stages]
+    if any(h < lo for h in hard) or sum(hard) < total:
+        return None
+    order = sorted(range(k), key=lambda i: (stages[i].a, i))
+    base = _greedy(stages, hard, total, lo, order)
+    assert base is not None
+    sigma_min = sum(s.time(n) for s, n in zip(stages, base, strict=True))
+    d_min = max(s.dp(lo) for s in stages)
+    # identical stages (same unit, same position class) contribute the same candidate values
+    distinct = {(s.a, s.b, s.c, s.e, h) for s, h in zip(stages, hard, strict=True)}
+    c_values = sorted({a * n + b for a, b, _, _, h in distinct for n in range(lo, h + 1)})
+    d_values = sorted({c * n + e for _, _, c, e, h in distinct for n in range(lo, h + 1)})
+    best: tuple[float, list[int]] | None = None
+    incumbent = bound
+
+    def caps_for(cap_c: float) -> list[int]:
+        return [_cap(s.a, s.b, cap_c, h) for s, h in zip(stages, hard, strict=True)]
+
+    def feasible(caps: list[int]) -> bool:
+        return sum(caps) >= total and min(caps) >= lo
+
+    # Feasibility is monotone in the cap: bisect to the smallest feasible bottleneck.
+    first = bisect.bisect_left(range(len(c_values)), True,
+                               key=lambda j: feasible(caps_for(c_values[j])))
+    for cap_c in c_values[first:]:
+        lower = (m - 1) * max(cap_c, boundary) + sigma_min + d_min
+        if lower >= incumbent - 1e-15:
+            break
+        caps_c = caps_for(cap_c)
+        if not feasible(caps_c):
+            continue
+        # every split with max t ≤ cap_c has Σt at least the greedy fill under these caps
+        fill = _greedy(stages, caps_c, total, lo, order)
+        if fill is not None and (m - 1) * max(cap_c, boundary) + d_min + sum(
+                s.time(n) for s, n in zip(stages, fill, strict=True)) >= incumbent - 1e-15:
+            continue
+
+        def caps_cd(cap_d: float, caps_c: list[int] = caps_c) -> list[int]:
+            return [min(cc, _cap(s.c, s.e, cap_d, cc)) for s, cc in zip(stages, caps_c,
+                                                                        strict=True)]
+
+        first_d = bisect.bisect_left(range(len(d_values)), True,
+                                     key=lambda j: feasible(caps_cd(d_values[j])))
+        for cap_d in d_values[first_d:]:
+            if (m - 1) * max(cap_c, boundary) + sigma_min + cap_d >= incumbent - 1e-15:
+                break
+            split = _greedy(stages, caps_cd(cap_d), total, lo, order)
+            if split is None:
+                continue
+            t = step_time(stages, split, m, boundary)
+            if t < incumbent - 1e-15:
+                best, incumbent = (t, split), t
+    return best
+
+
+def _split_layers_kinds(stages: Sequence[StageCost], total: int, m: float, boundary: float,
+                        lo: int, bound: float) -> tuple[float, list[int]] | None:
+    """:func:`split_layers` with work independent of ``total``.
 
     Identical stages are handled as one kind with a multiplicity (for a fixed number of layers
     on a kind, spreading them evenly over its stages minimises both its ``max t`` and its
