@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import yaml
-
 from hettrain.api.spec import JobSpec, SpecError, parse_job_manifest
+from hettrain.api.yamlsafe import YamlInputError, read_yaml_documents
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -60,24 +59,15 @@ def _one_line(text: str) -> str:
 
 
 def load_yaml_documents(path: str) -> list[Any]:
-    """All YAML documents of ``path`` (``-`` is stdin), empty documents dropped."""
+    """All YAML documents of ``path`` (``-`` is stdin), empty documents dropped.
+
+    Read through :mod:`hettrain.api.yamlsafe`: size, nesting and alias expansion are bounded,
+    non-UTF-8 and malformed files give one line naming the place.
+    """
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text()
-    except FileNotFoundError:
-        raise CliError(f"{path}: no such file; check the path") from None
-    except IsADirectoryError:
-        raise CliError(f"{path}: is a directory; give a YAML file") from None
-    except OSError as exc:
-        raise CliError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        docs = list(yaml.safe_load_all(text))
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
-        raise CliError(f"{where}: invalid YAML: {_one_line(exc.problem or str(exc))}") from None
-    except yaml.YAMLError as exc:
-        raise CliError(f"{path}: invalid YAML: {_one_line(str(exc))}") from None
-    return [d for d in docs if d is not None]
+        return read_yaml_documents(path)
+    except YamlInputError as exc:
+        raise CliError(_one_line(str(exc))) from None
 
 
 def _parse_job_doc(doc: Any) -> tuple[str, JobSpec]:
@@ -257,11 +247,20 @@ def _chosen_command(argv: Sequence[str]) -> str | None:
 # ---------------------------------------------------------------- parser
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr (exit 2), like every
+    other bad-input error of the CLI; subcommand parsers inherit it."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Raise :class:`CliError` ``PROG: MESSAGE; see PROG --help`` (:func:`main`: exit 2)."""
+        raise CliError(f"{self.prog}: {_one_line(message)}; see {self.prog} --help")
+
+
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The argument parser; the hooked module of the subcommand named in ``argv`` is loaded."""
     from hettrain import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="hettrain",
         description="Plan and check LLM training jobs across heterogeneous, multi-vendor, "
                     "multi-datacenter GPU pools, offline.",
@@ -323,11 +322,11 @@ def main(argv: Sequence[str] | None = None, out: IO[str] | None = None) -> int:
     """Entry point of the ``hettrain`` script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     out = out or sys.stdout
-    parser = build_parser(argv)
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args.func, "ignores_arguments", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        parser = build_parser(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown and not getattr(args.func, "ignores_arguments", False):
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         return args.func(args, out)
     except CliError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -15,7 +15,9 @@ from hettrain.planning.planner import plan_job
 
 
 def _cluster(pools: list[dict], links: list[dict] | None = None) -> dict:
-    dcs = sorted({p["datacenter"] for p in pools})
+    # a link may join a datacenter without pools, but only one the cluster lists
+    dcs = sorted({p["datacenter"] for p in pools}
+                 | {d for lk in links or [] for d in lk["between"]})
     return {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
             "metadata": {"name": "t"}, "datacenters": [{"name": d} for d in dcs],
             "links": links or [], "pools": pools}

@@ -9,11 +9,13 @@ parser is the second line for the offline CLI and for rules a schema cannot expr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hettrain.api.constants import VENDORS
+from hettrain.api.limits import SPEC_MAX_LENGTHS, SPEC_MAXIMUMS
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -201,6 +203,27 @@ class JobSpec:
 # ---------------------------------------------------------------- field readers
 
 
+def _short(value: Any) -> str:
+    """``repr`` of a value, cut to one short line (hostile input can be huge)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_maximum(where: str, value: float) -> None:
+    """Refuse a value above :data:`hettrain.api.limits.SPEC_MAXIMUMS` for ``where``."""
+    limit = SPEC_MAXIMUMS.get(where)
+    if limit is not None and value > limit:
+        raise SpecError(where, f"must be <= {limit} (got {_short(value)}); this bound keeps "
+                               "planning and training arithmetic finite")
+
+
+def _check_length(key: str, value: str, where: str | None = None) -> None:
+    """Refuse a string longer than :data:`hettrain.api.limits.SPEC_MAX_LENGTHS` for ``key``."""
+    limit = SPEC_MAX_LENGTHS.get(key)
+    if limit is not None and len(value) > limit:
+        raise SpecError(where or key, f"must be at most {limit} characters (got {len(value)})")
+
+
 class _Fields:
     """Reads one mapping, remembering its path so every error names the exact field."""
 
@@ -226,11 +249,14 @@ class _Fields:
                 raise SpecError(where, f"is required{'; ' + fix if fix else ''}")
             return default
         if isinstance(value, bool) or not isinstance(value, int):
-            raise SpecError(where, f"must be an integer (got {value!r}){'; ' + fix if fix else ''}")
+            raise SpecError(where,
+                            f"must be an integer (got {_short(value)}){'; ' + fix if fix else ''}")
         if value < minimum:
             raise SpecError(
-                where, f"must be an integer >= {minimum} (got {value}){'; ' + fix if fix else ''}"
+                where,
+                f"must be an integer >= {minimum} (got {_short(value)}){'; ' + fix if fix else ''}"
             )
+        _check_maximum(where, value)
         return value
 
     def float_(self, key: str, default: float, minimum: float = 0.0) -> float:
@@ -239,9 +265,13 @@ class _Fields:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise SpecError(where, f"must be a number (got {value!r})")
+            raise SpecError(where, f"must be a number (got {_short(value)})")
+        finite = math.isfinite(value) if isinstance(value, float) else abs(value) <= 1e300
+        if not finite:
+            raise SpecError(where, f"must be a finite number (got {_short(value)})")
         if value < minimum:
-            raise SpecError(where, f"must be >= {minimum} (got {value})")
+            raise SpecError(where, f"must be >= {minimum} (got {_short(value)})")
+        _check_maximum(where, value)
         return float(value)
 
     def str_(self, key: str, default: str | None = None, choices: tuple[str, ...] = (),
@@ -253,9 +283,10 @@ class _Fields:
                 raise SpecError(where, "is required")
             return default
         if not isinstance(value, str) or not value:
-            raise SpecError(where, f"must be a non-empty string (got {value!r})")
+            raise SpecError(where, f"must be a non-empty string (got {_short(value)})")
         if choices and value not in choices:
-            raise SpecError(where, f"must be one of {', '.join(choices)} (got {value!r})")
+            raise SpecError(where, f"must be one of {', '.join(choices)} (got {_short(value)})")
+        _check_length(where, value)
         return value
 
     def bool_(self, key: str, default: bool) -> bool:
@@ -263,7 +294,7 @@ class _Fields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise SpecError(f"{self.path}.{key}", f"must be true or false (got {value!r})")
+            raise SpecError(f"{self.path}.{key}", f"must be true or false (got {_short(value)})")
         return value
 
     def str_list(self, key: str, choices: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -272,10 +303,12 @@ class _Fields:
         if value is None:
             return ()
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            raise SpecError(where, f"must be a list of non-empty strings (got {value!r})")
+            raise SpecError(where, f"must be a list of non-empty strings (got {_short(value)})")
         for i, v in enumerate(value):
             if choices and v not in choices:
-                raise SpecError(f"{where}[{i}]", f"must be one of {', '.join(choices)} (got {v!r})")
+                raise SpecError(f"{where}[{i}]",
+                                f"must be one of {', '.join(choices)} (got {_short(v)})")
+            _check_length(f"{where}[]", v, f"{where}[{i}]")
         return tuple(value)
 
     def str_map(self, key: str) -> dict[str, str]:
@@ -286,6 +319,8 @@ class _Fields:
             isinstance(k, str) and isinstance(v, str) for k, v in value.items()
         ):
             raise SpecError(f"{self.path}.{key}", "must be a mapping of strings to strings")
+        for k, v in value.items():
+            _check_length(f"{self.path}.{key}{{}}", v, f"{self.path}.{key}.{k}")
         return dict(value)
 
     def sub(self, key: str) -> _Fields:
@@ -293,7 +328,7 @@ class _Fields:
 
     def reject_unknown(self) -> None:
         """Unknown keys are typos; say which one and what is allowed."""
-        unknown = sorted(set(self.data) - self.used)
+        unknown = sorted(str(k)[:60] for k in self.data if k not in self.used)
         if unknown:
             allowed = ", ".join(sorted(self.used))
             raise SpecError(f"{self.path}.{unknown[0]}", f"unknown field; allowed: {allowed}")
@@ -511,11 +546,18 @@ def parse_job_manifest(doc: Mapping[str, Any]) -> tuple[str, JobSpec]:
     """Parse a whole HetTrainingJob manifest (as in ``examples/jobs/*.yaml``) → (name, spec)."""
     from hettrain.api.constants import API_VERSION, KIND
 
+    if not isinstance(doc, Mapping):
+        raise SpecError("(document)", f"must be a mapping with kind: {KIND} "
+                                      f"(got {type(doc).__name__})")
     if doc.get("kind") != KIND:
-        raise SpecError("kind", f"must be {KIND} (got {doc.get('kind')!r})")
+        raise SpecError("kind", f"must be {KIND} (got {_short(doc.get('kind'))})")
     if doc.get("apiVersion") != API_VERSION:
-        raise SpecError("apiVersion", f"must be {API_VERSION} (got {doc.get('apiVersion')!r})")
-    name = (doc.get("metadata") or {}).get("name")
+        raise SpecError("apiVersion",
+                        f"must be {API_VERSION} (got {_short(doc.get('apiVersion'))})")
+    metadata = doc.get("metadata")
+    if not isinstance(metadata, Mapping):
+        raise SpecError("metadata", f"must be a mapping with a name (got {_short(metadata)})")
+    name = metadata.get("name")
     if not isinstance(name, str) or not name:
-        raise SpecError("metadata.name", "is required")
+        raise SpecError("metadata.name", f"must be a non-empty string (got {_short(name)})")
     return name, parse_job_spec(doc.get("spec"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from hettrain.argtypes import float_in, int_in
 from hettrain.demo.flow import CLUSTER_YAML, JOB_YAML, NAMESPACE
 
 
@@ -20,13 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "two datacenters, run the operator, apply the demo job, show its plan, train the "
         "planned ranks as local CPU processes, fail a node, show the repair and the resumed "
         "training, print the metrics, and tear everything down. Ctrl-C stops it cleanly.")
-    parser.add_argument("--steps", type=int, default=40,
+    parser.add_argument("--steps", type=int_in(2, 10**6), default=40,
                         help="training steps of the job (default 40)")
-    parser.add_argument("--fail-at", type=int, default=None, metavar="STEP",
+    parser.add_argument("--fail-at", type=int_in(1, 10**6), default=None, metavar="STEP",
                         help="fail a node after this many steps (default steps/2 + 2)")
-    parser.add_argument("--checkpoint-interval", type=int, default=5, metavar="N",
+    parser.add_argument("--checkpoint-interval", type=int_in(1, 10**6), default=5, metavar="N",
                         help="checkpoint every N steps (default 5)")
-    parser.add_argument("--step-sleep", type=float, default=0.0, metavar="S",
+    parser.add_argument("--step-sleep", type=float_in(0, 3600), default=0.0, metavar="S",
                         help="sleep S seconds per training step, to watch it slowly")
     parser.add_argument("--no-train", action="store_true",
                         help="skip the local training (plan, failure and repair only)")
@@ -42,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", default=JOB_YAML, metavar="JOB.yaml",
                         help=f"the job to apply, relative to the repo (default {JOB_YAML})")
     parser.add_argument("--namespace", default=NAMESPACE, help=f"default {NAMESPACE}")
-    parser.add_argument("--train-timeout", type=float, default=300.0, metavar="S",
+    parser.add_argument("--train-timeout", type=float_in(0, 86400, lo_open=True), default=300.0,
+                        metavar="S",
                         help="give up when training makes no progress for S seconds")
     parser.add_argument("--repo", metavar="PATH",
                         help="the hettrain checkout (default: the installed source tree)")

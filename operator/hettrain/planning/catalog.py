@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hettrain.api.constants import VENDORS
+from hettrain.planning import fields
 from hettrain.planning.errors import PlanningInputError
 
 
@@ -82,30 +84,43 @@ CATALOG: dict[str, DeviceSpec] = {
 _REQUIRED = ("vendor", "bf16Tflops", "hbmGiB", "hbmTBps", "intraNodeGBps", "backend")
 
 
+BACKENDS = ("nccl", "hccl", "gloo")
+DEVICE_VENDORS = (*VENDORS, "cpu")
+
+
 def device_from_yaml(doc: Mapping[str, Any], where: str) -> DeviceSpec:
-    """A user-declared device from a cluster YAML ``devices:`` entry (camelCase)."""
-    name = doc.get("name")
-    if not isinstance(name, str) or not name:
-        raise PlanningInputError(f"{where}.name", "is required (the device model name)")
+    """A user-declared device from a cluster YAML ``devices:`` entry (camelCase).
+
+    Every number must be finite and positive (efficiency in (0, 1]): a zero TFLOP/s or
+    bandwidth would divide by zero in the cost model, an efficiency above 1 would predict an
+    MFU above 100%.
+    """
+    name = fields.name(doc.get("name"), f"{where}.name")
     missing = [k for k in _REQUIRED if k not in doc]
     if missing:
         raise PlanningInputError(
             f"{where}.{missing[0]}", f"is required for device {name!r}; give {', '.join(_REQUIRED)}"
         )
-    try:
-        return DeviceSpec(
-            name=name,
-            vendor=str(doc["vendor"]),
-            bf16_tflops=float(doc["bf16Tflops"]),
-            hbm_gib=float(doc["hbmGiB"]),
-            hbm_tbps=float(doc["hbmTBps"]),
-            intra_node_gbps=float(doc["intraNodeGBps"]),
-            backend=str(doc["backend"]),
-            efficiency=float(doc.get("efficiency", 0.45)),
-            pcie_gbps=float(doc.get("pcieGBps", 25.0)),
-        )
-    except (TypeError, ValueError) as exc:
-        raise PlanningInputError(where, f"device {name!r} has a non-numeric spec: {exc}") from exc
+    known = {*_REQUIRED, "name", "efficiency", "pcieGBps"}
+    unknown = sorted(str(k) for k in doc if k not in known)
+    if unknown:
+        raise PlanningInputError(f"{where}.{unknown[0]}",
+                                 f"unknown field; allowed: {', '.join(sorted(known))}")
+    return DeviceSpec(
+        name=name,
+        vendor=fields.choice(doc["vendor"], f"{where}.vendor", DEVICE_VENDORS),
+        bf16_tflops=fields.number(doc["bf16Tflops"], f"{where}.bf16Tflops", fields.TFLOPS,
+                                  "TFLOP/s"),
+        hbm_gib=fields.number(doc["hbmGiB"], f"{where}.hbmGiB", fields.HBM_GIB, "GiB"),
+        hbm_tbps=fields.number(doc["hbmTBps"], f"{where}.hbmTBps", fields.HBM_TBPS, "TB/s"),
+        intra_node_gbps=fields.number(doc["intraNodeGBps"], f"{where}.intraNodeGBps",
+                                      fields.INTRA_NODE_GBPS, "GB/s"),
+        backend=fields.choice(doc["backend"], f"{where}.backend", BACKENDS),
+        efficiency=fields.number(doc.get("efficiency", 0.45), f"{where}.efficiency",
+                                 fields.EFFICIENCY),
+        pcie_gbps=fields.number(doc.get("pcieGBps", 25.0), f"{where}.pcieGBps",
+                                fields.PCIE_GBPS, "GB/s"),
+    )
 
 
 def resolve_device(name: str, devices: Mapping[str, DeviceSpec], where: str) -> DeviceSpec:

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hettrain.api import constants as c
+from hettrain.api.yamlsafe import YamlInputError, read_yaml_document
+from hettrain.planning import fields
 from hettrain.planning.catalog import DeviceSpec, device_from_yaml, resolve_device
 from hettrain.planning.errors import PlanningInputError
 
@@ -120,26 +120,43 @@ class ClusterInventory:
 # ---------------------------------------------------------------- cluster YAML
 
 
-def _links_from(docs: Any, where: str) -> tuple[Link, ...]:
+def _links_from(docs: Any, where: str, dcs: set[str] | None = None) -> tuple[Link, ...]:
+    """``links:`` entries, checked; with ``dcs`` both ends must be known datacenters."""
     links = []
-    for i, d in enumerate(docs or []):
-        between = d.get("between") if isinstance(d, Mapping) else None
+    seen: set[frozenset[str]] = set()
+    for i, d in enumerate(fields.sequence(docs, where, fields.MAX_DATACENTERS ** 2)):
+        at = f"{where}[{i}]"
+        d = fields.mapping(d, at)
+        between = d.get("between")
         if not isinstance(between, list) or len(between) != 2:
-            raise PlanningInputError(f"{where}[{i}].between", "must list exactly two datacenters")
-        try:
-            links.append(
-                Link(str(between[0]), str(between[1]), float(d["bandwidthGbps"]),
-                     float(d.get("latencyMs", 1.0)))
-            )
-        except KeyError as exc:
-            raise PlanningInputError(f"{where}[{i}].{exc.args[0]}", "is required") from exc
+            raise PlanningInputError(f"{at}.between", "must list exactly two datacenters")
+        a, b = (fields.name(x, f"{at}.between[{j}]") for j, x in enumerate(between))
+        for j, dc in enumerate((a, b)):
+            if dcs is not None and dc not in dcs:
+                raise PlanningInputError(
+                    f"{at}.between[{j}]", f"{dc!r} is not a datacenter of this cluster "
+                    f"({', '.join(sorted(dcs)) or 'none'}); fix the name or add it under "
+                    "datacenters:")
+        if a == b:
+            raise PlanningInputError(f"{at}.between", f"names {a!r} twice; a link joins two "
+                                                      "different datacenters")
+        if frozenset((a, b)) in seen:
+            raise PlanningInputError(f"{at}.between", f"duplicate link {a} <-> {b}")
+        seen.add(frozenset((a, b)))
+        if "bandwidthGbps" not in d:
+            raise PlanningInputError(f"{at}.bandwidthGbps", "is required")
+        links.append(Link(
+            a, b, fields.number(d["bandwidthGbps"], f"{at}.bandwidthGbps", fields.LINK_GBPS,
+                                "Gbps"),
+            fields.number(d.get("latencyMs", 1.0), f"{at}.latencyMs", fields.LATENCY_MS, "ms"),
+        ))
     return tuple(links)
 
 
 def _devices_from(docs: Any, where: str) -> dict[str, DeviceSpec]:
     out: dict[str, DeviceSpec] = {}
-    for i, d in enumerate(docs or []):
-        dev = device_from_yaml(d, f"{where}[{i}]")
+    for i, d in enumerate(fields.sequence(docs, where, fields.MAX_DEVICES)):
+        dev = device_from_yaml(fields.mapping(d, f"{where}[{i}]"), f"{where}[{i}]")
         out[dev.name] = dev
     return out
 
@@ -150,18 +167,18 @@ def node_name(pool: str, index: int) -> str:
 
 
 def _read_cluster_doc(source: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
-    """A cluster YAML document (path or already-parsed dict), checked for ``kind: Cluster``."""
+    """A cluster YAML document (path or already-parsed dict), checked for ``kind: Cluster``.
+
+    Files are read with :func:`hettrain.api.yamlsafe.read_yaml_document` (bounded size,
+    nesting and alias expansion; UTF-8 only).
+    """
     if isinstance(source, Mapping):
         doc: Any = source
     else:
-        path = Path(source)
         try:
-            doc = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            msg = f"cannot read cluster file: {exc.strerror}"
-            raise PlanningInputError(str(path), msg) from exc
-        except yaml.YAMLError as exc:
-            raise PlanningInputError(str(path), f"is not valid YAML: {exc}") from exc
+            doc = read_yaml_document(source)
+        except YamlInputError as exc:
+            raise PlanningInputError(exc.where, exc.message) from None
     if not isinstance(doc, Mapping) or doc.get("kind") != c.CLUSTER_KIND:
         raise PlanningInputError("kind", f"a cluster file must have kind: {c.CLUSTER_KIND}")
     return doc
@@ -179,52 +196,85 @@ def load_topology(
     if doc.get("pools"):
         inv = load_cluster(doc)
         return tuple(inv.links), dict(inv.devices)
-    return _links_from(doc.get("links"), "links"), _devices_from(doc.get("devices"), "devices")
+    dcs = _datacenters_from(doc.get("datacenters"), "datacenters")
+    return (_links_from(doc.get("links"), "links", dcs or None),
+            _devices_from(doc.get("devices"), "devices"))
+
+
+def _datacenters_from(docs: Any, where: str) -> set[str]:
+    """Names under ``datacenters:`` (empty when the section is absent)."""
+    names: set[str] = set()
+    for i, d in enumerate(fields.sequence(docs, where, fields.MAX_DATACENTERS)):
+        d = fields.mapping(d, f"{where}[{i}]")
+        dc = fields.name(d.get("name"), f"{where}[{i}].name")
+        if dc in names:
+            raise PlanningInputError(f"{where}[{i}].name", f"duplicate datacenter {dc!r}")
+        names.add(dc)
+    return names
+
+
+def _pool_from(p: Any, where: str, dcs: set[str], devices: Mapping[str, DeviceSpec]) -> Pool:
+    """One ``pools:`` entry, every field checked."""
+    p = fields.mapping(p, where)
+    for key in ("name", "datacenter", "device", "nodes", "gpusPerNode"):
+        if key not in p:
+            raise PlanningInputError(f"{where}.{key}", "is required")
+    name = fields.name(p["name"], f"{where}.name", dns=True)
+    dc = fields.name(p["datacenter"], f"{where}.datacenter")
+    if dcs and dc not in dcs:
+        raise PlanningInputError(f"{where}.datacenter", f"{dc!r} is not listed under datacenters:")
+    device = resolve_device(fields.name(p["device"], f"{where}.device"), devices,
+                            f"{where}.device")
+    if "vendor" in p and p["vendor"] != device.vendor:
+        raise PlanningInputError(
+            f"{where}.vendor",
+            f"{p['vendor']!r} contradicts device {device.name} (vendor {device.vendor})",
+        )
+    n = fields.integer(p["nodes"], f"{where}.nodes", 1, fields.MAX_POOL_NODES)
+    g = fields.integer(p["gpusPerNode"], f"{where}.gpusPerNode", 1, fields.MAX_GPUS_PER_NODE)
+    zone = p.get("zone", "")
+    if zone != "":
+        zone = fields.name(zone, f"{where}.zone")
+    nic = fields.number(p.get("nicGbps", DEFAULT_NIC_GBPS), f"{where}.nicGbps", fields.NIC_GBPS,
+                        "Gbps")
+    return Pool(name=name, device=device, datacenter=dc, zone=zone,
+                nodes=tuple(node_name(name, k) for k in range(n)), gpus_per_node=g,
+                nic_gbps=nic)
 
 
 def load_cluster(source: str | Path | Mapping[str, Any]) -> ClusterInventory:
-    """Read a cluster YAML (path or already-parsed dict) into a :class:`ClusterInventory`."""
+    """Read a cluster YAML (path or already-parsed dict) into a :class:`ClusterInventory`.
+
+    Every field is checked (:mod:`hettrain.planning.fields`): types, finite positive
+    bandwidths and speeds, efficiency in (0, 1], links between known datacenters, sizes
+    bounded. Raises :class:`PlanningInputError` naming the field.
+    """
     doc = _read_cluster_doc(source)
     devices = _devices_from(doc.get("devices"), "devices")
-    dcs = {d["name"] for d in doc.get("datacenters") or [] if isinstance(d, Mapping)}
+    dcs = _datacenters_from(doc.get("datacenters"), "datacenters")
     pools = []
     seen: set[str] = set()
-    for i, p in enumerate(doc.get("pools") or []):
+    total_nodes = 0
+    for i, p in enumerate(fields.sequence(doc.get("pools"), "pools", fields.MAX_POOLS)):
         where = f"pools[{i}]"
-        if not isinstance(p, Mapping):
-            raise PlanningInputError(where, "must be a mapping")
-        for key in ("name", "datacenter", "device", "nodes", "gpusPerNode"):
-            if key not in p:
-                raise PlanningInputError(f"{where}.{key}", "is required")
-        name = str(p["name"])
-        if name in seen:
-            raise PlanningInputError(f"{where}.name", f"duplicate pool name {name!r}")
-        seen.add(name)
-        if dcs and p["datacenter"] not in dcs:
-            raise PlanningInputError(
-                f"{where}.datacenter", f"{p['datacenter']!r} is not listed under datacenters:"
-            )
-        device = resolve_device(str(p["device"]), devices, f"{where}.device")
-        if "vendor" in p and p["vendor"] != device.vendor:
-            raise PlanningInputError(
-                f"{where}.vendor",
-                f"{p['vendor']!r} contradicts device {device.name} (vendor {device.vendor})",
-            )
-        n, g = p["nodes"], p["gpusPerNode"]
-        if not isinstance(n, int) or n < 1 or not isinstance(g, int) or g < 1:
-            msg = "nodes and gpusPerNode must be integers >= 1"
-            raise PlanningInputError(f"{where}.nodes", msg)
-        pools.append(
-            Pool(
-                name=name, device=device, datacenter=str(p["datacenter"]),
-                zone=str(p.get("zone", "")), nodes=tuple(node_name(name, k) for k in range(n)),
-                gpus_per_node=g, nic_gbps=float(p.get("nicGbps", DEFAULT_NIC_GBPS)),
-            )
-        )
+        if isinstance(p, Mapping) and isinstance(p.get("nodes"), int):
+            total_nodes += p["nodes"]
+            if total_nodes > fields.MAX_CLUSTER_NODES:
+                raise PlanningInputError(f"{where}.nodes", f"the pools hold more than "
+                                         f"{fields.MAX_CLUSTER_NODES} nodes in all; describe a "
+                                         "smaller cluster")
+        pool = _pool_from(p, where, dcs, devices)
+        if pool.name in seen:
+            raise PlanningInputError(f"{where}.name", f"duplicate pool name {pool.name!r}")
+        seen.add(pool.name)
+        pools.append(pool)
     if not pools:
         raise PlanningInputError("pools", "the cluster has no pools")
-    name = str((doc.get("metadata") or {}).get("name", "cluster"))
-    return ClusterInventory(tuple(pools), _links_from(doc.get("links"), "links"), devices, name)
+    known = dcs or {p.datacenter for p in pools}
+    meta = fields.mapping(doc.get("metadata"), "metadata", optional=True)
+    name = fields.name(meta.get("name", "cluster"), "metadata.name")
+    return ClusterInventory(tuple(pools), _links_from(doc.get("links"), "links", known), devices,
+                            name)
 
 
 # ---------------------------------------------------------------- Kubernetes Nodes

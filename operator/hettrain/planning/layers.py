@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -92,10 +92,113 @@ def lower_bound(stages: Sequence[StageCost], total: int, m: float, boundary: flo
     return (m - 1) * max(x_lb, boundary) + sigma_min + max(s.dp(lo) for s in stages)
 
 
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    """Identical stages (same costs and cap); ``members`` are their stage indices."""
+
+    a: float
+    b: float
+    c: float
+    e: float
+    hard: int
+    members: tuple[int, ...]
+    count: int  # len(members)
+
+
+def _kinds(stages: Sequence[StageCost], hard: Sequence[int]) -> list[_Kind]:
+    """Stages grouped by identical costs, in greedy fill order (cheapest per layer first)."""
+    groups: dict[tuple[float, float, float, float, int], list[int]] = {}
+    for i, (s, h) in enumerate(zip(stages, hard, strict=True)):
+        groups.setdefault((s.a, s.b, s.c, s.e, h), []).append(i)
+    kinds = [_Kind(*key, members=tuple(ix), count=len(ix)) for key, ix in groups.items()]
+    return sorted(kinds, key=lambda q: (q.a, q.members[0]))
+
+
+class _Candidates:
+    """The values ``slope·n + intercept`` (``lo ≤ n ≤ top``, one line per kind of stage),
+    navigated by arithmetic: the next value above ``x`` or the last one below it costs
+    ``O(lines)``, whatever the number of layers, so no list of every value is ever built."""
+
+    def __init__(self, lines: Sequence[tuple[float, float, int]], lo: int) -> None:
+        self.lo = lo
+        self.lines = [(sl, ic, top if sl > 0 else lo) for sl, ic, top in lines if top >= lo]
+
+    def _n_at_least(self, sl: float, ic: float, top: int, x: float) -> int:
+        """Smallest ``n`` in [lo, top] with ``sl·n + ic ≥ x`` (top + 1 when none)."""
+        if sl <= 0:
+            return self.lo if ic >= x else top + 1
+        q = (x - ic) / sl
+        n = top + 1 if q > top else self.lo if q < self.lo else math.ceil(q)
+        while n > self.lo and sl * (n - 1) + ic >= x:
+            n -= 1
+        while n <= top and sl * n + ic < x:
+            n += 1
+        return n
+
+    def at_least(self, x: float, strict: bool = False) -> float | None:
+        """Smallest value ``≥ x`` (``> x`` when ``strict``), None when there is none."""
+        out = None
+        for sl, ic, top in self.lines:
+            n = self._n_at_least(sl, ic, top, x)
+            while n <= top and strict and sl * n + ic <= x:
+                n += 1
+            if n <= top:
+                v = sl * n + ic
+                out = v if out is None or v < out else out
+        return out
+
+    def at_most(self, x: float) -> float | None:
+        """Largest value ``≤ x``, None when there is none."""
+        out = None
+        for sl, ic, top in self.lines:
+            n = self._n_at_least(sl, ic, top, x)
+            if n <= top and sl * n + ic <= x:
+                v = sl * n + ic
+            elif n - 1 >= self.lo:
+                v = sl * (n - 1) + ic
+            else:
+                continue
+            out = v if out is None or v > out else out
+        return out
+
+    def first(self, accept: Callable[[float], bool]) -> float | None:
+        """Smallest value ``accept`` takes (``accept`` monotone: false, then true)."""
+        out = None
+        for sl, ic, top in self.lines:
+            n = bisect.bisect_left(range(self.lo, top + 1), True,
+                                   key=lambda x, sl=sl, ic=ic: accept(sl * x + ic)) + self.lo
+            if n <= top:
+                v = sl * n + ic
+                out = v if out is None or v < out else out
+        return out
+
+
+SCAN_CANDIDATES = 4096  # up to this many bottleneck candidates a plain scan is fastest
+
+
 def split_layers(stages: Sequence[StageCost], total: int, m: float, boundary: float = 0.0,
                  lo: int = 1, bound: float = math.inf) -> tuple[float, list[int]] | None:
     """Optimal split of ``total`` layers; None when memory cannot hold them, or when no split
-    beats ``bound`` (an incumbent from elsewhere in a search)."""
+    beats ``bound`` (an incumbent from elsewhere in a search).
+
+    Two exact methods: a scan over every candidate bottleneck value (:func:`_split_layers_scan`,
+    fastest for real layer counts) and, above ``SCAN_CANDIDATES`` candidates, a bisection over
+    them whose cost does not grow with ``total`` (:func:`_split_layers_kinds`).
+    """
+    k = len(stages)
+    hard = [min(s.max_layers, total - lo * (k - 1)) for s in stages]
+    if any(h < lo for h in hard) or sum(hard) < total:
+        return None
+    distinct = {(s.a, s.b, s.c, s.e, h) for s, h in zip(stages, hard, strict=True)}
+    if sum(h - lo + 1 for *_, h in distinct) <= SCAN_CANDIDATES:
+        return _split_layers_scan(stages, total, m, boundary, lo, bound)
+    return _split_layers_kinds(stages, total, m, boundary, lo, bound)
+
+
+def _split_layers_scan(stages: Sequence[StageCost], total: int, m: float, boundary: float,
+                       lo: int, bound: float) -> tuple[float, list[int]] | None:
+    """:func:`split_layers` by a scan over every candidate bottleneck (fastest when there are
+    few: real layer counts)."""
     k = len(stages)
     hard = [min(s.max_layers, total - lo * (k - 1)) for s in stages]
     if any(h < lo for h in hard) or sum(hard) < total:
@@ -150,6 +253,179 @@ def split_layers(stages: Sequence[StageCost], total: int, m: float, boundary: fl
             if t < incumbent - 1e-15:
                 best, incumbent = (t, split), t
     return best
+
+
+def _split_layers_kinds(stages: Sequence[StageCost], total: int, m: float, boundary: float,
+                        lo: int, bound: float) -> tuple[float, list[int]] | None:
+    """:func:`split_layers` with work independent of ``total``.
+
+    Identical stages are handled as one kind with a multiplicity (for a fixed number of layers
+    on a kind, spreading them evenly over its stages minimises both its ``max t`` and its
+    ``max d`` at the same ``Σ t``). The bottleneck candidates ``C`` (and, per ``C``, ``D``)
+    are navigated by arithmetic (:class:`_Candidates`) and bisected with monotone bounds
+    (:func:`_min_over_window`): the work grows with the number of kinds and the logarithm of
+    the candidates, not with ``total``.
+    """
+    k = len(stages)
+    hard = [min(s.max_layers, total - lo * (k - 1)) for s in stages]
+    if any(h < lo for h in hard) or sum(hard) < total:
+        return None
+    kinds = _kinds(stages, hard)
+    left0 = total - lo * k
+
+    def fill(caps: Sequence[int]) -> list[int] | None:
+        """Layers per kind: the cheapest kinds first, each stage up to its cap."""
+        left = left0
+        out = []
+        for q, cap in zip(kinds, caps, strict=True):
+            take = min(left, q.count * (cap - lo))
+            out.append(q.count * lo + take)
+            left -= take
+        return None if left else out
+
+    def sum_t(per_kind: Sequence[int]) -> float:
+        return sum(q.a * n + q.count * q.b for q, n in zip(kinds, per_kind, strict=True))
+
+    def feasible(caps: Sequence[int]) -> bool:
+        return min(caps) >= lo and sum(q.count * c for q, c in zip(kinds, caps,
+                                                                     strict=True)) >= total
+
+    def caps_for(cap_c: float) -> list[int]:
+        return [_cap(q.a, q.b, cap_c, q.hard) for q in kinds]
+
+    base = fill([q.hard for q in kinds])
+    assert base is not None
+    sigma_min = sum_t(base)
+    d_min = max(q.c * lo + q.e for q in kinds)
+    best: tuple[float, list[int]] | None = None
+    incumbent = bound
+    # W = min over all splits of Σt + max d (the bottleneck term left out): every split with
+    # max t = C costs at least (m−1)·max(C, P) + W, which ends the ascending scan over C
+    w_min = math.inf
+    d_lines = [(q.c, q.e, q.hard) for q in kinds]
+
+    def caps_d(cap_d: float) -> list[int]:
+        return [_cap(q.c, q.e, cap_d, q.hard) for q in kinds]
+
+    def sigma_at(cap_d: float) -> float:
+        nonlocal w_min
+        per_kind = fill(caps_d(cap_d))
+        if per_kind is None:
+            return math.inf
+        sigma = sum_t(per_kind)
+        w_min = min(w_min, sigma + cap_d)
+        return sigma
+
+    _min_over_window(_Candidates(d_lines, lo), lambda v: feasible(caps_d(v)),
+                     (1.0, -math.inf), sigma_at, lambda: w_min, sigma_min)
+    w_min = max(w_min, sigma_min + d_min) if w_min < math.inf else sigma_min + d_min
+    c_lines = [(q.a, q.b, q.hard) for q in kinds]
+
+    def head_of(cap_c: float) -> float:
+        return (m - 1) * max(cap_c, boundary)
+
+    def scan_d(cap_c: float) -> float:
+        """Best splits with max t ≤ ``cap_c`` (offered to the incumbent); returns a lower
+        bound on ``Σt + max d`` over all of them (nonincreasing in ``cap_c``)."""
+        nonlocal best, incumbent
+        head = head_of(cap_c)
+        caps_c = caps_for(cap_c)
+        per_kind = fill(caps_c)
+        if per_kind is None:
+            return math.inf
+        # every split with max t ≤ cap_c has Σt at least the greedy fill under these caps
+        sigma_c = sum_t(per_kind)
+        if head + d_min + sigma_c >= incumbent - 1e-15:
+            return sigma_c + d_min
+
+        def caps_cd(cap_d: float) -> list[int]:
+            return [min(cc, _cap(q.c, q.e, cap_d, cc)) for q, cc in zip(kinds, caps_c,
+                                                                       strict=True)]
+
+        found = math.inf
+
+        def sigma_cd(cap_d: float) -> float:
+            """Σt of the greedy fill under both caps; its split is offered."""
+            nonlocal best, incumbent, found
+            per_kind = fill(caps_cd(cap_d))
+            if per_kind is None:
+                return math.inf
+            sigma = sum_t(per_kind)
+            found = min(found, sigma + cap_d)
+            split = _spread(kinds, per_kind, k)
+            t = step_time(stages, split, m, boundary)
+            if t < incumbent - 1e-15:
+                best, incumbent = (t, split), t
+            return sigma
+
+        cd_lines = [(q.c, q.e, cc) for q, cc in zip(kinds, caps_c, strict=True)]
+        _min_over_window(_Candidates(cd_lines, lo), lambda v: feasible(caps_cd(v)),
+                         (1.0, -math.inf), sigma_cd, lambda: incumbent - 1e-15 - head, sigma_c)
+        # what was not visited costs at least the incumbent: Σt + max d ≥ incumbent − head
+        return min(found, incumbent - head)
+
+    # Candidates C ascending; R(C) = min Σt + max d over splits with max t ≤ C is
+    # nonincreasing, so the bisection of _min_over_window applies
+    _min_over_window(_Candidates(c_lines, lo), lambda v: feasible(caps_for(v)),
+                     (m - 1, boundary), scan_d, lambda: incumbent - 1e-15, w_min)
+    return best
+
+
+def _min_over_window(cands: _Candidates, accept: Callable[[float], bool],
+                     head: tuple[float, float], evaluate: Callable[[float], float],
+                     incumbent: Callable[[], float], floor: float) -> None:
+    """Minimise ``h·max(x, P) + R(x)`` (``head = (h, P)``, ``h ≥ 0``) over the candidates
+    ``x`` that ``accept`` takes, with ``R`` nonincreasing; ``evaluate(x)`` records the solutions
+    at ``x`` (lowering ``incumbent()``) and returns a lower bound on ``R(x)``; ``floor`` bounds
+    every ``R`` from below.
+
+    On ``x_i ≤ x ≤ x_j`` every solution costs at least ``head(x_i) + R(x_j)``: such an
+    interval is refused whole when that reaches the incumbent, else halved (in value, snapped
+    to candidates). Candidates past ``head(x) + floor ≥ incumbent`` are never visited.
+    """
+    h, p = head
+
+    def cost(x: float) -> float:
+        return h * max(x, p)
+
+    first = cands.first(accept)
+    if first is None:
+        return
+    bound_at = {first: evaluate(first)}
+    if h > 0:
+        end = cands.at_most(max((incumbent() - floor) / h, first))
+        while end is not None and end > first and cost(end) + floor >= incumbent():
+            end = cands.at_most(end - abs(end) * 1e-12 - 1e-300)
+    else:
+        end = cands.at_most(math.inf)
+    start = cands.at_least(first, strict=True)
+    if end is None or start is None or start > end:
+        return
+    todo = [(start, end)]
+    while todo:
+        i, j = todo.pop()
+        if j not in bound_at:
+            bound_at[j] = evaluate(j)
+        if i >= j or cost(i) + max(bound_at[j], floor) >= incumbent():
+            continue
+        left_end = cands.at_most((i + j) / 2)
+        if left_end is None or left_end < i:
+            left_end = i
+        right_start = cands.at_least(left_end, strict=True)
+        if right_start is not None and right_start <= j:
+            todo.append((right_start, j))
+        if left_end < j:
+            todo.append((i, left_end))
+
+
+def _spread(kinds: Sequence[_Kind], per_kind: Sequence[int], k: int) -> list[int]:
+    """Stage layer counts: each kind's layers spread evenly over its stages (in stage order,
+    the larger shares first)."""
+    split = [0] * k
+    for q, n in zip(kinds, per_kind, strict=True):
+        for r, i in enumerate(q.members):
+            split[i] = n // q.count + (1 if r < n % q.count else 0)
+    return split
 
 
 def split_layers_brute_force(stages: Sequence[StageCost], total: int, m: float,

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 from hettrain.api.spec import JobSpec
 from hettrain.planning import cost
+from hettrain.planning.arith import divisors_up_to
 from hettrain.planning.bounds import (
     Choice,
     UnitStats,
@@ -286,8 +287,27 @@ def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int
 # ---------------------------------------------------------------- enumeration
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _dp_values(spec: JobSpec, units: Sequence[Unit]) -> list[int]:
+    """Data-parallel degrees worth searching: divisors of the global batch (by factorisation,
+    :mod:`hettrain.planning.arith`) up to the GPUs of the largest unit (a stage takes all its
+    replicas from one unit) and ``spec.placement.maxGPUs``; the pinned one if pinned. Exact:
+    a larger ``dp`` leaves every unit without a stage. Cost independent of the batch size."""
+    cap = max((u.gpus for u in units), default=0)
+    if spec.placement.max_gpus is not None:
+        cap = min(cap, spec.placement.max_gpus)
+    pinned = spec.parallelism.dp
+    gb = spec.training.global_batch
+    if pinned is not None:
+        return [pinned] if pinned <= cap and gb % pinned == 0 else []
+    return divisors_up_to(gb, cap)
+
+
+def _micro_batches(per_replica: int, pinned: int | None) -> list[int]:
+    """Microbatch sizes for one replica's share: divisors up to ``MAX_MICRO_BATCH``, or the
+    pinned one when it divides the share."""
+    if pinned is not None:
+        return [pinned] if per_replica % pinned == 0 else []
+    return [b for b in range(1, min(per_replica, MAX_MICRO_BATCH) + 1) if per_replica % b == 0]
 
 
 def _tp_options(unit: Unit, spec: JobSpec) -> list[int]:
@@ -435,7 +455,7 @@ def _search_exhaustive(search: _Search, units: tuple[Unit, ...], inv: ClusterInv
                      grouping: str) -> None:
     spec = search.spec
     gb = spec.training.global_batch
-    dp_values = [d for d in _divisors(gb) if spec.parallelism.dp in (None, d)]
+    dp_values = _dp_values(spec, units)
     mbs_pinned = spec.training.micro_batch
     dropped: list[float] = []
     outer = _candidates_outer(units, spec, dp_values, search.exhaustive, dropped)
@@ -444,10 +464,7 @@ def _search_exhaustive(search: _Search, units: tuple[Unit, ...], inv: ClusterInv
     for bound, dp, tps_u, ks in outer:
         if not search.exhaustive and bound >= search.bound():
             break
-        per_replica = gb // dp
-        mbs = [b for b in _divisors(per_replica) if b <= MAX_MICRO_BATCH]
-        if mbs_pinned is not None:
-            mbs = [mbs_pinned] if per_replica % mbs_pinned == 0 else []
+        mbs = _micro_batches(gb // dp, mbs_pinned)
         for order in _orders(units, ks, search.exhaustive):
             stage_units = tuple(units[i] for i in order for _ in range(ks[i]))
             stage_tps = tuple(tps_u[i] for i in order for _ in range(ks[i]))
@@ -486,9 +503,15 @@ def _k_rich(max_k: int, layers: int) -> list[int]:
     """Stage counts worth trying on one unit alone: near full use, and every count where the
     layers per stage ``⌈L/k⌉`` steps (and one more stage, for the head)."""
     ks = {max_k, max_k - 1}
-    for q in range(1, layers + 1):
+    # distinct values of ⌈L/q⌉ only (at most 2·√L, and only those ≤ max_k + 1): jump from
+    # one value to the next instead of looping over every q
+    q = max(1, layers // (max_k + 1))
+    while q <= layers:
         base = -(-layers // q)
         ks.update((base, base + 1))
+        if base == 1:
+            break
+        q = (layers - 1) // (base - 1) + 1  # the first q with a smaller ⌈L/q⌉
     return sorted(k for k in ks if 1 <= k <= max_k)
 
 
@@ -523,17 +546,13 @@ def _search_fast(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory
     spec = search.spec
     gb, layers = spec.training.global_batch, spec.model.layers
     pinned_pp = spec.parallelism.pp
-    dp_values = [d for d in _divisors(gb) if spec.parallelism.dp in (None, d)]
+    dp_values = _dp_values(spec, units)
     tp_opts = [_tp_options(u, spec) for u in units]
     window = _windowed(units, spec, tp_opts)
     pairs = []
     for dp in dp_values:
         per_replica = gb // dp
-        mbs = [b for b in _divisors(per_replica) if b <= MAX_MICRO_BATCH]
-        if spec.training.micro_batch is not None:
-            mbs = [spec.training.micro_batch] if per_replica % spec.training.micro_batch == 0 \
-                else []
-        for mb in mbs:
+        for mb in _micro_batches(per_replica, spec.training.micro_batch):
             opts, singles = _unit_choices(units, tp_opts, dp, mb, inv, spec, window)
             m = per_replica // mb
             rest_rate, rest_cap, rest_a = [0.0], [0], [math.inf]

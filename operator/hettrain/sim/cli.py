@@ -13,13 +13,20 @@ import sys
 from dataclasses import replace
 
 from hettrain.api.spec import SpecError
+from hettrain.argtypes import float_in, int_in
 from hettrain.planning.errors import PlanningError
+from hettrain.planning.fields import MAX_DATACENTERS as MAX_DCS
+from hettrain.planning.fields import MAX_GPUS_PER_NODE, MAX_POOL_NODES
 from hettrain.sim.engine import POLICIES
 from hettrain.sim.model import FailureModel, RecoveryModel, SimInputError, load_models
 from hettrain.sim.scenarios import Scenario, preset
 
 EXIT_OK, EXIT_USAGE = 0, 2
 PRESETS = ("llama3-16k", "llama3-16k-nospares")
+MAX_DAYS = 3650  # ten years of simulated training
+MAX_SECONDS = 1e8  # about three years: any recovery or checkpoint duration
+MAX_SEEDS = 1000
+seconds = float_in(0, MAX_SECONDS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,35 +48,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="generated cluster, e.g. 16384:H100-SXM or 8192:H100-SXM,4096:MI300X")
     src.add_argument("--job", metavar="J.yaml", help="HetTrainingJob manifest (required with "
                                                      "--cluster/--generate)")
-    src.add_argument("--dcs", type=int, default=1, help="--generate: datacenters (default 1)")
-    src.add_argument("--gpus-per-node", type=int, default=8, help="--generate: default 8")
-    src.add_argument("--spare-nodes", type=int,
+    src.add_argument("--dcs", type=int_in(1, MAX_DCS), default=1,
+                     help="--generate: datacenters (default 1)")
+    src.add_argument("--gpus-per-node", type=int_in(1, MAX_GPUS_PER_NODE), default=8,
+                     help="--generate: default 8")
+    src.add_argument("--spare-nodes", type=int_in(0, MAX_POOL_NODES),
                      help="hot spares per pool, held out of every plan (default 0; with "
                           "--generate they are added to the GPU count, with --cluster they are "
                           "taken from each pool)")
-    src.add_argument("--days", type=float, help="simulated days (default 54)")
+    src.add_argument("--days", type=float_in(0, MAX_DAYS, lo_open=True),
+                     help=f"simulated days (default 54, at most {MAX_DAYS})")
     fail = parser.add_argument_group("failures and recovery")
     fail.add_argument("--failures", metavar="F.yaml",
                       help="failure/recovery model (kind: FailureModel; defaults: Llama 3 rates,"
                            " see docs/simulator.md)")
     fail.add_argument("--trace", metavar="F.csv|F.jsonl",
                       help="replay this failure trace instead of sampling failures")
-    fail.add_argument("--detection-s", type=float, help="seconds until a failure is noticed")
-    fail.add_argument("--restart-s", type=float, help="seconds to restart the job")
-    fail.add_argument("--plan-s", type=float, help="simulated seconds charged per re-plan")
-    fail.add_argument("--storage-gbps", type=float, help="checkpoint write bandwidth, GB/s")
-    fail.add_argument("--ckpt-interval-s", type=float,
+    fail.add_argument("--detection-s", type=seconds, help="seconds until a failure is noticed")
+    fail.add_argument("--restart-s", type=seconds, help="seconds to restart the job")
+    fail.add_argument("--plan-s", type=seconds, help="simulated seconds charged per re-plan")
+    fail.add_argument("--storage-gbps", type=float_in(0, 1e6, lo_open=True),
+                      help="checkpoint write bandwidth, GB/s")
+    fail.add_argument("--ckpt-interval-s", type=float_in(0, MAX_SECONDS, lo_open=True),
                       help="training seconds between checkpoints (default: Young-Daly optimum)")
-    fail.add_argument("--wait-threshold-s", type=float,
+    fail.add_argument("--wait-threshold-s", type=seconds,
                       help="wait-shrink: wait if the replacement is due within this (s)")
-    fail.add_argument("--repair-hours", type=float,
+    fail.add_argument("--repair-hours", type=float_in(0, MAX_SECONDS / 3600, lo_open=True),
                       help="mean time until a failed node is back (replacement arrival), hours")
     run_g = parser.add_argument_group("run")
     run_g.add_argument("--policies", default=",".join(POLICIES),
                        help=f"comma-separated, from {', '.join(POLICIES)} (default all)")
-    run_g.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
-    run_g.add_argument("--seeds", type=int, default=1, help="number of seeds (default 1)")
-    run_g.add_argument("--quantum", type=int, default=1,
+    run_g.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
+                       help="first seed (default 0)")
+    run_g.add_argument("--seeds", type=int_in(1, MAX_SEEDS), default=1,
+                       help=f"number of seeds (default 1, at most {MAX_SEEDS})")
+    run_g.add_argument("--quantum", type=int_in(1, MAX_POOL_NODES), default=1,
                        help="memoise plans by down nodes per pool rounded up to this (default 1"
                             " = exact)")
     run_g.add_argument("--throughput", default="planner", metavar="planner|scaled:K",
@@ -133,7 +146,7 @@ def _scale(text: str) -> int:
     if text == "planner":
         return 1
     kind, _, k = text.partition(":")
-    if kind != "scaled" or not k.isdigit() or int(k) < 1:
+    if kind != "scaled" or not k.isdecimal() or len(k) > 9 or int(k) < 1:
         raise SimInputError("--throughput", f"must be planner or scaled:K with K >= 1 "
                                             f"(got {text!r})")
     return int(k)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hettrain.planning.catalog import CATALOG
+from hettrain.planning.errors import PlanningInputError
 from hettrain.planning.inventory import ClusterInventory, load_cluster
 from hettrain.sim.model import SimInputError
 
@@ -158,4 +159,7 @@ def generate_cluster(spec: str, *, dcs: int = 1, gpus_per_node: int = 8,
     """The generated cluster of ``--generate SPEC`` as an inventory."""
     doc = generate_cluster_doc(parse_generate(spec), dcs=dcs, gpus_per_node=gpus_per_node,
                                spare_nodes=spare_nodes)
-    return load_cluster(doc)
+    try:
+        return load_cluster(doc)
+    except PlanningInputError as exc:  # e.g. more nodes than a cluster may hold
+        raise SimInputError("--generate", f"gives a cluster outside the bounds: {exc}") from None

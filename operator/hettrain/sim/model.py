@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
+from hettrain.api.yamlsafe import YamlInputError, read_yaml_document
 
 HOUR = 3600.0
 LLAMA3_INTERRUPTIONS = 419
@@ -235,11 +235,9 @@ def load_models(path: str | Path) -> tuple[FailureModel, RecoveryModel]:
     """Read a ``kind: FailureModel`` YAML file into (failure model, recovery model)."""
     p = Path(path)
     try:
-        doc = yaml.safe_load(p.read_text())
-    except OSError as exc:
-        raise SimInputError(str(p), f"cannot read: {exc.strerror or exc}; check the path") from None
-    except yaml.YAMLError as exc:
-        raise SimInputError(str(p), f"invalid YAML: {' '.join(str(exc).split())}") from None
+        doc = read_yaml_document(p)
+    except YamlInputError as exc:  # unreadable, not UTF-8, malformed, alias bomb, too deep
+        raise SimInputError(exc.where, exc.message) from None
     if not isinstance(doc, Mapping) or doc.get("kind") != "FailureModel":
         raise SimInputError(f"{p}: kind", "a failure model file must have kind: FailureModel")
     f = _Fields(doc, str(p))

@@ -198,6 +198,9 @@ def sample_timeline(topo: Topology, model: FailureModel, horizon_s: float, seed:
 def _rows(path: Path) -> list[tuple[str, dict[str, str]]]:
     try:
         text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise SimInputError(str(path), f"is not UTF-8 text (offset {exc.start}); save the "
+                                       "trace as UTF-8") from None
     except OSError as exc:
         raise SimInputError(str(path), f"cannot read the trace: {exc.strerror or exc}") from None
     rows: list[tuple[str, dict[str, str]]] = []
@@ -209,6 +212,9 @@ def _rows(path: Path) -> list[tuple[str, dict[str, str]]]:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise SimInputError(f"{path}:{n}", f"invalid JSON: {exc.msg}") from None
+            except RecursionError:
+                raise SimInputError(f"{path}:{n}", "JSON nested too deeply; one flat object "
+                                                   "per line") from None
             if not isinstance(obj, dict):
                 raise SimInputError(f"{path}:{n}", "each line must be a JSON object")
             rows.append((f"{path}:{n}", {k: "" if v is None else str(v) for k, v in obj.items()}))

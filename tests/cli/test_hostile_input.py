@@ -1,0 +1,183 @@
+"""Hostile input through the real ``hettrain`` CLI (a subprocess with a timeout), one case per
+family of issue #16: every one ends in exit 2 with one line on stderr that names the file or
+flag and the field, no traceback, no hang."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "examples/jobs/gpt-tiny-local.yaml"
+CLUSTER = ROOT / "examples/clusters/local-cpu.yaml"
+TIMEOUT_S = 120  # generous: the 2 shared cores may be loaded; a hang is what this catches
+
+GOOD_JOB = """\
+apiVersion: hettrain.dev/v1alpha1
+kind: HetTrainingJob
+metadata: {name: tiny}
+spec:
+  model: {preset: gpt-tiny}
+  training: {globalBatch: 8, steps: 10}
+"""
+GOOD_CLUSTER = """\
+apiVersion: hettrain.dev/v1alpha1
+kind: Cluster
+metadata: {name: c}
+datacenters: [{name: dc-a}, {name: dc-b}]
+links: [{between: [dc-a, dc-b], bandwidthGbps: 10, latencyMs: 5}]
+devices:
+  - {name: X1, vendor: nvidia, bf16Tflops: 100, hbmGiB: 16, hbmTBps: 1, intraNodeGBps: 50,
+     backend: nccl}
+pools:
+  - {name: p-a, datacenter: dc-a, device: X1, nodes: 2, gpusPerNode: 2, nicGbps: 100}
+"""
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]\n" for i in range(9))
+
+
+def _hettrain(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``hettrain ARGV`` as a new process (this tree's code first on the path)."""
+    path = os.pathsep.join(p for p in (str(ROOT / "operator"), os.environ.get("PYTHONPATH"))
+                           if p)
+    return subprocess.run([sys.executable, "-m", "hettrain.cli", *argv], capture_output=True,
+                          text=True, timeout=TIMEOUT_S, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": path})
+
+
+def _assert_clean_refusal(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    err = proc.stderr
+    assert proc.returncode == 2, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+    assert err.startswith("error: ") and err.count("\n") == 1, err[-2000:]
+    assert len(err) < 500, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def _job(text: str, tmp_path: Path) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+JOB_CASES = {
+    "alias bomb": (BOMB + GOOD_JOB, ("job.yaml", "alias")),
+    "deep nesting": ("spec: " + "[" * 50_000 + "]" * 50_000 + "\n", ("job.yaml", "deeper")),
+    "huge integer literal": (GOOD_JOB.replace("steps: 10", "steps: " + "9" * 5000),
+                             ("job.yaml", "digits")),
+    "non-mapping document": ("- 1\n- 2\n", ("job.yaml", "mapping")),
+    "non-mapping metadata": (GOOD_JOB.replace("metadata: {name: tiny}", "metadata: [tiny]"),
+                             ("job.yaml", "metadata")),
+    "scalar spec": (GOOD_JOB.split("spec:")[0] + "spec: 5\n", ("job.yaml", "spec")),
+    "NaN learning rate": (GOOD_JOB.replace("steps: 10", "steps: 10, learningRate: .nan"),
+                          ("job.yaml", "spec.training.learningRate", "finite")),
+    "inf learning rate": (GOOD_JOB.replace("steps: 10", "steps: 10, learningRate: .inf"),
+                          ("job.yaml", "spec.training.learningRate")),
+    "globalBatch 10^8": (GOOD_JOB.replace("globalBatch: 8", "globalBatch: 100000000"),
+                         ("job.yaml", "spec.training.globalBatch", "<=")),
+    "layers 10^6": (GOOD_JOB.replace("{preset: gpt-tiny}", "{preset: gpt-tiny, layers: 1000000}"),
+                    ("job.yaml", "spec.model.layers", "<=")),
+    "300-character pool name": (GOOD_JOB + f"  placement: {{pools: [{'p' * 300}]}}\n",
+                                ("job.yaml", "spec.placement.pools[0]")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(JOB_CASES))
+def test_hostile_job_file(case: str, tmp_path: Path) -> None:
+    text, needles = JOB_CASES[case]
+    job = _job(text, tmp_path)
+    _assert_clean_refusal(_hettrain(["plan", str(job), "--cluster", str(CLUSTER)], tmp_path),
+                          *needles)
+
+
+def test_non_utf8_job_file(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_bytes(GOOD_JOB.encode().replace(b"tiny}", b"t\xffny}"))
+    _assert_clean_refusal(_hettrain(["validate", str(job)], tmp_path), "job.yaml", "UTF-8")
+
+
+CLUSTER_CASES = {
+    "alias bomb": (BOMB + GOOD_CLUSTER, ("cluster.yaml", "alias")),
+    "deep nesting": ("pools: " + "{a: " * 200 + "}" * 200 + "\n", ("cluster.yaml", "deeper")),
+    "pools not a list": (GOOD_CLUSTER.split("pools:")[0] + "pools: 5\n", ("pools", "list")),
+    "nodes a string": (GOOD_CLUSTER.replace("nodes: 2", "nodes: two"), ("pools[0].nodes",)),
+    "gpusPerNode a list": (GOOD_CLUSTER.replace("gpusPerNode: 2", "gpusPerNode: [2]"),
+                           ("pools[0].gpusPerNode",)),
+    "nicGbps a word": (GOOD_CLUSTER.replace("nicGbps: 100", "nicGbps: fast"),
+                       ("pools[0].nicGbps",)),
+    "datacenter name a list": (GOOD_CLUSTER.replace("[{name: dc-a}", "[{name: [dc-a]}"),
+                               ("datacenters[0].name",)),
+    "zero NIC bandwidth": (GOOD_CLUSTER.replace("nicGbps: 100", "nicGbps: 0"),
+                           ("pools[0].nicGbps", "positive")),
+    "negative NIC bandwidth": (GOOD_CLUSTER.replace("nicGbps: 100", "nicGbps: -100"),
+                               ("pools[0].nicGbps",)),
+    "zero link bandwidth": (GOOD_CLUSTER.replace("bandwidthGbps: 10", "bandwidthGbps: 0"),
+                            ("links[0].bandwidthGbps",)),
+    "negative link bandwidth": (GOOD_CLUSTER.replace("bandwidthGbps: 10", "bandwidthGbps: -5"),
+                                ("links[0].bandwidthGbps",)),
+    "NaN link latency": (GOOD_CLUSTER.replace("latencyMs: 5", "latencyMs: .nan"),
+                         ("links[0].latencyMs",)),
+    "zero TFLOPs": (GOOD_CLUSTER.replace("bf16Tflops: 100", "bf16Tflops: 0"),
+                    ("devices[0].bf16Tflops",)),
+    "zero HBM bandwidth": (GOOD_CLUSTER.replace("hbmTBps: 1", "hbmTBps: 0"),
+                           ("devices[0].hbmTBps",)),
+    "zero efficiency": (GOOD_CLUSTER.replace("backend: nccl", "backend: nccl, efficiency: 0"),
+                        ("devices[0].efficiency",)),
+    "efficiency 5.0": (GOOD_CLUSTER.replace("backend: nccl", "backend: nccl, efficiency: 5.0"),
+                       ("devices[0].efficiency", "<= 1")),
+    "link to an unknown datacenter": (GOOD_CLUSTER.replace("between: [dc-a, dc-b]",
+                                                           "between: [dc-a, mars]"),
+                                      ("links[0].between[1]", "mars")),
+    "10^9 nodes": (GOOD_CLUSTER.replace("nodes: 2", "nodes: 1000000000"),
+                   ("pools[0].nodes",)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLUSTER_CASES))
+def test_hostile_cluster_file(case: str, tmp_path: Path) -> None:
+    text, needles = CLUSTER_CASES[case]
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(text)
+    _assert_clean_refusal(_hettrain(["plan", str(JOB), "--cluster", str(cluster)], tmp_path),
+                          "cluster.yaml", *needles)
+
+
+def test_non_utf8_cluster_file(tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_bytes(b"\xfe\xff" + GOOD_CLUSTER.encode("utf-16-be"))
+    _assert_clean_refusal(_hettrain(["plan", str(JOB), "--cluster", str(cluster)], tmp_path),
+                          "cluster.yaml", "UTF-8")
+
+
+FLAG_CASES = {
+    "simulate --days inf": (["simulate", "--scenario", "llama3-16k", "--days", "inf"],
+                            "--days"),
+    "simulate --days nan": (["simulate", "--scenario", "llama3-16k", "--days", "nan"],
+                            "--days"),
+    "simulate --dcs 10^9": (["simulate", "--generate", "64:H100-SXM", "--job", str(JOB),
+                             "--dcs", "1000000000"], "--dcs"),
+    "simulate --generate 10^12 GPUs": (["simulate", "--generate", "1000000000000:H100-SXM",
+                                        "--job", str(JOB)], "--generate"),
+    "simulate --seeds 10^30": (["simulate", "--scenario", "llama3-16k", "--seeds", "1" + "0" * 30],
+                               "--seeds"),
+    "simulate --repair-hours inf": (["simulate", "--scenario", "llama3-16k", "--repair-hours",
+                                     "inf"], "--repair-hours"),
+    "simulate --detection-s nan": (["simulate", "--scenario", "llama3-16k", "--detection-s",
+                                    "nan"], "--detection-s"),
+    "simulate --quantum 0": (["simulate", "--scenario", "llama3-16k", "--quantum", "0"],
+                             "--quantum"),
+    "demo --steps -1": (["demo", "--steps", "-1"], "--steps"),
+    "demo --step-sleep inf": (["demo", "--step-sleep", "inf"], "--step-sleep"),
+    "demo --train-timeout nan": (["demo", "--train-timeout", "nan"], "--train-timeout"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FLAG_CASES))
+def test_hostile_numeric_flag(case: str, tmp_path: Path) -> None:
+    argv, flag = FLAG_CASES[case]
+    _assert_clean_refusal(_hettrain(argv, tmp_path), flag)
