@@ -272,9 +272,11 @@ def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
         d.plan_failure = err.reason
         message = err.message + _held_note(obs.held)
         d.plan_budget_exceeded = getattr(err, "budget_exceeded", False)
+        # a repair's job planned before: fewer usable nodes now is a capacity problem
         if not d.plan_budget_exceeded and (
-                err.reason == c.REASON_INSUFFICIENT_CAPACITY or (obs.held and _fits_without_held(
-                    job, spec, obs, planner, previous, exclude))):
+                repair is not None or err.reason == c.REASON_INSUFFICIENT_CAPACITY
+                or (obs.held and _fits_without_held(job, spec, obs, planner, previous,
+                                                     exclude))):
             return _wait_for_capacity(b, d, err.reason, message, repair)
         b.cond(c.COND_PLANNED, False, err.reason, message)
         return _fail(b, d, err.reason, message)
