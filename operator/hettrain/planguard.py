@@ -12,7 +12,7 @@ plan (:meth:`PlanWorkers.abandon`).
 :class:`PassWatchdog` tracks how long each job's reconcile pass has been running; the
 operator's liveness probe reports unhealthy when one exceeds its limit (a stuck worker).
 
-Environment: ``HETTRAIN_PLAN_TIMEOUT_SECONDS`` (30), ``HETTRAIN_PLAN_MEMORY_MB`` (2048),
+Environment: ``HETTRAIN_PLAN_TIMEOUT_SECONDS`` (30), ``HETTRAIN_PLAN_MEMORY_MB`` (1024),
 ``HETTRAIN_PLAN_WORKERS`` (2).
 """
 
@@ -37,7 +37,7 @@ from hettrain.planning.inventory import ClusterInventory
 from hettrain.planning.plan import Plan
 
 DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_MEMORY_MB = 2048
+DEFAULT_MEMORY_MB = 1024
 DEFAULT_WORKERS = 2
 #: a plan still "in flight" this long after its deadline means the watchdog itself failed
 STUCK_GRACE_S = 10.0

@@ -11,7 +11,7 @@ Environment (all optional): ``HETTRAIN_METRICS_PORT`` (8080; 0 disables),
 ``HETTRAIN_CREATE_PARALLELISM`` (16), ``HETTRAIN_KOPF_LOG_LEVEL`` (WARNING: kopf's per-object
 "handler succeeded" lines), ``KUBECONFIG`` (outside a cluster), the planning budget
 (:mod:`hettrain.planguard`: ``HETTRAIN_PLAN_TIMEOUT_SECONDS`` 30, ``HETTRAIN_PLAN_MEMORY_MB``
-2048, ``HETTRAIN_PLAN_WORKERS`` 2), ``HETTRAIN_ALLOWED_PRIORITY_CLASSES`` (comma-separated;
+1024, ``HETTRAIN_PLAN_WORKERS`` 2), ``HETTRAIN_ALLOWED_PRIORITY_CLASSES`` (comma-separated;
 empty: none), ``HETTRAIN_UNSCHEDULABLE_SECONDS`` (120), ``HETTRAIN_SCRAPER_NAMESPACE``
 (monitoring), ``HETTRAIN_EVENT_INTERVAL_SECONDS`` (60).
 
