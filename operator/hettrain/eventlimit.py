@@ -1,9 +1,10 @@
 """Events rate-limited and aggregated per job: a job stuck in one state posts one Event, not
 one every few seconds.
 
-The first Event of a (job, type, reason) goes out at once; repeats within ``interval_s`` are
-counted, not posted; the next one after the interval carries the count ("... (repeated 12
-times in 60 s)"). A different reason is a different stream. Pure: the caller passes the time.
+The first Event of a (job, type, reason, message) goes out at once; repeats within
+``interval_s`` are counted, not posted; the next one after the interval carries the count
+("... (repeated 12 times in the last 60s)"). A different reason or message (a new repair, a
+new plan) is a different stream. Pure: the caller passes the time.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ DEFAULT_INTERVAL_S = 60.0
 class _Stream:
     last_post: float
     suppressed: int = 0
-    last_message: str = ""
 
 
 class EventLimiter:
@@ -26,13 +26,13 @@ class EventLimiter:
 
     def __init__(self, interval_s: float = DEFAULT_INTERVAL_S) -> None:
         self.interval_s = interval_s
-        self._streams: dict[tuple[Hashable, str, str], _Stream] = {}
+        self._streams: dict[tuple[Hashable, str, str, str], _Stream] = {}
 
     def admit(self, job: Hashable, type_: str, reason: str, message: str, now: float
               ) -> str | None:
         """The message to post now (with the repeat count when aggregated), or None to hold
         it back."""
-        key = (job, type_, reason)
+        key = (job, type_, reason, message)
         stream = self._streams.get(key)
         if stream is None or now - stream.last_post >= self.interval_s:
             repeats = stream.suppressed if stream is not None else 0
@@ -42,7 +42,6 @@ class EventLimiter:
                        f"{self.interval_s:.0f}s)"
             return message
         stream.suppressed += 1
-        stream.last_message = message
         return None
 
     def forget(self, job: Hashable) -> None:

@@ -247,6 +247,7 @@ def test_event_limiter_posts_once_then_aggregates() -> None:
     assert all(lim.admit(key, "Warning", "InsufficientCapacity", "no room", t) is None
                for t in range(1, 60, 5))
     assert lim.admit(key, "Normal", "PlanFound", "ok", 2.0) == "ok"  # another reason
+    assert lim.admit(key, "Warning", "InsufficientCapacity", "other", 3.0) == "other"
     again = lim.admit(key, "Warning", "InsufficientCapacity", "no room", 61.0)
     assert again == "no room (repeated 13 times in the last 60s)"
     lim.forget(key)

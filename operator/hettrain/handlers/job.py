@@ -320,6 +320,7 @@ def _current_plan(ns: str, name: str, status: Mapping[str, Any], uid: str) -> Pl
     attempt = int(status.get("attempt") or 0)
     cm = (status.get("plan") or {}).get("configMap")
     if not attempt or not cm:  # no plan recorded (or dropped by a repair waiting for room)
+        _plans.pop((ns, name), None)
         return None
     cached = _plans.get((ns, name))
     if cached and cached[0] == attempt:
