@@ -51,19 +51,37 @@ def load_client(kubeconfig: str | None = None) -> k8s.ApiClient:
     return k8s.ApiClient(cfg)
 
 
+def raw_request(api: k8s.ApiClient, method: str, path: str, body: Any = None,
+                content_type: str = "application/json",
+                timeout: float | tuple[float, float] = REQUEST_TIMEOUT_S
+                ) -> tuple[int, str, bytes]:
+    """One request with either generation of the kubernetes client (37+: ``param_serialize``;
+    36: the older ``call_api``); returns (status, reason, raw body), never raising on a
+    non-2xx status."""
+    headers = {"Content-Type": content_type, "Accept": "application/json"}
+    if hasattr(api, "param_serialize"):
+        params = api.param_serialize(method=method, resource_path=path, header_params=headers,
+                                     body=body, auth_settings=["BearerToken"])
+        resp = api.call_api(*params, _request_timeout=timeout)
+        return resp.status, str(resp.reason), resp.read()
+    try:
+        resp = api.call_api(path, method, header_params=headers, body=body,
+                            auth_settings=["BearerToken"], _preload_content=False,
+                            _return_http_data_only=True, _request_timeout=timeout)
+    except ApiException as err:
+        data = err.body if isinstance(err.body, bytes) else str(err.body or "").encode()
+        return int(err.status or 0), str(err.reason), data
+    return resp.status, str(resp.reason), resp.data
+
+
 def request(api: k8s.ApiClient, method: str, path: str, body: Any = None,
             content_type: str = "application/json", ok: Sequence[int] = ()
             ) -> tuple[int, dict[str, Any]]:
     """One JSON request; returns (status, body). Raises ApiException unless 2xx or in ``ok``."""
-    params = api.param_serialize(
-        method=method, resource_path=path,
-        header_params={"Content-Type": content_type, "Accept": "application/json"},
-        body=body, auth_settings=["BearerToken"])
-    resp = api.call_api(*params, _request_timeout=REQUEST_TIMEOUT_S)
-    data = resp.read()
-    if not (200 <= resp.status < 300 or resp.status in ok):
-        raise ApiException(status=resp.status, reason=resp.reason, body=data)
-    return resp.status, (json.loads(data) if data else {})
+    status, reason, data = raw_request(api, method, path, body, content_type)
+    if not (200 <= status < 300 or status in ok):
+        raise ApiException(status=status, reason=reason, body=data)
+    return status, (json.loads(data) if data else {})
 
 
 def _collection(ns: str, kind: str) -> str:
