@@ -32,6 +32,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
 from hettrain.api import constants as c
+from hettrain.kube.apply import raw_request
 from hettrain.planning.catalog import CATALOG
 from hettrain.planning.inventory import DEFAULT_NIC_GBPS
 
@@ -202,18 +203,10 @@ def _call(
     ok: Sequence[int] = (),
 ) -> tuple[int, dict[str, Any]]:
     """One raw JSON request; returns (status, body). Raises ApiException unless 2xx or ``ok``."""
-    params = api.param_serialize(
-        method=method,
-        resource_path=path,
-        header_params={"Content-Type": content_type, "Accept": "application/json"},
-        body=body,
-        auth_settings=["BearerToken"],
-    )
-    resp = api.call_api(*params, _request_timeout=60)
-    data = resp.read()
-    if not (200 <= resp.status < 300 or resp.status in ok):
-        raise k8s.ApiException(status=resp.status, reason=resp.reason, body=data)
-    return resp.status, json.loads(data) if data else {}
+    status, reason, data = raw_request(api, method, path, body, content_type, timeout=60)
+    if not (200 <= status < 300 or status in ok):
+        raise k8s.ApiException(status=status, reason=reason, body=data)
+    return status, json.loads(data) if data else {}
 
 
 def _fan_out(api: k8s.ApiClient, fn: Any, items: Sequence[Any], workers: int) -> list[Any]:

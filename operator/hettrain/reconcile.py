@@ -20,12 +20,14 @@ from hettrain.api.spec import JobSpec, SpecError, parse_job_spec
 from hettrain.manifests.builders import (
     JobRef,
     build_configmap,
+    build_network_policy,
     build_pods,
     build_service,
     configmap_name,
     plan_fingerprint,
     pod_names,
 )
+from hettrain.manifests.ownership import owned_by
 from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import (
@@ -40,6 +42,10 @@ TERMINAL = (c.PHASE_SUCCEEDED, c.PHASE_FAILED)
 CAPACITY_RETRY_SECONDS = 15.0
 WAIT_RETRY_SECONDS = 5.0  # WaitForReplacement re-checks (new nodes also wake the job)
 CAUSE_POD_DELETED = "PodDeleted"
+CAUSE_UNSCHEDULABLE = "Unschedulable"
+UNSCHEDULABLE_SECONDS = 120.0  # a gang pod Pending/Unschedulable this long → re-plan without
+FIELD_NODE_SELECTOR = "spec.placement.nodeSelector"
+FIELD_PRIORITY_CLASS = "spec.priorityClassName"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +70,7 @@ class Decision:
     plan_seconds: float | None = None
     repair_cause: str | None = None
     plan_failure: str | None = None
+    plan_budget_exceeded: bool = False  # planning ran out of its time/memory budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +89,58 @@ class Observed:
     links: tuple[Link, ...] = ()
     devices: Mapping[str, DeviceSpec] = field(default_factory=dict)
     held: Mapping[str, str] = field(default_factory=dict)  # node -> "ns/job" of ANOTHER job
+    # node -> {GPU resource: count} requested by live pods that are NOT a hettrain job's own
+    foreign_gpus: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    unschedulable_seconds: float = UNSCHEDULABLE_SECONDS
+    # priorityClassName values jobs may use (operator config); empty: none allowed
+    priority_classes: tuple[str, ...] = ()
+    scraper_namespace: str = "monitoring"  # may scrape the runtime metrics (NetworkPolicy)
 
-    def inventory(self) -> ClusterInventory:
-        """The planner's inventory of the observed nodes with the topology config, less the
-        nodes other jobs' gangs hold (:func:`nodes_held_by_others`)."""
-        inv = inventory_from_nodes(self.nodes, links=self.links, devices=self.devices)
+    def inventory(self, node_selector: Mapping[str, str] | None = None) -> ClusterInventory:
+        """The planner's inventory of the observed nodes with the topology config: only the
+        nodes matching ``node_selector`` (spec.placement.nodeSelector), each with the GPUs
+        other workloads request taken off its allocatable, less the nodes other jobs' gangs
+        hold (:func:`nodes_held_by_others`)."""
+        nodes = [n for n in self.nodes if matches_selector(n, node_selector)]
+        if self.foreign_gpus:
+            nodes = [without_foreign_gpus(n, self.foreign_gpus) for n in nodes]
+        inv = inventory_from_nodes(nodes, links=self.links, devices=self.devices)
         if self.held:
             inv = inv.without_nodes([n for n in inv.node_names() if n in self.held])
         return inv
+
+
+def matches_selector(node: Mapping[str, Any], selector: Mapping[str, str] | None) -> bool:
+    """Whether a Node's labels carry every key=value of ``selector`` (None/empty: all)."""
+    if not selector:
+        return True
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def without_foreign_gpus(node: Mapping[str, Any], used: Mapping[str, Mapping[str, int]]
+                         ) -> Mapping[str, Any]:
+    """The Node with the GPUs other workloads request on it taken off ``allocatable`` (a
+    copy; the node unchanged when nothing foreign runs there). A node left with no GPU of
+    its vendor drops out of the inventory."""
+    name = str((node.get("metadata") or {}).get("name"))
+    taken = used.get(name)
+    if not taken:
+        return node
+    status = dict(node.get("status") or {})
+    alloc = dict(status.get("allocatable") or {})
+    for resource, qty in taken.items():
+        if resource in alloc:
+            try:
+                free = int(str(alloc[resource])) - int(qty)
+            except ValueError:
+                continue
+            if free > 0:
+                alloc[resource] = str(free)
+            else:
+                alloc.pop(resource)
+    status["allocatable"] = alloc
+    return {**node, "status": status}
 
 
 def nodes_held_by_others(pods_by_job: Mapping[tuple[str, str], Sequence[Mapping[str, Any]]],
@@ -198,10 +249,21 @@ def _fail(b: _Builder, d: Decision, reason: str, message: str, delete: Iterable[
 
 def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
             planner: Planner, previous: Plan | None, attempt: int, resume: bool,
-            exclude: Sequence[str]) -> Decision:
+            exclude: Sequence[str], repair: tuple[str, Sequence[str], int] | None = None
+            ) -> Decision:
+    """Plan and launch a new attempt. ``repair`` (cause, nodes, world size before) is
+    recorded in status.repairs only when the relaunch happens: a repair that must wait for
+    capacity does not use up ``maxRepairs``."""
     t0 = time.perf_counter()
+    selector = dict(spec.placement.node_selector)
+    if selector and not any(matches_selector(n, selector) for n in obs.nodes):
+        d.plan_failure = c.REASON_PLAN_FAILED
+        msg = (f"{FIELD_NODE_SELECTOR}: no node has the labels {selector}; fix the selector "
+               "or label the nodes")
+        b.cond(c.COND_PLANNED, False, c.REASON_PLAN_FAILED, msg)
+        return _fail(b, d, c.REASON_PLAN_FAILED, msg)
     try:
-        inv = obs.inventory()
+        inv = obs.inventory(selector)
         if exclude:
             inv = inv.without_nodes([n for n in exclude if n in inv.node_names()])
         plan = planner(job.name, spec, inv, previous)
@@ -209,22 +271,27 @@ def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
         d.plan_seconds = time.perf_counter() - t0
         d.plan_failure = err.reason
         message = err.message + _held_note(obs.held)
-        if err.reason == c.REASON_INSUFFICIENT_CAPACITY or (obs.held and _fits_without_held(
-                job, spec, obs, planner, previous, exclude)):
-            return _wait_for_capacity(b, d, err.reason, message)
+        d.plan_budget_exceeded = getattr(err, "budget_exceeded", False)
+        # a repair's job planned before: fewer usable nodes now is a capacity problem
+        if not d.plan_budget_exceeded and (
+                repair is not None or err.reason == c.REASON_INSUFFICIENT_CAPACITY
+                or (obs.held and _fits_without_held(job, spec, obs, planner, previous,
+                                                     exclude))):
+            return _wait_for_capacity(b, d, err.reason, message, repair)
         b.cond(c.COND_PLANNED, False, err.reason, message)
         return _fail(b, d, err.reason, message)
     d.plan_seconds = time.perf_counter() - t0
     if plan.world_size < spec.failure_policy.min_gpus:
         msg = (f"plan uses {plan.world_size} GPUs, below spec.failurePolicy.minGPUs "
                f"({spec.failure_policy.min_gpus})") + _held_note(obs.held)
-        if previous is None:  # never launched: capacity may still come (nodes joining, freed)
+        if previous is None and repair is None:  # never launched: capacity may still come
             return _wait_for_capacity(b, d, c.REASON_INSUFFICIENT_CAPACITY, msg)
         b.cond(c.COND_PLANNED, False, c.REASON_INSUFFICIENT_CAPACITY, msg)
         return _fail(b, d, c.REASON_INSUFFICIENT_CAPACITY, msg)
     d.plan = plan
     cm = configmap_name(job.name, attempt)
     d.create.append(build_service(job))
+    d.create.append(build_network_policy(job, obs.scraper_namespace))
     d.create.append(build_configmap(job, plan, attempt))
     d.create.extend(build_pods(job, spec, plan, attempt, resume))
     msg = (f"dp={plan.dp} pp={plan.pp} tp={[s.tp for s in plan.stages]} on "
@@ -241,6 +308,14 @@ def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
                    failureSince=None, failureCause=None, failureNodes=None)
     if not b.old.get("startTime"):
         b.patch["startTime"] = b.now
+    if repair is not None:
+        d.repair_cause, bad, from_world = repair
+        b.patch["repairs"] = st.add_repair(b.old.get("repairs"), d.repair_cause, bad,
+                                           from_world, plan.world_size, b.now)
+        b.patch["restarts"] = int(b.old.get("restarts") or 0) + 1
+        d.events.append(Event("Warning", d.repair_cause,
+                              f"repair {b.patch['repairs']['count']}: re-planned without "
+                              f"{', '.join(bad) or 'the failed pods'}"))
     b.patch.setdefault("restarts", int(b.old.get("restarts") or 0))
     d.events.append(Event("Normal", c.REASON_PLAN_FOUND, msg))
     d.status = b.patch
@@ -258,7 +333,7 @@ def _held_note(held: Mapping[str, str]) -> str:
 def _fits_without_held(job: JobRef, spec: JobSpec, obs: Observed, planner: Planner,
                        previous: Plan | None, exclude: Sequence[str]) -> bool:
     """Would the job plan if the other jobs released their nodes? (Then it waits, not fails.)"""
-    inv = replace(obs, held={}).inventory()
+    inv = replace(obs, held={}).inventory(dict(spec.placement.node_selector))
     if exclude:
         inv = inv.without_nodes([n for n in exclude if n in inv.node_names()])
     try:
@@ -268,9 +343,19 @@ def _fits_without_held(job: JobRef, spec: JobSpec, obs: Observed, planner: Plann
     return True
 
 
-def _wait_for_capacity(b: _Builder, d: Decision, reason: str, message: str) -> Decision:
-    """Pending with Planned=False and a retry: capacity may appear (nodes join or are freed)."""
+def _wait_for_capacity(b: _Builder, d: Decision, reason: str, message: str,
+                       repair: tuple[str, Sequence[str], int] | None = None) -> Decision:
+    """Pending with Planned=False and a retry: capacity may appear (nodes join or are freed).
+
+    A repair that waits (``repair`` given) stays ``Repairing``: its gang is torn down and
+    status.plan dropped, so the next pass relaunches through the new-attempt path and counts
+    the repair only then (maxRepairs counts repairs, not waits)."""
     b.phase(c.PHASE_PENDING)
+    if repair is not None:
+        b.phase(c.PHASE_REPAIRING)
+        b.cond(c.COND_REPAIRING, True, c.REASON_INSUFFICIENT_CAPACITY,
+               f"repair ({repair[0]} on {', '.join(repair[1]) or 'pods'}) waits for capacity")
+        b.patch["plan"] = None
     b.cond(c.COND_PLANNED, False, reason, message)
     d.status = b.patch
     d.retry_after = CAPACITY_RETRY_SECONDS
@@ -278,10 +363,26 @@ def _wait_for_capacity(b: _Builder, d: Decision, reason: str, message: str) -> D
     return d
 
 
+def _unschedulable_since(pod: Mapping[str, Any]) -> float | None:
+    """When the scheduler declared the pod Unschedulable (PodScheduled=False), else None."""
+    if _pod_phase(pod) != "Pending":
+        return None
+    for cond in (pod.get("status") or {}).get("conditions") or ():
+        if (cond.get("type") == "PodScheduled" and cond.get("status") == "False"
+                and cond.get("reason") == "Unschedulable"):
+            try:
+                return _parse_iso(cond.get("lastTransitionTime")) or 0.0
+            except ValueError:
+                return 0.0
+    return None
+
+
 def _failures(pods: Sequence[Mapping[str, Any]], expected: set[str],
-              nodes: Mapping[str, Mapping[str, Any]], launching: bool
+              nodes: Mapping[str, Mapping[str, Any]], launching: bool,
+              now: float = 0.0, unschedulable_seconds: float = float("inf")
               ) -> tuple[str | None, list[str]]:
-    """(cause, failed nodes) of the current attempt, or (None, [])."""
+    """(cause, failed nodes) of the current attempt, or (None, []). A gang pod Pending and
+    Unschedulable for longer than ``unschedulable_seconds`` fails with its node."""
     cause: str | None = None
     bad: list[str] = []
     seen = set()
@@ -296,6 +397,12 @@ def _failures(pods: Sequence[Mapping[str, Any]], expected: set[str],
             cause = cause or c.REASON_POD_FAILED
             if node:
                 bad.append(node)
+        else:
+            since = _unschedulable_since(pod)
+            if since is not None and now - since > unschedulable_seconds:
+                cause = cause or CAUSE_UNSCHEDULABLE
+                if node:
+                    bad.append(node)
     if not launching and expected - seen and cause is None:
         cause = CAUSE_POD_DELETED
     return cause, sorted(set(bad))
@@ -313,8 +420,12 @@ def reconcile(body: Mapping[str, Any], obs: Observed,
     generation_changed = old.get("observedGeneration") not in (None, b.generation)
     if phase in TERMINAL and not generation_changed:
         return d
+    # only pods whose controller ownerReference is this job (uid) are its own: a foreign pod
+    # carrying the job's label is never adopted, counted or deleted
+    obs = replace(obs, pods=[p for p in obs.pods if owned_by(p, job.uid)])
     try:
         spec = parse_job_spec(body.get("spec"))
+        _check_priority_class(spec, obs.priority_classes)
     except SpecError as err:
         b.cond(c.COND_PLANNED, False, c.REASON_INVALID_SPEC, str(err))
         return _fail(b, d, c.REASON_INVALID_SPEC, str(err), _names(obs.pods))
@@ -337,18 +448,35 @@ def reconcile(body: Mapping[str, Any], obs: Observed,
         if attempt > 0:
             d.delete.extend(("Pod", n) for n in _names(current))
             d.delete.append(("ConfigMap", configmap_name(job.name, attempt)))
-            b.cond(c.COND_SUSPENDED, False, "Resumed")
+            if phase == c.PHASE_SUSPENDED:
+                b.cond(c.COND_SUSPENDED, False, "Resumed")
+        repair = None
+        if old.get("failureCause") and attempt > 0 and phase != c.PHASE_SUSPENDED:
+            repair = (str(old["failureCause"]), list(old.get("failureNodes") or []),
+                      int(old.get("worldSize") or 0))
         return _launch(job, spec, b, d, obs, planner, obs.plan, attempt + 1, attempt > 0,
-                       old.get("failedNodes") or [])
+                       old.get("failedNodes") or [], repair)
 
     plan = obs.plan
     nodes = {str(n["metadata"]["name"]): n for n in obs.nodes}
     expected = set(pod_names(job.name, plan, attempt))
     launching = phase in (c.PHASE_LAUNCHING, c.PHASE_PENDING, c.PHASE_PLANNING)
-    cause, bad = _failures(current, expected, nodes, launching)
+    cause, bad = _failures(current, expected, nodes, launching, obs.now,
+                           obs.unschedulable_seconds)
     if cause is None:
         return _progress(job, spec, b, d, obs, plan, attempt, current, expected, launching)
     return _repair(job, spec, b, d, obs, planner, plan, attempt, current, cause, bad)
+
+
+def _check_priority_class(spec: JobSpec, allowed: Sequence[str]) -> None:
+    """spec.priorityClassName must be on the operator's allow-list (chart value
+    ``operator.allowedPriorityClasses``): a tenant must not pick e.g. system-node-critical."""
+    name = spec.priority_class_name
+    if name and name not in allowed:
+        raise SpecError(FIELD_PRIORITY_CLASS,
+                        f"{name!r} is not allowed on this cluster (allowed: "
+                        f"{', '.join(allowed) or 'none'}); use an allowed class or ask the "
+                        "operator's admin to add it to operator.allowedPriorityClasses")
 
 
 def _names(pods: Iterable[Mapping[str, Any]]) -> list[str]:
@@ -362,6 +490,7 @@ def _progress(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observe
     missing = expected - seen
     if missing and launching:  # operator restarted mid-launch: create the rest of the gang
         d.create.append(build_service(job))
+        d.create.append(build_network_policy(job, obs.scraper_namespace))
         d.create.append(build_configmap(job, plan, attempt))
         d.create.extend(p for p in build_pods(job, spec, plan, attempt, attempt > 1)
                         if p["metadata"]["name"] in missing)
@@ -412,8 +541,12 @@ def _repair(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
         msg = (f"{cause}: spec.failurePolicy.maxRepairs ({pol.max_repairs}) reached; "
                "raise it to keep repairing")
         return _fail(b, d, c.REASON_MAX_REPAIRS, msg, _names(current))
-    failed = sorted(set(b.old.get("failedNodes") or []) | set(bad))
-    exclude = list(failed)
+    if cause == CAUSE_UNSCHEDULABLE:  # the node is fine, just not free: skip it this time
+        failed = sorted(set(b.old.get("failedNodes") or []))
+        exclude = sorted(set(failed) | set(bad))
+    else:
+        failed = sorted(set(b.old.get("failedNodes") or []) | set(bad))
+        exclude = list(failed)
     if (pol.mode == "WaitForReplacement" and obs.now - since < pol.wait_seconds
             and not _replan_keeps_size(job, spec, obs, planner, plan, exclude)):
         b.phase(c.PHASE_REPAIRING)
@@ -423,21 +556,15 @@ def _repair(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
         d.delete.extend(("Pod", n) for n in _names(current))
         d.retry_after = min(WAIT_RETRY_SECONDS, since + pol.wait_seconds - obs.now)
         return d
-    d.repair_cause = cause
     d.delete.extend(("Pod", n) for n in _names(current))
     d.delete.append(("ConfigMap", configmap_name(job.name, attempt)))
-    b.patch["repairs"] = st.add_repair(repairs, cause, bad, plan.world_size, 0, b.now)
-    b.patch["restarts"] = int(b.old.get("restarts") or 0) + 1
     b.patch["failedNodes"] = failed
+    b.patch["failureCause"] = cause
+    b.patch["failureNodes"] = bad
     b.phase(c.PHASE_REPAIRING)
     b.cond(c.COND_REPAIRING, True, cause, f"re-planning without {', '.join(bad) or 'pods'}")
-    d.events.append(Event("Warning", cause,
-                          f"repair {b.patch['repairs']['count']}: re-planning without "
-                          f"{', '.join(bad) or 'failed pods'}"))
-    out = _launch(job, spec, b, d, obs, planner, plan, attempt + 1, True, exclude)
-    if out.plan is not None:
-        out.status["repairs"]["history"][-1]["toWorldSize"] = out.plan.world_size
-        out.status["phase"] = c.PHASE_LAUNCHING
+    out = _launch(job, spec, b, d, obs, planner, plan, attempt + 1, True, exclude,
+                  (cause, bad, plan.world_size))
     return out
 
 
@@ -446,7 +573,7 @@ def _replan_keeps_size(job: JobRef, spec: JobSpec, obs: Observed, planner: Plann
     """Whether the nodes usable now (within spec.placement, failed ones excluded) give a plan
     as large as the current one: what WaitForReplacement waits for."""
     try:
-        inv = obs.inventory()
+        inv = obs.inventory(dict(spec.placement.node_selector))
         inv = inv.without_nodes([n for n in exclude if n in inv.node_names()])
         return planner(job.name, spec, inv, plan).world_size >= plan.world_size
     except PlanningError:

@@ -79,6 +79,7 @@ NAMESPACED = _grants({
     ("", "pods"): ("get", "list", "watch", "create", "delete"),
     ("", "services"): ("get", "list", "watch", "create", "delete", "patch"),
     ("", "configmaps"): ("get", "list", "watch", "create", "delete", "patch"),
+    ("networking.k8s.io", "networkpolicies"): ("get", "create", "delete"),
     ("", "events"): ("create", "patch"),
     ("events.k8s.io", "events"): ("create", "patch"),
     ("kopf.dev", "kopfpeerings"): ("get", "list", "watch", "patch"),
@@ -166,11 +167,27 @@ def test_monitoring_objects(helm: Path) -> None:
     assert cm["data"]["hettrain.json"] == dashboard.rstrip("\n")
     (rule,) = by_kind(objs, "PrometheusRule")
     assert rule["spec"] == yaml.safe_load((ROOT / "monitoring" / "alerts.yaml").read_text())
-    training = [n for n in by_kind(objs, "NetworkPolicy") if n["metadata"]["name"].endswith(
-        "training")]
-    (np_,) = training
-    ports = [p["port"] for rule in np_["spec"]["ingress"] for p in rule["ports"]]
-    assert ports == [29500, 9400]
+    # training pods: the operator makes one NetworkPolicy per job; the chart names the scraper
+    assert not [n for n in by_kind(objs, "NetworkPolicy") if "training" in n["metadata"]["name"]]
+    env = {e["name"]: e.get("value") for e in by_kind(objs, "Deployment")[0]["spec"]["template"][
+        "spec"]["containers"][0]["env"]}
+    assert env["HETTRAIN_SCRAPER_NAMESPACE"] == "prometheus"
+
+
+def test_shared_cluster_settings_reach_the_operator_and_one_replica_has_no_pdb(helm: Path
+                                                                             ) -> None:
+    objs = render(helm, "--set", "operator.allowedPriorityClasses={batch,low}",
+                  "--set", "operator.planning.timeoutSeconds=12",
+                  "--set", "operator.planning.memoryMiB=512")
+    env = {e["name"]: e.get("value") for e in by_kind(objs, "Deployment")[0]["spec"]["template"][
+        "spec"]["containers"][0]["env"]}
+    assert env["HETTRAIN_ALLOWED_PRIORITY_CLASSES"] == "batch,low"
+    assert env["HETTRAIN_PLAN_TIMEOUT_SECONDS"] == "12"
+    assert env["HETTRAIN_PLAN_MEMORY_MB"] == "512"
+    assert env["HETTRAIN_PLAN_WORKERS"] == "2"
+    assert env["HETTRAIN_UNSCHEDULABLE_SECONDS"] == "120"
+    assert env["HETTRAIN_SCRAPER_NAMESPACE"] == "monitoring"
+    assert not by_kind(objs, "PodDisruptionBudget")  # a one-replica PDB blocks node drains
 
 
 def test_chart_crds_are_a_synced_copy_of_crds_dir() -> None:

@@ -46,7 +46,7 @@ def _launch(nodes):
 def test_first_launch_creates_service_configmap_and_one_pod_per_planned_node(nodes):
     body, d, pods = _launch(nodes)
     kinds = [o["kind"] for o in d.create]
-    assert kinds[:2] == ["Service", "ConfigMap"] and set(kinds[2:]) == {"Pod"}
+    assert kinds[:3] == ["Service", "NetworkPolicy", "ConfigMap"] and set(kinds[3:]) == {"Pod"}
     assert d.plan is not None
     assert len(pods) == len(d.plan.nodes())
     assert sorted(p["metadata"]["labels"][c.LABEL_ATTEMPT] for p in pods) == ["1"] * len(pods)

@@ -10,6 +10,7 @@ parser is the second line for the offline CLI and for rules a schema cannot expr
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -502,6 +503,17 @@ def _parse_data(f: _Fields, present: bool) -> DataSpec:
     return d
 
 
+_IMAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*")
+
+
+def _check_image(image: str) -> None:
+    """spec.image must look like an image reference (no blanks, no control characters):
+    a job with ``image: ' '`` would otherwise stay Launching forever."""
+    if len(image) > 1024 or not _IMAGE_RE.fullmatch(image):
+        raise SpecError("spec.image", f"must be a container image reference such as "
+                        f"ghcr.io/hettrain/runtime:0.1.0 (got {image[:80]!r})")
+
+
 def parse_job_spec(spec: Mapping[str, Any] | None) -> JobSpec:
     """Parse a HetTrainingJob ``spec`` (camelCase dict) into a :class:`JobSpec`.
 
@@ -518,6 +530,7 @@ def parse_job_spec(spec: Mapping[str, Any] | None) -> JobSpec:
     data = _parse_data(f.sub("data"), f.data.get("data") is not None)
     default_image = JobSpec.__dataclass_fields__["image"].default  # slots: no class attr
     image = f.str_("image", default_image) or default_image
+    _check_image(image)
     command = f.str_list("command")
     args = f.str_list("args")
     suspend = f.bool_("suspend", False)

@@ -9,7 +9,17 @@ Environment (all optional): ``HETTRAIN_METRICS_PORT`` (8080; 0 disables),
 ``HETTRAIN_METRICS_ADDR`` (0.0.0.0), ``HETTRAIN_CLUSTER_CONFIG`` (a cluster YAML whose
 ``links:``/``devices:`` feed the planner), ``HETTRAIN_RESYNC_SECONDS`` (30),
 ``HETTRAIN_CREATE_PARALLELISM`` (16), ``HETTRAIN_KOPF_LOG_LEVEL`` (WARNING: kopf's per-object
-"handler succeeded" lines), ``KUBECONFIG`` (outside a cluster).
+"handler succeeded" lines), ``KUBECONFIG`` (outside a cluster), the planning budget
+(:mod:`hettrain.planguard`: ``HETTRAIN_PLAN_TIMEOUT_SECONDS`` 30, ``HETTRAIN_PLAN_MEMORY_MB``
+1024, ``HETTRAIN_PLAN_WORKERS`` 2), ``HETTRAIN_ALLOWED_PRIORITY_CLASSES`` (comma-separated;
+empty: none), ``HETTRAIN_UNSCHEDULABLE_SECONDS`` (120), ``HETTRAIN_SCRAPER_NAMESPACE``
+(monitoring), ``HETTRAIN_EVENT_INTERVAL_SECONDS`` (60).
+
+Shared clusters: a node is held only by pods whose controller ownerReference is a live job
+(uid checked against the job index) or by the recorded plan of a live job that is launching
+or running; GPUs that other workloads' bound pods request are taken off their node's
+capacity. kopf fills every index (initial LIST) before any daemon runs, so after a restart
+the holdings are rebuilt before the first launch.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -28,13 +39,18 @@ import kopf
 
 from hettrain import metrics
 from hettrain.api import constants as c
+from hettrain.eventlimit import EventLimiter
 from hettrain.kube import apply as kube
+from hettrain.manifests.ownership import controller_job, owned_by
+from hettrain.planguard import Budget, PassWatchdog, PlanWorkers
 from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.inventory import Link, load_topology
 from hettrain.planning.plan import Plan
 from hettrain.reconcile import (
+    UNSCHEDULABLE_SECONDS,
     Decision,
     Observed,
+    default_planner,
     nodes_held_by_others,
     reconcile,
 )
@@ -65,10 +81,21 @@ _expected: dict[tuple[str, str], tuple[int, float, dict[str, dict[str, Any]]]] =
 # every other job holds at that moment, so two jobs planned at once never take the same node.
 _launch_lock = threading.Lock()
 _tasks: dict[tuple[str, str], asyncio.Task[None]] = {}  # finalizer policy "none" only
+# Reconcile passes run here, not in asyncio's small default executor: a pass may wait for a
+# planning worker up to the plan budget, and other jobs' passes must not queue behind it.
+_pass_pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="hettrain-pass")
 EXPECTATION_TTL_SECONDS = 30.0
 _api: Any = None
 _links: tuple[Link, ...] = ()
 _devices: dict[str, DeviceSpec] = {}
+_workers: PlanWorkers | None = None  # planning processes (time/memory budget), from startup
+_watchdog = PassWatchdog(limit_s=3 * 30.0 + 60.0)
+_events = EventLimiter()
+_events_lock = threading.Lock()
+_priority_classes: tuple[str, ...] = ()
+_unschedulable_seconds = UNSCHEDULABLE_SECONDS
+_scraper_namespace = "monitoring"
+HOLDING_PHASES = (c.PHASE_LAUNCHING, c.PHASE_RUNNING)
 
 
 def _resync_seconds() -> float:
@@ -120,10 +147,53 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
                 f"HETTRAIN_CLUSTER_CONFIG={topology}: {err}; point it at a cluster YAML "
                 "(kind: Cluster) with links:/devices:, or unset it") from err
         log.info("topology from %s: %d links, %d devices", topology, len(_links), len(_devices))
+    _configure_shared_cluster()
     _api = kube.load_client(os.environ.get("KUBECONFIG"))
     port = int(os.environ.get("HETTRAIN_METRICS_PORT", "8080"))
     if port:
         metrics.serve(port, os.environ.get("HETTRAIN_METRICS_ADDR", "0.0.0.0"))
+
+
+def _configure_shared_cluster() -> None:
+    """Planning workers, pass watchdog, allow-lists and limits from the environment; a bad
+    value stops the operator naming the variable."""
+    global _workers, _watchdog, _events, _priority_classes, _unschedulable_seconds
+    global _scraper_namespace
+    try:
+        budget = Budget.from_env()
+        _unschedulable_seconds = _positive_env("HETTRAIN_UNSCHEDULABLE_SECONDS",
+                                               UNSCHEDULABLE_SECONDS)
+        _events = EventLimiter(_positive_env("HETTRAIN_EVENT_INTERVAL_SECONDS", 60.0))
+    except ValueError as err:
+        raise kopf.PermanentError(str(err)) from err
+    _priority_classes = tuple(x.strip() for x in os.environ.get(
+        "HETTRAIN_ALLOWED_PRIORITY_CLASSES", "").split(",") if x.strip())
+    _scraper_namespace = os.environ.get("HETTRAIN_SCRAPER_NAMESPACE", "monitoring")
+    _watchdog = PassWatchdog(limit_s=3 * budget.timeout_s + 60.0)
+    _workers = PlanWorkers(budget)
+    _workers.warm()
+    log.info("planning: %d workers, %gs and %d MiB per plan", budget.workers, budget.timeout_s,
+             budget.memory_mb)
+
+
+def _positive_env(var: str, default: float) -> float:
+    raw = os.environ.get(var, "")
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{var}={raw!r}: must be a number of seconds > 0")
+    return value
+
+
+@kopf.on.cleanup()
+async def stop_planning_workers(**_: Any) -> None:
+    """Kill the planning worker processes when the operator exits."""
+    if _workers is not None:
+        _workers.close()
 
 
 @kopf.on.probe(id="jobs")
@@ -132,10 +202,58 @@ async def probe_jobs(**_: Any) -> int:
     return len(_wake)
 
 
+@kopf.on.probe(id="planning")
+async def probe_planning(**_: Any) -> str:
+    """Liveness: unhealthy (HTTP 500) while a planning worker or a reconcile pass is stuck
+    past its deadline; the kubelet then restarts the operator."""
+    stuck = _watchdog.stuck() + (_workers.stuck() if _workers is not None else [])
+    if stuck:
+        raise kopf.PermanentError("stuck: " + "; ".join(stuck[:5]))
+    return "ok"
+
+
 @kopf.index("", "v1", "pods", labels={c.LABEL_JOB: kopf.PRESENT})
-async def pods_by_job(namespace: str, labels: Mapping[str, str], body: Any, **_: Any) -> Any:
-    """Pods of each job: {(namespace, job): [pod, ...]}."""
-    return {(namespace, labels[c.LABEL_JOB]): dict(body)}
+async def pods_by_job(namespace: str, body: Any, **_: Any) -> Any:
+    """Pods of each job by their controller ownerReference (never by label alone):
+    {(namespace, job): [pod, ...]}; the owner's uid is checked where the pods are used."""
+    owner = controller_job(body)
+    if owner is None:
+        return None
+    return {(namespace, owner[0]): dict(body)}
+
+
+@kopf.index(*JOB)
+async def jobs_by_key(namespace: str, name: str, uid: str, body: Any, **_: Any) -> Any:
+    """Live jobs: {(namespace, job): {uid, phase, nodes of the recorded plan}}."""
+    status = body.get("status") or {}
+    return {(namespace, name): {"uid": uid, "phase": status.get("phase"),
+                                "nodes": list((status.get("plan") or {}).get("nodes") or [])}}
+
+
+@kopf.index("", "v1", "pods")
+async def gpu_pods_by_node(namespace: str, name: str, body: Any, **_: Any) -> Any:
+    """Bound, live pods that request GPUs: {node: {pod, owner, gpus}} (any workload)."""
+    spec = body.get("spec") or {}
+    node = spec.get("nodeName")
+    if not node or (body.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return None
+    gpus: dict[str, int] = {}
+    for ctr in spec.get("containers") or ():
+        res = ctr.get("resources") or {}
+        for resource in c.VENDOR_RESOURCES.values():
+            qty = (res.get("requests") or {}).get(resource) or (res.get("limits") or {}).get(
+                resource)
+            try:
+                n = int(str(qty)) if qty is not None else 0
+            except ValueError:
+                n = 0
+            if n > 0:
+                gpus[resource] = gpus.get(resource, 0) + n
+    if not gpus:
+        return None
+    owner = controller_job(body)
+    return {node: {"pod": f"{namespace}/{name}", "gpus": gpus,
+                   "owner": None if owner is None else (namespace, owner[0], owner[1])}}
 
 
 @kopf.index("", "v1", "nodes")
@@ -145,11 +263,12 @@ async def nodes_by_name(name: str, body: Any, **_: Any) -> Any:
 
 
 @kopf.on.event("", "v1", "pods", labels={c.LABEL_JOB: kopf.PRESENT})
-async def pod_changed(namespace: str, labels: Mapping[str, str], type: str | None,
-                      body: Any, **_: Any) -> None:
-    """A job's pod changed: wake its daemon; a pod gone or finished frees its node, so also
-    wake the jobs without a plan (waiting for capacity that other jobs hold)."""
-    _wake_job(namespace, labels[c.LABEL_JOB])
+async def pod_changed(namespace: str, type: str | None, body: Any, **_: Any) -> None:
+    """A job's pod changed: wake its owner's daemon; a pod gone or finished frees its node,
+    so also wake the jobs without a plan (waiting for capacity that other jobs hold)."""
+    owner = controller_job(body or {})
+    if owner is not None:
+        _wake_job(namespace, owner[0])
     phase = ((body or {}).get("status") or {}).get("phase")
     if type == "DELETED" or phase in ("Succeeded", "Failed"):
         _wake_unplanned()
@@ -168,7 +287,8 @@ async def node_changed(name: str, type: str | None, **_: Any) -> None:
 
 @kopf.on.event(*JOB)
 async def job_changed(namespace: str, name: str, meta: Mapping[str, Any], type: str | None,
-                      body: Any, pods_by_job: Any, nodes_by_name: Any, **_: Any) -> None:
+                      body: Any, pods_by_job: Any, nodes_by_name: Any, jobs_by_key: Any,
+                      gpu_pods_by_node: Any, **_: Any) -> None:
     """A spec edit (new generation: suspend, resize...) wakes the daemon, which re-plans;
     deletion drops the job's caches and metrics.
 
@@ -177,8 +297,14 @@ async def job_changed(namespace: str, name: str, meta: Mapping[str, Any], type: 
     """
     key = (namespace, name)
     if FINALIZER_POLICY == "none":
-        _supervise(key, type, meta, body, pods_by_job, nodes_by_name)
+        _supervise(key, type, meta, body, pods_by_job, nodes_by_name, jobs_by_key,
+                   gpu_pods_by_node)
+    deleting = type == "DELETED" or meta.get("deletionTimestamp")
+    if deleting and _workers is not None and _workers.abandon(key):  # stop planning it
+        log.info("%s/%s deleted: its planning was abandoned", namespace, name)
     if type == "DELETED":  # children are garbage-collected through their ownerReferences
+        with _events_lock:
+            _events.forget(key)
         _generations.pop(key, None)
         _plans.pop(key, None)
         _expected.pop(key, None)
@@ -190,15 +316,16 @@ async def job_changed(namespace: str, name: str, meta: Mapping[str, Any], type: 
         _wake_job(namespace, name)
 
 
-def _current_plan(ns: str, name: str, status: Mapping[str, Any]) -> Plan | None:
+def _current_plan(ns: str, name: str, status: Mapping[str, Any], uid: str) -> Plan | None:
     attempt = int(status.get("attempt") or 0)
+    cm = (status.get("plan") or {}).get("configMap")
+    if not attempt or not cm:  # no plan recorded (or dropped by a repair waiting for room)
+        _plans.pop((ns, name), None)
+        return None
     cached = _plans.get((ns, name))
     if cached and cached[0] == attempt:
         return cached[1]
-    cm = (status.get("plan") or {}).get("configMap")
-    if not attempt or not cm:
-        return None
-    text = kube.read_plan_json(_api, ns, cm)
+    text = kube.read_plan_json(_api, ns, cm, owner_uid=uid)
     if text is None:
         return None
     plan = Plan.from_json(text)
@@ -206,11 +333,11 @@ def _current_plan(ns: str, name: str, status: Mapping[str, Any]) -> Plan | None:
     return plan
 
 
-def _apply(ns: str, name: str, d: Decision, old_phase: str | None) -> None:
+def _apply(ns: str, name: str, d: Decision, old_phase: str | None, uid: str) -> None:
     """Deletes; Service + plan ConfigMap; status (write-ahead: attempt and plan are recorded
     before any pod exists, so a restart resumes the same attempt); then the pods as a gang."""
     if d.delete:
-        kube.delete_all(_api, ns, d.delete)
+        kube.delete_all(_api, ns, d.delete, owner_uid=uid)
     pods = [o for o in d.create if o["kind"] == "Pod"]
     # Service, ConfigMap and the status write go out together; the pods only after all three.
     # (A new attempt's ConfigMap left by a crash before its status write is stale: replace.)
@@ -259,9 +386,22 @@ def _with_expected(ns: str, name: str, pods: list[dict[str, Any]], attempt: int
     return pods + [p for n, p in created.items() if n not in seen]
 
 
-def reconcile_once(ns: str, name: str, pods_by_job: Any, nodes_by_name: Any
+def reconcile_once(ns: str, name: str, pods_by_job: Any, nodes_by_name: Any,
+                   jobs_by_key: Any = None, gpu_pods_by_node: Any = None
                    ) -> tuple[dict[str, Any], Decision] | None:
     """Read the job, observe (indices), decide (pure), apply (API) once; None if it is gone."""
+    key = (ns, name)
+    _watchdog.begin(key)
+    try:
+        return _reconcile_once(ns, name, pods_by_job, nodes_by_name, jobs_by_key or {},
+                               gpu_pods_by_node or {})
+    finally:
+        _watchdog.end(key)
+
+
+def _reconcile_once(ns: str, name: str, pods_by_job: Any, nodes_by_name: Any,
+                    jobs_by_key: Any, gpu_pods_by_node: Any
+                    ) -> tuple[dict[str, Any], Decision] | None:
     t0 = time.perf_counter()
     body = kube.get_job(_api, ns, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
@@ -270,24 +410,31 @@ def reconcile_once(ns: str, name: str, pods_by_job: Any, nodes_by_name: Any
     pods = _with_expected(ns, name, list(pods_by_job.get((ns, name), [])),
                           int(status.get("attempt") or 0))
     nodes = [n for store in nodes_by_name.values() for n in store]
-    obs = Observed(pods=pods, nodes=nodes, plan=_current_plan(ns, name, status),
-                   links=_links, devices=_devices)
-    obs = replace(obs, held=_held_by_others(ns, name, pods_by_job))
+    key = (ns, name)
+    live = _live_jobs(jobs_by_key)
+    live[key] = str((body.get("metadata") or {}).get("uid") or "")
+    obs = Observed(pods=pods, nodes=nodes, plan=_current_plan(ns, name, status, live[key]),
+                   links=_links, devices=_devices,
+                   foreign_gpus=_foreign_gpus(gpu_pods_by_node, live),
+                   unschedulable_seconds=_unschedulable_seconds,
+                   priority_classes=_priority_classes, scraper_namespace=_scraper_namespace)
+    obs = replace(obs, held=_held_by_others(ns, name, pods_by_job, jobs_by_key))
+    planner = (_workers.planner((ns, name)) if _workers is not None else default_planner)
     t1 = time.perf_counter()
-    d = reconcile(body, obs)
-    if d.plan_failure:
+    d = reconcile(body, obs, planner)
+    if d.plan_failure and not d.plan_budget_exceeded:
         # Never fail or park a job on a lagging watch cache: re-plan once on a fresh LIST.
-        d = reconcile(body, replace(obs, nodes=kube.list_nodes(_api)))
+        d = reconcile(body, replace(obs, nodes=kube.list_nodes(_api)), planner)
     if d.plan is None:
         t2 = time.perf_counter()
-        _apply(ns, name, d, status.get("phase"))
+        _apply(ns, name, d, status.get("phase"), live[key])
     else:
         with _launch_lock:  # another job may have launched onto these nodes meanwhile
-            held = _held_by_others(ns, name, pods_by_job)
+            held = _held_by_others(ns, name, pods_by_job, jobs_by_key)
             if not set(d.plan.nodes()).isdisjoint(held):
-                d = reconcile(body, replace(obs, held=held))
+                d = reconcile(body, replace(obs, held=held), planner)
             t2 = time.perf_counter()
-            _apply(ns, name, d, status.get("phase"))
+            _apply(ns, name, d, status.get("phase"), live[key])
     if d.create or d.delete:
         log.info("%s/%s: read %.0f ms, decide %.0f ms (plan %.0f ms), apply %.0f ms: "
                  "%d created, %d deleted", ns, name, 1e3 * (t1 - t0), 1e3 * (t2 - t1),
@@ -296,18 +443,66 @@ def reconcile_once(ns: str, name: str, pods_by_job: Any, nodes_by_name: Any
     return body, d
 
 
-def _held_by_others(ns: str, name: str, pods_by_job: Any) -> dict[str, str]:
-    """Nodes other jobs' live pods hold: the index plus pods just created but not indexed yet."""
-    pods: dict[tuple[str, str], list[Any]] = {key: list(store)
-                                              for key, store in pods_by_job.items()}
+def _live_jobs(jobs_by_key: Any) -> dict[tuple[str, str], str]:
+    """{(namespace, job): uid} of the jobs the index holds."""
+    out = {}
+    for key, store in list(jobs_by_key.items()):
+        for entry in store:
+            out[tuple(key)] = str(entry.get("uid") or "")
+    return out  # type: ignore[return-value]
+
+
+def _held_by_others(ns: str, name: str, pods_by_job: Any, jobs_by_key: Any = None
+                    ) -> dict[str, str]:
+    """Nodes other live jobs hold: their own pods (controller ownerReference with the job's
+    uid; a pod that merely carries the label holds nothing), pods just created but not
+    indexed yet, and the recorded plan of every other job launching or running (its status
+    is written before its pods: after a restart mid-launch, the nodes stay booked)."""
+    live = _live_jobs(jobs_by_key or {})
+    pods: dict[tuple[str, str], list[Any]] = {}
+    for key, store in list(pods_by_job.items()):
+        uid = live.get(tuple(key))
+        if uid:
+            pods[tuple(key)] = [p for p in store if owned_by(p, uid)]  # type: ignore[index]
     for key, (_, _, created) in list(_expected.items()):
         pods.setdefault(key, []).extend(created.values())
-    return nodes_held_by_others(pods, (ns, name))
+    held = nodes_held_by_others(pods, (ns, name))
+    for key, store in list((jobs_by_key or {}).items()):
+        if tuple(key) == (ns, name):
+            continue
+        for entry in store:
+            if entry.get("phase") in HOLDING_PHASES:
+                for node in entry.get("nodes") or ():
+                    held.setdefault(node, f"{key[0]}/{key[1]}")
+    return held
+
+
+def _foreign_gpus(gpu_pods_by_node: Any, live: Mapping[tuple[str, str], str]
+                  ) -> dict[str, dict[str, int]]:
+    """GPUs requested per node by bound pods that are not a live job's own (other workloads,
+    pods of deleted jobs still terminating, label squatters)."""
+    out: dict[str, dict[str, int]] = {}
+    for node, store in list(gpu_pods_by_node.items()):
+        for entry in store:
+            owner = entry.get("owner")
+            if owner is not None and live.get((owner[0], owner[1])) == owner[2]:
+                continue
+            used = out.setdefault(node, {})
+            for resource, n in (entry.get("gpus") or {}).items():
+                used[resource] = used.get(resource, 0) + int(n)
+    return out
 
 
 def _post_events(body: Mapping[str, Any], d: Decision) -> None:
+    """Post the decision's Events, rate-limited and aggregated per job and reason."""
+    meta = body.get("metadata") or {}
+    key = (meta.get("namespace"), meta.get("name"))
+    now = time.monotonic()
     for ev in d.events:
-        kopf.event(dict(body), type=ev.type, reason=ev.reason, message=ev.message[:1000])
+        with _events_lock:
+            message = _events.admit(key, ev.type, ev.reason, ev.message, now)
+        if message is not None:
+            kopf.event(dict(body), type=ev.type, reason=ev.reason, message=message[:1000])
 
 
 class _Running:
@@ -321,7 +516,8 @@ class _Running:
 
 
 def _supervise(key: tuple[str, str], type: str | None, meta: Mapping[str, Any], body: Any,
-               pods_by_job: Any, nodes_by_name: Any) -> None:
+               pods_by_job: Any, nodes_by_name: Any, jobs_by_key: Any = None,
+               gpu_pods_by_node: Any = None) -> None:
     """Finalizer policy "none": one job loop task per live job, started on its first event
     (the initial listing too, so a restarted operator picks every job up), ended on DELETED."""
     task = _tasks.get(key)
@@ -332,7 +528,8 @@ def _supervise(key: tuple[str, str], type: str | None, meta: Mapping[str, Any], 
         return
     if task is None or task.done():
         _tasks[key] = asyncio.create_task(
-            job_loop(_Running(), body, key[0], key[1], pods_by_job, nodes_by_name),
+            job_loop(_Running(), body, key[0], key[1], pods_by_job, nodes_by_name,
+                     jobs_by_key, gpu_pods_by_node),
             name=f"hettrain-job-{key[0]}-{key[1]}")
 
 
@@ -346,9 +543,11 @@ async def stop_job_tasks(**_: Any) -> None:
 
 
 async def job_daemon(stopped: kopf.DaemonStopped, body: Any, namespace: str, name: str,
-                     pods_by_job: Any, nodes_by_name: Any, **_: Any) -> None:
+                     pods_by_job: Any, nodes_by_name: Any, jobs_by_key: Any,
+                     gpu_pods_by_node: Any, **_: Any) -> None:
     """One kopf daemon per job (finalizer policy "finalizer"): runs :func:`job_loop`."""
-    await job_loop(stopped, body, namespace, name, pods_by_job, nodes_by_name)
+    await job_loop(stopped, body, namespace, name, pods_by_job, nodes_by_name, jobs_by_key,
+                   gpu_pods_by_node)
 
 
 if FINALIZER_POLICY == "finalizer":
@@ -356,7 +555,8 @@ if FINALIZER_POLICY == "finalizer":
 
 
 async def job_loop(stopped: Any, body: Any, namespace: str, name: str, pods_by_job: Any,
-                   nodes_by_name: Any) -> None:
+                   nodes_by_name: Any, jobs_by_key: Any = None, gpu_pods_by_node: Any = None
+                   ) -> None:
     """Reconcile the job on every wake-up (pod/node/spec events) or retry deadline, until
     ``stopped`` is truthy or the job is gone."""
     key = (namespace, name)
@@ -365,18 +565,33 @@ async def job_loop(stopped: Any, body: Any, namespace: str, name: str, pods_by_j
         while not stopped:
             wake.clear()
             try:
-                result = await asyncio.to_thread(reconcile_once, namespace, name, pods_by_job,
-                                                 nodes_by_name)
+                result = await asyncio.get_running_loop().run_in_executor(
+                    _pass_pool, reconcile_once, namespace, name, pods_by_job, nodes_by_name,
+                    jobs_by_key, gpu_pods_by_node)
                 if result is None:
                     return
                 fresh, d = result
                 _post_events(fresh, d)
                 delay = d.retry_after if d.retry_after is not None else _resync_seconds()
+            except kube.ForeignObjectError as err:
+                metrics.RECONCILE_ERRORS.labels("foreign-object").inc()
+                log.warning("%s/%s: %s", namespace, name, err)
+                with _events_lock:
+                    msg = _events.admit(key, "Warning", "ForeignObject", str(err),
+                                        time.monotonic())
+                if msg is not None:
+                    kopf.event(dict(body), type="Warning", reason="ForeignObject",
+                               message=msg[:1000])
+                delay = ERROR_RETRY_SECONDS
             except kube.GangCreateError as err:
                 metrics.RECONCILE_ERRORS.labels("gang-create").inc()
                 log.warning("gang create %s/%s failed: %s", namespace, name, err)
-                kopf.event(dict(body), type="Warning", reason="GangCreateFailed",
-                           message=str(err)[:1000])
+                with _events_lock:
+                    msg = _events.admit(key, "Warning", "GangCreateFailed", str(err),
+                                        time.monotonic())
+                if msg is not None:
+                    kopf.event(dict(body), type="Warning", reason="GangCreateFailed",
+                               message=msg[:1000])
                 delay = ERROR_RETRY_SECONDS
             except Exception:
                 metrics.RECONCILE_ERRORS.labels("reconcile").inc()

@@ -18,17 +18,25 @@ from kubernetes import config as k8s_config
 from kubernetes.client.rest import ApiException
 
 from hettrain.api import constants as c
+from hettrain.manifests.ownership import controller_job, owned_by
 
 #: Concurrent API requests when creating/deleting a gang (``HETTRAIN_CREATE_PARALLELISM``).
 PARALLELISM = max(1, int(os.environ.get("HETTRAIN_CREATE_PARALLELISM", "16")))
 REQUEST_TIMEOUT_S = 30.0
 _MERGE_PATCH = "application/merge-patch+json"
-_PLURALS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps"}
+_PLURALS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps",
+            "NetworkPolicy": "networkpolicies"}
+_GROUP_PATHS = {"NetworkPolicy": "/apis/networking.k8s.io/v1"}
 _pool = ThreadPoolExecutor(max_workers=PARALLELISM, thread_name_prefix="hettrain-kube")
 
 
 class GangCreateError(RuntimeError):
     """Some pods of a gang could not be created; the ones created were deleted again."""
+
+
+class ForeignObjectError(RuntimeError):
+    """An object with a child's name exists but the job does not own it: never adopted,
+    merged into or deleted."""
 
 
 def load_client(kubeconfig: str | None = None) -> k8s.ApiClient:
@@ -43,25 +51,43 @@ def load_client(kubeconfig: str | None = None) -> k8s.ApiClient:
     return k8s.ApiClient(cfg)
 
 
+def raw_request(api: k8s.ApiClient, method: str, path: str, body: Any = None,
+                content_type: str = "application/json",
+                timeout: float | tuple[float, float] = REQUEST_TIMEOUT_S
+                ) -> tuple[int, str, bytes]:
+    """One request with either generation of the kubernetes client (37+: ``param_serialize``;
+    36: the older ``call_api``); returns (status, reason, raw body), never raising on a
+    non-2xx status."""
+    headers = {"Content-Type": content_type, "Accept": "application/json"}
+    if hasattr(api, "param_serialize"):
+        params = api.param_serialize(method=method, resource_path=path, header_params=headers,
+                                     body=body, auth_settings=["BearerToken"])
+        resp = api.call_api(*params, _request_timeout=timeout)
+        return resp.status, str(resp.reason), resp.read()
+    try:
+        resp = api.call_api(path, method, header_params=headers, body=body,
+                            auth_settings=["BearerToken"], _preload_content=False,
+                            _return_http_data_only=True, _request_timeout=timeout)
+    except ApiException as err:
+        data = err.body if isinstance(err.body, bytes) else str(err.body or "").encode()
+        return int(err.status or 0), str(err.reason), data
+    return resp.status, str(resp.reason), resp.data
+
+
 def request(api: k8s.ApiClient, method: str, path: str, body: Any = None,
             content_type: str = "application/json", ok: Sequence[int] = ()
             ) -> tuple[int, dict[str, Any]]:
     """One JSON request; returns (status, body). Raises ApiException unless 2xx or in ``ok``."""
-    params = api.param_serialize(
-        method=method, resource_path=path,
-        header_params={"Content-Type": content_type, "Accept": "application/json"},
-        body=body, auth_settings=["BearerToken"])
-    resp = api.call_api(*params, _request_timeout=REQUEST_TIMEOUT_S)
-    data = resp.read()
-    if not (200 <= resp.status < 300 or resp.status in ok):
-        raise ApiException(status=resp.status, reason=resp.reason, body=data)
-    return resp.status, (json.loads(data) if data else {})
+    status, reason, data = raw_request(api, method, path, body, content_type)
+    if not (200 <= status < 300 or status in ok):
+        raise ApiException(status=status, reason=reason, body=data)
+    return status, (json.loads(data) if data else {})
 
 
 def _collection(ns: str, kind: str) -> str:
     if kind not in _PLURALS:
         raise ValueError(f"kind {kind!r} is not a child kind; expected one of {list(_PLURALS)}")
-    return f"/api/v1/namespaces/{quote(ns)}/{_PLURALS[kind]}"
+    return f"{_GROUP_PATHS.get(kind, '/api/v1')}/namespaces/{quote(ns)}/{_PLURALS[kind]}"
 
 
 def job_path(ns: str, name: str) -> str:
@@ -70,31 +96,56 @@ def job_path(ns: str, name: str) -> str:
 
 
 def create(api: k8s.ApiClient, ns: str, obj: dict[str, Any], replace: bool = False) -> bool:
-    """Create one object; True if created. Already there (409): False, or with ``replace``
-    its ``data``/labels are overwritten by a merge patch (ConfigMaps of a not-yet-launched
-    attempt)."""
+    """Create one object; True if created. Already there (409): False if the job (the
+    object's own controller ownerReference, by uid) owns it, or with ``replace`` its
+    ``data``/labels are overwritten by a merge patch (ConfigMaps of a not-yet-launched
+    attempt). An existing object the job does not own raises :class:`ForeignObjectError`."""
     path = _collection(ns, obj["kind"])
     status, _ = request(api, "POST", path, obj, ok=(409,))
     if status != 409:
         return True
+    name = obj["metadata"]["name"]
+    owner = controller_job(obj)
+    got, existing = request(api, "GET", f"{path}/{quote(name)}", ok=(404,))
+    if got == 404:  # deleted meanwhile: the next pass creates it
+        return False
+    if owner is None or not owned_by(existing, owner[1]):
+        raise ForeignObjectError(
+            f"{obj['kind']} {ns}/{name} exists but is not owned by job {owner and owner[0]}; "
+            "delete or rename it (the operator never adopts objects it does not own)")
     if replace:
-        patch = {"metadata": {"labels": obj["metadata"].get("labels") or {}},
+        patch = {"metadata": {"labels": obj["metadata"].get("labels") or {},
+                              "resourceVersion": existing["metadata"]["resourceVersion"]},
                  "data": obj.get("data") or {}}
-        request(api, "PATCH", f"{path}/{quote(obj['metadata']['name'])}", patch, _MERGE_PATCH)
+        request(api, "PATCH", f"{path}/{quote(name)}", patch, _MERGE_PATCH)
     return False
 
 
-def delete(api: k8s.ApiClient, ns: str, kind: str, name: str) -> bool:
-    """Delete one object at once (grace 0, children in background); False if already gone."""
-    body = {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0,
-            "propagationPolicy": "Background"}
-    status, _ = request(api, "DELETE", f"{_collection(ns, kind)}/{quote(name)}", body, ok=(404,))
-    return status != 404
+def delete(api: k8s.ApiClient, ns: str, kind: str, name: str, owner_uid: str | None = None
+           ) -> bool:
+    """Delete one object at once (grace 0, children in background); False if already gone.
+
+    With ``owner_uid`` the object is read first and deleted only if that job controls it,
+    with a uid precondition (a foreign object of the same name is left alone: False)."""
+    path = f"{_collection(ns, kind)}/{quote(name)}"
+    body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1",
+                            "gracePeriodSeconds": 0, "propagationPolicy": "Background"}
+    if owner_uid is not None:
+        got, existing = request(api, "GET", path, ok=(404,))
+        if got == 404 or not owned_by(existing, owner_uid):
+            return False
+        body["preconditions"] = {"uid": existing["metadata"]["uid"]}
+    status, _ = request(api, "DELETE", path, body, ok=(404, 409))
+    return status not in (404, 409)
 
 
-def delete_all(api: k8s.ApiClient, ns: str, items: Iterable[tuple[str, str]]) -> None:
-    """Delete objects in parallel; already gone is fine."""
-    list(_pool.map(lambda kn: delete(api, ns, kn[0], kn[1]), list(dict.fromkeys(items))))
+def delete_all(api: k8s.ApiClient, ns: str, items: Iterable[tuple[str, str]],
+               owner_uid: str | None = None) -> None:
+    """Delete objects in parallel; already gone is fine. Pods (observed as the job's own)
+    go directly; other kinds only if ``owner_uid`` controls them (when given)."""
+    list(_pool.map(lambda kn: delete(api, ns, kn[0], kn[1],
+                                     None if kn[0] == "Pod" else owner_uid),
+                   list(dict.fromkeys(items))))
 
 
 def run_all(calls: Sequence[Callable[[], Any]]) -> list[Any]:
@@ -154,11 +205,13 @@ def patch_status(api: k8s.ApiClient, ns: str, name: str, status: dict[str, Any]
     return body
 
 
-def read_plan_json(api: k8s.ApiClient, ns: str, configmap: str) -> str | None:
-    """plan.json of a plan ConfigMap, or None when it is gone."""
+def read_plan_json(api: k8s.ApiClient, ns: str, configmap: str, owner_uid: str | None = None
+                   ) -> str | None:
+    """plan.json of a plan ConfigMap, or None when it is gone (or, with ``owner_uid``, not
+    that job's own)."""
     status, cm = request(api, "GET", f"{_collection(ns, 'ConfigMap')}/{quote(configmap)}",
                          ok=(404,))
-    if status == 404:
+    if status == 404 or (owner_uid is not None and not owned_by(cm, owner_uid)):
         return None
     return (cm.get("data") or {}).get(c.PLAN_CONFIGMAP_KEY)
 

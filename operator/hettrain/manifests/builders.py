@@ -18,6 +18,7 @@ from hettrain.api.spec import DATA_MOUNT_DIR, JobSpec
 from hettrain.planning.plan import Plan
 
 MAX_NAME = 63
+MAX_LABEL_VALUE = 63
 PLAN_MOUNT_DIR = "/etc/hettrain"
 CHECKPOINT_MOUNT_DIR = "/checkpoints"
 COMPONENT_WORKER = "worker"
@@ -88,11 +89,21 @@ def owner_reference(job: JobRef) -> dict[str, Any]:
             "controller": True, "blockOwnerDeletion": True}
 
 
+def job_label(job: str) -> str:
+    """The job's name as a label value: itself when it fits (≤ 63), else truncated with a
+    stable 6-hex hash suffix (job names may have up to 253 characters)."""
+    if len(job) <= MAX_LABEL_VALUE:
+        return job
+    digest = hashlib.sha256(job.encode()).hexdigest()[:6]
+    return f"{job[: MAX_LABEL_VALUE - 7].rstrip('-.')}-{digest}"
+
+
 def common_labels(job: str, component: str) -> dict[str, str]:
-    """app.kubernetes.io/* and hettrain.dev/job labels."""
-    return {c.LABEL_APP_NAME: "hettrain", c.LABEL_APP_INSTANCE: job,
+    """app.kubernetes.io/* and hettrain.dev/job labels (values per :func:`job_label`)."""
+    value = job_label(job)
+    return {c.LABEL_APP_NAME: "hettrain", c.LABEL_APP_INSTANCE: value,
             c.LABEL_APP_COMPONENT: component, c.LABEL_APP_MANAGED_BY: MANAGED_BY,
-            c.LABEL_JOB: job}
+            c.LABEL_JOB: value}
 
 
 def _meta(job: JobRef, name: str, labels: dict[str, str]) -> dict[str, Any]:
@@ -106,7 +117,7 @@ def build_service(job: JobRef) -> dict[str, Any]:
         "apiVersion": "v1", "kind": "Service",
         "metadata": _meta(job, service_name(job.name), common_labels(job.name, "rendezvous")),
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                 "selector": {c.LABEL_JOB: job.name},
+                 "selector": {c.LABEL_JOB: job_label(job.name)},
                  "ports": [{"name": "rendezvous", "port": c.DEFAULT_MASTER_PORT}]},
     }
 
@@ -209,6 +220,64 @@ def build_pods(job: JobRef, spec: JobSpec, plan: Plan, attempt: int,
             pod_spec["priorityClassName"] = spec.priority_class_name
         if spec.scheduler_name:
             pod_spec["schedulerName"] = spec.scheduler_name
+        _harden_pod(pod_spec, container, spec)
         pods.append({"apiVersion": "v1", "kind": "Pod",
                      "metadata": _meta(job, name, labels), "spec": pod_spec})
     return pods
+
+
+# ---------------------------------------------------------------- security (shared clusters)
+
+#: TCP ports a training pod listens on besides the TCPStore (MASTER_PORT): the ephemeral
+#: range is pinned by the namespaced sysctl ``net.ipv4.ip_local_port_range`` (a "safe"
+#: sysctl, allowed by Pod Security "restricted"), so gloo/NCCL listeners land inside it and
+#: the job's NetworkPolicy can admit exactly these ports.
+COLLECTIVE_PORT_RANGE = (30000, 30999)
+RUNTIME_METRICS_PORT = 9400
+RUNTIME_UID = 10001  # the runtime image's user (images/runtime/Dockerfile)
+ENV_COLLECTIVE_PORTS = "HETTRAIN_COLLECTIVE_PORTS"
+
+
+def _harden_pod(pod_spec: dict[str, Any], container: dict[str, Any], spec: JobSpec) -> None:
+    """Pod Security "restricted": non-root, RuntimeDefault seccomp, no privilege escalation,
+    all capabilities dropped; no ServiceAccount token; collective ports pinned."""
+    lo, hi = COLLECTIVE_PORT_RANGE
+    pod_spec["automountServiceAccountToken"] = False
+    pod_spec["securityContext"] = {
+        "runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID,
+        "fsGroup": RUNTIME_UID, "seccompProfile": {"type": "RuntimeDefault"},
+        "sysctls": [{"name": "net.ipv4.ip_local_port_range", "value": f"{lo} {hi}"}]}
+    container["securityContext"] = {
+        "allowPrivilegeEscalation": False, "runAsNonRoot": True, "privileged": False,
+        "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+    container["env"].append({"name": ENV_COLLECTIVE_PORTS, "value": f"{lo}-{hi}"})
+
+
+def network_policy_name(job: str) -> str:
+    """The per-job NetworkPolicy."""
+    return dns_name(job, "net", limit=253)
+
+
+def build_network_policy(job: JobRef, scraper_namespace: str = "monitoring") -> dict[str, Any]:
+    """Ingress to the job's pods only from the job's own pods, on the ports they use
+    (TCPStore, the pinned collective range), plus the metrics port from the scraper's
+    namespace. Everything else (other tenants, other jobs) is denied."""
+    me = {c.LABEL_JOB: job_label(job.name)}
+    lo, hi = COLLECTIVE_PORT_RANGE
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _meta(job, network_policy_name(job.name),
+                          common_labels(job.name, "network-policy")),
+        "spec": {
+            "podSelector": {"matchLabels": me},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": me}}],
+                 "ports": [{"protocol": "TCP", "port": c.DEFAULT_MASTER_PORT},
+                           {"protocol": "TCP", "port": lo, "endPort": hi}]},
+                {"from": [{"namespaceSelector": {"matchLabels": {
+                    "kubernetes.io/metadata.name": scraper_namespace}}}],
+                 "ports": [{"protocol": "TCP", "port": RUNTIME_METRICS_PORT}]},
+            ],
+        },
+    }
