@@ -20,7 +20,7 @@ from hettrain.runtime.config import ENV_OPTIMIZER, OPTIMIZERS, RuntimeConfig
 from hettrain.runtime.data import microbatches
 from hettrain.runtime.devices import activate, select_device
 from hettrain.runtime.metrics import RuntimeMetrics
-from hettrain.runtime.model import StageModel, lm_loss, whole_model
+from hettrain.runtime.model import StageModel, check_layout, lm_loss, whole_model
 from hettrain.runtime.pipeline import StageRunner
 from hettrain.runtime.tensor_parallel import check_tp, shard_stage_
 
@@ -111,6 +111,7 @@ class Trainer:
         self.me = plan.ranks[rank]
         st = plan.stages[self.me.stage]
         check_tp(plan.model, st.tp, f"plan.stages[{st.index}]")
+        check_layout(plan.model, plan.pp)
         self.xdc = cross_dc_settings(plan)
         choice = select_device(st.vendor, rank - cfg.rank_start, cfg.device)
         self.device = choice.device
@@ -122,7 +123,8 @@ class Trainer:
         self.model = StageModel(plan.model, st.layer_start, st.layer_end,
                                 has_embedding=st.index == 0, has_head=st.index == plan.pp - 1,
                                 seed=plan.training.seed,
-                                chunks=chunk_layer_ranges(plan)[st.index])
+                                chunks=chunk_layer_ranges(plan)[st.index],
+                                recompute=plan.training.recompute)
         tp_members = ([plan.ranks[g].tp for g in dist.get_process_group_ranks(self.comm.tp_group)]
                       if st.tp > 1 else [0])
         self.tp = shard_stage_(self.model, plan.model, st.tp, self.me.tp, self.comm.tp_group,
