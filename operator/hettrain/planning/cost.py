@@ -150,8 +150,9 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     tokens_bytes = model.seq_len * micro_batch * model.hidden * eb
     if first:
         fixed += embedding_params(model) / tp * per_param + tokens_bytes * in_flight / tp
-    if last and not (first and model.tie_embeddings):  # tied: one tensor for both ends
-        fixed += embedding_params(model) / tp * per_param
+    if last:
+        if not (first and model.tie_embeddings):  # tied: one tensor for both ends
+            fixed += embedding_params(model) / tp * per_param
         # fp32 logits for the loss of one microbatch (vocab-parallel cross entropy)
         fixed += model.seq_len * micro_batch * model.vocab / tp * 4.0 * 2
     return StageMemory(fixed, per_layer)
