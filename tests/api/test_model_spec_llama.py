@@ -64,3 +64,22 @@ def test_tied_single_stage_counts_the_embedding_once():
     kw = dict(tp=1, dp=1, micro_batch=1, in_flight=1, first=True, last=True)
     diff = stage_memory(m, tr, **kw).fixed - stage_memory(t, tr, **kw).fixed
     assert diff == m.vocab * m.hidden * 18  # bf16 + fp32 grads + Adam (2 + 4 + 12 bytes)
+
+
+def test_tied_embeddings_refuse_a_pinned_pipeline_and_plan_one_stage():
+    with pytest.raises(SpecError) as err:
+        parse_job_spec({"model": {"preset": "llama-tiny", "tieEmbeddings": True},
+                        "training": {"globalBatch": 8, "steps": 1},
+                        "parallelism": {"pp": 2}})
+    assert err.value.field == "spec.parallelism.pp" and "tieEmbeddings" in err.value.message
+    from pathlib import Path
+
+    from hettrain.planning.inventory import load_cluster
+    from hettrain.planning.planner import plan_job
+    root = Path(__file__).resolve().parents[2]
+    inv = load_cluster(root / "examples/clusters/local-cpu.yaml")
+    doc = {"model": {"preset": "llama-tiny"}, "training": {"globalBatch": 8, "steps": 1}}
+    assert plan_job("j", parse_job_spec(doc), inv).pp > 1  # untied: the planner pipelines
+    doc["model"]["tieEmbeddings"] = True
+    plan = plan_job("j", parse_job_spec(doc), inv)
+    assert plan.pp == 1 and plan.model.tie_embeddings

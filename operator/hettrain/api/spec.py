@@ -491,6 +491,12 @@ def parse_job_spec(spec: Mapping[str, Any] | None) -> JobSpec:
             "spec.parallelism.pp",
             f"pp ({parallelism.pp}) exceeds the model's layers ({model.layers})",
         )
+    if model.tie_embeddings and parallelism.pp is not None and parallelism.pp > 1:
+        raise SpecError(
+            "spec.parallelism.pp",
+            f"pp ({parallelism.pp}) > 1 with spec.model.tieEmbeddings: the runtime trains tied "
+            "embeddings only in one pipeline stage; set pp: 1 or tieEmbeddings: false",
+        )
     return JobSpec(
         model=model, training=training, placement=placement, parallelism=parallelism,
         cross_dc=cross_dc, checkpoint=checkpoint, failure_policy=failure, image=image,

@@ -26,7 +26,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hettrain.api.spec import JobSpec
 from hettrain.planning import cost
@@ -682,6 +682,8 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     accumulation absorbs a smaller ``dp``) and, among layouts within 2% of the best, the one
     that moves the fewest surviving ranks to another stage wins.
     """
+    if spec.model.tie_embeddings:  # the runtime trains tied embeddings only without PP
+        spec = replace(spec, parallelism=replace(spec.parallelism, pp=1))
     pools = filter_pools(inventory, spec.placement)
     if not pools:
         pl = spec.placement
