@@ -40,7 +40,8 @@ class ModelSpec:
     RoPE: ``rope_theta`` is the base; ``rope_factor`` > 1 applies Llama 3.1 frequency scaling
     (``rope_low_freq_factor``, ``rope_high_freq_factor``, ``rope_original_max_positions``), as
     Hugging Face's ``rope_type: llama3``; 1.0 means plain RoPE. ``tie_embeddings`` shares the
-    token embedding with the output layer.
+    token embedding with the output layer. ``pretrained`` (a path in the pods) names Hugging
+    Face safetensors weights to start from instead of the seeded init.
     """
 
     layers: int
@@ -59,6 +60,7 @@ class ModelSpec:
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
     tie_embeddings: bool = False
+    pretrained: str | None = None  # HF safetensors file or directory the runtime starts from
 
     @property
     def head_dim(self) -> int:
@@ -343,8 +345,8 @@ def _parse_model(f: _Fields) -> ModelSpec:
 
 
 def _parse_llama_fields(f: _Fields, base: dict[str, Any]) -> dict[str, Any]:
-    """``normEps``, ``ropeTheta``, ``ropeScaling`` and ``tieEmbeddings`` (preset values as
-    defaults) as ModelSpec keyword arguments."""
+    """``normEps``, ``ropeTheta``, ``ropeScaling``, ``tieEmbeddings`` (preset values as
+    defaults) and ``pretrained`` as ModelSpec keyword arguments."""
     d = ModelSpec.__dataclass_fields__
     out: dict[str, Any] = {}
     out["norm_eps"] = f.float_("normEps", base.get("norm_eps", d["norm_eps"].default))
@@ -372,6 +374,7 @@ def _parse_llama_fields(f: _Fields, base: dict[str, Any]) -> dict[str, Any]:
                         f"(got {out['rope_high_freq_factor']}); Llama 3.1 uses 4 and 1")
     out["tie_embeddings"] = f.bool_("tieEmbeddings",
                                     bool(base.get("tie_embeddings", False)))
+    out["pretrained"] = f.str_("pretrained")
     return out
 
 

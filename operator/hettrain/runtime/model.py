@@ -94,6 +94,9 @@ class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        # the Parameter itself, for the W pass: a saved tensor unpacked after a recompute
+        # (torch.utils.checkpoint) is another tensor object whose .grad nobody reads
+        ctx.param = weight
         return F.linear(x, weight)
 
     @staticmethod
@@ -103,7 +106,7 @@ class _SplitLinear(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             return gx, None
         if _STORE:
-            _STORE[-1].items.append((weight, x.detach(), grad.detach()))
+            _STORE[-1].items.append((ctx.param, x.detach(), grad.detach()))
             return gx, None
         return gx, grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
 

@@ -23,6 +23,7 @@ from hettrain.runtime.metrics import RuntimeMetrics
 from hettrain.runtime.model import StageModel, check_layout, lm_loss, whole_model
 from hettrain.runtime.pipeline import StageRunner
 from hettrain.runtime.tensor_parallel import check_tp, shard_stage_
+from hettrain.runtime.weights import load_pretrained
 
 log = logging.getLogger("hettrain.runtime")
 WEIGHT_DECAY = 0.01
@@ -129,6 +130,8 @@ class Trainer:
                       if st.tp > 1 else [0])
         self.tp = shard_stage_(self.model, plan.model, st.tp, self.me.tp, self.comm.tp_group,
                                tp_members, self.comm.stats)
+        if plan.model.pretrained:  # a checkpoint, when resuming, overrides these in train()
+            load_pretrained(self.model, plan.model.pretrained, self.tp)
         self.model.to(self.device)  # built and sliced on the host: identical weights anywhere
         self.opt = make_optimizer(self.model, plan.training.learning_rate, cfg.optimizer)
         self.diloco: DiLoCo | None = None
