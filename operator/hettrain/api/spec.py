@@ -39,7 +39,15 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """A GPT-style decoder. ``ffn_hidden`` defaults to 4*hidden, ``kv_heads`` to ``heads``."""
+    """A Llama-family decoder (RMSNorm, RoPE, GQA, no biases). ``ffn_hidden`` defaults to
+    4*hidden, ``kv_heads`` to ``heads``; ``gated_mlp`` selects SwiGLU (Llama), else a GELU MLP.
+
+    RoPE: ``rope_theta`` is the base; ``rope_factor`` > 1 applies Llama 3.1 frequency scaling
+    (``rope_low_freq_factor``, ``rope_high_freq_factor``, ``rope_original_max_positions``), as
+    Hugging Face's ``rope_type: llama3``; 1.0 means plain RoPE. ``tie_embeddings`` shares the
+    token embedding with the output layer. ``pretrained`` (a path in the pods) names Hugging
+    Face safetensors weights to start from instead of the seeded init.
+    """
 
     layers: int
     hidden: int
@@ -50,6 +58,14 @@ class ModelSpec:
     kv_heads: int
     name: str = "custom"
     gated_mlp: bool = False  # SwiGLU-style MLP (3 matrices) as in Llama
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0
+    rope_factor: float = 1.0  # Llama 3.1 rope scaling; 1.0 = none
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    tie_embeddings: bool = False
+    pretrained: str | None = None  # HF safetensors file or directory the runtime starts from
 
     @property
     def head_dim(self) -> int:
@@ -57,16 +73,24 @@ class ModelSpec:
         return self.hidden // self.heads
 
     def parameters(self) -> int:
-        """Total parameter count (embeddings untied from the output layer)."""
+        """Total parameter count: bias-free projections, two RMSNorm weights per layer, the
+        final norm, the token embedding and (when untied) the output layer."""
         h, f = self.hidden, self.ffn_hidden
         kv = self.kv_heads * self.head_dim
         attn = h * h + 2 * h * kv + h * h  # q, k, v, o
         mlp = (3 if self.gated_mlp else 2) * h * f
         norms = 2 * h
-        return self.layers * (attn + mlp + norms) + 2 * self.vocab * h + h
+        embeddings = (1 if self.tie_embeddings else 2) * self.vocab * h
+        return self.layers * (attn + mlp + norms) + embeddings + h
 
 
-# Public architectures; numbers from the model cards / papers.
+# Llama 3.1 RoPE: theta 500000 with frequency scaling (the models' config.json)
+_LLAMA31_ROPE: dict[str, Any] = dict(
+    rope_theta=500000.0, rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+    rope_original_max_positions=8192, norm_eps=1e-5,
+)
+
+# Public architectures; numbers from the model cards / papers (Llama: Hugging Face config.json).
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "gpt-tiny": dict(layers=4, hidden=64, heads=4, seq_len=64, vocab=256),
     "gpt-small": dict(layers=12, hidden=768, heads=12, seq_len=1024, vocab=50257),
@@ -74,15 +98,20 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "gpt3-175b": dict(layers=96, hidden=12288, heads=96, seq_len=2048, vocab=50257),
     "llama3-8b": dict(
         layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, seq_len=8192,
-        vocab=128256, gated_mlp=True,
+        vocab=128256, gated_mlp=True, **_LLAMA31_ROPE,
     ),
     "llama3-70b": dict(
         layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, seq_len=8192,
-        vocab=128256, gated_mlp=True,
+        vocab=128256, gated_mlp=True, **_LLAMA31_ROPE,
     ),
     "llama3-405b": dict(
         layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, seq_len=8192,
-        vocab=128256, gated_mlp=True,
+        vocab=128256, gated_mlp=True, **_LLAMA31_ROPE,
+    ),
+    # a Llama-3-shaped model small enough for CPU tests and demos (GQA, SwiGLU, rope scaling)
+    "llama-tiny": dict(
+        layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=192, seq_len=64, vocab=256,
+        gated_mlp=True, **_LLAMA31_ROPE,
     ),
 }
 
@@ -361,6 +390,7 @@ def _parse_model(f: _Fields) -> ModelSpec:
     kv_heads = f.int_("kvHeads", base.get("kv_heads", heads))
     gated = f.bool_("gatedMlp", bool(base.get("gated_mlp", False)))
     name = f.str_("name", preset_name or "custom")
+    llama = _parse_llama_fields(f, base)
     f.reject_unknown()
     if hidden % heads:
         raise SpecError(
@@ -373,8 +403,42 @@ def _parse_model(f: _Fields) -> ModelSpec:
         )
     return ModelSpec(
         layers=layers, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab,
-        ffn_hidden=ffn, kv_heads=kv_heads, name=name, gated_mlp=gated,
+        ffn_hidden=ffn, kv_heads=kv_heads, name=name, gated_mlp=gated, **llama,
     )
+
+
+def _parse_llama_fields(f: _Fields, base: dict[str, Any]) -> dict[str, Any]:
+    """``normEps``, ``ropeTheta``, ``ropeScaling``, ``tieEmbeddings`` (preset values as
+    defaults) and ``pretrained`` as ModelSpec keyword arguments."""
+    d = ModelSpec.__dataclass_fields__
+    out: dict[str, Any] = {}
+    out["norm_eps"] = f.float_("normEps", base.get("norm_eps", d["norm_eps"].default))
+    if not 0 < out["norm_eps"] < 1:
+        raise SpecError(f"{f.path}.normEps", f"must be > 0 and < 1 (got {out['norm_eps']}); "
+                        "Llama uses 1e-5")
+    out["rope_theta"] = f.float_("ropeTheta", base.get("rope_theta", d["rope_theta"].default))
+    if out["rope_theta"] <= 1:
+        raise SpecError(f"{f.path}.ropeTheta", f"must be > 1 (got {out['rope_theta']}); "
+                        "Llama 3 uses 500000")
+    r = f.sub("ropeScaling")
+    out["rope_factor"] = r.float_("factor", base.get("rope_factor", d["rope_factor"].default),
+                                  minimum=1.0)
+    out["rope_low_freq_factor"] = r.float_(
+        "lowFreqFactor", base.get("rope_low_freq_factor", d["rope_low_freq_factor"].default))
+    out["rope_high_freq_factor"] = r.float_(
+        "highFreqFactor", base.get("rope_high_freq_factor", d["rope_high_freq_factor"].default))
+    out["rope_original_max_positions"] = r.int_(
+        "originalMaxPositionEmbeddings",
+        base.get("rope_original_max_positions", d["rope_original_max_positions"].default))
+    r.reject_unknown()
+    if out["rope_high_freq_factor"] <= out["rope_low_freq_factor"]:
+        raise SpecError(f"{r.path}.highFreqFactor",
+                        f"must be > lowFreqFactor ({out['rope_low_freq_factor']}) "
+                        f"(got {out['rope_high_freq_factor']}); Llama 3.1 uses 4 and 1")
+    out["tie_embeddings"] = f.bool_("tieEmbeddings",
+                                    bool(base.get("tie_embeddings", False)))
+    out["pretrained"] = f.str_("pretrained")
+    return out
 
 
 def _parse_training(f: _Fields) -> TrainingSpec:
@@ -546,6 +610,12 @@ def parse_job_spec(spec: Mapping[str, Any] | None) -> JobSpec:
         raise SpecError(
             "spec.parallelism.pp",
             f"pp ({parallelism.pp}) exceeds the model's layers ({model.layers})",
+        )
+    if model.tie_embeddings and parallelism.pp is not None and parallelism.pp > 1:
+        raise SpecError(
+            "spec.parallelism.pp",
+            f"pp ({parallelism.pp}) > 1 with spec.model.tieEmbeddings: the runtime trains tied "
+            "embeddings only in one pipeline stage; set pp: 1 or tieEmbeddings: false",
         )
     return JobSpec(
         model=model, training=training, placement=placement, parallelism=parallelism,

@@ -247,7 +247,8 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     if first:
         fixed += embedding_params(model) / tp * per_param + tokens_bytes * in_flight / tp
     if last:
-        fixed += embedding_params(model) / tp * per_param
+        if not (first and model.tie_embeddings):  # tied: one tensor for both ends
+            fixed += embedding_params(model) / tp * per_param
         # fp32 logits for the loss of one microbatch (vocab-parallel cross entropy)
         fixed += model.seq_len * micro_batch * model.vocab / tp * 4.0 * 2
     return StageMemory(fixed, per_layer)

@@ -773,6 +773,8 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     that moves the fewest surviving ranks to another stage wins. ``recompute: auto`` plans
     each mode and keeps the fastest (:func:`_plan_recompute_auto`).
     """
+    if spec.model.tie_embeddings:  # the runtime trains tied embeddings only without PP
+        spec = replace(spec, parallelism=replace(spec.parallelism, pp=1))
     if spec.training.recompute == "auto":
         return _plan_auto(name, inventory, exhaustive, previous, "recompute", [
             (mode, replace(spec, training=replace(spec.training, recompute=mode)))

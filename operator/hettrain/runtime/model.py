@@ -1,17 +1,41 @@
-"""Tiny GPT (nanoGPT-style, pre-LN) that can be built whole or as a pipeline slice of layers.
+"""Llama-family decoder that can be built whole or as a pipeline slice / TP shard / model chunk.
 
-Initialisation is seeded per global layer index (``seed * 1000 + layer``; embedding and head
-have their own seeds), so a model built in slices holds exactly the weights of the whole model.
-Parameter names use GLOBAL layer indices (``layers.7.attn.q.weight``), which is what lets a
-checkpoint be resharded onto a different pipeline layout. A stage of the interleaved schedule
-holds several model chunks (global layer ranges, ``StageModel(..., chunks=...)``) in one module,
-so the names, the DP sync and the checkpoints are the same as for a contiguous slice.
+The block is Llama's (Touvron et al. 2023; Llama 3, Dubey et al. 2024): pre-norm RMSNorm,
+rotary position embeddings (RoPE) with optional Llama 3.1 frequency scaling, grouped-query
+attention (``kv_heads < heads``), a SwiGLU MLP (``down(silu(gate(x)) * up(x))``; a plain GELU MLP
+``down(gelu(up(x)))`` when ``spec.gated_mlp`` is false, for GPT-shaped presets), no biases,
+untied or tied (``spec.tie_embeddings``) input/output embeddings. The numerics follow
+Hugging Face's ``LlamaForCausalLM`` (tested against it: same weights, same logits and loss).
+
+Parameter names are Hugging Face's with GLOBAL layer indices
+(``model.embed_tokens.weight``, ``model.layers.7.self_attn.q_proj.weight``,
+``model.layers.7.mlp.down_proj.weight``, ``model.layers.7.input_layernorm.weight``,
+``model.norm.weight``, ``lm_head.weight``), which is what lets a checkpoint be resharded onto a
+different pipeline layout and a Hugging Face checkpoint be read by name. Initialisation is
+seeded per global layer index (``seed * 1000 + layer``; embedding and head have their own
+seeds), so a model built in slices holds exactly the weights of the whole model. A stage of the
+interleaved schedule holds several model chunks (global layer ranges, ``StageModel(...,
+chunks=...)``) in one module, so the names, the DP sync and the checkpoints are the same as for
+a contiguous slice.
+
+Tied embeddings: in a stage holding both ends the output layer IS the embedding parameter
+(one tensor, listed once by ``named_parameters`` as ``model.embed_tokens.weight``). A last stage
+without the embedding holds a COPY initialised to the same seeded values; keeping the copies
+equal would need their gradients summed across the first and last stage, which the runtime
+does not do, so :func:`check_layout` refuses tied embeddings with ``pp > 1``.
+
+Activation recompute (``recompute=``, the plan's ``training.recompute``): ``none`` keeps every
+activation for the backward; ``selective`` recomputes the attention core (scores, softmax,
+weighted values: the ``s²`` terms, Korthikanti et al. 2023) in the backward; ``full`` keeps only
+each block's input and re-runs the whole block (``torch.utils.checkpoint``, non-reentrant).
+Gradients are identical in every mode.
 
 Every projection is a :class:`Linear` whose weight gradient can be DEFERRED for ZB-H1: inside
 ``with defer_weight_grads() as store`` a backward computes only input gradients (and the small
-LayerNorm/embedding gradients) and stashes ``(input, grad_output)`` per linear; ``store.flush()``
+norm/embedding gradients) and stashes ``(input, grad_output)`` per linear; ``store.flush()``
 later adds ``grad_outputᵀ · input`` to each weight's ``.grad`` (the ``W`` pass). Outside the
-context the backward is the ordinary one.
+context the backward is the ordinary one. Recompute works inside the context too (the
+recomputed forward runs in the backward, whose linears then stash as usual).
 """
 
 from __future__ import annotations
@@ -22,12 +46,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from hettrain.api.spec import ModelSpec
+from hettrain.api.spec import RECOMPUTE_MODES, ModelSpec
 from hettrain.runtime.tensor_parallel import copy_to_tp, reduce_from_tp
 
 EMBED_SEED_OFFSET = 997
 HEAD_SEED_OFFSET = 998
+INIT_STD = 0.02
 
 
 class WeightGradStore:
@@ -68,6 +94,9 @@ class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        # the Parameter itself, for the W pass: a saved tensor unpacked after a recompute
+        # (torch.utils.checkpoint) is another tensor object whose .grad nobody reads
+        ctx.param = weight
         return F.linear(x, weight)
 
     @staticmethod
@@ -77,7 +106,7 @@ class _SplitLinear(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             return gx, None
         if _STORE:
-            _STORE[-1].items.append((weight, x.detach(), grad.detach()))
+            _STORE[-1].items.append((ctx.param, x.detach(), grad.detach()))
             return gx, None
         return gx, grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
 
@@ -93,8 +122,68 @@ class Linear(nn.Linear):
         return _SplitLinear.apply(x, self.weight)
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal attention with optional grouped-query (``kv_heads < heads``)."""
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale, computed in fp32 (as Llama / HF)."""
+
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """RoPE inverse frequencies (fp32, ``head_dim/2``), with Llama 3.1 scaling when
+    ``spec.rope_factor > 1``: wavelengths above ``original/low_freq_factor`` are divided by the
+    factor, those below ``original/high_freq_factor`` kept, the band between interpolated."""
+    d = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if spec.rope_factor == 1.0:
+        return inv
+    factor, lo, hi = spec.rope_factor, spec.rope_low_freq_factor, spec.rope_high_freq_factor
+    old = spec.rope_original_max_positions
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(spec: ModelSpec, seq_len: int,
+                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of shape ``(seq_len, head_dim)`` in fp32 for positions ``0..seq_len-1``."""
+    inv = rope_inv_freq(spec).to(device)
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (batch, heads, seq, head_dim) by the position angles."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention; k/v heads repeated for GQA (``repeat_kv`` order)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class LlamaAttention(nn.Module):
+    """Causal self-attention with RoPE and grouped-query heads; ``q/k/v/o_proj`` as in HF."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -102,112 +191,119 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"model: hidden ({spec.hidden}) must divide by heads ({spec.heads})"
                              f" and heads by kv_heads ({spec.kv_heads})")
         self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, spec.head_dim
-        self.q = Linear(spec.hidden, spec.hidden)
-        self.kv = Linear(spec.hidden, 2 * spec.kv_heads * spec.head_dim)
-        self.o = Linear(spec.hidden, spec.hidden)
+        self.q_proj = Linear(spec.hidden, spec.heads * spec.head_dim)
+        self.k_proj = Linear(spec.hidden, spec.kv_heads * spec.head_dim)
+        self.v_proj = Linear(spec.hidden, spec.kv_heads * spec.head_dim)
+        self.o_proj = Linear(spec.heads * spec.head_dim, spec.hidden)
         self.tp_group = None  # set by tensor_parallel.shard_stage_ (heads are then local)
+        self.recompute_core = False  # selective recompute: redo the attention core in backward
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         x = copy_to_tp(x, self.tp_group)
-        q = self.q(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k, v = self.kv(x).view(b, t, 2, self.kv_heads, self.head_dim).unbind(2)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-        rep = self.heads // self.kv_heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = self.o(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.recompute_core and torch.is_grad_enabled():
+            y = checkpoint(_attention_core, q, k, v, use_reentrant=False)
+        else:
+            y = _attention_core(q, k, v)
+        y = self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
         return reduce_from_tp(y, self.tp_group)
 
 
-class MLP(nn.Module):
-    """GELU MLP, or SwiGLU when ``spec.gated_mlp``."""
+class LlamaMLP(nn.Module):
+    """SwiGLU (``gate_proj``, ``up_proj``, ``down_proj``), or GELU (``up_proj``, ``down_proj``)
+    when ``spec.gated_mlp`` is false."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.gated = spec.gated_mlp
-        self.up = Linear(spec.hidden, spec.ffn_hidden)
         if self.gated:
-            self.gate = Linear(spec.hidden, spec.ffn_hidden)
-        self.down = Linear(spec.ffn_hidden, spec.hidden)
+            self.gate_proj = Linear(spec.hidden, spec.ffn_hidden)
+        self.up_proj = Linear(spec.hidden, spec.ffn_hidden)
+        self.down_proj = Linear(spec.ffn_hidden, spec.hidden)
         self.tp_group = None  # set by tensor_parallel.shard_stage_ (ffn columns are then local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.tp_group)
         if self.gated:
-            y = self.down(F.silu(self.gate(x)) * self.up(x))
+            y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         else:
-            y = self.down(F.gelu(self.up(x)))
+            y = self.down_proj(F.gelu(self.up_proj(x)))
         return reduce_from_tp(y, self.tp_group)
 
 
-class Block(nn.Module):
-    """Pre-LN transformer block."""
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(spec.hidden)
-        self.attn = CausalSelfAttention(spec)
-        self.ln2 = nn.LayerNorm(spec.hidden)
-        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden, spec.norm_eps)
+        self.self_attn = LlamaAttention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.norm_eps)
+        self.mlp = LlamaMLP(spec)
+        self.recompute = "none"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def _block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._block, x, cos, sin, use_reentrant=False)
+        return self._block(x, cos, sin)
+
+    def set_recompute(self, mode: str) -> None:
+        """``none`` | ``selective`` (attention core) | ``full`` (whole block)."""
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"plan.training.recompute={mode!r}: must be one of "
+                             f"{', '.join(RECOMPUTE_MODES)}")
+        self.recompute = mode
+        self.self_attn.recompute_core = mode == "selective"
 
 
 def _seeded_init(module: nn.Module, seed: int, n_layers: int) -> None:
-    """Deterministic init from one generator: N(0, 0.02) weights, residual outputs scaled."""
+    """Deterministic init from one generator: norms 1, weights N(0, 0.02), residual outputs
+    (``o_proj``, ``down_proj``) scaled by ``1/sqrt(2·layers)`` (GPT-2)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if name.split(".")[-2].startswith("ln"):
-                p.fill_(1.0 if name.endswith("weight") else 0.0)
+            if isinstance(module.get_submodule(name.rpartition(".")[0]), RMSNorm):
+                p.fill_(1.0)
                 continue
-            std = 0.02
-            if name.endswith(("o.weight", "down.weight")):
-                std = 0.02 / math.sqrt(2 * n_layers)
+            std = INIT_STD
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                std = INIT_STD / math.sqrt(2 * n_layers)
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
-class Embedding(nn.Module):
-    """Token + learned position embedding (first stage only)."""
+class LlamaBody(nn.Module):
+    """The ``model.`` part of HF's ``LlamaForCausalLM`` for one stage: ``embed_tokens`` (first
+    stage), ``layers`` keyed by GLOBAL index, ``norm`` (last stage)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.wte = nn.Embedding(spec.vocab, spec.hidden)
-        self.wpe = nn.Embedding(spec.seq_len, spec.hidden)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.wte(tokens) + self.wpe(pos)
-
-
-class Head(nn.Module):
-    """Final LayerNorm + untied output projection (last stage only)."""
-
-    def __init__(self, spec: ModelSpec) -> None:
-        super().__init__()
-        self.ln_f = nn.LayerNorm(spec.hidden)
-        self.lm_head = Linear(spec.hidden, spec.vocab)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
+        self.embed_tokens: nn.Embedding | None = None
+        self.layers = nn.ModuleDict()
+        self.norm: RMSNorm | None = None
 
 
 class StageModel(nn.Module):
-    """Layers ``[layer_start, layer_end)`` of the GPT, plus embedding/head when asked.
+    """Layers ``[layer_start, layer_end)`` of the Llama, plus embedding/head when asked.
 
     ``chunks`` (interleaved schedule) replaces the one range by several global layer ranges,
     one per model chunk (see :func:`hettrain.planning.layers.chunk_layer_ranges`); the
-    embedding then belongs to chunk 0 and the head to the last chunk, and
-    :meth:`forward_chunk` runs one of them. Parameter names stay global either way.
+    embedding then belongs to chunk 0 and the head (final norm + ``lm_head``) to the last
+    chunk, and :meth:`forward_chunk` runs one of them. Parameter names stay global either way.
+    ``recompute`` is the plan's activation recompute mode (see the module docstring).
     """
 
     def __init__(self, spec: ModelSpec, layer_start: int, layer_end: int, *,
                  has_embedding: bool, has_head: bool, seed: int,
-                 chunks: Sequence[tuple[int, int]] | None = None) -> None:
+                 chunks: Sequence[tuple[int, int]] | None = None,
+                 recompute: str = "none") -> None:
         super().__init__()
         ranges = list(chunks) if chunks is not None else [(layer_start, layer_end)]
         if not ranges:
@@ -218,30 +314,56 @@ class StageModel(nn.Module):
                                  f"[0, {spec.layers}) and be non-empty")
         self.spec, self.chunks = spec, ranges
         self.layer_start, self.layer_end = ranges[0][0], ranges[-1][1]
-        self.embed = Embedding(spec) if has_embedding else None
-        if self.embed is not None:
-            _seeded_init(self.embed, seed * 1000 + EMBED_SEED_OFFSET, spec.layers)
-        self.layers = nn.ModuleDict()
+        self.model = LlamaBody()
+        if has_embedding:
+            self.model.embed_tokens = nn.Embedding(spec.vocab, spec.hidden)
+            _seeded_init(self.model.embed_tokens, seed * 1000 + EMBED_SEED_OFFSET, spec.layers)
         for a, b in ranges:
             for i in range(a, b):
-                if str(i) in self.layers:
+                if str(i) in self.model.layers:
                     raise ValueError(f"stage chunks {ranges} overlap at layer {i}")
-                blk = Block(spec)
+                blk = LlamaDecoderLayer(spec)
                 _seeded_init(blk, seed * 1000 + i, spec.layers)
-                self.layers[str(i)] = blk
-        self.head = Head(spec) if has_head else None
-        if self.head is not None:
-            _seeded_init(self.head, seed * 1000 + HEAD_SEED_OFFSET, spec.layers)
+                self.model.layers[str(i)] = blk
+        self.lm_head: Linear | None = None
+        if has_head:
+            self.model.norm = RMSNorm(spec.hidden, spec.norm_eps)
+            self.lm_head = Linear(spec.hidden, spec.vocab)
+            if spec.tie_embeddings and self.model.embed_tokens is not None:
+                self.lm_head.weight = self.model.embed_tokens.weight  # one tensor
+            else:  # tied without the embedding here: a copy of the same seeded values
+                off = EMBED_SEED_OFFSET if spec.tie_embeddings else HEAD_SEED_OFFSET
+                _seeded_init(self.lm_head, seed * 1000 + off, spec.layers)
+        self.set_recompute(recompute)
+        self._rope: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def layers(self) -> nn.ModuleDict:
+        """This stage's decoder layers keyed by global index (``model.layers``)."""
+        return self.model.layers
+
+    def set_recompute(self, mode: str) -> None:
+        """Set the activation recompute mode of every layer (``none|selective|full``)."""
+        for blk in self.model.layers.values():
+            blk.set_recompute(mode)
+        self.recompute = mode
+
+    def _cos_sin(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (str(x.device), x.shape[1])
+        if key not in self._rope:  # fp32, kept out of the state dict and of .to(dtype)
+            self._rope[key] = rope_cos_sin(self.spec, x.shape[1], x.device)
+        return self._rope[key]
 
     def forward_chunk(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
         """Run model chunk ``chunk`` only (embedding first if chunk 0, head last if last)."""
         a, b = self.chunks[chunk]
-        if chunk == 0 and self.embed is not None:
-            x = self.embed(x)
+        if chunk == 0 and self.model.embed_tokens is not None:
+            x = self.model.embed_tokens(x)
+        cos, sin = self._cos_sin(x)
         for i in range(a, b):
-            x = self.layers[str(i)](x)
-        if chunk == len(self.chunks) - 1 and self.head is not None:
-            x = self.head(x)
+            x = self.model.layers[str(i)](x, cos, sin)
+        if chunk == len(self.chunks) - 1 and self.lm_head is not None:
+            x = self.lm_head(self.model.norm(x))
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -252,9 +374,19 @@ class StageModel(nn.Module):
         return x
 
 
-def whole_model(spec: ModelSpec, seed: int) -> StageModel:
-    """The full GPT in one module (the single-process reference)."""
-    return StageModel(spec, 0, spec.layers, has_embedding=True, has_head=True, seed=seed)
+def whole_model(spec: ModelSpec, seed: int, recompute: str = "none") -> StageModel:
+    """The full model in one module (the single-process reference)."""
+    return StageModel(spec, 0, spec.layers, has_embedding=True, has_head=True, seed=seed,
+                      recompute=recompute)
+
+
+def check_layout(spec: ModelSpec, pp: int) -> None:
+    """Raise a clear error for a plan this model cannot train as planned."""
+    if spec.tie_embeddings and pp > 1:
+        raise ValueError(
+            f"plan.model.tie_embeddings with plan.pp={pp}: tied input/output embeddings need "
+            "the first and last stage in one process; plan pp=1 or set "
+            "spec.model.tieEmbeddings: false")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

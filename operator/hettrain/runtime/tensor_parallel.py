@@ -1,13 +1,13 @@
-"""Megatron-style tensor parallelism within a pool for the tiny GPT.
+"""Megatron-style tensor parallelism within a pool for the Llama model.
 
-Per block: ``q`` and ``kv`` are column-parallel (each TP rank owns ``heads/tp`` query heads and
-``kv_heads/tp`` key/value heads), ``o`` is row-parallel; in the MLP ``up``/``gate`` are
-column-parallel and ``down`` row-parallel. The two conjugate ops are
-``copy_to_tp`` (identity forward, all-reduce of the input gradient backward) before a
-column-parallel pair and ``reduce_from_tp`` (all-reduce forward, identity backward) after a
-row-parallel layer. Embedding, LayerNorms and the LM head are REPLICATED (the tiny vocab makes
-a vocab-parallel head pointless); their gradients are identical on every TP rank because the
-residual stream and its gradient are, so no extra TP all-reduce is needed for them.
+Per block: ``q_proj``, ``k_proj`` and ``v_proj`` are column-parallel (each TP rank owns
+``heads/tp`` query heads and ``kv_heads/tp`` key/value heads), ``o_proj`` is row-parallel; in
+the MLP ``gate_proj``/``up_proj`` are column-parallel and ``down_proj`` row-parallel. The two
+conjugate ops are ``copy_to_tp`` (identity forward, all-reduce of the input gradient backward)
+before a column-parallel group and ``reduce_from_tp`` (all-reduce forward, identity backward)
+after a row-parallel layer. The token embedding, the RMSNorms and the LM head are REPLICATED
+(not vocab-parallel): their gradients are identical on every TP rank because the residual
+stream and its gradient are, so no extra TP all-reduce is needed for them.
 
 A sharded parameter keeps its global name; :class:`TPShards` records, per name, the dimension
 and the index set each TP rank owns, so checkpoints can store FULL tensors (gathered in the TP
@@ -94,16 +94,17 @@ def _rows(start: int, count: int) -> torch.Tensor:
 
 
 def shard_layout(spec: ModelSpec, tp: int) -> dict[str, tuple[int, list[torch.Tensor]]]:
-    """``{param suffix: (dim, [indices of TP rank r])}`` for one block's sharded weights."""
+    """``{param suffix: (dim, [indices of TP rank r])}`` for one block's sharded weights
+    (suffixes relative to ``model.layers.{i}.``)."""
     hd, h, kv, f = spec.head_dim, spec.heads, spec.kv_heads, spec.ffn_hidden
     q = [_rows(r * h // tp * hd, h // tp * hd) for r in range(tp)]
-    kv_rows = [torch.cat([_rows(c * kv * hd + r * kv // tp * hd, kv // tp * hd)
-                          for c in range(2)]) for r in range(tp)]
+    kv_rows = [_rows(r * kv // tp * hd, kv // tp * hd) for r in range(tp)]
     ff = [_rows(r * f // tp, f // tp) for r in range(tp)]
-    out = {"attn.q.weight": (0, q), "attn.kv.weight": (0, kv_rows), "attn.o.weight": (1, q),
-           "mlp.up.weight": (0, ff), "mlp.down.weight": (1, ff)}
+    out = {"self_attn.q_proj.weight": (0, q), "self_attn.k_proj.weight": (0, kv_rows),
+           "self_attn.v_proj.weight": (0, kv_rows), "self_attn.o_proj.weight": (1, q),
+           "mlp.up_proj.weight": (0, ff), "mlp.down_proj.weight": (1, ff)}
     if spec.gated_mlp:
-        out["mlp.gate.weight"] = (0, ff)
+        out["mlp.gate_proj.weight"] = (0, ff)
     return out
 
 
@@ -162,15 +163,15 @@ def shard_stage_(model: nn.Module, spec: ModelSpec, tp: int, index: int,
     if tp == 1:
         return info
     layout = shard_layout(spec, tp)
-    for li, blk in model.layers.items():
+    for li, blk in model.model.layers.items():
         for suffix, (dim, idx) in layout.items():
             mod_path, _ = suffix.rsplit(".", 1)
             lin = blk.get_submodule(mod_path)
             w = lin.weight.detach().index_select(dim, idx[index]).clone()
             lin.weight = nn.Parameter(w)
             lin.out_features, lin.in_features = w.shape
-            info.shards[f"layers.{li}.{suffix}"] = (dim, idx)
-        blk.attn.heads //= tp
-        blk.attn.kv_heads //= tp
-        blk.attn.tp_group = blk.mlp.tp_group = TPGroup(group, stats)
+            info.shards[f"model.layers.{li}.{suffix}"] = (dim, idx)
+        blk.self_attn.heads //= tp
+        blk.self_attn.kv_heads //= tp
+        blk.self_attn.tp_group = blk.mlp.tp_group = TPGroup(group, stats)
     return info

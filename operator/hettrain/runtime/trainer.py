@@ -20,9 +20,10 @@ from hettrain.runtime.config import ENV_OPTIMIZER, OPTIMIZERS, RuntimeConfig
 from hettrain.runtime.dataset import open_data
 from hettrain.runtime.devices import activate, select_device
 from hettrain.runtime.metrics import RuntimeMetrics
-from hettrain.runtime.model import StageModel, lm_loss, whole_model
+from hettrain.runtime.model import StageModel, check_layout, lm_loss, whole_model
 from hettrain.runtime.pipeline import StageRunner
 from hettrain.runtime.tensor_parallel import check_tp, shard_stage_
+from hettrain.runtime.weights import load_pretrained
 
 log = logging.getLogger("hettrain.runtime")
 WEIGHT_DECAY = 0.01
@@ -112,6 +113,7 @@ class Trainer:
         self.me = plan.ranks[rank]
         st = plan.stages[self.me.stage]
         check_tp(plan.model, st.tp, f"plan.stages[{st.index}]")
+        check_layout(plan.model, plan.pp)
         self.data = open_data(plan.data, seed=plan.training.seed, seq_len=plan.model.seq_len,
                               vocab=plan.model.vocab, verify=cfg.data_verify,
                               cache_dir=cfg.data_cache or None)
@@ -126,11 +128,14 @@ class Trainer:
         self.model = StageModel(plan.model, st.layer_start, st.layer_end,
                                 has_embedding=st.index == 0, has_head=st.index == plan.pp - 1,
                                 seed=plan.training.seed,
-                                chunks=chunk_layer_ranges(plan)[st.index])
+                                chunks=chunk_layer_ranges(plan)[st.index],
+                                recompute=plan.training.recompute)
         tp_members = ([plan.ranks[g].tp for g in dist.get_process_group_ranks(self.comm.tp_group)]
                       if st.tp > 1 else [0])
         self.tp = shard_stage_(self.model, plan.model, st.tp, self.me.tp, self.comm.tp_group,
                                tp_members, self.comm.stats)
+        if plan.model.pretrained:  # a checkpoint, when resuming, overrides these in train()
+            load_pretrained(self.model, plan.model.pretrained, self.tp)
         self.model.to(self.device)  # built and sliced on the host: identical weights anywhere
         self.opt = make_optimizer(self.model, plan.training.learning_rate, cfg.optimizer)
         self.diloco: DiLoCo | None = None

@@ -27,17 +27,18 @@ def test_shards_partition_every_weight_and_compute_the_block(spec, tp):
         pytest.skip("kv_heads not divisible")
     blk = whole_model(spec, seed=2).layers["1"]
     x = torch.randn(2, 5, spec.hidden)
-    want = blk.mlp(blk.ln2(x))
+    normed = blk.post_attention_layernorm(x)
+    want = blk.mlp(normed)
     got = torch.zeros_like(want)
     for r in range(tp):  # row-parallel partial sums of the column-parallel MLP halves
-        _, up = shard_layout(spec, tp)["mlp.up.weight"]
-        _, down = shard_layout(spec, tp)["mlp.down.weight"]
-        h = blk.ln2(x) @ blk.mlp.up.weight[up[r]].T
+        _, up = shard_layout(spec, tp)["mlp.up_proj.weight"]
+        _, down = shard_layout(spec, tp)["mlp.down_proj.weight"]
+        h = normed @ blk.mlp.up_proj.weight[up[r]].T
         if spec.gated_mlp:
-            h = torch.nn.functional.silu(blk.ln2(x) @ blk.mlp.gate.weight[up[r]].T) * h
+            h = torch.nn.functional.silu(normed @ blk.mlp.gate_proj.weight[up[r]].T) * h
         else:
             h = torch.nn.functional.gelu(h)
-        got += h @ blk.mlp.down.weight[:, down[r]].T
+        got += h @ blk.mlp.down_proj.weight[:, down[r]].T
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for suffix, (dim, idx) in shard_layout(spec, tp).items():
         size = blk.get_parameter(suffix).shape[dim]

@@ -50,7 +50,7 @@ def test_split_backward_gives_the_ordinary_gradients():
     with defer_weight_grads() as store:
         lm_loss(whole(tokens), tokens).backward()
     linears = {n for n, m in whole.named_modules() if isinstance(m, Linear)}
-    for n, p in whole.named_parameters():  # LayerNorm / embedding grads are done in B
+    for n, p in whole.named_parameters():  # norm / embedding grads are done in B
         assert (p.grad is None) == (n.rsplit(".", 1)[0] in linears), n
     assert len(store.items) == len(linears)
     store.flush()
