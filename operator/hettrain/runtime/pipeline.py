@@ -82,6 +82,7 @@ class StageRunner:
         self.first, self.last = self.stage == 0, self.stage == plan.pp - 1
         self.stats = stats
         self.device = next(model.parameters()).device  # receives land here (host-staged)
+        self.dtype = next(model.parameters()).dtype  # activations travel in the plan precision
         self.planned = schedule or plan.schedule
         self.schedule = executed_schedule(self.planned)
         self.v = len(getattr(model, "chunks", [None]))
@@ -151,7 +152,7 @@ class StageRunner:
         q = self._posted[stream]
         peer, tag = stream
         while self._to_post[stream] > 0 and len(q) < self.recv_ahead:
-            buf = torch.empty(tuple(shape), dtype=torch.float32)
+            buf = torch.empty(tuple(shape), dtype=self.dtype)
             q.append((buf, dist.irecv(buf, src=peer, tag=tag)))
             self._to_post[stream] -= 1
 
@@ -164,7 +165,7 @@ class StageRunner:
             work.wait()
         else:  # recv_ahead == 0
             self._to_post[stream] -= 1
-            buf = torch.empty(tuple(shape), dtype=torch.float32)
+            buf = torch.empty(tuple(shape), dtype=self.dtype)
             dist.recv(buf, src=peer, tag=tag)
         if self.stats is not None:
             self.stats.add(self._tier(peer), 0, time.perf_counter() - t0)
@@ -233,6 +234,35 @@ class StageRunner:
         ops: dict[str, Callable[[int, int], None]] = {"F": forward, "B": backward, "W": weights}
         for kind, i, c in chunk_actions(self.schedule, self.stage, self.pp, m, self.v):
             ops[kind](i, c)
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Forward only (validation): every microbatch through this stage, chunk by chunk;
+        returns the sum of microbatch losses on the last stage (else 0). Sends never block, so
+        the chunk-major order is deadlock-free for every schedule."""
+        m = len(batches)
+        act_shape = (batches[0][0].shape[0], batches[0][0].shape[1], self.plan.model.hidden)
+        chunked = self.schedule == "interleaved"
+        for c in range(self.v):
+            src = self._src(c)[0]
+            if src is not None:
+                self._expect((self._peer[src], stream_tag(c, ACTIVATION)), m, act_shape)
+        total = 0.0
+        for c in range(self.v):
+            src, dst = self._src(c), self._dst(c)
+            for i in range(m):
+                x = (batches[i][0] if src[0] is None else
+                     self._recv(act_shape, (self._peer[src[0]], stream_tag(c, ACTIVATION))))
+                out = self.model.forward_chunk(c, x) if chunked else self.model(x)
+                if dst[0] is None:
+                    total += lm_loss(out, batches[i][1]).item()
+                else:
+                    for peer in self._sends[dst[0]]:
+                        self._send(out, peer, stream_tag(dst[1], ACTIVATION))
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
