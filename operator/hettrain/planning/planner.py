@@ -132,8 +132,11 @@ def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
     same_node = dp * tp <= unit.gpus_per_node
     bw = unit.device.intra_node_gbps if same_node else unit.nic_gbytes_per_gpu
     dcs = unit.datacenters
-    # distributed optimizer: reduce-scatter fp32 grads + all-gather bf16 params = 3/4 all-reduce
-    factor = 0.75 if spec.training.optimizer_sharding else 1.0
+    # ZeRO-1 as runtime.optim runs it: all-reduce of the fp32 main grads (the communicator's
+    # hierarchical/compressed paths are all-reduce only), then an all-gather of the updated
+    # parameters in the plan precision: 1 + (elem bytes / 8) all-reduces of fp32 grads
+    factor = (1.0 + cost.precision_bytes(spec.training) / 8.0
+              if spec.training.optimizer_sharding else 1.0)
     if len(dcs) == 1:
         lat = 2 * (dp - 1) * cost.COLLECTIVE_LATENCY_S
         return lat, factor * 2 * (dp - 1) / dp / (bw * 1e9), 0.0
@@ -175,11 +178,9 @@ def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_b
     return 2 * cost.transfer_s(nbytes, bw, lat)
 
 
-def _in_flight(stage: int, pp: int, m: int, schedule: str) -> float:
-    base = float(min(pp - stage, m))
-    if schedule == "interleaved":
-        base *= 1 + (pp - 1) / (pp * INTERLEAVE_CHUNKS)
-    return base
+def _chunks(schedule: str) -> int:
+    """Model chunks per stage (virtual stages) of ``schedule``."""
+    return INTERLEAVE_CHUNKS if schedule == "interleaved" else 1
 
 
 def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
@@ -190,7 +191,8 @@ def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m:
         pp = len(units)
         out, mems = [], []
         for i, (u, tp) in enumerate(zip(units, tps, strict=True)):
-            key = (u.key, tp, dp, mb, _in_flight(i, pp, m, schedule), i == 0, i == pp - 1)
+            key = (u.key, tp, dp, mb, i == 0, i == pp - 1,
+                   *cost.schedule_memory_args(i, pp, m, schedule, _chunks(schedule)).values())
             hit = memo.get(key)
             if hit is None:
                 sc, sm = _stage_costs_raw([u], [tp], dp, mb, m, schedule, inv, spec, i, pp)
@@ -227,8 +229,9 @@ def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int
         fixed_grad = grad_embed * (int(first) + int(last)) / tp
         c = grad_layer / tp * per_byte
         e = (lat + fixed_grad * per_byte) if dp > 1 else 0.0
-        mem = cost.stage_memory(model, training, tp=tp, dp=dp, micro_batch=mb,
-                                in_flight=_in_flight(i, pp, m, schedule), first=first, last=last)
+        mem = cost.stage_memory(model, training, tp=tp, dp=dp, micro_batch=mb, first=first,
+                                last=last, **cost.schedule_memory_args(i, pp, m, schedule,
+                                                                       _chunks(schedule)))
         usable = u.device.hbm_bytes * cost.MEMORY_HEADROOM
         max_layers = int((usable - mem.fixed) // mem.per_layer) if usable > mem.fixed else 0
         out.append(StageCost(a, b, c, e, max_layers))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hettrain.planning import cost
 from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan
 from hettrain.runtime.model import StageModel, WeightGradStore, defer_weight_grads, lm_loss
@@ -90,7 +91,7 @@ class _Tracker:
 class _Held:
     """A tensor counted by a :class:`_Tracker` while this object lives."""
 
-    __slots__ = ("t", "tracker", "ptr")
+    __slots__ = ("ptr", "t", "tracker")
 
     def __init__(self, tracker: _Tracker, t: torch.Tensor) -> None:
         self.t, self.tracker = t, tracker
@@ -123,6 +124,19 @@ def build_stage(plan: Plan, stage: int, tp_index: int = 0) -> tuple[StageModel, 
         if hasattr(mod, "tp_group"):
             mod.tp_group = None
     return model, set(tp.shards)
+
+
+def predicted_stage_bytes(plan: Plan, stage: int) -> float:
+    """The planner's per-device prediction for ``stage`` minus its fixed framework overhead
+    (``cost.stage_memory`` with the plan's layout and schedule): what :func:`measure_stage`
+    must match."""
+    st = plan.stages[stage]
+    mem = cost.stage_memory(plan.model, plan.training, tp=st.tp, dp=plan.dp,
+                            micro_batch=plan.micro_batch, first=stage == 0,
+                            last=stage == plan.pp - 1,
+                            **cost.schedule_memory_args(stage, plan.pp, plan.num_microbatches,
+                                                        plan.schedule, plan.virtual_stages))
+    return mem.bytes_for(st.layers) - cost.FRAMEWORK_OVERHEAD_BYTES
 
 
 def measure_stage(plan: Plan, stage: int) -> StageBytes:
@@ -172,7 +186,7 @@ def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer
                     out = lm_loss(out, y)
             held[(i, c)] = (out, tracker.hold(out))  # the runner keeps it for backward
         elif kind == "B":
-            out, _ = held.pop((i, c))
+            out = held.pop((i, c))[0]  # its holder is released here, as the runner does
             grad = None if out.dim() == 0 else torch.randn(out.shape, generator=gen).to(dtype)
             if plan.schedule == "zb-h1":
                 with defer_weight_grads() as store:
