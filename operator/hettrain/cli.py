@@ -121,11 +121,16 @@ def make_plan(name: str, spec: JobSpec, inventory: Any, exhaustive: bool, where:
     """Run the planner; a ``PlanningError`` becomes a :class:`CliError` with its reason."""
     from hettrain.planning.errors import PlanningError
     from hettrain.planning.planner import plan_job
+    from hettrain.planning.support import unsupported
 
     try:
-        return plan_job(name, spec, inventory, exhaustive=exhaustive)
+        plan = plan_job(name, spec, inventory, exhaustive=exhaustive)
     except PlanningError as exc:
         raise CliError(f"{where}: no plan ({exc.reason}): {_one_line(str(exc))}") from None
+    refused = unsupported(plan)  # what the runtime would refuse at start-up
+    if refused:
+        raise CliError(f"{where}: the runtime cannot run this plan: {refused[0]}")
+    return plan
 
 
 # ---------------------------------------------------------------- subcommands

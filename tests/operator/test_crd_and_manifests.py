@@ -39,9 +39,11 @@ def _sample(schema: dict[str, Any], name: str) -> Any:
     if t == "string":
         return "x"
     if t == "array":
-        return [_sample(schema["items"], name)]
+        return [_sample(schema["items"], name)] * max(1, schema.get("minItems", 1))
     if t == "object" and "additionalProperties" in schema:
         return {"k": "v"}
+    if t == "object" and "properties" in schema:
+        return {k: _sample(v, f"{name}.{k}") for k, v in schema["properties"].items()}
     raise AssertionError(f"{name}: unexpected schema {schema}")
 
 
@@ -70,7 +72,12 @@ def test_every_parser_field_is_in_the_crd():
     sections = {"model": S.ModelSpec, "training": S.TrainingSpec, "placement": S.PlacementSpec,
                 "parallelism": S.ParallelismSpec, "crossDC": S.CrossDCSpec,
                 "checkpoint": S.CheckpointSpec, "failurePolicy": S.FailurePolicy}
-    renames = {"max_gpus": "maxGPUs", "min_gpus": "minGPUs", "outer_lr": "outerLearningRate"}
+    renames = {"max_gpus": "maxGPUs", "min_gpus": "minGPUs", "outer_lr": "outerLearningRate",
+               # training loop fields kept flat in the plan JSON, grouped in the CRD
+               "decay_norms": "weightDecayExclude", "decay_biases": "weightDecayExclude",
+               "decay_embeddings": "weightDecayExclude", "adam_beta1": "adamBetas",
+               "adam_beta2": "adamBetas", "validation_interval": "validation",
+               "validation_batches": "validation"}
 
     def camel(n: str) -> str:
         return renames.get(n) or re.sub(r"_(\w)", lambda m: m.group(1).upper(), n)

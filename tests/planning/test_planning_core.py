@@ -38,12 +38,17 @@ def test_layer_flops_match_6n_tokens_within_a_few_percent() -> None:
     assert 1.0 < ratio < 1.35
 
 
-def test_korthikanti_activation_bytes() -> None:
-    model = _spec("gpt3-175b").model
-    s, b, h, a = model.seq_len, 1, model.hidden, model.heads
-    assert cost.activation_bytes_per_layer(model, 1, 1, "none") == s * b * h * (34 + 5 * a * s / h)
-    assert cost.activation_bytes_per_layer(model, 1, 8, "selective") == 34 * s * b * h / 8
-    assert cost.activation_bytes_per_layer(model, 1, 8, "full") == 2 * s * b * h / 8
+def test_activation_bytes_count_the_runtimes_saved_tensors() -> None:
+    """The per-layer table of cost.py (fitted by tests/runtime/training/test_memory_honesty.py):
+    bf16 elements per token, no s x s scores (flash/SDPA), norms replicated over TP."""
+    model = _spec("gpt3-175b").model  # GELU MLP, f = 4h, MHA
+    s, h, a, f = model.seq_len, model.hidden, model.heads, model.ffn_hidden
+    norms = 4 * h + 4  # two norms: inputs, outputs, 2 statistics each
+    assert cost.activation_bytes_per_layer(model, 1, 1, "none") == \
+        s * ((norms + 4 * h + 2 * f) * 2 + 4 * a)  # + q, k, v, attention out, MLP; fp32 lse
+    assert cost.activation_bytes_per_layer(model, 1, 8, "selective") == \
+        s * (norms * 2 + (h + 2 * h + h + 2 * f) * 2 / 8)
+    assert cost.activation_bytes_per_layer(model, 1, 8, "full") == s * h * 2
 
 
 def test_state_bytes_with_and_without_zero1() -> None:

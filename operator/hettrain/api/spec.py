@@ -26,6 +26,8 @@ CROSS_DC_MODES = ("sync", "compress", "diloco")
 CROSS_DC_SPEC_MODES = (*CROSS_DC_MODES, "auto")  # spec only: the planner picks sync|compress
 COMPRESSIONS = ("none", "bf16", "int8")
 REPAIR_MODES = ("Shrink", "WaitForReplacement")
+LR_SCHEDULES = ("constant", "cosine", "wsd")
+NO_DECAY_GROUPS = ("norms", "biases", "embeddings")
 
 
 class SpecError(ValueError):
@@ -128,6 +130,22 @@ class TrainingSpec:
     recompute: str = "selective"
     learning_rate: float = 3e-4
     seed: int = 1234
+    # the training loop (runtime/schedule.py, runtime/optim.py); all additive with defaults, so
+    # plans written before them still load
+    lr_schedule: str = "cosine"  # constant | cosine | wsd (warmup, stable, decay)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # final lr / learning_rate (cosine, wsd)
+    wsd_decay_fraction: float = 0.2  # wsd: share of the steps spent decaying
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    weight_decay: float = 0.1  # decoupled (AdamW)
+    decay_norms: bool = False  # weightDecayExclude: norms (default excluded)
+    decay_biases: bool = False  # weightDecayExclude: biases (default excluded)
+    decay_embeddings: bool = True  # weightDecayExclude: embeddings (default decayed)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    validation_interval: int = 0  # validation loss every N steps; 0 = never
+    validation_batches: int = 1  # global batches per validation
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,6 +468,7 @@ def _parse_training(f: _Fields) -> TrainingSpec:
     recompute = f.str_("recompute", "selective", RECOMPUTE_SPEC_MODES)
     lr = f.float_("learningRate", 3e-4)
     seed = f.int_("seed", 1234, minimum=0)
+    loop = _parse_training_loop(f)
     f.reject_unknown()
     assert gb is not None and steps is not None and precision and recompute and seed is not None
     if mb is not None and gb % mb:
@@ -460,8 +479,50 @@ def _parse_training(f: _Fields) -> TrainingSpec:
         )
     return TrainingSpec(
         global_batch=gb, steps=steps, micro_batch=mb, precision=precision,
-        optimizer_sharding=sharding, recompute=recompute, learning_rate=lr, seed=seed,
+        optimizer_sharding=sharding, recompute=recompute, learning_rate=lr, seed=seed, **loop,
     )
+
+
+def _parse_training_loop(f: _Fields) -> dict[str, Any]:
+    """The loop fields of ``spec.training``: lr schedule, clipping, weight decay, Adam,
+    validation (TrainingSpec keyword arguments)."""
+    out: dict[str, Any] = {
+        "lr_schedule": f.str_("lrSchedule", "cosine", LR_SCHEDULES),
+        "warmup_steps": f.int_("warmupSteps", 0, minimum=0),
+        "min_lr_ratio": f.float_("minLrRatio", 0.1),
+        "wsd_decay_fraction": f.float_("wsdDecayFraction", 0.2),
+        "grad_clip": f.float_("gradClip", 1.0),
+        "weight_decay": f.float_("weightDecay", 0.1),
+        "adam_eps": f.float_("adamEps", 1e-8),
+    }
+    if out["min_lr_ratio"] > 1.0:
+        raise SpecError(f"{f.path}.minLrRatio", f"must be in [0, 1] (got {out['min_lr_ratio']}); "
+                        "it is the final learning rate as a fraction of learningRate")
+    if not 0.0 < out["wsd_decay_fraction"] <= 1.0:
+        raise SpecError(f"{f.path}.wsdDecayFraction",
+                        f"must be in (0, 1] (got {out['wsd_decay_fraction']})")
+    if out["adam_eps"] <= 0.0:
+        raise SpecError(f"{f.path}.adamEps", f"must be > 0 (got {out['adam_eps']})")
+    betas = f._get("adamBetas")
+    if betas is None:
+        betas = [0.9, 0.95]
+    if (not isinstance(betas, list) or len(betas) != 2
+            or not all(isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1
+                       for b in betas)):
+        raise SpecError(f"{f.path}.adamBetas",
+                        f"must be two numbers in [0, 1) (got {betas!r}), e.g. [0.9, 0.95]")
+    out["adam_beta1"], out["adam_beta2"] = float(betas[0]), float(betas[1])
+    exclude = f.str_list("weightDecayExclude", NO_DECAY_GROUPS)
+    if f.data.get("weightDecayExclude") is None:
+        exclude = ("norms", "biases")
+    out["decay_norms"] = "norms" not in exclude
+    out["decay_biases"] = "biases" not in exclude
+    out["decay_embeddings"] = "embeddings" not in exclude
+    v = f.sub("validation")
+    out["validation_interval"] = v.int_("intervalSteps", 0, minimum=0)
+    out["validation_batches"] = v.int_("batches", 1)
+    v.reject_unknown()
+    return out
 
 
 def _parse_placement(f: _Fields) -> PlacementSpec:
@@ -605,6 +666,12 @@ def parse_job_spec(spec: Mapping[str, Any] | None) -> JobSpec:
         raise SpecError(
             "spec.parallelism.dp",
             f"globalBatch ({training.global_batch}) must be divisible by dp ({parallelism.dp})",
+        )
+    if cross_dc.mode == "diloco" and training.optimizer_sharding:
+        raise SpecError(
+            "spec.training.optimizerSharding",
+            "ZeRO-1 optimizer sharding cannot combine with crossDC.mode diloco (the replicas "
+            "of each datacenter drift apart between outer steps); set optimizerSharding: false",
         )
     if parallelism.pp is not None and parallelism.pp > model.layers:
         raise SpecError(

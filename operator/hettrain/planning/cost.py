@@ -12,16 +12,18 @@ score and value products. For a plain GPT this is the paper's ``24·b·s·h²·(
 forward+backward/3 — :func:`layer_flops` reduces to it (tested). The LM head costs ``2·h·V`` per
 token forward.
 
-Activation memory (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-Models", MLSys'23, Table 2), bytes per layer with tensor and sequence parallelism:
-``s·b·h·(34 + 5·a·s/h)/t`` without recompute, ``34·s·b·h/t`` with selective recompute, and
-``2·s·b·h/t`` (the layer input) with full recompute. In 1F1B stage ``i`` keeps ``p − i``
-microbatches in flight (Narayanan et al. §2.2.1).
+Activation memory: what the runtime really keeps for the backward, fitted to
+``runtime.memory``'s measurement (``tests/runtime/training/test_memory_honesty.py``) rather
+than Korthikanti et al.'s Megatron numbers (MLSys'23, Table 2: no flash attention, sequence
+parallelism): per layer and token a replicated part (norm inputs/outputs) plus a TP-sharded part
+(attention inputs/outputs, MLP), no ``s²`` score matrix (SDPA/flash attention), see
+:func:`activation_bytes_per_layer`. In 1F1B stage ``i`` keeps ``p − i`` microbatches in flight
+(Narayanan et al. §2.2.1); :func:`in_flight_microbatches` for the other schedules.
 
-Model state bytes per parameter (Rajbhandari et al., ZeRO, SC'20, §3): bf16/fp16 mixed precision
-keeps 2 (weights) + 4 (fp32 gradients, Megatron's main grads) + 12 (fp32 master, Adam m and v);
-the distributed optimizer (ZeRO-1) shards the 12 over data-parallel ranks. fp32 training keeps
-4 + 4 + 8.
+Model state bytes per parameter (Rajbhandari et al., ZeRO, SC'20, §3), as ``runtime.optim``
+allocates them: bf16/fp16 mixed precision keeps 2 (weights) + 4 (fp32 main grads) + 12 (fp32
+master, Adam m and v); ZeRO-1 shards the 12 over the stage's data-parallel ranks. fp32 training
+keeps 4 + 4 + 8 (the weights are the master).
 
 Communication uses the α–β model (Hockney; Thakur et al., "Optimization of Collective
 Communication Operations in MPICH", 2005): a ring all-reduce of ``n`` bytes over ``k`` ranks costs
@@ -196,7 +198,10 @@ def min_seconds_per_flop(device: DeviceSpec, model: ModelSpec | None = None) -> 
 
 
 def state_bytes_per_param(training: TrainingSpec, dp: int) -> float:
-    """Weights + gradients + optimizer bytes per parameter on one rank."""
+    """Weights + gradients + optimizer bytes per parameter on one rank, as ``runtime.optim``
+    allocates them: parameters in the plan precision, fp32 main grads, fp32 master weights
+    (none for fp32: the parameters are the master) and fp32 AdamW moments; ZeRO-1 shards the
+    master and the moments over the stage's DP group."""
     if training.precision == "fp32":
         weights, grads, optim = 4.0, 4.0, 8.0
     else:
@@ -206,21 +211,108 @@ def state_bytes_per_param(training: TrainingSpec, dp: int) -> float:
     return weights + grads + optim
 
 
+# Bytes the runtime keeps for the backward per token of one layer, as counted by
+# ``runtime.memory`` (saved-tensor hooks, each storage once; SDPA/flash attention keeps no
+# s x s score matrix, only its fp32 log-sum-exp per head). For the pre-norm block of
+# ``runtime.model`` with recompute ``none``, in elements of the plan precision:
+#   replicated on every TP rank: the two norms' inputs and outputs (4h) and their per-token
+#     statistics (2 per norm: 4);
+#   TP-sharded (/tp): q, k and v as attention sees them (GQA heads repeated: 3h), the attention
+#     output (h; the output projection's input is a view of it), and the MLP's ffn-wide
+#     tensors (GELU: input and output, 2f; SwiGLU: gate, silu(gate), up and their product, 4f);
+#   plus the fp32 log-sum-exp (4 bytes per head, sharded).
+# ``full`` recompute keeps only the layer input (h). ``selective`` recomputes the attention core
+# but keeps its inputs q, k, v (before the GQA repeat: h + 2 kv_dim) and its output (the output
+# projection's input, h) instead of the repeated k, v and the log-sum-exp.
+LAYER_REPLICATED_H = 4  # norm inputs/outputs, in units of h
+LAYER_NORM_STATS = 4  # per-token norm statistics (elements)
+LAYER_SHARDED_H = 4  # q, k, v (repeated) and the attention output, in units of h
+GELU_FFN = 2  # ffn-wide tensors of a GELU MLP, in units of f
+SWIGLU_FFN = 4  # ... of a SwiGLU MLP
+LSE_BYTES_PER_HEAD = 4.0  # fp32 log-sum-exp of the flash/SDPA kernel
+
+
 def activation_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, recompute: str,
                                elem_bytes: int = 2) -> float:
-    """Korthikanti et al. activation bytes of one layer for one microbatch (TP + SP)."""
+    """Bytes one layer keeps for the backward for one microbatch (see the table above)."""
     s, b, h, a = model.seq_len, micro_batch, model.hidden, model.heads
-    scale = elem_bytes / 2  # the paper's constants assume 2-byte activations
+    eb = float(elem_bytes)
     if recompute == "full":
-        return 2.0 * s * b * h / tp * scale
+        return s * b * h * eb
+    ffn = (SWIGLU_FFN if model.gated_mlp else GELU_FFN) * model.ffn_hidden
+    replicated = (LAYER_REPLICATED_H * h + LAYER_NORM_STATS) * eb
     if recompute == "selective":
-        return 34.0 * s * b * h / tp * scale
-    return s * b * h * (34.0 + 5.0 * a * s / h) / tp * scale
+        kv = model.kv_heads * model.head_dim
+        sharded = ((h + 2 * kv) + h + ffn) * eb  # q, k, v; attention output; MLP
+    else:
+        sharded = (LAYER_SHARDED_H * h + ffn) * eb + LSE_BYTES_PER_HEAD * a
+    return s * b * (replicated + sharded / tp)
+
+
+# The runtime's GPT block (runtime/model.py) embeds positions with a learned table of seq_len
+# rows on the first stage (and keeps the int64 positions for its backward); a RoPE model (Llama)
+# has none. Its two LayerNorms per layer carry a bias each (2h more than ``layer_params``' 2h).
+LEARNED_POSITIONS = False
+NORM_BIAS_PARAMS_H = 0
+LOSS_SCALAR_BYTES = 8.0  # the loss and the cross-entropy's weight total, fp32 scalars
 
 
 def embedding_params(model: ModelSpec) -> int:
-    """Token embedding (first stage) or LM head (last stage) parameters."""
+    """Token embedding (first stage) or LM head (last stage) parameters; replicated on every TP
+    rank of the stage (the runtime does not shard the vocabulary)."""
     return model.vocab * model.hidden
+
+
+def in_flight_microbatches(stage: int, pp: int, m: int, schedule: str,
+                           virtual_stages: int = 1) -> float:
+    """Peak microbatches whose activations a stage holds at once, in whole-stage units.
+
+    1F1B and ZB-H1 (same bound, Qi et al. §3): ``min(pp − stage, m)``; GPipe: ``m``;
+    interleaved with ``v`` chunks (Megatron's warm-up): ``(2·(pp − stage − 1) + (v − 1)·pp + 1)``
+    chunk-forwards of ``1/v`` of the stage each, at most ``m·v``.
+    """
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved" and virtual_stages > 1:
+        v = virtual_stages
+        chunks = min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v)
+        return chunks / v
+    return float(min(pp - stage, m))
+
+
+def zb_pending_weight_grads(stage: int, pp: int, m: int) -> int:
+    """ZB-H1: microbatches whose deferred weight-gradient (W) pass is still pending when the
+    stage's activations peak (stage ``s`` runs its W's ``s`` microbatches late)."""
+    return max(0, min(stage, m - (pp - stage)))
+
+
+def weight_grad_stash_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int,
+                                      elem_bytes: int = 2) -> float:
+    """ZB-H1: bytes one layer stashes per microbatch between its B and W passes: each linear's
+    input (the first norm's output h, the attention output h/tp, the second norm's output h and
+    the MLP's down-projection input f/tp) and output gradient (q, k, v: (h + 2·kv)/tp; o: h; up
+    (and gate): f/tp each; down: h)."""
+    s, b, h, f = model.seq_len, micro_batch, model.hidden, model.ffn_hidden
+    kv = model.kv_heads * model.head_dim
+    ffn_grads = (2 if model.gated_mlp else 1) * f
+    replicated = 2 * h + 2 * h
+    sharded = h + (h + 2 * kv) + f + ffn_grads
+    return s * b * (replicated + sharded / tp) * float(elem_bytes)
+
+
+def schedule_memory_args(stage: int, pp: int, m: int, schedule: str,
+                         virtual_stages: int = 1) -> dict[str, float]:
+    """The schedule-dependent keyword arguments of :func:`stage_memory` for ``stage``."""
+    v = virtual_stages if schedule == "interleaved" else 1
+    return {"in_flight": in_flight_microbatches(stage, pp, m, schedule, v),
+            "pending_w": float(zb_pending_weight_grads(stage, pp, m))
+            if schedule == "zb-h1" else 0.0,
+            "head_in_flight": float(m) if schedule == "gpipe" else 1.0,
+            "virtual_stages": v,
+            # interleaved: stage 0 starts up to pp·v chunk-0 microbatches before the first
+            # chunk-0 backward (an upper bound; token ids are small)
+            "ids_in_flight": float(min(pp * v, m)) if v > 1 and stage == 0 else
+            in_flight_microbatches(stage, pp, m, schedule, v)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,21 +328,51 @@ class StageMemory:
 
 
 def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, micro_batch: int,
-                 in_flight: int, first: bool, last: bool) -> StageMemory:
-    """Per-device memory of a stage as a function of its layer count."""
+                 in_flight: float, first: bool, last: bool,
+                 virtual_stages: int = 1, pending_w: float = 0.0,
+                 head_in_flight: float = 1.0, ids_in_flight: float | None = None
+                 ) -> StageMemory:
+    """Per-device memory of a stage as a function of its layer count.
+
+    ``in_flight``: :func:`in_flight_microbatches`. Besides the model state and the layers'
+    activations it counts what the runtime keeps per in-flight microbatch outside the layers:
+    the stage output held for its backward (every stage but the last; per model chunk for
+    interleaved) and the token ids (first stage); and on the last stage the final norm, the
+    fp32 log-softmax the loss keeps and, while the loss is computed, the logits and their fp32
+    copy (one microbatch: the last stage runs each backward right after its forward; GPipe
+    keeps ``head_in_flight`` = all of them). ZB-H1 adds ``pending_w`` microbatches of stashed
+    weight-gradient inputs (:func:`weight_grad_stash_bytes_per_layer`, and the head's).
+    :func:`schedule_memory_args` gives the schedule-dependent arguments.
+    """
     per_param = state_bytes_per_param(training, dp)
     eb = precision_bytes(training)
+    s, b, h = model.seq_len, micro_batch, model.hidden
     act = activation_bytes_per_layer(model, micro_batch, tp, training.recompute, eb) * in_flight
-    per_layer = layer_params(model) / tp * per_param + act
+    stash = weight_grad_stash_bytes_per_layer(model, micro_batch, tp, eb) * pending_w
+    # matmul weights are TP-sharded, the norms replicated on every TP rank
+    params = layer_matmul_params(model) / tp + (2 + NORM_BIAS_PARAMS_H) * h
+    per_layer = params * per_param + act + stash
     fixed = float(FRAMEWORK_OVERHEAD_BYTES)
-    tokens_bytes = model.seq_len * micro_batch * model.hidden * eb
+    chunks_in_flight = in_flight * virtual_stages
     if first:
-        fixed += embedding_params(model) / tp * per_param + tokens_bytes * in_flight / tp
-    if last:
-        if not (first and model.tie_embeddings):  # tied: one tensor for both ends
-            fixed += embedding_params(model) / tp * per_param
-        # fp32 logits for the loss of one microbatch (vocab-parallel cross entropy)
-        fixed += model.seq_len * micro_batch * model.vocab / tp * 4.0 * 2
+        table = embedding_params(model) + (s * h if LEARNED_POSITIONS else 0)
+        ids = s * b * 8.0 + (s * 8.0 if LEARNED_POSITIONS else 0.0)  # int64 tokens, positions
+        fixed += table * per_param + ids * (in_flight if ids_in_flight is None
+                                            else ids_in_flight)
+    if not last:
+        fixed += s * b * h * eb * chunks_in_flight  # stage output kept for backward
+    else:
+        if virtual_stages > 1:  # the last stage's earlier chunks feed stage 0
+            fixed += s * b * h * eb * max(0.0, chunks_in_flight - 1)
+        head_table = 0 if (first and model.tie_embeddings) else embedding_params(model)
+        fixed += (head_table + (1 + NORM_BIAS_PARAMS_H // 2) * h) * per_param  # + final norm
+        logits = s * b * model.vocab
+        # per microbatch in flight: final norm input, statistics, output; the saved fp32
+        # log-softmax; the int64 targets
+        fixed += head_in_flight * (s * b * (2 * h + 2) * eb + logits * 4.0 + s * b * 8.0
+                                   + LOSS_SCALAR_BYTES)
+        fixed += logits * (eb + (4.0 if eb != 4 else 0.0))  # logits + fp32 copy, transient
+        fixed += pending_w * (s * b * h + logits) * eb  # ZB-H1: the head's stashed W inputs
     return StageMemory(fixed, per_layer)
 
 

@@ -192,11 +192,6 @@ def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_b
     return 2 * cost.transfer_s(nbytes, bw, lat)
 
 
-def _in_flight(stage: int, pp: int, m: int, schedule: str, v: int = 1) -> float:
-    base = float(min(pp - stage, m))
-    if schedule == "interleaved":
-        base *= 1 + (pp - 1) / (pp * v)
-    return base
 
 
 def _bubble_divisor(schedule: str, v: int) -> float:
@@ -241,7 +236,8 @@ def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m:
         pp = len(units)
         out, mems = [], []
         for i, (u, tp) in enumerate(zip(units, tps, strict=True)):
-            key = (u.key, tp, dp, mb, _in_flight(i, pp, m, schedule, v), i == 0, i == pp - 1)
+            key = (u.key, tp, dp, mb, i == 0, i == pp - 1,
+                   *cost.schedule_memory_args(i, pp, m, schedule, v).values())
             hit = memo.get(key)
             if hit is None:
                 sc, sm = _stage_costs_raw([u], [tp], dp, mb, m, schedule, inv, spec, i, pp, v)
@@ -273,8 +269,8 @@ def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int
         fixed_grad = grad_embed * (int(first) + int(last)) / tp
         c = grad_layer / tp * per_byte
         e = (lat + fixed_grad * per_byte) if dp > 1 else 0.0
-        mem = cost.stage_memory(model, training, tp=tp, dp=dp, micro_batch=mb,
-                                in_flight=_in_flight(i, pp, m, schedule, v), first=first, last=last)
+        mem = cost.stage_memory(model, training, tp=tp, dp=dp, micro_batch=mb, first=first,
+                                last=last, **cost.schedule_memory_args(i, pp, m, schedule, v))
         usable = u.device.hbm_bytes * cost.MEMORY_HEADROOM
         max_layers = int((usable - mem.fixed) // mem.per_layer) if usable > mem.fixed else 0
         out.append(StageCost(a, b, c, e, max_layers))

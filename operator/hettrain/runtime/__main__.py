@@ -9,13 +9,20 @@ import sys
 
 from hettrain.api import constants as C
 from hettrain.runtime.config import RuntimeConfig
-from hettrain.runtime.trainer import run_rank
+from hettrain.runtime.trainer import run_rank, unsupported
 
 
 def main() -> int:
     """Run one rank in-process, or spawn ``LOCAL_WORLD_SIZE`` children and wait for them."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    cfg = RuntimeConfig.from_env()
+    try:
+        cfg = RuntimeConfig.from_env()
+        refused = unsupported(cfg.plan)  # plan options this runtime cannot honour
+        if refused:
+            raise ValueError(refused[0])
+    except ValueError as exc:  # bad env or plan: one line, exit 2, nothing started
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if cfg.local_world_size == 1 or os.environ.get(C.ENV_RANK):
         rank = int(os.environ.get(C.ENV_RANK) or cfg.rank_start)
         run_rank(cfg, rank)

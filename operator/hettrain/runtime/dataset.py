@@ -144,8 +144,9 @@ class DataSource(Protocol):
         ...
 
 
-def _replica_rows(x: torch.Tensor, y: torch.Tensor, dp: int, dp_index: int, micro_batch: int,
-                  num_microbatches: int) -> list[Batch]:
+def replica_rows(x: torch.Tensor, y: torch.Tensor, dp: int, dp_index: int, micro_batch: int,
+                 num_microbatches: int) -> list[Batch]:
+    """Replica ``dp_index``'s rows of a global batch, cut into its microbatches."""
     if not 0 <= dp_index < dp:
         raise ValueError(f"dp_index={dp_index} out of range for dp={dp}")
     per = micro_batch * num_microbatches
@@ -226,7 +227,7 @@ class TokenDataset:
         if seq_len != self.seq_len:
             raise ValueError(f"seq_len {seq_len} != the dataset's {self.seq_len}")
         x, y = self.global_batch(seed, step, dp * micro_batch * num_microbatches)
-        return _replica_rows(x, y, dp, dp_index, micro_batch, num_microbatches)
+        return replica_rows(x, y, dp, dp_index, micro_batch, num_microbatches)
 
     def validation_batch(self, index: int, batch: int) -> Batch:
         """Validation rows ``index·batch ..`` in order, wrapping around the split."""

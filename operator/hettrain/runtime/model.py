@@ -67,7 +67,10 @@ class WeightGradStore:
         with torch.no_grad():
             for weight, x, g in self.items:
                 gw = g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-                if weight.grad is None:
+                main = getattr(weight, "main_grad", None)  # runtime.optim's fp32 accumulator
+                if main is not None:
+                    main.add_(gw)
+                elif weight.grad is None:
                     weight.grad = gw
                 else:
                     weight.grad.add_(gw)

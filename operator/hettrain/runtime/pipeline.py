@@ -357,3 +357,30 @@ class StageRunner:
             work.wait()
         self._pending.clear()
         return total
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Forward only (validation): every microbatch through this stage, chunk by chunk;
+        returns the sum of microbatch losses on the last stage (else 0). Sends never block, so
+        the chunk-major order is deadlock-free for every schedule."""
+        m = len(batches)
+        act_shape = (batches[0][0].shape[0], batches[0][0].shape[1], self.plan.model.hidden)
+        self._numel = math.prod(act_shape)
+        chunked = self.schedule == "interleaved"
+        for c in range(self.v):
+            if self._src(c)[0] is not None:
+                self._expect((c, ACTIVATION), m)
+        total = 0.0
+        for c in range(self.v):
+            for i in range(m):
+                x = (batches[i][0] if self._src(c)[0] is None else
+                     self._recv((c, ACTIVATION), act_shape, self.act_dtype))
+                out = self.model.forward_chunk(c, x) if chunked else self.model(x)
+                if self._dst(c)[0] is None:
+                    total += lm_loss(out, batches[i][1]).item()
+                else:
+                    self._send(out, c, ACTIVATION)
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        return total

@@ -17,10 +17,11 @@ from hettrain.planning.plan import Plan
 from hettrain.runtime import checkpoint as ckpt
 from hettrain.runtime.collectives import DiLoCo, HetCommunicator, Tier
 from hettrain.runtime.config import ENV_OPTIMIZER, OPTIMIZERS, RuntimeConfig
-from hettrain.runtime.dataset import open_data
+from hettrain.runtime.dataset import DataSource, open_data, replica_rows
 from hettrain.runtime.devices import activate, select_device
 from hettrain.runtime.metrics import RuntimeMetrics
 from hettrain.runtime.model import StageModel, check_layout, lm_loss, whole_model
+from hettrain.runtime.optim import ShardGroup, StageOptimizer
 from hettrain.runtime.pipeline import StageRunner
 from hettrain.runtime.tensor_parallel import check_tp, shard_stage_
 from hettrain.runtime.weights import load_pretrained
@@ -32,12 +33,8 @@ CROSS_DC_MODES = ("sync", "compress", "diloco")
 
 def make_optimizer(model: torch.nn.Module, lr: float,
                    kind: str = "adamw") -> torch.optim.Optimizer:
-    """The (inner) optimizer, with the same settings everywhere (reference and pipelined).
-
-    ``adamw`` is the default; ``sgd`` (plain, no momentum) exists so that DiLoCo with H=1,
-    outer lr 1 and no momentum can be checked against synchronous DP exactly (SGD is linear in
-    the gradient, AdamW is not).
-    """
+    """A plain fp32 torch optimizer (the bare-loop baseline of ``bench/runtime.py``; the
+    runtime itself uses :class:`~hettrain.runtime.optim.StageOptimizer`)."""
     if kind == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY,
                                  foreach=False)
@@ -79,28 +76,62 @@ def peak_flops(plan: Plan) -> float:
     return total
 
 
+def unsupported(plan: Plan) -> list[str]:
+    """Plan options this runtime cannot honour, each a one-line error naming the plan field
+    (empty: it runs the plan as written). The operator-side twin is
+    ``planning.support.unsupported`` (same rules, no torch)."""
+    from hettrain.planning.support import unsupported as rules
+    return rules(plan)
+
+
+def validation_batches(plan: Plan, data: DataSource,
+                       dp_index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Replica ``dp_index``'s share of the fixed validation set: ``validation_batches`` global
+    batches of the data's validation split (in order, the same at every validation)."""
+    t = plan.training
+    out = []
+    for k in range(t.validation_batches):
+        x, y = data.validation_batch(k, plan.global_batch)
+        out += replica_rows(x, y, plan.dp, dp_index, plan.micro_batch, plan.num_microbatches)
+    return out
+
+
+def validation_due(plan: Plan, done: int) -> bool:
+    """Whether a validation loss is computed after ``done`` optimizer steps."""
+    every = plan.training.validation_interval
+    return every > 0 and done % every == 0
+
+
 def reference_losses(plan: Plan, steps: int, start_step: int = 0,
-                     optimizer: str = "adamw") -> list[float]:
-    """Single-process run of the same model and global batches: the losses to match."""
+                     optimizer: str = "adamw",
+                     validation: dict[int, float] | None = None) -> list[float]:
+    """Single-process run of the same model, global batches, precision and loop (schedule,
+    clipping, weight decay): the losses to match. ``validation`` (if given) receives
+    ``{done steps: validation loss}`` at the plan's validation interval."""
     t = plan.training
     data = open_data(plan.data, seed=t.seed, seq_len=plan.model.seq_len, vocab=plan.model.vocab)
     model = whole_model(plan.model, t.seed)
-    opt = make_optimizer(model, t.learning_rate, optimizer)
+    opt = StageOptimizer(model, t, kind=optimizer)
     out = []
+    n = plan.dp * plan.num_microbatches
     for step in range(start_step, steps):
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         total = 0.0
-        n = plan.dp * plan.num_microbatches
         for d in range(plan.dp):
             for x, y in data.microbatches(t.seed, step, dp=plan.dp, dp_index=d,
                                      micro_batch=plan.micro_batch,
                                      num_microbatches=plan.num_microbatches,
                                      seq_len=plan.model.seq_len, vocab=plan.model.vocab):
                 loss = lm_loss(model(x), y)
-                (loss / n).backward()
+                (loss * (opt.loss_scale / n)).backward()
                 total += loss.item()
-        opt.step()
+        opt.step(step)
         out.append(total / n)
+        if validation is not None and validation_due(plan, step + 1):
+            with torch.no_grad():
+                vals = [lm_loss(model(x), y).item() for d in range(plan.dp)
+                        for x, y in validation_batches(plan, data, d)]
+            validation[step + 1] = sum(vals) / len(vals)
     return out
 
 
@@ -112,6 +143,9 @@ class Trainer:
         plan = self.plan
         self.me = plan.ranks[rank]
         st = plan.stages[self.me.stage]
+        refused = unsupported(plan)
+        if refused:
+            raise ValueError(refused[0])
         check_tp(plan.model, st.tp, f"plan.stages[{st.index}]")
         check_layout(plan.model, plan.pp)
         self.data = open_data(plan.data, seed=plan.training.seed, seq_len=plan.model.seq_len,
@@ -137,10 +171,10 @@ class Trainer:
         if plan.model.pretrained:  # a checkpoint, when resuming, overrides these in train()
             load_pretrained(self.model, plan.model.pretrained, self.tp)
         self.model.to(self.device)  # built and sliced on the host: identical weights anywhere
-        self.opt = make_optimizer(self.model, plan.training.learning_rate, cfg.optimizer)
+        self.opt = self._optimizer()
         self.diloco: DiLoCo | None = None
         if self.xdc["mode"] == "diloco":
-            self.diloco = DiLoCo(self.model.parameters(), self.comm,
+            self.diloco = DiLoCo(self.opt.master_views(), self.comm,
                                  outer_steps=self.xdc["outer_steps"],
                                  outer_lr=self.xdc["outer_lr"],
                                  outer_momentum=self.xdc["outer_momentum"])
@@ -156,6 +190,39 @@ class Trainer:
                  self.runner.schedule, self.model.chunks)
         self.root = ckpt.checkpoint_root(cfg.checkpoint_uri) if cfg.checkpoint_uri else None
         self._loss_tier = self._dp_tier()
+        self.validation: dict[int, float] = {}
+
+    def _optimizer(self) -> StageOptimizer:
+        """The stage optimizer: plan precision, ZeRO-1 over the stage DP group when planned,
+        gradients averaged through the communicator, the global norm over the world."""
+        plan, comm, t = self.plan, self.comm, self.plan.training
+        scope = "dc" if self.xdc["mode"] == "diloco" else "global"
+        shard = None
+        if t.optimizer_sharding and comm.dp_size > 1:
+            tier = self._dp_tier()
+            shard = ShardGroup(comm.dp_group, dist.get_rank(comm.dp_group), comm.dp_size,
+                               comm.staging_device(comm.dp_group),
+                               lambda nbytes, secs: comm.stats.add(tier, nbytes, secs))
+
+        def reduce_grads(flat: torch.Tensor) -> None:
+            # mode "compress": the communicator compresses the DC hop
+            comm.dp_all_reduce_([flat], average=True, scope=scope)
+
+        def norm_reduce(vec: torch.Tensor) -> None:
+            dist.all_reduce(vec)  # the world group is gloo: host memory
+
+        # one DP replica per norm slot counts its (unsharded) gradients: the whole job, or
+        # (DiLoCo) each datacenter, whose replicas step apart
+        dcs = list(plan.datacenters)
+        peers = [r for r in plan.ranks if (r.stage, r.tp) == (self.me.stage, self.me.tp)
+                 and (scope == "global" or r.datacenter == self.me.datacenter)]
+        slot = dcs.index(self.me.datacenter) if scope == "dc" else 0
+        return StageOptimizer(
+            self.model, t, kind=self.cfg.optimizer, shard=shard,
+            reduce_grads=reduce_grads if plan.dp > 1 else None, norm_reduce=norm_reduce,
+            tp_sharded=set(self.tp.shards), tp=plan.stages[self.me.stage].tp,
+            tp_index=self.me.tp, norm_slot=(slot, len(dcs) if scope == "dc" else 1),
+            counts_norm=self.me.dp == min(r.dp for r in peers))
 
     def _dp_tier(self) -> Tier:
         """The slowest link this rank's stage DP group spans (for the loss all-reduce)."""
@@ -172,17 +239,15 @@ class Trainer:
         return {f"outer.{n}.momentum": m
                 for n, m in zip(names, self.diloco.momentum, strict=True)}
 
-    def _sync(self, step: int) -> None:
-        """Gradient sync + optimizer step (+ DiLoCo outer step) of one inner step."""
-        grads = [p.grad for p in self.model.parameters()]
-        if self.diloco is not None:
-            self.diloco.sync_gradients()  # intra-DC DP stays synchronous
-            self.opt.step()
-            self.diloco.step(step)  # every H steps: pseudo-gradients across DCs
-        else:
-            if self.plan.dp > 1:  # mode "compress": the communicator compresses the DC hop
-                self.comm.dp_all_reduce_(grads, average=True)
-            self.opt.step()
+    def _sync(self, step: int, outer_step: int | None = None) -> dict[str, float]:
+        """Gradient sync + optimizer step (+ DiLoCo outer step, as step ``outer_step``) of
+        one inner step."""
+        info = self.opt.step(step)  # DiLoCo: the intra-DC DP stays synchronous
+        # DiLoCo, every H steps: pseudo-gradients across DCs, on the fp32 master weights
+        if self.diloco is not None and self.diloco.step(
+                step if outer_step is None else outer_step):
+            self.opt.params_from_master()
+        return info
 
     def _reduce_loss(self, total: float) -> torch.Tensor:
         loss = torch.tensor([total / self.plan.num_microbatches])
@@ -204,37 +269,41 @@ class Trainer:
         if self.cfg.resume and self.root is not None:
             found = ckpt.latest_step(self.root)
             if found is not None:
-                ckpt.load(self.root, found, self.model, self.opt, extra=self._outer_state(),
-                          tp=self.tp)
+                targets = self.opt.load_targets()
+                ckpt.load(self.root, found, self.model, self.opt,
+                          extra={**self._outer_state(), **targets}, tp=self.tp)
+                self.opt.load_finish(targets)
                 start = found
                 self.metrics.last_ckpt.set(found)
                 if self.diloco is not None:  # the outer (global) weights are the loaded ones
                     self.diloco.global_params = [p.detach().clone()
-                                                 for p in self.model.parameters()]
+                                                 for p in self.opt.master_views()]
         losses = []
         flops, peak = step_flops(plan), peak_flops(plan)
         ckpt_due = False
         self.step_cpu: list[float] = []  # process CPU seconds per step (all threads)
         for step in range(start, t.steps):
             t0, c0 = time.perf_counter(), time.process_time()
-            self.opt.zero_grad(set_to_none=False)
+            self.opt.zero_grad()
             batches = self.data.microbatches(t.seed, step, dp=plan.dp, dp_index=self.me.dp,
                                    micro_batch=plan.micro_batch,
                                    num_microbatches=plan.num_microbatches,
                                    seq_len=plan.model.seq_len, vocab=plan.model.vocab)
             if self.device.type != "cpu":
                 batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
-            total = self.runner.run(batches, 1.0 / plan.num_microbatches)
+            total = self.runner.run(batches, self.opt.loss_scale / plan.num_microbatches)
             done = step + 1
             last = done == t.steps
             if last and self.diloco is not None and done % self.diloco.outer_steps:
-                self.diloco.sync_gradients()
-                self.opt.step()
-                self.diloco.step(self.diloco.outer_steps - 1)  # the run ends on an outer sync
+                # the run ends on an outer sync
+                info = self._sync(step, outer_step=self.diloco.outer_steps - 1)
             else:
-                self._sync(step)
+                info = self._sync(step)
             loss = self._reduce_loss(total)
             losses.append(loss.item())
+            val = self._validate() if validation_due(plan, done) else None
+            if val is not None:
+                self.validation[done] = val
             seconds = time.perf_counter() - t0
             self.step_cpu.append(time.process_time() - c0)
             self.metrics.observe_step(done, loss.item(), seconds,
@@ -242,13 +311,18 @@ class Trainer:
             self.metrics.observe_comm(self.comm.stats)
             if self.rank == 0 and self.cfg.loss_log:
                 with open(self.cfg.loss_log, "a") as f:
-                    rec = {"step": step, "loss": loss.item(), "seconds": seconds}
+                    rec = {"step": step, "loss": loss.item(), "seconds": seconds,
+                           "lr": info["lr"], "grad_norm": info["grad_norm"],
+                           "skipped": bool(info["skipped"])}
+                    if val is not None:
+                        rec["val_loss"] = val
                     f.write(json.dumps(rec) + "\n")
             ckpt_due = ckpt_due or done % self.cfg.checkpoint_interval == 0
             # DiLoCo replicas differ between outer syncs: checkpoint only right after one
             synced = self.diloco is None or done % self.diloco.outer_steps == 0 or last
             if self.root is not None and ((ckpt_due and synced) or last):
-                ckpt.save(self.root, done, self.model, self.opt, extra=self._outer_state(),
+                ckpt.save(self.root, done, self.model, self.opt,
+                          extra={**self._outer_state(), **self.opt.checkpoint_tensors()},
                           tp=self.tp)
                 self.metrics.last_ckpt.set(done)
                 ckpt_due = False
@@ -256,6 +330,20 @@ class Trainer:
                 time.sleep(self.cfg.step_sleep)
         self._write_summary(losses)
         return losses
+
+    def _validate(self) -> float:
+        """Mean loss of the validation set (forward only through the pipeline, averaged over
+        the DP replicas); every rank returns it."""
+        batches = validation_batches(self.plan, self.data, self.me.dp)
+        if self.device.type != "cpu":
+            batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        self.model.eval()
+        total = self.runner.evaluate(batches)
+        self.model.train()
+        per = len(batches) / self.plan.num_microbatches  # _reduce_loss divides by M
+        val = self._reduce_loss(total / per).item()
+        log.info("rank %d: validation loss %.6f", self.rank, val)
+        return val
 
     def _write_summary(self, losses: list[float]) -> None:
         """``HETTRAIN_SUMMARY_DIR/rank-R.json``: per-tier bytes/ops/seconds, CPU seconds per step,
@@ -270,6 +358,7 @@ class Trainer:
                "steps": len(losses),
                "outer_syncs": self.diloco.outer_syncs if self.diloco is not None else 0,
                "param_checksum": checksum,
+               "validation": self.validation,
                "param_elements": sum(p.numel() for p in self.model.parameters()),
                "bytes": {t.value: s.bytes for t, s in self.comm.stats.items()},
                "ops": {t.value: s.ops for t, s in self.comm.stats.items()},

@@ -47,13 +47,17 @@ class Scenario:
 
 
 def llama3_job(global_batch: int = 2048, name: str = "llama3-405b") -> tuple[str, JobSpec]:
-    """The Llama 3 405B job (bf16, ZeRO-1, selective recompute) as a parsed manifest."""
+    """The Llama 3 405B job (bf16, ZeRO-1, full recompute) as a parsed manifest.
+
+    Full recompute: without sequence parallelism the runtime keeps each layer's norm inputs and
+    outputs unsharded, so selective recompute does not fit 405B on 80 GB devices
+    (``planning.cost.activation_bytes_per_layer``)."""
     doc: dict[str, Any] = {
         "apiVersion": "hettrain.dev/v1alpha1", "kind": "HetTrainingJob",
         "metadata": {"name": name},
         "spec": {"model": {"preset": "llama3-405b"},
                  "training": {"globalBatch": global_batch, "steps": 100000,
-                              "recompute": "selective"},
+                              "recompute": "full"},
                  "checkpoint": {"uri": "s3://ckpt/llama3-405b"}},
     }
     return parse_job_manifest(doc)

@@ -16,7 +16,7 @@ def tiny_plan(splits: list[tuple[int, int, str]], dp: int, *, steps: int = 10,
               micro_batch: int = 2, num_microbatches: int = 4, schedule: str = "1f1b",
               model: ModelSpec = TINY, lr: float = 3e-3, tp: int | Sequence[int] = 1,
               replica_dcs: Sequence[str] | None = None, cross_dc: dict | None = None,
-              vendors: Sequence[str] | None = None) -> Plan:
+              vendors: Sequence[str] | None = None, **training) -> Plan:
     """``splits`` = [(layer_start, layer_end, pool)] per stage; each stage has ``dp`` replicas
     of ``tp`` ranks (an int, or one degree per stage).
 
@@ -24,6 +24,7 @@ def tiny_plan(splits: list[tuple[int, int, str]], dp: int, *, steps: int = 10,
     everything is in ``dc1``. ``cross_dc`` is the plan's cross-DC section (mode, compression,
     outer_steps, outer_lr, outer_momentum). ``vendors[s]`` is stage ``s``'s vendor (default
     ``cpu``), with its catalog backend (nccl for nvidia/amd, hccl for intel/huawei).
+    ``training`` overrides TrainingSpec fields (fp32, ZeRO-1 on unless DiLoCo, by default).
     """
     tps = [tp] * len(splits) if isinstance(tp, int) else list(tp)
     dcs = list(replica_dcs or ["dc1"] * dp)
@@ -45,8 +46,11 @@ def tiny_plan(splits: list[tuple[int, int, str]], dp: int, *, steps: int = 10,
                                       stage=s, dp=d, tp=t))
     gb = dp * micro_batch * num_microbatches
     return Plan(job="rt-test", model=model,
-                training=TrainingSpec(global_batch=gb, steps=steps, micro_batch=micro_batch,
-                                      precision="fp32", learning_rate=lr, seed=3),
+                training=TrainingSpec(**{
+                    "global_batch": gb, "steps": steps, "micro_batch": micro_batch,
+                    "precision": "fp32", "learning_rate": lr, "seed": 3,
+                    "optimizer_sharding": (cross_dc or {}).get("mode") != "diloco",
+                    **training}),
                 dp=dp, pp=len(splits), micro_batch=micro_batch,
                 num_microbatches=num_microbatches, schedule=schedule, stages=tuple(stages),
                 ranks=tuple(ranks), predicted=Prediction(step_time_s=1, tokens_per_s=1, mfu=0),

@@ -1,0 +1,204 @@
+"""Measure the bytes one pipeline stage really holds, on the CPU, for the memory-honesty test.
+
+:func:`measure_stage` builds stage ``s`` of a plan exactly as a rank does (its layers or model
+chunks, its TP shard of the weights, the stage optimizer with the plan's precision and ZeRO-1
+degree) and runs one step of the stage's schedule single-process, with random boundary
+activations and gradients standing in for its pipeline peers. It reports:
+
+- ``params``: the flat parameter buffer (plan precision);
+- ``grads``: the fp32 main-grad buffer;
+- ``optimizer``: the fp32 master slice (when it is not the parameters) and the AdamW moments;
+- ``activations``: the PEAK bytes kept for the backward pass over the step, from
+  ``torch.autograd.graph.saved_tensors_hooks`` (each storage counted once, parameters excluded),
+  plus what the runner itself keeps alive per in-flight microbatch (the stage output it will
+  call ``backward`` on) and, for ZB-H1, the ``(input, grad_output)`` stash of deferred weight
+  gradients;
+- ``loss_buffers`` (last stage): the logits and their fp32 copy alive while the loss is
+  computed (the saved log-softmax is part of ``activations``).
+
+TP is measured on the local shard without the TP collectives (their buffers are transient and
+their saved tensors are the same as without them). Nothing here talks to other processes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from hettrain.planning import cost
+from hettrain.planning.layers import chunk_layer_ranges
+from hettrain.planning.plan import Plan
+from hettrain.runtime.model import StageModel, WeightGradStore, defer_weight_grads, lm_loss
+from hettrain.runtime.optim import ShardGroup, StageOptimizer
+from hettrain.runtime.schedules import chunk_actions
+from hettrain.runtime.tensor_parallel import shard_stage_
+
+
+@dataclass(frozen=True, slots=True)
+class StageBytes:
+    """Measured bytes of one stage (one rank)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    loss_buffers: int
+
+    @property
+    def total(self) -> int:
+        """Everything measured (what the plan's prediction minus its fixed overhead covers)."""
+        return self.params + self.grads + self.optimizer + self.activations + self.loss_buffers
+
+
+class _Tracker:
+    """Live bytes of tensors kept for the backward, each storage counted once; tracks the peak."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude  # storages not to count (the parameters)
+        self.live: dict[int, list[int]] = {}  # storage ptr -> [references, bytes]
+        self.bytes = 0
+        self.peak = 0
+
+    def hold(self, t: torch.Tensor) -> _Held:
+        """Count ``t`` until the returned handle is dropped."""
+        return _Held(self, t)
+
+    def _add(self, ptr: int, nbytes: int) -> None:
+        if ptr in self.exclude or nbytes == 0:
+            return
+        entry = self.live.get(ptr)
+        if entry is None:
+            self.live[ptr] = [1, nbytes]
+            self.bytes += nbytes
+            self.peak = max(self.peak, self.bytes)
+        else:
+            entry[0] += 1
+
+    def _drop(self, ptr: int) -> None:
+        entry = self.live.get(ptr)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.bytes -= entry[1]
+            del self.live[ptr]
+
+
+class _Held:
+    """A tensor counted by a :class:`_Tracker` while this object lives."""
+
+    __slots__ = ("ptr", "t", "tracker")
+
+    def __init__(self, tracker: _Tracker, t: torch.Tensor) -> None:
+        self.t, self.tracker = t, tracker
+        storage = t.untyped_storage()
+        self.ptr = storage.data_ptr()
+        tracker._add(self.ptr, storage.nbytes())
+
+    def __del__(self) -> None:
+        self.tracker._drop(self.ptr)
+
+
+@contextmanager
+def _saved_tensors(tracker: _Tracker) -> Iterator[None]:
+    with torch.autograd.graph.saved_tensors_hooks(tracker.hold, lambda held: held.t):
+        yield
+
+
+def build_stage(plan: Plan, stage: int, tp_index: int = 0) -> tuple[StageModel, set[str]]:
+    """Stage ``stage``'s model as a rank builds it (TP shard ``tp_index``, without the TP
+    process group); returns it and the names of its TP-sharded parameters."""
+    st = plan.stages[stage]
+    kwargs = {}
+    if "recompute" in inspect.signature(StageModel).parameters:
+        kwargs["recompute"] = plan.training.recompute
+    model = StageModel(plan.model, st.layer_start, st.layer_end, has_embedding=stage == 0,
+                       has_head=stage == plan.pp - 1, seed=plan.training.seed,
+                       chunks=chunk_layer_ranges(plan)[stage], **kwargs)
+    tp = shard_stage_(model, plan.model, st.tp, tp_index, None, list(range(st.tp)))
+    for mod in model.modules():  # local shard only: no TP collectives
+        if hasattr(mod, "tp_group"):
+            mod.tp_group = None
+    return model, set(tp.shards)
+
+
+def predicted_stage_bytes(plan: Plan, stage: int) -> float:
+    """The planner's per-device prediction for ``stage`` minus its fixed framework overhead
+    (``cost.stage_memory`` with the plan's layout and schedule): what :func:`measure_stage`
+    must match."""
+    st = plan.stages[stage]
+    mem = cost.stage_memory(plan.model, plan.training, tp=st.tp, dp=plan.dp,
+                            micro_batch=plan.micro_batch, first=stage == 0,
+                            last=stage == plan.pp - 1,
+                            **cost.schedule_memory_args(stage, plan.pp, plan.num_microbatches,
+                                                        plan.schedule, plan.virtual_stages))
+    return mem.bytes_for(st.layers) - cost.FRAMEWORK_OVERHEAD_BYTES
+
+
+def measure_stage(plan: Plan, stage: int) -> StageBytes:
+    """Run one step of stage ``stage``'s schedule on the CPU and measure its bytes."""
+    st = plan.stages[stage]
+    model, sharded = build_stage(plan, stage)
+    shard = (ShardGroup(None, 0, plan.dp, torch.device("cpu"))
+             if plan.training.optimizer_sharding and plan.dp > 1 else None)
+    opt = StageOptimizer(model, plan.training, shard=shard, tp_sharded=sharded, tp=st.tp)
+    params = opt.params_flat.numel() * opt.params_flat.element_size()
+    grads = opt.main_grad.numel() * opt.main_grad.element_size()
+    optim = sum(t.numel() * t.element_size() for t in (opt.exp_avg, opt.exp_avg_sq)
+                if t is not None)
+    if opt.master.data_ptr() != opt.params_flat[opt.lo:opt.hi].data_ptr():
+        optim += opt.master.numel() * opt.master.element_size()
+    tracker = _Tracker({opt.params_flat.untyped_storage().data_ptr()})
+    loss_buffers = _run_schedule(plan, stage, model, opt, tracker)
+    return StageBytes(params, grads, optim, tracker.peak, loss_buffers)
+
+
+def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer,
+                  tracker: _Tracker) -> int:
+    """One step of the stage's actions with stand-in peers; returns the loss-buffer bytes."""
+    gen = torch.Generator().manual_seed(0)
+    spec, b = plan.model, plan.micro_batch
+    v = len(model.chunks)
+    chunked = plan.schedule == "interleaved"
+    first, last = stage == 0, stage == plan.pp - 1
+    dtype = opt.params_flat.dtype
+    shape = (b, spec.seq_len, spec.hidden)
+    held: dict[tuple[int, int], tuple[torch.Tensor, _Held]] = {}
+    stash: dict[int, tuple[WeightGradStore, list[_Held]]] = {}
+    loss_buffers = 0
+    m = plan.num_microbatches
+    for kind, i, c in chunk_actions(plan.schedule, stage, plan.pp, m, v):
+        if kind == "F":
+            if first and c == 0:
+                x = torch.randint(0, spec.vocab, (b, spec.seq_len), generator=gen)
+            else:
+                x = torch.randn(shape, generator=gen).to(dtype).requires_grad_()
+            with _saved_tensors(tracker):
+                out = model.forward_chunk(c, x) if chunked else model(x)
+                if last and c == v - 1:
+                    extra = 0 if out.dtype == torch.float32 else out.numel() * 4
+                    loss_buffers = max(loss_buffers, out.numel() * out.element_size() + extra)
+                    y = torch.randint(0, spec.vocab, (b, spec.seq_len), generator=gen)
+                    out = lm_loss(out, y)
+            held[(i, c)] = (out, tracker.hold(out))  # the runner keeps it for backward
+        elif kind == "B":
+            out = held.pop((i, c))[0]  # its holder is released here, as the runner does
+            grad = None if out.dim() == 0 else torch.randn(out.shape, generator=gen).to(dtype)
+            if plan.schedule == "zb-h1":
+                with defer_weight_grads() as store:
+                    out.backward(grad)
+                stash[i] = (store, [tracker.hold(t) for _, xin, g in store.items
+                                    for t in (xin, g)])
+            else:
+                out.backward(grad)
+            del out
+        elif kind == "W" and i in stash:  # ZB-H1 only: 1F1B's W is part of its B
+            store, holds = stash.pop(i)
+            store.flush()
+            del holds
+    opt.zero_grad()
+    return loss_buffers

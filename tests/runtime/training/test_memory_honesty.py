@@ -1,0 +1,81 @@
+"""Memory honesty: what a stage really holds (measured on the CPU by ``runtime.memory``) against
+the planner's per-stage prediction (``planning.cost.stage_memory``) minus its fixed overhead,
+over a grid of layouts: within 10% and never above it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from tests.runtime.training.plans import TINY, tiny_plan
+
+from hettrain.planning import cost
+from hettrain.runtime.memory import measure_stage, predicted_stage_bytes
+
+# wide enough that no term is negligible: vocab 8x seq, ffn 4x hidden, GQA
+MODEL = replace(TINY, layers=6, hidden=64, heads=4, kv_heads=2, ffn_hidden=256, seq_len=64,
+                vocab=512)
+GATED = replace(MODEL, gated_mlp=True, kv_heads=4)
+TOLERANCE = 0.10
+
+SPLITS = {1: [(0, 6, "a")], 2: [(0, 4, "a"), (4, 6, "b")],
+          3: [(0, 2, "a"), (2, 4, "b"), (4, 6, "c")]}
+
+GRID = [
+    # (pp, tp, dp, micro_batch, microbatches, schedule, precision, sharding, model)
+    (1, 1, 1, 2, 2, "1f1b", "bf16", False, MODEL),
+    (2, 1, 2, 2, 4, "1f1b", "bf16", True, MODEL),
+    (2, 2, 2, 1, 4, "1f1b", "bf16", True, MODEL),
+    (2, 2, 1, 2, 4, "1f1b", "fp32", False, GATED),
+    (3, 1, 4, 1, 6, "1f1b", "fp16", True, GATED),
+    (3, 2, 2, 2, 3, "1f1b", "fp32", True, MODEL),
+    (2, 1, 2, 2, 4, "interleaved", "bf16", True, MODEL),
+    (3, 2, 1, 1, 6, "interleaved", "fp32", False, GATED),
+    (2, 1, 2, 2, 4, "zb-h1", "bf16", False, MODEL),
+    (3, 2, 2, 1, 6, "zb-h1", "bf16", True, GATED),
+    (2, 1, 1, 1, 4, "gpipe", "fp32", False, MODEL),
+]
+
+
+def _plan(pp, tp, dp, mb, m, schedule, precision, sharding, model, recompute="none"):
+    splits = SPLITS[pp]
+    if schedule == "interleaved":  # v = 2 model chunks of one layer each per stage
+        splits = [(2 * i, 2 * i + 2, p) for i, (_, _, p) in enumerate(SPLITS[3][:pp])]
+        model = replace(model, layers=2 * pp)
+    plan = tiny_plan(splits, dp=dp, tp=tp, micro_batch=mb, num_microbatches=m, model=model,
+                     schedule=schedule, precision=precision, optimizer_sharding=sharding,
+                     recompute=recompute)
+    return replace(plan, virtual_stages=2) if schedule == "interleaved" else plan
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: "-".join(map(str, c[:8])))
+def test_measured_stage_bytes_match_the_plan_and_never_exceed_it(case):
+    plan = _plan(*case)
+    for stage in range(plan.pp):
+        got = measure_stage(plan, stage)
+        want = predicted_stage_bytes(plan, stage)
+        ratio = got.total / want
+        print(f"{case[:8]} stage {stage}: measured {got.total} B, planned {want:.0f} B, "
+              f"ratio {ratio:.4f} ({got})")
+        assert got.activations > 0 and got.params > 0
+        assert ratio <= 1.0, (stage, got, want)
+        assert ratio >= 1.0 - TOLERANCE, (stage, got, want)
+
+
+def test_state_bytes_are_exactly_the_cost_models_per_parameter_bytes():
+    for precision, sharding, dp in (("bf16", True, 2), ("bf16", False, 2), ("fp32", True, 4),
+                                    ("fp16", False, 1)):
+        plan = _plan(2, 1, dp, 1, 2, "1f1b", precision, sharding, MODEL)
+        got = measure_stage(plan, 1)  # the last stage: layers, final norm, head
+        n = got.grads / 4  # main grads are fp32: one per parameter
+        per = cost.state_bytes_per_param(plan.training, dp)
+        assert got.params + got.grads + got.optimizer == pytest.approx(n * per, rel=1e-3)
+
+
+def test_activation_bytes_scale_with_microbatch_and_in_flight_count():
+    one = measure_stage(_plan(2, 1, 1, 1, 4, "1f1b", "bf16", False, MODEL), 0)
+    two = measure_stage(_plan(2, 1, 1, 2, 4, "1f1b", "bf16", False, MODEL), 0)
+    assert two.activations == pytest.approx(2 * one.activations, rel=0.02)
+    gpipe = measure_stage(_plan(2, 1, 1, 1, 4, "gpipe", "bf16", False, MODEL), 0)
+    # 1F1B keeps pp - 0 = 2 microbatches on stage 0, GPipe all 4
+    assert gpipe.activations == pytest.approx(2 * one.activations, rel=0.02)
