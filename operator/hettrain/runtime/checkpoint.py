@@ -222,7 +222,7 @@ class Checkpointer:
         fname = f"rank-{self.rank:05d}.safetensors"
         tensors: dict[str, Any] = {}
         blobs: list[tuple[str, torch.Tensor]] = []
-        for st in snap:
+        for st in _by_name(snap):
             entries = piece_entries(st, "")
             tensors[st.name] = {"global_shape": list(st.global_shape),
                                 "dtype": _dtype_name(st), "pieces": [r for _, _, r in entries]}
@@ -259,6 +259,21 @@ class Checkpointer:
         dropped = store.retain(self.keep)
         log.info("checkpoint step %d published at %s%s", step, final.rsplit("/", 1)[-1],
                  f" (retention removed steps {dropped})" if dropped else "")
+
+
+def _by_name(state: list[ShardedTensor]) -> list[ShardedTensor]:
+    """One entry per global name (pieces of repeated names concatenated, shapes checked)."""
+    out: dict[str, ShardedTensor] = {}
+    for st in state:
+        cur = out.get(st.name)
+        if cur is None:
+            out[st.name] = ShardedTensor(st.name, st.global_shape, list(st.pieces))
+        elif cur.global_shape != st.global_shape:
+            raise CheckpointFormatError(f"tensor {st.name}: two global shapes on one rank "
+                                        f"({cur.global_shape} and {st.global_shape})")
+        else:
+            cur.pieces.extend(st.pieces)
+    return list(out.values())
 
 
 def _dtype_name(st: ShardedTensor) -> str:
