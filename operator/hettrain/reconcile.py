@@ -82,6 +82,8 @@ class Observed:
     links: tuple[Link, ...] = ()
     devices: Mapping[str, DeviceSpec] = field(default_factory=dict)
     held: Mapping[str, str] = field(default_factory=dict)  # node -> "ns/job" of ANOTHER job
+    # why spec.checkpoint's PVC / Secret cannot be used (names the field), or None
+    storage_problem: str | None = None
 
     def inventory(self) -> ClusterInventory:
         """The planner's inventory of the observed nodes with the topology config, less the
@@ -199,6 +201,8 @@ def _fail(b: _Builder, d: Decision, reason: str, message: str, delete: Iterable[
 def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
             planner: Planner, previous: Plan | None, attempt: int, resume: bool,
             exclude: Sequence[str]) -> Decision:
+    if obs.storage_problem:  # fail fast instead of launching pods that cannot checkpoint
+        return _storage_unavailable(b, d, obs.storage_problem)
     t0 = time.perf_counter()
     try:
         inv = obs.inventory()
@@ -358,6 +362,7 @@ def _names(pods: Iterable[Mapping[str, Any]]) -> list[str]:
 def _progress(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed, plan: Plan,
               attempt: int, current: Sequence[Mapping[str, Any]], expected: set[str],
               launching: bool) -> Decision:
+    _note_no_checkpoint(b, d, current, attempt)
     seen = set(_names(current))
     missing = expected - seen
     if missing and launching:  # operator restarted mid-launch: create the rest of the gang
@@ -388,6 +393,9 @@ def _progress(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observe
 def _repair(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
             planner: Planner, plan: Plan, attempt: int, current: Sequence[Mapping[str, Any]],
             cause: str, bad: list[str]) -> Decision:
+    _note_no_checkpoint(b, d, current, attempt)
+    if (storage_error := checkpoint_error(current)) is not None:  # a repair cannot fix it
+        return _storage_unavailable(b, d, storage_error, _names(current))
     pol = spec.failure_policy
     cause = b.old.get("failureCause") or cause
     bad = sorted(set(bad) | set(b.old.get("failureNodes") or []))
@@ -451,3 +459,52 @@ def _replan_keeps_size(job: JobRef, spec: JobSpec, obs: Observed, planner: Plann
         return planner(job.name, spec, inv, plan).world_size >= plan.world_size
     except PlanningError:
         return False
+
+
+# ---------------------------------------------------------------- checkpoint storage signals
+
+CHECKPOINT_ERROR_MARK = "HETTRAIN_CHECKPOINT_ERROR"  # runtime: storage unusable / misfit
+NO_CHECKPOINT_MARK = "HETTRAIN_NO_CHECKPOINT"  # runtime: a resume found no checkpoint
+
+
+def termination_messages(pods: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The containers' termination messages (``state`` and ``lastState``) of ``pods``."""
+    out = []
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("containerStatuses") or ():
+            for key in ("state", "lastState"):
+                msg = ((cs.get(key) or {}).get("terminated") or {}).get("message")
+                if msg:
+                    out.append(str(msg).strip())
+    return out
+
+
+def checkpoint_error(pods: Iterable[Mapping[str, Any]]) -> str | None:
+    """The runtime's checkpoint storage error from a failed pod, if any (without the mark)."""
+    for msg in termination_messages(pods):
+        if msg.startswith(CHECKPOINT_ERROR_MARK):
+            return msg.removeprefix(CHECKPOINT_ERROR_MARK).lstrip(": ")
+    return None
+
+
+def _storage_unavailable(b: _Builder, d: Decision, message: str,
+                         delete: Iterable[str] = ()) -> Decision:
+    """Failed with CheckpointStorageReady=False: no repair is consumed on it."""
+    b.cond(c.COND_CHECKPOINT_STORAGE, False, c.REASON_CHECKPOINT_STORAGE, message)
+    return _fail(b, d, c.REASON_CHECKPOINT_STORAGE, message, delete)
+
+
+def _note_no_checkpoint(b: _Builder, d: Decision, pods: Sequence[Mapping[str, Any]],
+                        attempt: int) -> None:
+    """A resumed attempt whose runtime found no checkpoint: one Warning event and
+    ``status.checkpoint`` naming the attempt (it restarted from step 0)."""
+    old = b.old.get("checkpoint") or {}
+    if old.get("noCheckpointAttempt") == attempt:
+        return
+    msg = next((m for m in termination_messages(pods) if m.startswith(NO_CHECKPOINT_MARK)), None)
+    if msg is None:
+        return
+    b.patch["checkpoint"] = {"noCheckpointAttempt": attempt, "message": msg[:1000]}
+    d.events.append(Event("Warning", c.REASON_NO_CHECKPOINT,
+                          f"attempt {attempt}: {msg[:500]}"))
+    d.status = b.patch

@@ -82,6 +82,8 @@ NAMESPACED = _grants({
     ("", "events"): ("create", "patch"),
     ("events.k8s.io", "events"): ("create", "patch"),
     ("kopf.dev", "kopfpeerings"): ("get", "list", "watch", "patch"),
+    ("", "persistentvolumeclaims"): ("get",),
+    ("", "secrets"): ("get",),
 })
 CLUSTER = _grants({
     ("", "nodes"): ("get", "list", "watch"),

@@ -81,6 +81,10 @@ app.kubernetes.io/part-of: hettrain
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
+# spec.checkpoint: a missing PVC / Secret fails the job fast (of a Secret only key names are read)
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims", "secrets"]
+  verbs: ["get"]
 {{- end }}
 
 {{/* Non-empty when operator.topology has links or devices (the topology ConfigMap is rendered). */}}

@@ -29,6 +29,7 @@ import kopf
 from hettrain import metrics
 from hettrain.api import constants as c
 from hettrain.kube import apply as kube
+from hettrain.kube.storage import checkpoint_storage_problem
 from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.inventory import Link, load_topology
 from hettrain.planning.plan import Plan
@@ -271,7 +272,8 @@ def reconcile_once(ns: str, name: str, pods_by_job: Any, nodes_by_name: Any
                           int(status.get("attempt") or 0))
     nodes = [n for store in nodes_by_name.values() for n in store]
     obs = Observed(pods=pods, nodes=nodes, plan=_current_plan(ns, name, status),
-                   links=_links, devices=_devices)
+                   links=_links, devices=_devices,
+                   storage_problem=checkpoint_storage_problem(_api, ns, body.get("spec")))
     obs = replace(obs, held=_held_by_others(ns, name, pods_by_job))
     t1 = time.perf_counter()
     d = reconcile(body, obs)
