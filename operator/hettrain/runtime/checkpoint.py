@@ -138,14 +138,17 @@ def model_meta(spec: Any) -> dict[str, Any]:
     return {k: d.get(k) for k in MODEL_FIELDS}
 
 
-def _snapshot(state: list[ShardedTensor]) -> list[ShardedTensor]:
-    """Host copies of every piece (the only part of a save the training thread waits for)."""
+def _snapshot(state: list[ShardedTensor], *, copy: bool = True) -> list[ShardedTensor]:
+    """Host copies of every piece (the only part of an async save the training thread waits
+    for); ``copy=False`` (a synchronous save) copies only what is not on the host already."""
     out = []
     for st in state:
         pieces = []
         for p in st.pieces:
-            host = torch.empty(p.tensor.shape, dtype=p.tensor.dtype, device="cpu")
-            host.copy_(p.tensor.detach())
+            host = p.tensor.detach()
+            if copy or host.device.type != "cpu":
+                host = torch.empty(p.tensor.shape, dtype=p.tensor.dtype, device="cpu")
+                host.copy_(p.tensor.detach())
             pieces.append(Piece(host, offsets=p.offsets, flat_start=p.flat_start))
         out.append(ShardedTensor(st.name, st.global_shape, pieces))
     return out
@@ -189,7 +192,7 @@ class Checkpointer:
         """Snapshot ``state`` and write it (in the background when ``async_save``)."""
         self.wait()
         t0 = time.perf_counter()
-        snap = _snapshot(state)
+        snap = _snapshot(state, copy=self.async_save)
         rec = SaveRecord(step=step, stall_s=time.perf_counter() - t0)
         self.history.append(rec)
         if not self.async_save:

@@ -95,6 +95,27 @@ def test_the_runtime_exits_2_with_one_line_and_a_termination_message(s3, tmp_pat
     assert term.read_text().startswith("HETTRAIN_CHECKPOINT_ERROR: spec.checkpoint.uri")
 
 
+def test_a_resume_without_checkpoint_reports_it_and_retention_runs(s3, tmp_path):
+    """HETTRAIN_RESUME=1 on an empty prefix: the runtime says so (termination message for the
+    operator's Warning event), trains from step 0, and keeps only the newest checkpoint."""
+    plan = tiny_plan([(0, 4, "pool-a")], dp=1, steps=3)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    term = tmp_path / "termination-log"
+    uri = _uri(s3)
+    env = {**os.environ, **s3["env"], "HETTRAIN_PLAN_PATH": str(tmp_path / "plan.json"),
+           "WORLD_SIZE": "1", "MASTER_PORT": str(free_port()), "HETTRAIN_METRICS_PORT": "0",
+           "HETTRAIN_CHECKPOINT_URI": uri, "HETTRAIN_TERMINATION_LOG": str(term),
+           "HETTRAIN_RESUME": "1", "HETTRAIN_CHECKPOINT_INTERVAL": "1",
+           "HETTRAIN_CHECKPOINT_KEEP": "1",
+           "PYTHONPATH": os.pathsep.join([SOURCE_ROOT, os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-m", "hettrain.runtime"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert term.read_text().startswith(f"{ckpt.NO_CHECKPOINT}: resume requested but no "
+                                       f"committed checkpoint under {uri}")
+    assert ckpt.CheckpointStore.open(uri).committed_steps() == [3]
+
+
 def _losses(path):
     return {d["step"]: d["loss"] for d in map(json.loads, path.read_text().splitlines())}
 
