@@ -25,7 +25,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -91,17 +91,25 @@ def _flat_state(model: torch.nn.Module, opt: torch.optim.Optimizer,
     return state
 
 
-def job_state(model: torch.nn.Module, opt: torch.optim.Optimizer, *,
+def job_state(model: torch.nn.Module, opt: torch.optim.Optimizer | None, *,
               extra: Mapping[str, torch.Tensor] | None = None, tp: TPShards | None = None,
-              dp_index: int = 0, for_save: bool = True) -> list[ShardedTensor]:
+              dp_index: int = 0, for_save: bool = True,
+              sharded: Sequence[ShardedTensor] = ()) -> list[ShardedTensor]:
     """This rank's state as sharded tensors.
 
     ``for_save``: only what this rank writes (DP replica 0; replicated tensors from TP index
     0) plus the RNG on rank (dp 0, tp 0); otherwise every local tensor, as load targets, with
     AdamW state created (zeros) so that it can be filled in place.
+
+    ``opt=None`` leaves the optimizer state out; an optimizer that shards its state over DP
+    (ZeRO-1) passes it as ``sharded`` instead -- e.g. ``ShardedTensor.flat(
+    f"optim.{name}.exp_avg", local_range, param_global_shape, flat_start)`` -- which every
+    replica writes (and loads into) as given, so it reshards onto any DP degree.
     """
     adam = isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
-    flat = {**_flat_state(model, opt, materialise=adam and not for_save), **(extra or {})}
+    flat = dict(model.state_dict()) if opt is None else \
+        _flat_state(model, opt, materialise=adam and not for_save)
+    flat.update(extra or {})
     tp_index = tp.index if tp is not None else 0
     out = []
     for key, t in flat.items():
@@ -115,7 +123,7 @@ def job_state(model: torch.nn.Module, opt: torch.optim.Optimizer, *,
             out.append(ShardedTensor.whole(key, t))
     if not for_save or (dp_index == 0 and tp_index == 0 and _owns_rng(model)):
         out.append(ShardedTensor.whole(RNG, torch.get_rng_state()))
-    return out
+    return out + list(sharded)
 
 
 def restore_rng(targets: list[ShardedTensor], loaded: set[str]) -> bool:

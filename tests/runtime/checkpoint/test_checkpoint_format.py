@@ -200,3 +200,34 @@ def test_no_pickle_anywhere(tmp_path):
     manifest = json.loads((tmp_path / "step-1" / "manifest.json").read_text())
     assert manifest["meta"]["step"] == 1 and math.prod(
         manifest["tensors"]["x"]["global_shape"]) == 3
+
+
+def test_zero1_style_state_reshards_across_dp_degrees(tmp_path):
+    """A model saved by DP replica 0 plus AdamW moments sharded over 2 replicas as flat ranges
+    (the ``sharded`` hook of job_state) load into 3 replicas' ranges exactly."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    moments = {n: torch.randn(p.numel()) for n, p in model.named_parameters()}
+
+    def zero_state(ranks, r, source):
+        out = []
+        for n, p in model.named_parameters():
+            bounds = [p.numel() * i // ranks for i in range(ranks + 1)]
+            a, b = bounds[r], bounds[r + 1]
+            out.append(ShardedTensor.flat(f"optim.{n}.exp_avg", source[n][a:b], p.shape, a))
+        return out
+
+    store = ckpt.CheckpointStore.open(str(tmp_path))
+    per_rank = [ckpt.job_state(model, None, dp_index=r, sharded=zero_state(2, r, moments))
+                for r in range(2)]
+    _save(store, 1, per_rank)
+    for r in range(3):
+        fresh = {n: torch.zeros(p.numel()) for n, p in model.named_parameters()}
+        targets = ckpt.job_state(model, None, for_save=False,
+                                 sharded=zero_state(3, r, fresh))
+        loaded = ckpt.load(store, 1, targets)
+        assert {"weight", "bias", "optim.weight.exp_avg"} <= loaded
+        for n, p in model.named_parameters():
+            bounds = [p.numel() * i // 3 for i in range(4)]
+            a, b = bounds[r], bounds[r + 1]
+            assert torch.equal(fresh[n][a:b], moments[n][a:b])
