@@ -83,6 +83,7 @@ def test_a_plain_path_is_used_as_given():
     ({"uri": "/x", "endpoint": "http://e"}, "spec.checkpoint.endpoint", "s3:// uri only"),
     ({"uri": "s3://b/x", "endpoint": "minio:9000"}, "spec.checkpoint.endpoint", "http(s)://"),
     ({"uri": "s3://b/x", "keep": 0}, "spec.checkpoint.keep", ">= 1"),
+    ({"uri": "s3://b/x", "keep": 1001}, "spec.checkpoint.keep", "<= 1000"),
     ({"uri": "s3://b/x", "async": "yes"}, "spec.checkpoint.async", "true or false"),
 ])
 def test_bad_checkpoint_specs_name_the_field(checkpoint, field, words):

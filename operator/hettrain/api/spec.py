@@ -414,6 +414,9 @@ def _check_checkpoint_storage(c: CheckpointSpec, path: str) -> None:
             if value:
                 raise SpecError(f"{path}.{key}", "applies to an s3:// uri only; set "
                                 "spec.checkpoint.uri to s3://bucket/prefix or remove it")
+    if c.keep > 1000:
+        raise SpecError(f"{path}.keep", f"must be <= 1000 (got {c.keep}); retention keeps the "
+                        "newest K checkpoints")
     if c.endpoint and not c.endpoint.startswith(("http://", "https://")):
         raise SpecError(f"{path}.endpoint", f"must be an http(s):// URL (got {c.endpoint!r})")
 
