@@ -6,8 +6,9 @@ The state is a Llama-style model (``hettrain.runtime.model``) with its AdamW sta
 params + 2 moments), saved by one rank through :class:`hettrain.runtime.checkpoint.Checkpointer`.
 
 - **stall**: seconds the training thread is blocked by ``save()``. Sync: the whole write.
-  Async: only the device->host snapshot; a background thread writes while the "training"
-  thread keeps running (here: a matmul loop standing in for the next step).
+  Async: only the device->host snapshot (into host buffers kept between saves); a background
+  thread writes while the "training" thread keeps running (here: a matmul loop standing in
+  for the next steps).
 - **throughput**: bytes written / seconds the writer took (snapshot excluded).
 - **restore**: the checkpoint of the whole model (pp=1, tp=1) loaded into pipeline stage 0 of
   a pp=2 layout with TP=2 (TP rank 0's shards: half the heads/FFN of the first half of the
@@ -58,10 +59,8 @@ def _busy(stop: threading.Event, steps: list[int]) -> None:
         steps[0] += 1
 
 
-def save_once(uri: str, step: int, state, async_save: bool) -> dict[str, float]:
-    """One save (and, for async, the overlapped "training" until the write is done)."""
-    store = ckpt.CheckpointStore.open(uri)
-    saver = ckpt.Checkpointer(store, 0, 1, keep=2, async_save=async_save)
+def save_once(saver: ckpt.Checkpointer, step: int, state) -> dict[str, float]:
+    """One save (and the overlapped "training" until the write is done)."""
     t0 = time.perf_counter()
     rec = saver.save(step, state, {"model": {}})
     stall = time.perf_counter() - t0
@@ -113,11 +112,14 @@ def main(argv: list[str] | None = None) -> dict:
         state = ckpt.job_state(model, opt)
         ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
         runs: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
+        # one saver per mode, as in a training run (the async one reuses its host buffers)
+        savers = {m: ckpt.Checkpointer(ckpt.CheckpointStore.open(uri), 0, 1, keep=2,
+                                       async_save=m == "async") for m in runs}
         step = 0
         for _ in range(args.repeats):
             for mode in ("sync", "async"):
                 step += 1
-                runs[mode].append(save_once(uri, step, state, mode == "async"))
+                runs[mode].append(save_once(savers[mode], step, state))
         med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
                for m, rs in runs.items()}
         same = [restore_once(uri, step, spec, ref, spec.layers, 1)

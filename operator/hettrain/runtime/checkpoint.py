@@ -146,19 +146,42 @@ def model_meta(spec: Any) -> dict[str, Any]:
     return {k: d.get(k) for k in MODEL_FIELDS}
 
 
-def _snapshot(state: list[ShardedTensor], *, copy: bool = True) -> list[ShardedTensor]:
+def _snapshot(state: list[ShardedTensor], *, copy: bool = True,
+              buffers: dict[tuple[str, int], torch.Tensor] | None = None
+              ) -> list[ShardedTensor]:
     """Host copies of every piece (the only part of an async save the training thread waits
-    for); ``copy=False`` (a synchronous save) copies only what is not on the host already."""
+    for); ``copy=False`` (a synchronous save) copies only what is not on the host already.
+    ``buffers`` keeps the host tensors between saves (reused when shape and dtype match: no
+    fresh allocation, and no page faults, per save)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # hundreds of memory-bound copies: an OpenMP team per copy only
+    try:                      # adds fork/join overhead (seconds on a busy host)
+        return _copy_pieces(state, copy, buffers)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _copy_pieces(state: list[ShardedTensor], copy: bool,
+                 buffers: dict[tuple[str, int], torch.Tensor] | None) -> list[ShardedTensor]:
     out = []
     for st in state:
         pieces = []
-        for p in st.pieces:
+        for i, p in enumerate(st.pieces):
             host = p.tensor.detach()
             if copy or host.device.type != "cpu":
-                host = torch.empty(p.tensor.shape, dtype=p.tensor.dtype, device="cpu")
-                host.copy_(p.tensor.detach())
+                key = (st.name, i)
+                buf = buffers.get(key) if buffers is not None else None
+                if buf is None or buf.shape != host.shape or buf.dtype != host.dtype:
+                    buf = torch.empty(host.shape, dtype=host.dtype, device="cpu",
+                                      pin_memory=host.device.type == "cuda")
+                    if buffers is not None:
+                        buffers[key] = buf
+                buf.copy_(host, non_blocking=host.device.type == "cuda")
+                host = buf
             pieces.append(Piece(host, offsets=p.offsets, flat_start=p.flat_start))
         out.append(ShardedTensor(st.name, st.global_shape, pieces))
+    if torch.cuda.is_available() and any(p.tensor.is_cuda for st in state for p in st.pieces):
+        torch.cuda.synchronize()  # the non-blocking device->host copies have landed
     return out
 
 
@@ -187,6 +210,7 @@ class Checkpointer:
     history: list[SaveRecord] = field(default_factory=list)
     _thread: threading.Thread | None = None
     _error: BaseException | None = None
+    _buffers: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
 
     def prepare(self) -> None:
         """At start, before any save: probe the storage (every rank); rank 0 also removes
@@ -200,7 +224,7 @@ class Checkpointer:
         """Snapshot ``state`` and write it (in the background when ``async_save``)."""
         self.wait()
         t0 = time.perf_counter()
-        snap = _snapshot(state, copy=self.async_save)
+        snap = _snapshot(state, copy=self.async_save, buffers=self._buffers)
         rec = SaveRecord(step=step, stall_s=time.perf_counter() - t0)
         self.history.append(rec)
         if not self.async_save:
@@ -334,6 +358,16 @@ def load(store: CheckpointStore, step: int, targets: list[ShardedTensor], *,
                 name, lambda a, b, p=path: store.fs.cat_file(p, start=a, end=b))
         return files[name]
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many small memory-bound copies (see _snapshot)
+    try:
+        return _fill(store, m, targets, where, open_file, step)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fill(store: CheckpointStore, m: dict[str, Any], targets: list[ShardedTensor], where: str,
+          open_file: Any, step: int) -> set[str]:
     loaded = set()
     for st in targets:
         entry = m["tensors"].get(st.name)
