@@ -363,6 +363,8 @@ def _progress(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observe
               attempt: int, current: Sequence[Mapping[str, Any]], expected: set[str],
               launching: bool) -> Decision:
     _note_no_checkpoint(b, d, current, attempt)
+    if (missing_secret := secret_error(current, spec)) is not None:  # pods can never start
+        return _storage_unavailable(b, d, missing_secret, _names(current))
     seen = set(_names(current))
     missing = expected - seen
     if missing and launching:  # operator restarted mid-launch: create the rest of the gang
@@ -484,6 +486,22 @@ def checkpoint_error(pods: Iterable[Mapping[str, Any]]) -> str | None:
     for msg in termination_messages(pods):
         if msg.startswith(CHECKPOINT_ERROR_MARK):
             return msg.removeprefix(CHECKPOINT_ERROR_MARK).lstrip(": ")
+    return None
+
+
+def secret_error(pods: Iterable[Mapping[str, Any]], spec: JobSpec) -> str | None:
+    """``spec.checkpoint.secretRef`` names a Secret (or key) the kubelet cannot find: the
+    pods wait in ``CreateContainerConfigError`` forever; a reason naming the field, or None."""
+    name = spec.checkpoint.secret_ref
+    if not name:
+        return None
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("containerStatuses") or ():
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            msg = str(waiting.get("message") or "")
+            if waiting.get("reason") == "CreateContainerConfigError" and f'"{name}"' in msg:
+                return (f"spec.checkpoint.secretRef: Secret {name!r} is unusable ({msg[:200]}); "
+                        "create it with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
     return None
 
 

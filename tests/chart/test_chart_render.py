@@ -83,7 +83,6 @@ NAMESPACED = _grants({
     ("events.k8s.io", "events"): ("create", "patch"),
     ("kopf.dev", "kopfpeerings"): ("get", "list", "watch", "patch"),
     ("", "persistentvolumeclaims"): ("get",),
-    ("", "secrets"): ("get",),
 })
 CLUSTER = _grants({
     ("", "nodes"): ("get", "list", "watch"),

@@ -74,3 +74,21 @@ def test_a_resume_without_checkpoint_posts_one_warning_and_records_it():
     assert body["status"]["checkpoint"] == {"noCheckpointAttempt": 1, "message": msg}
     again = reconcile(body, Observed(pods, nodes, plan, now=1003.0))
     assert not [e for e in again.events if e.reason == c.REASON_NO_CHECKPOINT]
+
+
+def test_a_missing_secret_seen_in_the_pods_fails_fast_naming_the_field():
+    body = job_body({"checkpoint": {"uri": "s3://b/x", "secretRef": "s3-creds"}})
+    nodes = hetero_nodes()
+    d = reconcile(body, Observed([], nodes, None, now=1000.0))
+    _merge(body, d)
+    pods = [o for o in d.create if o["kind"] == "Pod"]
+    for p in pods:
+        p["status"] = {"phase": "Pending", "containerStatuses": [{"name": "trainer", "state": {
+            "waiting": {"reason": "CreateContainerConfigError",
+                        "message": 'secret "s3-creds" not found'}}}]}
+    out = reconcile(body, Observed(pods, nodes, d.plan, now=1001.0))
+    _merge(body, out)
+    assert body["status"]["phase"] == c.PHASE_FAILED and "repairs" not in body["status"]
+    msg = get_condition(body["status"], c.COND_CHECKPOINT_STORAGE)["message"]
+    assert msg.startswith("spec.checkpoint.secretRef: Secret 's3-creds'")
+    assert {n for k, n in out.delete if k == "Pod"} == {p["metadata"]["name"] for p in pods}

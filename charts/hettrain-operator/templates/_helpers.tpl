@@ -81,9 +81,10 @@ app.kubernetes.io/part-of: hettrain
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
-# spec.checkpoint: a missing PVC / Secret fails the job fast (of a Secret only key names are read)
+# spec.checkpoint.pvc: a missing PVC fails the job fast (Secrets stay unreadable: a missing
+# spec.checkpoint.secretRef is seen in the pods' CreateContainerConfigError instead)
 - apiGroups: [""]
-  resources: ["persistentvolumeclaims", "secrets"]
+  resources: ["persistentvolumeclaims"]
   verbs: ["get"]
 {{- end }}
 
