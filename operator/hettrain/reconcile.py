@@ -95,6 +95,8 @@ class Observed:
     # priorityClassName values jobs may use (operator config); empty: none allowed
     priority_classes: tuple[str, ...] = ()
     scraper_namespace: str = "monitoring"  # may scrape the runtime metrics (NetworkPolicy)
+    # why spec.checkpoint's PVC / Secret cannot be used (names the field), or None
+    storage_problem: str | None = None
 
     def inventory(self, node_selector: Mapping[str, str] | None = None) -> ClusterInventory:
         """The planner's inventory of the observed nodes with the topology config: only the
@@ -254,6 +256,8 @@ def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
     """Plan and launch a new attempt. ``repair`` (cause, nodes, world size before) is
     recorded in status.repairs only when the relaunch happens: a repair that must wait for
     capacity does not use up ``maxRepairs``."""
+    if obs.storage_problem:  # fail fast instead of launching pods that cannot checkpoint
+        return _storage_unavailable(b, d, obs.storage_problem)
     t0 = time.perf_counter()
     selector = dict(spec.placement.node_selector)
     if selector and not any(matches_selector(n, selector) for n in obs.nodes):
@@ -486,6 +490,9 @@ def _names(pods: Iterable[Mapping[str, Any]]) -> list[str]:
 def _progress(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed, plan: Plan,
               attempt: int, current: Sequence[Mapping[str, Any]], expected: set[str],
               launching: bool) -> Decision:
+    _note_no_checkpoint(b, d, current, attempt)
+    if (missing_secret := secret_error(current, spec)) is not None:  # pods can never start
+        return _storage_unavailable(b, d, missing_secret, _names(current))
     seen = set(_names(current))
     missing = expected - seen
     if missing and launching:  # operator restarted mid-launch: create the rest of the gang
@@ -517,6 +524,9 @@ def _progress(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observe
 def _repair(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
             planner: Planner, plan: Plan, attempt: int, current: Sequence[Mapping[str, Any]],
             cause: str, bad: list[str]) -> Decision:
+    _note_no_checkpoint(b, d, current, attempt)
+    if (storage_error := checkpoint_error(current)) is not None:  # a repair cannot fix it
+        return _storage_unavailable(b, d, storage_error, _names(current))
     pol = spec.failure_policy
     cause = b.old.get("failureCause") or cause
     bad = sorted(set(bad) | set(b.old.get("failureNodes") or []))
@@ -578,3 +588,68 @@ def _replan_keeps_size(job: JobRef, spec: JobSpec, obs: Observed, planner: Plann
         return planner(job.name, spec, inv, plan).world_size >= plan.world_size
     except PlanningError:
         return False
+
+
+# ---------------------------------------------------------------- checkpoint storage signals
+
+CHECKPOINT_ERROR_MARK = "HETTRAIN_CHECKPOINT_ERROR"  # runtime: storage unusable / misfit
+NO_CHECKPOINT_MARK = "HETTRAIN_NO_CHECKPOINT"  # runtime: a resume found no checkpoint
+
+
+def termination_messages(pods: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The containers' termination messages (``state`` and ``lastState``) of ``pods``."""
+    out = []
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("containerStatuses") or ():
+            for key in ("state", "lastState"):
+                msg = ((cs.get(key) or {}).get("terminated") or {}).get("message")
+                if msg:
+                    out.append(str(msg).strip())
+    return out
+
+
+def checkpoint_error(pods: Iterable[Mapping[str, Any]]) -> str | None:
+    """The runtime's checkpoint storage error from a failed pod, if any (without the mark)."""
+    for msg in termination_messages(pods):
+        if msg.startswith(CHECKPOINT_ERROR_MARK):
+            return msg.removeprefix(CHECKPOINT_ERROR_MARK).lstrip(": ")
+    return None
+
+
+def secret_error(pods: Iterable[Mapping[str, Any]], spec: JobSpec) -> str | None:
+    """``spec.checkpoint.secretRef`` names a Secret (or key) the kubelet cannot find: the
+    pods wait in ``CreateContainerConfigError`` forever; a reason naming the field, or None."""
+    name = spec.checkpoint.secret_ref
+    if not name:
+        return None
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("containerStatuses") or ():
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            msg = str(waiting.get("message") or "")
+            if waiting.get("reason") == "CreateContainerConfigError" and f'"{name}"' in msg:
+                return (f"spec.checkpoint.secretRef: Secret {name!r} is unusable ({msg[:200]}); "
+                        "create it with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+    return None
+
+
+def _storage_unavailable(b: _Builder, d: Decision, message: str,
+                         delete: Iterable[str] = ()) -> Decision:
+    """Failed with CheckpointStorageReady=False: no repair is consumed on it."""
+    b.cond(c.COND_CHECKPOINT_STORAGE, False, c.REASON_CHECKPOINT_STORAGE, message)
+    return _fail(b, d, c.REASON_CHECKPOINT_STORAGE, message, delete)
+
+
+def _note_no_checkpoint(b: _Builder, d: Decision, pods: Sequence[Mapping[str, Any]],
+                        attempt: int) -> None:
+    """A resumed attempt whose runtime found no checkpoint: one Warning event and
+    ``status.checkpoint`` naming the attempt (it restarted from step 0)."""
+    old = b.old.get("checkpoint") or {}
+    if old.get("noCheckpointAttempt") == attempt:
+        return
+    msg = next((m for m in termination_messages(pods) if m.startswith(NO_CHECKPOINT_MARK)), None)
+    if msg is None:
+        return
+    b.patch["checkpoint"] = {"noCheckpointAttempt": attempt, "message": msg[:1000]}
+    d.events.append(Event("Warning", c.REASON_NO_CHECKPOINT,
+                          f"attempt {attempt}: {msg[:500]}"))
+    d.status = b.patch

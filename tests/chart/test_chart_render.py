@@ -83,6 +83,7 @@ NAMESPACED = _grants({
     ("", "events"): ("create", "patch"),
     ("events.k8s.io", "events"): ("create", "patch"),
     ("kopf.dev", "kopfpeerings"): ("get", "list", "watch", "patch"),
+    ("", "persistentvolumeclaims"): ("get",),
 })
 CLUSTER = _grants({
     ("", "nodes"): ("get", "list", "watch"),

@@ -77,7 +77,8 @@ def test_every_parser_field_is_in_the_crd():
                "decay_norms": "weightDecayExclude", "decay_biases": "weightDecayExclude",
                "decay_embeddings": "weightDecayExclude", "adam_beta1": "adamBetas",
                "adam_beta2": "adamBetas", "validation_interval": "validation",
-               "validation_batches": "validation"}
+               "validation_batches": "validation",
+               "async_save": "async"}
 
     def camel(n: str) -> str:
         return renames.get(n) or re.sub(r"_(\w)", lambda m: m.group(1).upper(), n)
@@ -132,7 +133,7 @@ def test_pods_pin_nodes_request_vendor_resource_and_carry_env():
         assert env[c.ENV_NODE_RANK_START] == str(ranks[0].rank)
         assert env[c.ENV_LOCAL_WORLD_SIZE] == str(len(ranks))
         assert env[c.ENV_WORLD_SIZE] == str(plan.world_size)
-        assert env[c.ENV_RESUME] == "1" and env[c.ENV_CHECKPOINT_URI] == "/checkpoints"
+        assert env[c.ENV_RESUME] == "1" and env[c.ENV_CHECKPOINT_URI] == "/checkpoints/ns/job1"
         stage = plan.stages[ranks[0].stage]
         assert env[c.ENV_BACKEND] == stage.backend
         assert ctr["resources"]["requests"] == {c.VENDOR_RESOURCES[stage.vendor]: str(len(ranks))}

@@ -84,6 +84,11 @@ app.kubernetes.io/part-of: hettrain
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
+# spec.checkpoint.pvc: a missing PVC fails the job fast (Secrets stay unreadable: a missing
+# spec.checkpoint.secretRef is seen in the pods' CreateContainerConfigError instead)
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get"]
 {{- end }}
 
 {{/* Non-empty when operator.topology has links or devices (the topology ConfigMap is rendered). */}}

@@ -48,6 +48,7 @@ COND_REPAIRING = "Repairing"
 COND_FAILED = "Failed"
 COND_SUCCEEDED = "Succeeded"
 COND_SUSPENDED = "Suspended"
+COND_CHECKPOINT_STORAGE = "CheckpointStorageReady"
 CONDITION_TYPES: tuple[str, ...] = (
     COND_PLANNED,
     COND_PODS_READY,
@@ -56,6 +57,7 @@ CONDITION_TYPES: tuple[str, ...] = (
     COND_FAILED,
     COND_SUCCEEDED,
     COND_SUSPENDED,
+    COND_CHECKPOINT_STORAGE,
 )
 
 # Phases (status.phase, a summary for printer columns).
@@ -91,6 +93,8 @@ REASON_MAX_REPAIRS = "MaxRepairsExceeded"
 REASON_WAITING_REPLACEMENT = "WaitingForReplacement"
 REASON_SUSPENDED = "Suspended"
 REASON_COMPLETED = "Completed"
+REASON_CHECKPOINT_STORAGE = "CheckpointStorageUnavailable"
+REASON_NO_CHECKPOINT = "NoCheckpoint"
 
 # Env contract between operator-built pods and the runtime.
 ENV_PLAN_PATH = "HETTRAIN_PLAN_PATH"

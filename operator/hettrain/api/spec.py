@@ -188,6 +188,10 @@ class CheckpointSpec:
     uri: str | None = None
     pvc: str | None = None
     interval_steps: int = 100
+    keep: int = 3  # committed checkpoints kept (retention)
+    async_save: bool = True  # write in a background thread (training stalls for the copy only)
+    secret_ref: str | None = None  # Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
+    endpoint: str | None = None  # S3-compatible endpoint URL (MinIO, Ceph); not a secret
 
 
 DATA_MOUNT_DIR = "/data"  # where the pods mount spec.data.pvc (read-only)
@@ -575,14 +579,44 @@ def _parse_cross_dc(f: _Fields) -> CrossDCSpec:
     return c
 
 
+CHECKPOINT_SCHEMES = ("", "file", "s3")
+
+
 def _parse_checkpoint(f: _Fields) -> CheckpointSpec:
     c = CheckpointSpec(
-        uri=f.str_("uri"), pvc=f.str_("pvc"), interval_steps=f.int_("intervalSteps", 100) or 100
+        uri=f.str_("uri"), pvc=f.str_("pvc"), interval_steps=f.int_("intervalSteps", 100) or 100,
+        keep=f.int_("keep", 3) or 3, async_save=f.bool_("async", True),
+        secret_ref=f.str_("secretRef"), endpoint=f.str_("endpoint"),
     )
     f.reject_unknown()
     if c.uri and c.pvc:
         raise SpecError(f"{f.path}.pvc", "set either uri or pvc, not both")
+    _check_checkpoint_storage(c, f.path)
     return c
+
+
+def _check_checkpoint_storage(c: CheckpointSpec, path: str) -> None:
+    """URI scheme, credentials only by Secret, S3-only fields only with s3:// (field errors)."""
+    scheme, sep, rest = (c.uri or "").partition("://")
+    scheme = scheme.lower() if sep else ""
+    if c.uri and scheme not in CHECKPOINT_SCHEMES:
+        raise SpecError(f"{path}.uri", f"scheme {scheme!r} unsupported (got {c.uri!r}); use "
+                        "s3://bucket/prefix, file:///path, or pvc: NAME for a volume")
+    if scheme == "s3" and not rest.split("/", 1)[0]:
+        raise SpecError(f"{path}.uri", f"no bucket in {c.uri!r}; use s3://bucket/prefix")
+    if "@" in rest.split("/", 1)[0]:
+        raise SpecError(f"{path}.uri", "credentials in the URI are refused; put them in a "
+                        "Secret and name it in spec.checkpoint.secretRef")
+    if scheme != "s3":
+        for key, value in (("secretRef", c.secret_ref), ("endpoint", c.endpoint)):
+            if value:
+                raise SpecError(f"{path}.{key}", "applies to an s3:// uri only; set "
+                                "spec.checkpoint.uri to s3://bucket/prefix or remove it")
+    if c.keep > 1000:
+        raise SpecError(f"{path}.keep", f"must be <= 1000 (got {c.keep}); retention keeps the "
+                        "newest K checkpoints")
+    if c.endpoint and not c.endpoint.startswith(("http://", "https://")):
+        raise SpecError(f"{path}.endpoint", f"must be an http(s):// URL (got {c.endpoint!r})")
 
 
 def _parse_failure_policy(f: _Fields) -> FailurePolicy:

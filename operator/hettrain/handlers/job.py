@@ -43,6 +43,7 @@ from hettrain.eventlimit import EventLimiter
 from hettrain.kube import apply as kube
 from hettrain.manifests.ownership import controller_job, owned_by
 from hettrain.planguard import Budget, PassWatchdog, PlanWorkers
+from hettrain.kube.storage import checkpoint_storage_problem
 from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.inventory import Link, load_topology
 from hettrain.planning.plan import Plan
@@ -417,7 +418,8 @@ def _reconcile_once(ns: str, name: str, pods_by_job: Any, nodes_by_name: Any,
                    links=_links, devices=_devices,
                    foreign_gpus=_foreign_gpus(gpu_pods_by_node, live),
                    unschedulable_seconds=_unschedulable_seconds,
-                   priority_classes=_priority_classes, scraper_namespace=_scraper_namespace)
+                   priority_classes=_priority_classes, scraper_namespace=_scraper_namespace,
+                   storage_problem=checkpoint_storage_problem(_api, ns, body.get("spec")))
     obs = replace(obs, held=_held_by_others(ns, name, pods_by_job, jobs_by_key))
     planner = (_workers.planner((ns, name)) if _workers is not None else default_planner)
     t1 = time.perf_counter()

@@ -10,7 +10,7 @@ import hashlib
 import re
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hettrain.api import constants as c
@@ -21,6 +21,10 @@ MAX_NAME = 63
 MAX_LABEL_VALUE = 63
 PLAN_MOUNT_DIR = "/etc/hettrain"
 CHECKPOINT_MOUNT_DIR = "/checkpoints"
+RUNTIME_GID = 10001  # the runtime image's group (images/runtime/Dockerfile)
+TERMINATION_LOG = "/dev/termination-log"
+S3_SECRET_KEYS = (("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False),
+                  ("AWS_SESSION_TOKEN", True), ("AWS_DEFAULT_REGION", True))  # (key, optional)
 COMPONENT_WORKER = "worker"
 MANAGED_BY = "hettrain-operator"
 
@@ -179,20 +183,17 @@ def build_pods(job: JobRef, spec: JobSpec, plan: Plan, attempt: int,
             {"name": "plan", "configMap": {"name": configmap_name(job.name, attempt)}}]
         mounts: list[dict[str, Any]] = [
             {"name": "plan", "mountPath": PLAN_MOUNT_DIR, "readOnly": True}]
-        if spec.checkpoint.pvc:
-            volumes.append({"name": "checkpoints",
-                            "persistentVolumeClaim": {"claimName": spec.checkpoint.pvc}})
-            mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT_DIR})
-            env[c.ENV_CHECKPOINT_URI] = CHECKPOINT_MOUNT_DIR
-        elif spec.checkpoint.uri:
-            env[c.ENV_CHECKPOINT_URI] = spec.checkpoint.uri
+        storage = checkpoint_storage(job, spec)
+        env.update(storage.env)
+        volumes.extend(storage.volumes)
+        mounts.extend(storage.mounts)
         if spec.data.pvc:  # the token set; the plan's data.uri points inside this mount
             volumes.append({"name": "data", "persistentVolumeClaim": {
                 "claimName": spec.data.pvc, "readOnly": True}})
             mounts.append({"name": "data", "mountPath": DATA_MOUNT_DIR, "readOnly": True})
         container: dict[str, Any] = {
             "name": "trainer", "image": spec.image,
-            "env": [{"name": k, "value": v} for k, v in env.items()],
+            "env": [{"name": k, "value": v} for k, v in env.items()] + storage.secret_env,
             "volumeMounts": mounts,
             "ports": [{"name": "rendezvous", "containerPort": c.DEFAULT_MASTER_PORT},
                       {"name": "metrics", "containerPort": 9400}],
@@ -216,6 +217,8 @@ def build_pods(job: JobRef, spec: JobSpec, plan: Plan, attempt: int,
             "containers": [container],
             "volumes": volumes,
         }
+        if storage.fs_group is not None:  # the image user can write the mounted PVC
+            pod_spec.setdefault("securityContext", {}).setdefault("fsGroup", storage.fs_group)
         if spec.priority_class_name:
             pod_spec["priorityClassName"] = spec.priority_class_name
         if spec.scheduler_name:
@@ -281,3 +284,52 @@ def build_network_policy(job: JobRef, scraper_namespace: str = "monitoring") -> 
             ],
         },
     }
+
+
+@dataclass(slots=True)
+class CheckpointStorage:
+    """What a worker pod needs for its checkpoint storage (:func:`checkpoint_storage`)."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    secret_env: list[dict[str, Any]] = field(default_factory=list)  # valueFrom secretKeyRef
+    volumes: list[dict[str, Any]] = field(default_factory=list)
+    mounts: list[dict[str, Any]] = field(default_factory=list)
+    fs_group: int | None = None
+
+
+def job_checkpoint_uri(job: JobRef, spec: JobSpec) -> str | None:
+    """The URI the runtime writes to: a PVC or an s3:// URI gets the per-job subdirectory
+    ``<namespace>/<job>`` (two jobs sharing one never collide); a plain path is used as is."""
+    ck = spec.checkpoint
+    if ck.pvc:
+        return f"{CHECKPOINT_MOUNT_DIR}/{job.namespace}/{job.name}"
+    if ck.uri and ck.uri.startswith("s3://"):
+        return f"{ck.uri.rstrip('/')}/{job.namespace}/{job.name}"
+    return ck.uri
+
+
+def checkpoint_storage(job: JobRef, spec: JobSpec) -> CheckpointStorage:
+    """Env, Secret-backed env, volume and mount for ``spec.checkpoint``.
+
+    Credentials reach the container only as ``secretKeyRef`` env from the Secret
+    ``spec.checkpoint.secretRef`` (never as values in the pod, the plan ConfigMap or args).
+    """
+    ck, out = spec.checkpoint, CheckpointStorage()
+    uri = job_checkpoint_uri(job, spec)
+    if uri is None:
+        return out
+    out.env.update({c.ENV_CHECKPOINT_URI: uri, "HETTRAIN_CHECKPOINT_KEEP": str(ck.keep),
+                    "HETTRAIN_CHECKPOINT_ASYNC": "1" if ck.async_save else "0",
+                    "HETTRAIN_TERMINATION_LOG": TERMINATION_LOG})
+    if ck.pvc:
+        out.volumes.append({"name": "checkpoints",
+                            "persistentVolumeClaim": {"claimName": ck.pvc}})
+        out.mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT_DIR})
+        out.fs_group = RUNTIME_GID
+    if ck.endpoint:
+        out.env["AWS_ENDPOINT_URL"] = ck.endpoint
+    if ck.secret_ref:
+        out.secret_env = [{"name": key, "valueFrom": {"secretKeyRef": {
+            "name": ck.secret_ref, "key": key, **({"optional": True} if optional else {})}}}
+            for key, optional in S3_SECRET_KEYS]
+    return out

@@ -8,6 +8,11 @@ import subprocess
 import sys
 
 from hettrain.api import constants as C
+from hettrain.runtime.checkpoint import (
+    CheckpointFormatError,
+    CheckpointStorageError,
+    write_termination_message,
+)
 from hettrain.runtime.config import RuntimeConfig
 from hettrain.runtime.trainer import run_rank, unsupported
 
@@ -25,7 +30,14 @@ def main() -> int:
         return 2
     if cfg.local_world_size == 1 or os.environ.get(C.ENV_RANK):
         rank = int(os.environ.get(C.ENV_RANK) or cfg.rank_start)
-        run_rank(cfg, rank)
+        try:
+            run_rank(cfg, rank)
+        except (CheckpointStorageError, CheckpointFormatError) as e:
+            # bad checkpoint storage or a checkpoint that does not fit the job: one line (no
+            # traceback), also in the pod's termination message for the operator
+            logging.getLogger("hettrain.runtime").error("rank %d: %s", rank, e)
+            write_termination_message(cfg.termination_log, f"HETTRAIN_CHECKPOINT_ERROR: {e}")
+            return 2
         return 0
     procs = []
     for i in range(cfg.local_world_size):

@@ -8,11 +8,14 @@ from pathlib import Path
 
 from hettrain.api import constants as C
 from hettrain.planning.plan import Plan
-from hettrain.runtime.checkpoint import DEFAULT_INTERVAL
+from hettrain.runtime.checkpoint import DEFAULT_INTERVAL, DEFAULT_KEEP
 from hettrain.runtime.devices import ENV_DEVICE, check_choice
 from hettrain.runtime.metrics import DEFAULT_PORT
 
 ENV_CHECKPOINT_INTERVAL = "HETTRAIN_CHECKPOINT_INTERVAL"
+ENV_CHECKPOINT_KEEP = "HETTRAIN_CHECKPOINT_KEEP"  # committed checkpoints kept (default 3)
+ENV_CHECKPOINT_ASYNC = "HETTRAIN_CHECKPOINT_ASYNC"  # 1 (default): write in a background thread
+ENV_TERMINATION_LOG = "HETTRAIN_TERMINATION_LOG"  # the kubelet's file (the operator sets it)
 ENV_METRICS_PORT = "HETTRAIN_METRICS_PORT"
 ENV_LOSS_LOG = "HETTRAIN_LOSS_LOG"  # optional JSON lines {"step", "loss", "seconds"} (rank 0)
 ENV_STEP_SLEEP = "HETTRAIN_STEP_SLEEP"  # optional seconds to sleep per step (tests, demos)
@@ -58,6 +61,9 @@ class RuntimeConfig:
     device: str = "auto"
     data_verify: str = "full"
     data_cache: str = ""
+    checkpoint_keep: int = DEFAULT_KEEP
+    checkpoint_async: bool = True
+    termination_log: str = ""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> RuntimeConfig:
@@ -88,9 +94,15 @@ class RuntimeConfig:
             summary_dir=env.get(ENV_SUMMARY_DIR, ""),
             recv_ahead=_int(env, ENV_RECV_AHEAD, 1),
             device=check_choice(env.get(ENV_DEVICE, "") or "auto"),
+            checkpoint_keep=_int(env, ENV_CHECKPOINT_KEEP, DEFAULT_KEEP),
+            checkpoint_async=env.get(ENV_CHECKPOINT_ASYNC, "1") not in ("0", "false", "False"),
+            termination_log=env.get(ENV_TERMINATION_LOG, ""),
             data_verify=env.get(ENV_DATA_VERIFY, "") or "full",
             data_cache=env.get(ENV_DATA_CACHE, ""),
         )
+        if cfg.checkpoint_keep < 1:
+            raise ValueError(f"env {ENV_CHECKPOINT_KEEP}={cfg.checkpoint_keep} must be >= 1 "
+                             "(spec.checkpoint.keep)")
         if cfg.data_verify not in ("full", "size"):
             raise ValueError(f"env {ENV_DATA_VERIFY}={cfg.data_verify!r}: must be full or size")
         if cfg.recv_ahead < 0:

@@ -188,7 +188,7 @@ class Trainer:
         self.metrics.set_schedule(self.runner.schedule, self.runner.planned)
         log.info("rank %d: executing schedule %r (model chunks %s)", rank,
                  self.runner.schedule, self.model.chunks)
-        self.root = ckpt.checkpoint_root(cfg.checkpoint_uri) if cfg.checkpoint_uri else None
+        self.ckpt = self._checkpointer(cfg)
         self._loss_tier = self._dp_tier()
         self.validation: dict[int, float] = {}
 
@@ -223,6 +223,38 @@ class Trainer:
             tp_sharded=set(self.tp.shards), tp=plan.stages[self.me.stage].tp,
             tp_index=self.me.tp, norm_slot=(slot, len(dcs) if scope == "dc" else 1),
             counts_norm=self.me.dp == min(r.dp for r in peers))
+
+    def _checkpointer(self, cfg: RuntimeConfig) -> ckpt.Checkpointer | None:
+        """The checkpoint saver (None without a URI); storage probed by every rank, stale
+        incomplete checkpoints removed by rank 0, before any rank saves."""
+        if not cfg.checkpoint_uri:
+            return None
+        saver = ckpt.Checkpointer(ckpt.CheckpointStore.open(cfg.checkpoint_uri), self.rank,
+                                  self.plan.world_size, keep=cfg.checkpoint_keep,
+                                  async_save=cfg.checkpoint_async)
+        saver.prepare()
+        dist.barrier()
+        return saver
+
+    def _resume(self) -> int:
+        """Load the newest committed checkpoint into this rank's layout; its step (0: none)."""
+        assert self.ckpt is not None
+        found = self.ckpt.store.latest_step()
+        if found is None:
+            if self.rank == 0:
+                ckpt.report_no_checkpoint(self.ckpt.store, self.cfg.termination_log)
+            return 0
+        opt_targets = self.opt.load_targets()
+        targets = ckpt.job_state(self.model, None, tp=self.tp, for_save=False,
+                                 extra={**self._outer_state(), **opt_targets})
+        loaded = ckpt.load(self.ckpt.store, found, targets, model=ckpt.model_meta(self.plan.model))
+        self.opt.load_finish(opt_targets)
+        ckpt.restore_rng(targets, loaded)
+        self.metrics.last_ckpt.set(found)
+        if self.diloco is not None:  # the outer (global) weights are the loaded ones
+            self.diloco.global_params = [p.detach().clone() for p in self.opt.master_views()]
+        log.info("rank %d: resumed from checkpoint step %d", self.rank, found)
+        return found
 
     def _dp_tier(self) -> Tier:
         """The slowest link this rank's stage DP group spans (for the loss all-reduce)."""
@@ -265,19 +297,7 @@ class Trainer:
     def train(self) -> list[float]:
         """Run to ``plan.training.steps``; returns the losses of the steps run here."""
         plan, t = self.plan, self.plan.training
-        start = 0
-        if self.cfg.resume and self.root is not None:
-            found = ckpt.latest_step(self.root)
-            if found is not None:
-                targets = self.opt.load_targets()
-                ckpt.load(self.root, found, self.model, self.opt,
-                          extra={**self._outer_state(), **targets}, tp=self.tp)
-                self.opt.load_finish(targets)
-                start = found
-                self.metrics.last_ckpt.set(found)
-                if self.diloco is not None:  # the outer (global) weights are the loaded ones
-                    self.diloco.global_params = [p.detach().clone()
-                                                 for p in self.opt.master_views()]
+        start = self._resume() if self.cfg.resume and self.ckpt is not None else 0
         losses = []
         flops, peak = step_flops(plan), peak_flops(plan)
         ckpt_due = False
@@ -320,14 +340,19 @@ class Trainer:
             ckpt_due = ckpt_due or done % self.cfg.checkpoint_interval == 0
             # DiLoCo replicas differ between outer syncs: checkpoint only right after one
             synced = self.diloco is None or done % self.diloco.outer_steps == 0 or last
-            if self.root is not None and ((ckpt_due and synced) or last):
-                ckpt.save(self.root, done, self.model, self.opt,
-                          extra={**self._outer_state(), **self.opt.checkpoint_tensors()},
-                          tp=self.tp)
+            if self.ckpt is not None and ((ckpt_due and synced) or last):
+                # the optimizer's state as full per-parameter tensors (all-gathered over the
+                # DP group under ZeRO-1: every replica takes part, replica 0 writes)
+                state = ckpt.job_state(self.model, None, tp=self.tp, dp_index=self.me.dp,
+                                       extra={**self._outer_state(),
+                                              **self.opt.checkpoint_tensors()})
+                self.ckpt.save(done, state, ckpt.meta_for(plan))
                 self.metrics.last_ckpt.set(done)
                 ckpt_due = False
             if self.cfg.step_sleep:
                 time.sleep(self.cfg.step_sleep)
+        if self.ckpt is not None:
+            self.ckpt.wait()  # the last checkpoint is written (and published) before exit
         self._write_summary(losses)
         return losses
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -106,16 +105,17 @@ def test_config_errors_name_the_variable(tmp_path, over, field):
 
 
 def test_checkpoint_uri_forms(tmp_path):
-    assert ckpt.checkpoint_root("file:///x/y") == ckpt.Path("/x/y")
-    assert ckpt.checkpoint_root(str(tmp_path)) == tmp_path
-    with pytest.raises(ValueError, match="scheme 's3'"):
-        ckpt.checkpoint_root("s3://bucket/x")
-    assert ckpt.latest_step(tmp_path) is None
-    (tmp_path / "latest").write_text("step-4")  # pointer to an incomplete directory
+    assert ckpt.CheckpointStore.open("file:///x/y").root == "/x/y"
+    assert ckpt.CheckpointStore.open(str(tmp_path)).root == str(tmp_path)
+    with pytest.raises(ckpt.CheckpointStorageError, match="scheme 'gs' unsupported"):
+        ckpt.CheckpointStore.open("gs://bucket/x")
+    store = ckpt.CheckpointStore.open(str(tmp_path))
+    assert store.latest_step() is None
+    (tmp_path / "latest").write_text("step-4")  # a pointer to an uncommitted directory
     (tmp_path / "step-4").mkdir()
-    assert ckpt.latest_step(tmp_path) is None
-    (tmp_path / "step-4" / ".metadata").write_text(json.dumps({}))
-    assert ckpt.latest_step(tmp_path) == 4
+    assert store.latest_step() is None
+    (tmp_path / "step-4" / "COMMITTED").write_text("4")
+    assert store.latest_step() == 4
 
 
 @pytest.mark.parametrize("planned,executed", [("1f1b", "1f1b"), ("gpipe", "gpipe"),
