@@ -41,9 +41,9 @@ from hettrain import metrics
 from hettrain.api import constants as c
 from hettrain.eventlimit import EventLimiter
 from hettrain.kube import apply as kube
+from hettrain.kube.storage import checkpoint_storage_problem
 from hettrain.manifests.ownership import controller_job, owned_by
 from hettrain.planguard import Budget, PassWatchdog, PlanWorkers
-from hettrain.kube.storage import checkpoint_storage_problem
 from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.inventory import Link, load_topology
 from hettrain.planning.plan import Plan
