@@ -1,0 +1,147 @@
+"""GPU readiness check: a two-layer Llama-3-8B-shaped stage, measured next to the plan.
+
+One command, a few minutes on one accelerator::
+
+    python bench/gpu_check.py                 # CUDA when present, else a small CPU shape
+    python bench/gpu_check.py --device cpu    # force the CPU (small shape, seconds)
+
+For fp32 and bf16 and each recompute mode (none / selective / full) it plans the stage with
+the real planner (one device of the catalog type that matches, tp = pp = dp = 1, microbatch 1)
+and runs it as a rank does (``runtime.model.StageModel`` with the plan's recompute, the
+``runtime.optim.StageOptimizer`` with the plan's precision: fp32 master, fp32 main grads, AdamW):
+``--repeats`` optimizer steps of forward + backward + step. It prints, per case, the measured
+peak bytes (CUDA: ``torch.cuda.max_memory_allocated``; CPU: :func:`runtime.memory.measure_stage`,
+which counts parameters, grads, optimizer state and peak saved tensors) next to the plan's
+per-device memory minus its fixed framework overhead, and the median step time next to the
+plan's forward+backward time of the stage. Ratios are measured / predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+
+import torch
+
+from hettrain.api.spec import parse_job_spec
+from hettrain.planning import cost
+from hettrain.planning.inventory import load_cluster
+from hettrain.planning.planner import plan_job
+from hettrain.runtime.memory import measure_stage, predicted_stage_bytes
+from hettrain.runtime.model import StageModel, lm_loss
+from hettrain.runtime.optim import StageOptimizer
+
+GIB = 2**30
+# the CPU stand-in: Llama-3 proportions (GQA 4:1, SwiGLU 3.5x) at a size a laptop trains
+SMALL_MODEL = {"layers": 2, "hidden": 512, "heads": 8, "kvHeads": 2, "ffnHidden": 1792,
+               "seqLen": 256, "vocab": 8192, "gatedMlp": True}
+
+
+def catalog_device(device: torch.device) -> str:
+    """The catalog device the plan is made for: the local GPU's type, or CPU."""
+    if device.type != "cuda":
+        return "CPU"
+    name = torch.cuda.get_device_name(device)
+    for key, dev in (("H200", "H200"), ("H100", "H100-SXM"), ("A100", "A100-80GB")):
+        if key in name:
+            return dev
+    return "H100-SXM"
+
+
+def make_plan(model: dict, precision: str, recompute: str, device_name: str):
+    """The planner's plan for one stage holding the whole two-layer model on one device."""
+    spec = parse_job_spec({
+        "model": model,
+        "training": {"globalBatch": 1, "steps": 1, "microBatch": 1, "precision": precision,
+                     "recompute": recompute, "optimizerSharding": False},
+        "parallelism": {"tp": 1, "pp": 1, "dp": 1, "schedule": "1f1b"},
+        "data": {"synthetic": True},
+    })
+    cluster = load_cluster({
+        "apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "one"},
+        "datacenters": [{"name": "dc"}],
+        "pools": [{"name": "p", "datacenter": "dc", "device": device_name, "nodes": 1,
+                   "gpusPerNode": 1, "nicGbps": 100}],
+    })
+    return plan_job("gpu-check", spec, cluster)
+
+
+def run_case(plan, device: torch.device, repeats: int) -> tuple[float, float]:
+    """(peak bytes, median step seconds) of ``repeats`` optimizer steps of the stage."""
+    st = plan.stages[0]
+    model = StageModel(plan.model, st.layer_start, st.layer_end, has_embedding=True,
+                       has_head=True, seed=plan.training.seed,
+                       recompute=plan.training.recompute).to(device)
+    opt = StageOptimizer(model, plan.training)
+    gen = torch.Generator().manual_seed(0)
+    shape = (plan.micro_batch, plan.model.seq_len)
+    x = torch.randint(0, plan.model.vocab, shape, generator=gen).to(device)
+    y = torch.randint(0, plan.model.vocab, shape, generator=gen).to(device)
+    cuda = device.type == "cuda"
+    times = []
+    for step in range(repeats + 1):  # the first step warms up (allocator, kernels)
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        (lm_loss(model(x), y) * opt.loss_scale).backward()
+        opt.step(step)
+        if cuda:
+            torch.cuda.synchronize(device)
+        if step:
+            times.append(time.perf_counter() - t0)
+    if cuda:
+        peak = float(torch.cuda.max_memory_allocated(device))
+    else:
+        peak = float(measure_stage(plan, 0).total)
+    del model, opt
+    return peak, statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the measured-vs-planned table; exit 0."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    ap.add_argument("--seq-len", type=int, default=0,
+                    help="tokens per sequence (default: 4096 on a GPU, the small shape's 256 "
+                         "on the CPU)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per case (median)")
+    args = ap.parse_args(argv)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        print("error: --device cuda: no CUDA device here", file=sys.stderr)
+        return 2
+    device = torch.device("cuda:0" if use_cuda else "cpu")
+    model = ({"preset": "llama3-8b", "layers": 2, "seqLen": args.seq_len or 4096}
+             if use_cuda else dict(SMALL_MODEL, **({"seqLen": args.seq_len}
+                                                   if args.seq_len else {})))
+    dev_name = catalog_device(device)
+    print(f"device {device} ({torch.cuda.get_device_name(device) if use_cuda else 'CPU'}); "
+          f"plan device {dev_name}; model {model}")
+    print(f"{'precision':>9} {'recompute':>9} | {'measured GiB':>12} {'planned GiB':>11} "
+          f"{'ratio':>6} | {'step ms':>9} {'planned ms':>10} {'ratio':>6}")
+    for precision in ("fp32", "bf16"):
+        for recompute in ("none", "selective", "full"):
+            plan = make_plan(model, precision, recompute, dev_name)
+            planned = predicted_stage_bytes(plan, 0)
+            if use_cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            peak, seconds = run_case(plan, device, args.repeats)
+            planned_ms = plan.stages[0].time_ms
+            print(f"{precision:>9} {recompute:>9} | {peak / GIB:12.3f} {planned / GIB:11.3f} "
+                  f"{peak / planned:6.3f} | {seconds * 1e3:9.1f} {planned_ms:10.1f} "
+                  f"{seconds * 1e3 / planned_ms:6.3f}")
+    print(f"planned GiB = the plan's stage memory minus its fixed "
+          f"{cost.FRAMEWORK_OVERHEAD_BYTES / GIB:.0f} GiB framework overhead; planned ms = the "
+          "stage's forward+backward of one microbatch (the optimizer step is extra)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
