@@ -207,7 +207,7 @@ def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
     ``spec.parallelism.virtualStages``), each stage holding at least ``v`` layers. Under
     ``schedule: auto`` the space is 1F1B, ZB-H1 and interleaved with ``v ≤ AUTO_MAX_CHUNKS``;
     with ``exhaustive=False`` only the schedules that can win are listed
-    (:func:`_evaluate_order`): 1F1B for ``pp = 1``, else ZB-H1. (More chunks could beat ZB-H1
+    (:func:`_evaluate_order`): 1F1B for ``pp = 1``, else ZB-H1 and 1F1B. (More chunks could beat ZB-H1
     in this model at ``v``× the boundary traffic; searching them under auto loosens every bound
     from ``bubble/3`` to ``bubble/v``, so they are left to an explicit ``schedule:
     interleaved``.) ``layers=None`` skips the layer check (for the bubble divisor).
@@ -225,7 +225,10 @@ def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
         return [(par.schedule, 1)]
     if exhaustive:
         return [("1f1b", 1), *inter, ("zb-h1", 1)]
-    return [("1f1b", 1)] if pp == 1 else [("zb-h1", 1)]
+    # ZB-H1 is never slower than 1F1B on one split, but its stash of deferred weight-gradient
+    # inputs (cost.zb_pending_weight_grads) makes it hold more memory: where that caps a
+    # stage, 1F1B may fit a split (or a layout) that ZB-H1 cannot, so both are evaluated
+    return [("1f1b", 1)] if pp == 1 else [("zb-h1", 1), ("1f1b", 1)]
 
 
 def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
@@ -671,12 +674,13 @@ def _evaluate_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Cho
     """One stage order of ``choices`` under the schedules that can win.
 
     Dominance (exact in this cost model): with ``X`` the slowest of stages and boundaries and
-    ``Σ`` their sum, 1F1B costs ``m·X + (Σ − X)`` and ZB-H1 ``m·X + (Σ − X)/3`` at the same
-    memory, so ZB-H1 ≤ 1F1B for every split. Interleaved with ``v ≤ AUTO_MAX_CHUNKS = 3``
+    ``Σ`` their sum, 1F1B costs ``m·X + (Σ − X)`` and ZB-H1 ``m·X + (Σ − X)/3``, so ZB-H1 ≤
+    1F1B on every split both fit; ZB-H1 holds more memory (its weight-gradient stash), so
+    1F1B is evaluated too for the splits only it fits. Interleaved with ``v ≤ AUTO_MAX_CHUNKS = 3``
     chunks holds more activations (its feasible splits are a subset), multiplies boundary
     traffic by ``v`` (``X_v ≥ X``, ``Σ_v ≥ Σ``) and costs ``(m − 1/v)·X_v + Σ_v/v ≥
     (m − 1/3)·X + Σ/3 + (Σ − X)·(1/v − 1/3)``, the last term ≥ 0. So with ``schedule: auto`` and
-    ``pp ≥ 2`` only ZB-H1 is evaluated; for ``pp = 1`` only 1F1B exists.
+    ``pp ≥ 2`` ZB-H1 and 1F1B are evaluated; for ``pp = 1`` only 1F1B exists.
     """
     ks = [0] * len(units)
     tps = [0] * len(units)
