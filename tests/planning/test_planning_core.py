@@ -40,15 +40,20 @@ def test_layer_flops_match_6n_tokens_within_a_few_percent() -> None:
 
 def test_activation_bytes_count_the_runtimes_saved_tensors() -> None:
     """The per-layer table of cost.py (fitted by tests/runtime/training/test_memory_honesty.py):
-    bf16 elements per token, no s x s scores (flash/SDPA), norms replicated over TP."""
+    bf16 bytes per token, no s x s scores (flash/SDPA), fp32 RMSNorms replicated over TP."""
     model = _spec("gpt3-175b").model  # GELU MLP, f = 4h, MHA
-    s, h, a, f = model.seq_len, model.hidden, model.heads, model.ffn_hidden
-    norms = 4 * h + 4  # two norms: inputs, outputs, 2 statistics each
+    s, h, a, f, d = model.seq_len, model.hidden, model.heads, model.ffn_hidden, model.head_dim
+    norms = 2 * (4 * h + 2 * 2 * h + 4)  # per norm: fp32 input, bf16 normalised + output, rstd
+    rope = 8 * s * d  # bf16 cos, sin for q and k
     assert cost.activation_bytes_per_layer(model, 1, 1, "none") == \
-        s * ((norms + 4 * h + 2 * f) * 2 + 4 * a)  # + q, k, v, attention out, MLP; fp32 lse
+        s * (norms + (4 * h + 2 * f) * 2 + 4 * a) + rope  # q, k, v, attention out, MLP; lse
     assert cost.activation_bytes_per_layer(model, 1, 8, "selective") == \
-        s * (norms * 2 + (h + 2 * h + h + 2 * f) * 2 / 8)
+        s * (norms + (h + 2 * h + h + 2 * f) * 2 / 8) + rope
     assert cost.activation_bytes_per_layer(model, 1, 8, "full") == s * h * 2
+    # full recompute re-runs one layer in the backward: counted once per stage, not per layer
+    assert cost.recompute_working_set_bytes(model, 1, 8, "full") == \
+        cost.activation_bytes_per_layer(model, 1, 8, "none") + 2 * 4 * s * d
+    assert cost.recompute_working_set_bytes(model, 1, 8, "selective") == 0
 
 
 def test_state_bytes_with_and_without_zero1() -> None:

@@ -211,25 +211,41 @@ def state_bytes_per_param(training: TrainingSpec, dp: int) -> float:
     return weights + grads + optim
 
 
-# Bytes the runtime keeps for the backward per token of one layer, as counted by
-# ``runtime.memory`` (saved-tensor hooks, each storage once; SDPA/flash attention keeps no
-# s x s score matrix, only its fp32 log-sum-exp per head). For the pre-norm block of
-# ``runtime.model`` with recompute ``none``, in elements of the plan precision:
-#   replicated on every TP rank: the two norms' inputs and outputs (4h) and their per-token
-#     statistics (2 per norm: 4);
-#   TP-sharded (/tp): q, k and v as attention sees them (GQA heads repeated: 3h), the attention
-#     output (h; the output projection's input is a view of it), and the MLP's ffn-wide
-#     tensors (GELU: input and output, 2f; SwiGLU: gate, silu(gate), up and their product, 4f);
-#   plus the fp32 log-sum-exp (4 bytes per head, sharded).
-# ``full`` recompute keeps only the layer input (h). ``selective`` recomputes the attention core
-# but keeps its inputs q, k, v (before the GQA repeat: h + 2 kv_dim) and its output (the output
-# projection's input, h) instead of the repeated k, v and the log-sum-exp.
-LAYER_REPLICATED_H = 4  # norm inputs/outputs, in units of h
-LAYER_NORM_STATS = 4  # per-token norm statistics (elements)
+# Bytes the runtime keeps for the backward of one layer, as counted by ``runtime.memory``
+# (saved-tensor hooks, each storage once; SDPA/flash attention keeps no s x s score matrix, only
+# its fp32 log-sum-exp per head). Fitted to the Llama block of ``runtime.model`` (measured with
+# ``runtime.memory``, tests/runtime/training/test_memory_honesty.py). Per token, recompute
+# ``none``, ``eb`` = bytes of the plan precision:
+#   replicated on every TP rank, per RMSNorm (two per layer; the norm runs in fp32):
+#     its input as fp32 (4h bytes: the ``x.float()`` copy, or x itself in fp32), the normalised
+#     tensor cast back to the plan precision (eb·h, saved by the scale multiply), the output
+#     (eb·h, the next linear's input) and the fp32 reciprocal RMS (4 bytes);
+#   TP-sharded (/tp), in the plan precision: q and k after RoPE and v as SDPA sees them (GQA
+#     heads repeated: 3h), the attention output (h; flash/SDPA returns it token-major, so the
+#     output projection's input is a view of it), and the MLP's ffn-wide tensors (GELU: input
+#     and output, 2f; SwiGLU: gate, silu(gate), up and their product, 4f); plus the fp32
+#     log-sum-exp (4 bytes per head);
+#   per layer and microbatch, not per token: RoPE's cos and sin cast to the plan precision for
+#     q and for k (4 tables of s x head_dim; fp32 keeps the 2 cached fp32 tables: as many bytes).
+# ``selective`` recomputes the attention core but keeps its inputs q, k, v (before the GQA
+# repeat: h + 2 kv_dim) and its output (h) instead of the repeated k, v and the log-sum-exp.
+# ``full`` keeps only each layer's input (eb·h per token); the backward then re-runs ONE layer's
+# forward at a time, whose working set (the ``none`` bytes of one layer and one microbatch) is
+# counted once per stage in ``stage_memory``'s fixed part (:func:`recompute_working_set_bytes`).
+FP32_BYTES = 4.0
+NORMS_PER_LAYER = 2
+NORM_STATS_BYTES = 4.0  # fp32 reciprocal RMS per token
 LAYER_SHARDED_H = 4  # q, k, v (repeated) and the attention output, in units of h
 GELU_FFN = 2  # ffn-wide tensors of a GELU MLP, in units of f
 SWIGLU_FFN = 4  # ... of a SwiGLU MLP
 LSE_BYTES_PER_HEAD = 4.0  # fp32 log-sum-exp of the flash/SDPA kernel
+ROPE_TABLE_BYTES = 8.0  # per position x head_dim per layer: cos, sin for q and k (2 bytes each)
+
+
+def rms_norm_saved_bytes_per_token(hidden: int, elem_bytes: float) -> float:
+    """Bytes one fp32 RMSNorm keeps per token: fp32 input, normalised (plan precision), output
+    (plan precision, the next op's saved input) and the fp32 statistic."""
+    return FP32_BYTES * hidden + 2 * elem_bytes * hidden + NORM_STATS_BYTES
 
 
 def activation_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, recompute: str,
@@ -240,13 +256,25 @@ def activation_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, reco
     if recompute == "full":
         return s * b * h * eb
     ffn = (SWIGLU_FFN if model.gated_mlp else GELU_FFN) * model.ffn_hidden
-    replicated = (LAYER_REPLICATED_H * h + LAYER_NORM_STATS) * eb
+    replicated = NORMS_PER_LAYER * rms_norm_saved_bytes_per_token(h, eb)
     if recompute == "selective":
         kv = model.kv_heads * model.head_dim
         sharded = ((h + 2 * kv) + h + ffn) * eb  # q, k, v; attention output; MLP
     else:
         sharded = (LAYER_SHARDED_H * h + ffn) * eb + LSE_BYTES_PER_HEAD * a
-    return s * b * (replicated + sharded / tp)
+    rope = ROPE_TABLE_BYTES * s * model.head_dim
+    return s * b * (replicated + sharded / tp) + rope
+
+
+def recompute_working_set_bytes(model: ModelSpec, micro_batch: int, tp: int, recompute: str,
+                                elem_bytes: int = 2) -> float:
+    """Full recompute: what the backward of one layer holds while it re-runs that layer's
+    forward (everything the layer keeps without recompute, one microbatch); 0 otherwise."""
+    if recompute != "full":
+        return 0.0
+    # + the cached fp32 cos and sin (s x head_dim each) the checkpoints keep as inputs, once
+    rope_tables = 2 * FP32_BYTES * model.seq_len * model.head_dim
+    return activation_bytes_per_layer(model, micro_batch, tp, "none", elem_bytes) + rope_tables
 
 
 # The runtime's GPT block (runtime/model.py) embeds positions with a learned table of seq_len
@@ -307,6 +335,7 @@ def schedule_memory_args(stage: int, pp: int, m: int, schedule: str,
     return {"in_flight": in_flight_microbatches(stage, pp, m, schedule, v),
             "pending_w": float(zb_pending_weight_grads(stage, pp, m))
             if schedule == "zb-h1" else 0.0,
+            "zb_stash": 1.0 if schedule == "zb-h1" else 0.0,
             "head_in_flight": float(m) if schedule == "gpipe" else 1.0,
             "virtual_stages": v,
             # interleaved: stage 0 starts up to pp·v chunk-0 microbatches before the first
@@ -330,8 +359,8 @@ class StageMemory:
 def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, micro_batch: int,
                  in_flight: float, first: bool, last: bool,
                  virtual_stages: int = 1, pending_w: float = 0.0,
-                 head_in_flight: float = 1.0, ids_in_flight: float | None = None
-                 ) -> StageMemory:
+                 head_in_flight: float = 1.0, ids_in_flight: float | None = None,
+                 zb_stash: float = 0.0) -> StageMemory:
     """Per-device memory of a stage as a function of its layer count.
 
     ``in_flight``: :func:`in_flight_microbatches`. Besides the model state and the layers'
@@ -341,18 +370,24 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     fp32 log-softmax the loss keeps and, while the loss is computed, the logits and their fp32
     copy (one microbatch: the last stage runs each backward right after its forward; GPipe
     keeps ``head_in_flight`` = all of them). ZB-H1 adds ``pending_w`` microbatches of stashed
-    weight-gradient inputs (:func:`weight_grad_stash_bytes_per_layer`, and the head's).
+    weight-gradient inputs (:func:`weight_grad_stash_bytes_per_layer`, and the head's); and
+    with ``zb_stash`` (ZB-H1) the moment right after a B pass, when that microbatch's stash has
+    replaced its activations: where one microbatch's stash outweighs its activations (full
+    recompute keeps only the layer input) the difference is added.
     :func:`schedule_memory_args` gives the schedule-dependent arguments.
     """
     per_param = state_bytes_per_param(training, dp)
     eb = precision_bytes(training)
     s, b, h = model.seq_len, micro_batch, model.hidden
     act = activation_bytes_per_layer(model, micro_batch, tp, training.recompute, eb) * in_flight
-    stash = weight_grad_stash_bytes_per_layer(model, micro_batch, tp, eb) * pending_w
+    stash_one = weight_grad_stash_bytes_per_layer(model, micro_batch, tp, eb)
+    act_one = activation_bytes_per_layer(model, micro_batch, tp, training.recompute, eb)
+    stash = stash_one * pending_w + zb_stash * max(0.0, stash_one - act_one)
     # matmul weights are TP-sharded, the norms replicated on every TP rank
     params = layer_matmul_params(model) / tp + (2 + NORM_BIAS_PARAMS_H) * h
     per_layer = params * per_param + act + stash
     fixed = float(FRAMEWORK_OVERHEAD_BYTES)
+    fixed += recompute_working_set_bytes(model, micro_batch, tp, training.recompute, eb)
     chunks_in_flight = in_flight * virtual_stages
     if first:
         table = embedding_params(model) + (s * h if LEARNED_POSITIONS else 0)
@@ -367,10 +402,10 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
         head_table = 0 if (first and model.tie_embeddings) else embedding_params(model)
         fixed += (head_table + (1 + NORM_BIAS_PARAMS_H // 2) * h) * per_param  # + final norm
         logits = s * b * model.vocab
-        # per microbatch in flight: final norm input, statistics, output; the saved fp32
+        # per microbatch in flight: the final (fp32) RMSNorm's saved tensors; the saved fp32
         # log-softmax; the int64 targets
-        fixed += head_in_flight * (s * b * (2 * h + 2) * eb + logits * 4.0 + s * b * 8.0
-                                   + LOSS_SCALAR_BYTES)
+        fixed += head_in_flight * (s * b * rms_norm_saved_bytes_per_token(h, eb)
+                                   + logits * 4.0 + s * b * 8.0 + LOSS_SCALAR_BYTES)
         fixed += logits * (eb + (4.0 if eb != 4 else 0.0))  # logits + fp32 copy, transient
         fixed += pending_w * (s * b * h + logits) * eb  # ZB-H1: the head's stashed W inputs
     return StageMemory(fixed, per_layer)

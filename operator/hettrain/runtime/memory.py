@@ -10,7 +10,8 @@ activations and gradients standing in for its pipeline peers. It reports:
 - ``optimizer``: the fp32 master slice (when it is not the parameters) and the AdamW moments;
 - ``activations``: the PEAK bytes kept for the backward pass over the step, from
   ``torch.autograd.graph.saved_tensors_hooks`` (each storage counted once, parameters excluded),
-  plus what the runner itself keeps alive per in-flight microbatch (the stage output it will
+  plus, for full recompute, one layer's forward working set re-run in the backward, plus what
+  the runner itself keeps alive per in-flight microbatch (the stage output it will
   call ``backward`` on) and, for ZB-H1, the ``(input, grad_output)`` stash of deferred weight
   gradients;
 - ``loss_buffers`` (last stage): the logits and their fp32 copy alive while the loss is
@@ -154,7 +155,28 @@ def measure_stage(plan: Plan, stage: int) -> StageBytes:
         optim += opt.master.numel() * opt.master.element_size()
     tracker = _Tracker({opt.params_flat.untyped_storage().data_ptr()})
     loss_buffers = _run_schedule(plan, stage, model, opt, tracker)
-    return StageBytes(params, grads, optim, tracker.peak, loss_buffers)
+    working = _recompute_working_set(plan, model, opt.params_flat)
+    return StageBytes(params, grads, optim, tracker.peak + working, loss_buffers)
+
+
+def _recompute_working_set(plan: Plan, model: StageModel, params_flat: torch.Tensor) -> int:
+    """Full recompute: the bytes the backward of one layer keeps while it re-runs the layer's
+    forward (``torch.utils.checkpoint`` re-runs ``_block`` and saves what it saves), measured
+    by running that block forward under the saved-tensor hooks for one microbatch; 0 for the
+    other modes. Added to the stage's peak (the recompute happens on top of what is held)."""
+    if plan.training.recompute != "full":
+        return 0
+    layer = next(iter(model.layers.values()))
+    spec = plan.model
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn((plan.micro_batch, spec.seq_len, spec.hidden), generator=gen)
+    x = x.to(params_flat.dtype).requires_grad_()
+    cos, sin = model._cos_sin(x)
+    tracker = _Tracker({params_flat.untyped_storage().data_ptr()})
+    with _saved_tensors(tracker):
+        out = layer._block(x, cos, sin)
+    del out
+    return tracker.peak
 
 
 def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer,
