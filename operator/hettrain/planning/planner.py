@@ -207,7 +207,8 @@ def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
     ``spec.parallelism.virtualStages``), each stage holding at least ``v`` layers. Under
     ``schedule: auto`` the space is 1F1B, ZB-H1 and interleaved with ``v ≤ AUTO_MAX_CHUNKS``;
     with ``exhaustive=False`` only the schedules that can win are listed
-    (:func:`_evaluate_order`): 1F1B for ``pp = 1``, else ZB-H1 and 1F1B. (More chunks could beat ZB-H1
+    (:func:`_evaluate_order`): 1F1B for ``pp = 1``, else ZB-H1 and 1F1B. (More chunks could
+    beat ZB-H1
     in this model at ``v``× the boundary traffic; searching them under auto loosens every bound
     from ``bubble/3`` to ``bubble/v``, so they are left to an explicit ``schedule:
     interleaved``.) ``layers=None`` skips the layer check (for the bubble divisor).
