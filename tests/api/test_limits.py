@@ -74,7 +74,7 @@ def _with(path: str, value: Any) -> dict[str, Any]:
     return doc
 
 
-@pytest.mark.parametrize("path", sorted(SPEC_MAXIMUMS))
+@pytest.mark.parametrize("path", sorted(p for p in SPEC_MAXIMUMS if not p.endswith("[]")))
 def test_parser_refuses_one_above_the_maximum_naming_the_field(path: str) -> None:
     limit = SPEC_MAXIMUMS[path]
     above = limit * 2 if isinstance(limit, float) else limit + 1
@@ -85,6 +85,15 @@ def test_parser_refuses_one_above_the_maximum_naming_the_field(path: str) -> Non
         parse_job_spec(_with(path, limit))
     except SpecError as exc:
         assert exc.field != path or "<=" not in exc.message, str(exc)
+
+
+def test_parser_refuses_adam_betas_at_or_above_one() -> None:
+    """The one list-item bound: ``adamBetas[]`` < 1 (exclusive), refused naming the list."""
+    for betas in ([1.0, 0.95], [0.9, 2.0]):
+        with pytest.raises(SpecError) as err:
+            parse_job_spec(_with("spec.training.adamBetas", betas))
+        assert err.value.field == "spec.training.adamBetas" and "[0, 1)" in err.value.message
+    parse_job_spec(_with("spec.training.adamBetas", [0.9, 0.95]))
 
 
 @pytest.mark.parametrize("path", sorted(SPEC_MAX_LENGTHS))

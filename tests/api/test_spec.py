@@ -103,7 +103,7 @@ def test_explicit_model_without_preset() -> None:
                      "either", id="checkpoint-both"),
         pytest.param(with_("failurePolicy.mode", "Pray"), "spec.failurePolicy.mode", "one of",
                      id="repair-mode"),
-        pytest.param(with_("crossDC.outerMomentum", 1.5), "spec.crossDC.outerMomentum",
+        pytest.param(with_("crossDC.outerMomentum", 1.0), "spec.crossDC.outerMomentum",
                      "[0, 1)", id="momentum"),
         pytest.param(with_("crossDC", {"mode": "compress", "compression": "none"}),
                      "spec.crossDC.compression", "compresses nothing", id="compress-none"),

@@ -78,7 +78,10 @@ def test_every_parser_field_is_in_the_crd():
                "decay_embeddings": "weightDecayExclude", "adam_beta1": "adamBetas",
                "adam_beta2": "adamBetas", "validation_interval": "validation",
                "validation_batches": "validation",
-               "async_save": "async"}
+               "async_save": "async",
+               # Llama 3.1 RoPE scaling: flat in the plan JSON, one object in the CRD
+               "rope_factor": "ropeScaling", "rope_low_freq_factor": "ropeScaling",
+               "rope_high_freq_factor": "ropeScaling", "rope_original_max_positions": "ropeScaling"}
 
     def camel(n: str) -> str:
         return renames.get(n) or re.sub(r"_(\w)", lambda m: m.group(1).upper(), n)

@@ -36,6 +36,25 @@ SPEC_MAXIMUMS: dict[str, int | float] = {
     "spec.failurePolicy.minGPUs": 10**7,
     "spec.failurePolicy.waitSeconds": 7 * 24 * 3600,
     "spec.failurePolicy.debounceSeconds": 3600.0,
+    # Llama configuration (spec.model)
+    "spec.model.normEps": 1,
+    "spec.model.ropeTheta": 1.0e9,
+    "spec.model.ropeScaling.factor": 1024,
+    "spec.model.ropeScaling.lowFreqFactor": 1024,
+    "spec.model.ropeScaling.highFreqFactor": 1024,
+    "spec.model.ropeScaling.originalMaxPositionEmbeddings": 2**22,
+    # the training loop (spec.training)
+    "spec.training.warmupSteps": 10**9,
+    "spec.training.minLrRatio": 1,
+    "spec.training.wsdDecayFraction": 1,
+    "spec.training.gradClip": 1.0e6,
+    "spec.training.weightDecay": 10.0,
+    "spec.training.adamBetas[]": 1,  # exclusive in the CRD and the parser
+    "spec.training.adamEps": 1.0,
+    "spec.training.validation.intervalSteps": 10**9,
+    "spec.training.validation.batches": 10**4,
+    "spec.parallelism.virtualStages": 64,
+    "spec.checkpoint.keep": 1000,
 }
 
 LABEL_VALUE_MAX = 63  # a Kubernetes label value
