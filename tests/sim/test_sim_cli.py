@@ -23,7 +23,7 @@ def test_llama3_scenario_json():
     assert code == 0
     doc = json.loads(out)
     # full recompute, honest activation memory (no sequence parallelism): tp 4, dp 256
-    assert doc["gpus"] == 16640 and doc["full_plan"]["layout"] == "256x16x4"
+    assert doc["gpus"] == 16640 and doc["full_plan"]["layout"] == "128x16x8"
     assert doc["throughput_model"] == "planner"
     assert set(doc["policies"]) == {"restart", "replan", "wait-shrink"}
     for pol in doc["policies"].values():

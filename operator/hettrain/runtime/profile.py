@@ -1,7 +1,7 @@
 """``hettrain profile``'s measuring side: the runtime's real transformer block on the local device.
 
 For one model shape (a job's ``spec.model``) and a few microbatch sizes, times one
-:class:`hettrain.runtime.model.Block` forward and backward (tp 1, no recompute; the median of
+:class:`hettrain.runtime.model.LlamaDecoderLayer` forward and backward (tp 1, no recompute; the median of
 ``repeats`` runs after two warm-up runs) and writes the versioned ``DeviceProfile`` YAML that
 ``planning/profiles.py`` reads (``hettrain plan --profile FILE``).
 
@@ -25,7 +25,7 @@ import yaml
 from hettrain.api.spec import ModelSpec, SpecError, parse_job_manifest
 from hettrain.planning.profiles import profile_doc
 from hettrain.profile_cli import add_arguments
-from hettrain.runtime.model import Block
+from hettrain.runtime.model import LlamaDecoderLayer, rope_cos_sin
 
 WARMUP = 2  # untimed runs before the timed ones
 
@@ -39,13 +39,15 @@ def measure_layer(model: ModelSpec, micro_batch: int, repeats: int,
                   device: torch.device) -> tuple[float, float]:
     """Median (forward, backward) seconds of one block for ``micro_batch`` sequences."""
     torch.manual_seed(0)
-    block = Block(model).to(device)
+    block = LlamaDecoderLayer(model).to(device)
+    cos, sin = rope_cos_sin(model, model.seq_len, device)
     x = torch.randn(micro_batch, model.seq_len, model.hidden, device=device, requires_grad=True)
+
     fwd, bwd = [], []
     for i in range(repeats + WARMUP):  # warm-up runs: allocator, kernels, caches
         _sync(device)
         t0 = time.perf_counter()
-        y = block(x)
+        y = block(x, cos, sin)
         _sync(device)
         t1 = time.perf_counter()
         y.sum().backward()
