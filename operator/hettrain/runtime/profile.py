@@ -1,7 +1,8 @@
 """``hettrain profile``'s measuring side: the runtime's real transformer block on the local device.
 
 For one model shape (a job's ``spec.model``) and a few microbatch sizes, times one
-:class:`hettrain.runtime.model.LlamaDecoderLayer` forward and backward (tp 1, no recompute; the median of
+:class:`hettrain.runtime.model.LlamaDecoderLayer` forward and backward (tp 1, no recompute;
+the median of
 ``repeats`` runs after two warm-up runs) and writes the versioned ``DeviceProfile`` YAML that
 ``planning/profiles.py`` reads (``hettrain plan --profile FILE``).
 
