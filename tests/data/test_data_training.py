@@ -22,7 +22,7 @@ MODEL = ModelSpec(layers=2, hidden=32, heads=4, seq_len=32, vocab=2048, ffn_hidd
 
 
 def _plan(opticks_set, splits, dp, steps, **kw):
-    plan = tiny_plan(splits, dp, steps=steps, model=MODEL, lr=1e-2, **kw)
+    plan = tiny_plan(splits, dp, steps=steps, model=MODEL, lr=1e-2, lr_schedule="constant", **kw)
     return replace(plan, data={"uri": str(opticks_set)})
 
 

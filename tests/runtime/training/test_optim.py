@@ -62,9 +62,12 @@ def test_flat_adamw_equals_torch_adamw_with_decay_groups_and_clipping(clip):
 
 def test_norms_and_biases_excluded_embeddings_decayed_by_default():
     kinds = param_kinds(whole_model(TINY, 1))
-    assert kinds["layers.0.ln1.weight"] == kinds["layers.0.ln1.bias"] == "norms"
-    assert kinds["embed.wte.weight"] == "embeddings"
-    assert kinds["layers.0.attn.q.weight"] == "weights"
+    assert kinds["model.layers.0.input_layernorm.weight"] == "norms"
+    assert kinds["model.layers.0.post_attention_layernorm.weight"] == "norms"
+    assert kinds["model.norm.weight"] == "norms"
+    assert kinds["model.embed_tokens.weight"] == "embeddings"
+    assert kinds["model.layers.0.self_attn.q_proj.weight"] == "weights"
+    assert "biases" not in kinds.values()  # the Llama block has none
     t = parse_job_spec({"model": {"preset": "gpt-tiny"},
                         "training": {"globalBatch": 8, "steps": 1}}).training
     assert (t.decay_norms, t.decay_biases, t.decay_embeddings) == (False, False, True)
