@@ -223,7 +223,9 @@ def test_interleaved_pp2_v2_dp2_matches_reference_and_resumes_across_layouts(tmp
     """interleaved pp=2 v=2 x dp=2 -> (checkpoint at 2) plain 1F1B pp=3 -> (at 4) interleaved
     pp=2 v=2 again; one loss curve, the single-process reference's."""
     steps = 6
-    plan = _interleaved([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=2, steps=4)
+    # a constant LR: the three runs stop at different step counts, a cosine would follow them
+    const = {"lr_schedule": "constant"}
+    plan = _interleaved([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=2, steps=4, **const)
     ref = reference_losses(plan, steps)
     assert ref[-1] < ref[0]
     ck = tmp_path / "ckpt"
@@ -237,14 +239,14 @@ def test_interleaved_pp2_v2_dp2_matches_reference_and_resumes_across_layouts(tmp
     # as if it had died after step 2: resume as a plain 3-stage 1F1B pipeline, one replica
     rewind(ck, 2)
     second = tiny_plan([(0, 1, "pool-a"), (1, 2, "pool-a"), (2, 4, "pool-b")], dp=1,
-                       steps=4, num_microbatches=8)
+                       steps=4, num_microbatches=8, **const)
     after, logs, sums, _ = _run(tmp_path / "run2", second, {"HETTRAIN_CHECKPOINT_URI": str(ck),
                                                            "HETTRAIN_RESUME": "1"})
     _assert_ran(logs, sums, second, "1f1b")
     _assert_matches(after, ref, range(2, 4), rel=1e-4)
     # and back: the 1F1B checkpoint of step 4 into interleaved pp=2 v=2, one replica
     third = _interleaved([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=1, steps=steps,
-                         num_microbatches=8)
+                         num_microbatches=8, **const)
     last, logs, sums, _ = _run(tmp_path / "run3", third, {"HETTRAIN_CHECKPOINT_URI": str(ck),
                                                           "HETTRAIN_RESUME": "1"})
     _assert_ran(logs, sums, third, "interleaved")
