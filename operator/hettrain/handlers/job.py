@@ -497,14 +497,20 @@ def _foreign_gpus(gpu_pods_by_node: Any, live: Mapping[tuple[str, str], str]
 
 def _post_events(body: Mapping[str, Any], d: Decision) -> None:
     """Post the decision's Events, rate-limited and aggregated per job and reason."""
-    meta = body.get("metadata") or {}
-    key = (meta.get("namespace"), meta.get("name"))
     now = time.monotonic()
     for ev in d.events:
-        with _events_lock:
-            message = _events.admit(key, ev.type, ev.reason, ev.message, now)
-        if message is not None:
-            kopf.event(dict(body), type=ev.type, reason=ev.reason, message=message[:1000])
+        _post_event(body, ev.type, ev.reason, ev.message, now)
+
+
+def _post_event(body: Mapping[str, Any], type_: str, reason: str, message: str,
+                now: float) -> None:
+    """Post one Event unless the rate limiter holds it back (then it is aggregated)."""
+    meta = body.get("metadata") or {}
+    key = (meta.get("namespace"), meta.get("name"))
+    with _events_lock:
+        admitted = _events.admit(key, type_, reason, message, now)
+    if admitted is not None:
+        kopf.event(dict(body), type=type_, reason=reason, message=admitted[:1000])
 
 
 class _Running:
@@ -578,22 +584,12 @@ async def job_loop(stopped: Any, body: Any, namespace: str, name: str, pods_by_j
             except kube.ForeignObjectError as err:
                 metrics.RECONCILE_ERRORS.labels("foreign-object").inc()
                 log.warning("%s/%s: %s", namespace, name, err)
-                with _events_lock:
-                    msg = _events.admit(key, "Warning", "ForeignObject", str(err),
-                                        time.monotonic())
-                if msg is not None:
-                    kopf.event(dict(body), type="Warning", reason="ForeignObject",
-                               message=msg[:1000])
+                _post_event(body, "Warning", "ForeignObject", str(err), time.monotonic())
                 delay = ERROR_RETRY_SECONDS
             except kube.GangCreateError as err:
                 metrics.RECONCILE_ERRORS.labels("gang-create").inc()
                 log.warning("gang create %s/%s failed: %s", namespace, name, err)
-                with _events_lock:
-                    msg = _events.admit(key, "Warning", "GangCreateFailed", str(err),
-                                        time.monotonic())
-                if msg is not None:
-                    kopf.event(dict(body), type="Warning", reason="GangCreateFailed",
-                               message=msg[:1000])
+                _post_event(body, "Warning", "GangCreateFailed", str(err), time.monotonic())
                 delay = ERROR_RETRY_SECONDS
             except Exception:
                 metrics.RECONCILE_ERRORS.labels("reconcile").inc()
