@@ -14,6 +14,11 @@ params + 2 moments), saved by one rank through :class:`hettrain.runtime.checkpoi
   a pp=2 layout with TP=2 (TP rank 0's shards: half the heads/FFN of the first half of the
   layers), versus loading the same layout it was saved in; every loaded tensor is checked
   against the saved model's slice.
+- **restore onto another layout**: the model saved by a pp=2/dp=1 job (two stage ranks, each
+  writing its own file, rank 0 publishing) and restored by every rank of a new layout, one
+  after the other: pp=2/dp=1 (as saved), pp=1/dp=2 (each replica reads both stages' files) and
+  pp=2/dp=1/tp=2 (four TP shards). Seconds for all ranks of the layout, bytes/s of the state
+  they filled, and the ratio to the as-saved layout.
 
 Prints one JSON object; every number is the median of ``--repeats``.
 """
@@ -21,6 +26,7 @@ Prints one JSON object; every number is the median of ``--repeats``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import statistics
@@ -39,6 +45,9 @@ from hettrain.api.spec import ModelSpec  # noqa: E402
 from hettrain.runtime import checkpoint as ckpt  # noqa: E402
 from hettrain.runtime.model import StageModel  # noqa: E402
 from hettrain.runtime.tensor_parallel import shard_stage_  # noqa: E402
+
+AS_SAVED = "pp2 dp1 (as saved)"
+LAYOUTS = {AS_SAVED: (2, 1, 1), "pp1 dp2": (1, 2, 1), "pp2 dp1 tp2": (2, 1, 2)}
 
 
 def build(spec: ModelSpec, start: int, end: int, tp: int = 1, head: bool = True):
@@ -76,9 +85,16 @@ def save_once(saver: ckpt.Checkpointer, step: int, state) -> dict[str, float]:
 
 
 def restore_once(uri: str, step: int, spec: ModelSpec, ref_state: dict[str, torch.Tensor],
-                 layers: int, tp: int) -> float:
-    """Seconds to load ``step`` into stage [0, layers) at TP degree ``tp`` (checked)."""
-    model, opt, shards = build(spec, 0, layers, tp, head=layers == spec.layers)
+                 layers: int, tp: int, start: int = 0, tp_rank: int = 0) -> tuple[float, int]:
+    """Seconds to load ``step`` into stage [start, layers) as TP rank ``tp_rank`` of ``tp``
+    (checked against the saved model), and the bytes of state filled."""
+    model = StageModel(spec, start, layers, has_embedding=start == 0,
+                       has_head=layers == spec.layers, seed=7)
+    shards = shard_stage_(model, spec, tp, tp_rank, None, tuple(range(tp)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    for p in model.parameters():
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p)}
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -92,7 +108,42 @@ def restore_once(uri: str, step: int, spec: ModelSpec, ref_state: dict[str, torc
             want = shards.local(name, want)
         if not torch.equal(p, want):
             raise AssertionError(f"restored {name} differs from the saved model")
-    return seconds
+    return seconds, ckpt.bytes_of(targets)
+
+
+def stage_bounds(layers: int, pp: int) -> list[tuple[int, int]]:
+    """An even split of ``layers`` into ``pp`` stages."""
+    cuts = [layers * s // pp for s in range(pp + 1)]
+    return list(itertools.pairwise(cuts))
+
+
+def save_stages(uri: str, step: int, spec: ModelSpec, pp: int) -> dict[str, float]:
+    """Save the model as a pp=``pp``/dp=1 job does: one rank per stage writes its own file
+    (sync; the last rank first, so rank 0 publishes at once). Seconds and bytes written."""
+    store = ckpt.CheckpointStore.open(uri)
+    states = []
+    for a, b in stage_bounds(spec.layers, pp):
+        model, opt, _ = build(spec, a, b, head=b == spec.layers)
+        states.append(ckpt.job_state(model, opt))
+    t0 = time.perf_counter()
+    written = 0
+    for rank in reversed(range(pp)):
+        saver = ckpt.Checkpointer(store, rank, pp, keep=1, async_save=False)
+        written += saver.save(step, states[rank], {"model": {}}).bytes
+    return {"seconds": time.perf_counter() - t0, "bytes": written}
+
+
+def restore_layout(uri: str, step: int, spec: ModelSpec, ref: dict[str, torch.Tensor],
+                   pp: int, dp: int, tp: int) -> tuple[float, int]:
+    """Every rank of a pp/dp/tp layout restores ``step``, one after the other (checked):
+    total seconds and bytes filled."""
+    seconds, filled = 0.0, 0
+    for a, b in stage_bounds(spec.layers, pp):
+        for _ in range(dp):
+            for t in range(tp):
+                s, n = restore_once(uri, step, spec, ref, b, tp, start=a, tp_rank=t)
+                seconds, filled = seconds + s, filled + n
+    return seconds, filled
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -122,10 +173,23 @@ def main(argv: list[str] | None = None) -> dict:
                 runs[mode].append(save_once(savers[mode], step, state))
         med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
                for m, rs in runs.items()}
-        same = [restore_once(uri, step, spec, ref, spec.layers, 1)
+        same = [restore_once(uri, step, spec, ref, spec.layers, 1)[0]
                 for _ in range(args.repeats)]
-        other = [restore_once(uri, step, spec, ref, spec.layers // 2, 2)
+        other = [restore_once(uri, step, spec, ref, spec.layers // 2, 2)[0]
                  for _ in range(args.repeats)]
+        pp2_uri = uri.rstrip("/") + "/saved-pp2"
+        pp2_save = [save_stages(pp2_uri, step + 1 + i, spec, 2) for i in range(args.repeats)]
+        last = step + args.repeats
+        layouts = {}
+        for label, (pp, dp, tp) in LAYOUTS.items():
+            runs_l = [restore_layout(pp2_uri, last, spec, ref, pp, dp, tp)
+                      for _ in range(args.repeats)]
+            sec = statistics.median(r[0] for r in runs_l)
+            layouts[label] = {"seconds": sec, "bytes": runs_l[0][1],
+                              "throughput_Bps": runs_l[0][1] / sec}
+        as_saved = layouts[AS_SAVED]["seconds"]
+        for row in layouts.values():
+            row["ratio_to_as_saved"] = row["seconds"] / as_saved
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -141,6 +205,11 @@ def main(argv: list[str] | None = None) -> dict:
         "restore_same_layout_s": statistics.median(same),
         "restore_pp2_tp2_stage0_s": statistics.median(other),
         "restore_ratio_other_over_same": statistics.median(other) / statistics.median(same),
+        "save_pp2_dp1": {"seconds": statistics.median(r["seconds"] for r in pp2_save),
+                         "bytes": int(pp2_save[0]["bytes"]),
+                         "throughput_Bps": pp2_save[0]["bytes"] / statistics.median(
+                             r["seconds"] for r in pp2_save)},
+        "restore_from_pp2_dp1": layouts,
     }
     print(json.dumps(out, indent=1))
     return out

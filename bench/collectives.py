@@ -202,7 +202,7 @@ def _plan(world: int, cross_dc: dict, one_host: bool = False):
     return Plan(job="bench", model=model, training=TrainingSpec(global_batch=world, steps=1),
                 dp=world, pp=1, micro_batch=1, num_microbatches=1, schedule="1f1b",
                 stages=(stage,), ranks=ranks, predicted=Prediction(1, 1, 0.1),
-                cross_dc=cross_dc)
+                cross_dc=cross_dc, data={"synthetic": True})
 
 
 # ----------------------------------------------------------------------------- driver

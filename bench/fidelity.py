@@ -15,15 +15,29 @@ A row is ``fitted`` when the catalog/time-model constants were fitted to it, ``c
 is only compared (a row's ``fidelity/role`` annotation, default ``fitted`` for Megatron SC'21
 Table 1, the calibration set). A refusal (PlanningError) of a published layout is a failure.
 
+With ``--cpu``: predicted vs measured step time of small pipeline runs on this machine's CPU
+(:func:`cpu_rows`). ``hettrain profile``'s runtime side measures the model's block on the CPU
+(one thread, as every local rank runs), each layout is planned with that profile
+(``hettrain plan --profile``) and the layout pinned, then trained by real processes
+(``runtime.launch.launch_local``, gloo); the measured step time is rank 0's median over the
+steps after warm-up, and the median over ``--repeats`` rounds (each round profiles afresh and
+runs every layout once) is compared with the median predicted step time. Target: median
+|error| <= 15%. The ``CPU ms`` column is the busiest rank's CPU seconds per step: on a shared
+machine a wall time far above it means the run waited for a core, not that the model erred.
+
 Usage: python bench/fidelity.py [--source megatron-sc21] [--json]
+       python bench/fidelity.py --cpu [--repeats 3] [--steps 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +51,7 @@ from hettrain.planning.catalog import resolve_device  # noqa: E402
 from hettrain.planning.errors import PlanningError  # noqa: E402
 from hettrain.planning.inventory import load_cluster  # noqa: E402
 from hettrain.planning.planner import plan_job  # noqa: E402
+from hettrain.planning.profiles import apply_profiles, load_profile  # noqa: E402
 
 CALIBRATION = ROOT / "bench" / "calibration"
 FITTED_SOURCES = ("megatron-sc21",)  # the calibration set the constants were fitted to
@@ -180,12 +195,162 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- CPU: predicted vs measured
+
+CPU_WARMUP = 3  # steps of each run left out of the measured median (allocator, first sends)
+CPU_TARGET = 0.15  # median |error| target (issue #15)
+# A model whose step is dominated by its blocks (what the profile measures): small vocabulary,
+# hidden 128, 4 layers; fp32 (the profile runs the block in fp32), no recompute.
+CPU_MODEL = {"layers": 4, "hidden": 128, "heads": 4, "seqLen": 128, "vocab": 256}
+# (name, pp, dp, microBatch, global batch); schedule 1F1B, tp 1
+CPU_LAYOUTS = (
+    ("pp1 dp1 mb2", 1, 1, 2, 8),
+    ("pp1 dp1 mb4", 1, 1, 4, 8),
+    ("pp2 dp1 mb2", 2, 1, 2, 8),
+    ("pp1 dp2 mb2", 1, 2, 2, 8),
+)
+CPU_CLUSTER = {
+    "apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "local-cpu"},
+    "datacenters": [{"name": "dc"}],
+    "pools": [{"name": "cpu", "datacenter": "dc", "device": "CPU", "nodes": 2,
+               "gpusPerNode": 1, "nicGbps": 10}],
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CpuRow:
+    """One local layout: the plan's predicted step time and the measured one (seconds)."""
+
+    name: str
+    layout: str
+    predicted_s: float
+    measured_s: float
+    runs: tuple[float, ...]  # each repeat's median step seconds
+    cpu_s: float = 0.0  # the busiest rank's CPU seconds per step (median): a load indicator
+
+    @property
+    def error(self) -> float:
+        """Signed relative error of the prediction (predicted / measured − 1)."""
+        return self.predicted_s / self.measured_s - 1.0
+
+
+def cpu_job(pp: int, dp: int, micro_batch: int, global_batch: int, steps: int) -> dict:
+    """The HetTrainingJob of one CPU layout (layout pinned)."""
+    return {"apiVersion": "hettrain.dev/v1alpha1", "kind": "HetTrainingJob",
+            "metadata": {"name": f"cpu-pp{pp}-dp{dp}-mb{micro_batch}"},
+            "spec": {"model": dict(CPU_MODEL), "data": {"synthetic": True},
+                     "training": {"globalBatch": global_batch, "steps": steps,
+                                  "microBatch": micro_batch, "precision": "fp32",
+                                  "recompute": "none", "optimizerSharding": False},
+                     "parallelism": {"tp": 1, "pp": pp, "dp": dp, "schedule": "1f1b"}}}
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # as launch_local runs every rank
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "operator"), str(ROOT),
+                                         env.get("PYTHONPATH", "")])
+    return env
+
+
+def cpu_profile(workdir: Path, repeats: int) -> Path:
+    """``hettrain profile``'s runtime side for :data:`CPU_MODEL` on this CPU (one thread)."""
+    job, out = workdir / "profile-job.yaml", workdir / "cpu-profile.yaml"
+    job.write_text(yaml.safe_dump(cpu_job(1, 1, 1, 1, 1)))
+    subprocess.run([sys.executable, "-m", "hettrain.runtime.profile", str(job),
+                    "--device-name", "CPU", "--out", str(out), "--micro-batches", "1,2,4",
+                    "--repeats", str(max(5, repeats))], check=True, env=_child_env())
+    return out
+
+
+def cpu_plan(pp: int, dp: int, micro_batch: int, global_batch: int, steps: int, profile: Path):
+    """Plan one CPU layout with the measured profile (``hettrain plan --profile``)."""
+    doc = cpu_job(pp, dp, micro_batch, global_batch, steps)
+    name, spec = parse_job_manifest(doc)
+    inventory = apply_profiles(load_cluster(CPU_CLUSTER), [load_profile(profile)])
+    return plan_job(name, spec, inventory)
+
+
+def measure_run(plan, workdir: Path) -> tuple[float, float]:
+    """Train ``plan`` with real local processes; rank 0's median step seconds after warm-up
+    and the busiest rank's median CPU seconds per step (the runtime's summaries)."""
+    from hettrain.runtime.launch import launch_local, wait_all  # no torch import here
+
+    log, summary = workdir / "loss.jsonl", workdir / "summary"
+    log.unlink(missing_ok=True)
+    procs = launch_local(plan, workdir, {"HETTRAIN_LOSS_LOG": str(log),
+                                         "HETTRAIN_METRICS_PORT": "0",
+                                         "HETTRAIN_SUMMARY_DIR": str(summary)})
+    codes = wait_all(procs, 900)
+    if any(codes):
+        raise SystemExit(f"{plan.job}: runtime failed, exit codes {codes} (logs in {workdir})")
+    secs = [json.loads(line)["seconds"] for line in log.read_text().splitlines()]
+    cpu = max(statistics.median(json.loads(f.read_text())["step_cpu_seconds"][CPU_WARMUP:])
+              for f in summary.glob("rank-*.json"))
+    return statistics.median(secs[CPU_WARMUP:]), cpu
+
+
+def cpu_rows(repeats: int = 3, steps: int = 8) -> list[CpuRow]:
+    """Profile, plan and run every :data:`CPU_LAYOUTS` layout, ``repeats`` rounds. Each round
+    profiles afresh and runs every layout once, so prediction and measurement of a round see
+    the same machine load (a shared machine drifts); the row compares the medians."""
+    predicted: dict[str, list[float]] = {name: [] for name, *_ in CPU_LAYOUTS}
+    runs: dict[str, list[float]] = {name: [] for name in predicted}
+    cpus: dict[str, list[float]] = {name: [] for name in predicted}
+    layouts: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats):
+            work = Path(tmp) / f"round-{r}"
+            work.mkdir()
+            profile = cpu_profile(work, repeats)
+            for name, pp, dp, mb, gb in CPU_LAYOUTS:
+                plan = cpu_plan(pp, dp, mb, gb, steps, profile)
+                split = "+".join(str(s.layer_end - s.layer_start) for s in plan.stages)
+                layouts[name] = (f"pp={plan.pp} dp={plan.dp} mb={plan.micro_batch} "
+                                 f"m={plan.num_microbatches} split {split}")
+                predicted[name].append(plan.predicted.step_time_s)
+                wall, cpu = measure_run(plan, work / name.replace(" ", "-"))
+                runs[name].append(wall)
+                cpus[name].append(cpu)
+    return [CpuRow(name, layouts[name], statistics.median(predicted[name]),
+                   statistics.median(runs[name]), tuple(runs[name]),
+                   statistics.median(cpus[name])) for name in predicted]
+
+
+def cpu_table(rows: list[CpuRow]) -> str:
+    """The CPU predicted-vs-measured table and its summary line."""
+    lines = [f"{'layout':>12} {'predicted ms':>12} {'measured ms':>11} {'error':>7} "
+             f"{'CPU ms':>7}  runs (ms)  plan"]
+    for r in rows:
+        runs = ", ".join(f"{1e3 * x:.0f}" for x in r.runs)
+        lines.append(f"{r.name:>12} {1e3 * r.predicted_s:12.1f} {1e3 * r.measured_s:11.1f} "
+                     f"{r.error:+7.1%} {1e3 * r.cpu_s:7.0f}  [{runs}]  {r.layout}")
+    med = statistics.median(abs(r.error) for r in rows)
+    lines.append(f"cpu: {len(rows)} layouts, median |error| {med:.1%} "
+                 f"(target <= {CPU_TARGET:.0%}), max |error| "
+                 f"{max(abs(r.error) for r in rows):.1%}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print the fidelity table (or JSON with ``--json``)."""
+    """Print the fidelity table (or JSON with ``--json``; the CPU runs with ``--cpu``)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", action="append", help="calibration source (default: all)")
     ap.add_argument("--json", action="store_true", help="print rows as JSON")
+    ap.add_argument("--cpu", action="store_true",
+                    help="predicted vs measured step time of local CPU pipeline runs")
+    ap.add_argument("--repeats", type=int, default=3, help="--cpu: runs per layout")
+    ap.add_argument("--steps", type=int, default=8, help="--cpu: steps per run")
     args = ap.parse_args(argv)
+    if args.cpu:
+        rows_cpu = cpu_rows(args.repeats, args.steps)
+        if args.json:
+            print(json.dumps([{"name": r.name, "layout": r.layout, "predicted_s": r.predicted_s,
+                               "measured_s": r.measured_s, "runs": r.runs, "error": r.error,
+                               "cpu_s": r.cpu_s}
+                              for r in rows_cpu], indent=1))
+        else:
+            print(cpu_table(rows_cpu))
+        return 0
     rows = evaluate(args.source)
     if args.json:
         print(json.dumps([{**{k: getattr(r, k) for k in Row.__slots__}, "error": r.error}

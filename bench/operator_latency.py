@@ -66,6 +66,7 @@ def job_doc(name: str, prefix: str) -> dict[str, Any]:
                      "training": {"globalBatch": 512, "steps": 100},
                      "placement": {"pools": [f"{prefix}-h100", f"{prefix}-mi300"]},
                      "parallelism": par, "checkpoint": {"uri": "/ckpt"},
+                     "data": {"synthetic": True},
                      "failurePolicy": {"maxRepairs": 10, "minGPUs": 8, "debounceSeconds": 0}}}
 
 
@@ -85,15 +86,22 @@ class PodWatch:
 
     def _run(self) -> None:
         path = f"/api/v1/namespaces/{self.ns}/pods"
-        params = self.api.param_serialize(
-            method="GET", resource_path=path,
-            query_params=[("watch", "true"), ("labelSelector", c.LABEL_JOB),
-                          ("allowWatchBookmarks", "false"), ("timeoutSeconds", "600")],
-            header_params={"Accept": "application/json"}, auth_settings=["BearerToken"])
-        resp = self.api.call_api(*params, _request_timeout=(10, 620))
+        query = [("watch", "true"), ("labelSelector", c.LABEL_JOB),
+                 ("allowWatchBookmarks", "false"), ("timeoutSeconds", "600")]
+        headers = {"Accept": "application/json"}
+        if hasattr(self.api, "param_serialize"):  # kubernetes client 37+
+            params = self.api.param_serialize(
+                method="GET", resource_path=path, query_params=query,
+                header_params=headers, auth_settings=["BearerToken"])
+            stream = self.api.call_api(*params, _request_timeout=(10, 620)).response
+        else:  # kubernetes client 36: the older call_api returns the urllib3 response
+            stream = self.api.call_api(
+                path, "GET", query_params=query, header_params=headers,
+                auth_settings=["BearerToken"], _preload_content=False,
+                _return_http_data_only=True, _request_timeout=(10, 620))
         self.ready.set()
         buf = b""
-        for chunk in resp.response.stream(65536, decode_content=True):
+        for chunk in stream.stream(65536, decode_content=True):
             now = time.perf_counter()
             buf += chunk
             *lines, buf = buf.split(b"\n")

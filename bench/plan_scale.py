@@ -5,7 +5,8 @@ less) of ``plan_job`` and of a re-plan after one node fails (medians of ``--repe
 by side in one process; targets are judged on wall time), and three quality ratios of predicted
 step times (> 1 means the heterogeneous plan is faster):
 
-- ``vs homog``: the best plan on the largest single pool alone / the heterogeneous plan;
+- ``vs homog``: the best plan on the largest single pool alone / the heterogeneous plan
+  (``no fit``: the model does not fit on that pool alone);
 - ``vs uniform``: the same layout with a uniform layer split (Megatron's default) / the planner's
   non-uniform split (``OOM`` when the uniform split does not fit in memory);
 - ``vs exh``: exhaustive / fast, on the tiny instance (8 GPUs, 6 layers) where brute force is
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 from hettrain.api.spec import JobSpec, parse_job_spec
 from hettrain.planning import planner
+from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import ClusterInventory, load_cluster
 from hettrain.planning.plan import Plan
 from hettrain.planning.planner import plan_job, step_time_for_split
@@ -92,17 +94,19 @@ def row(label: str, spec: JobSpec, inv: ClusterInventory, repeats: int, exhausti
     """One table row."""
     t_plan, c_plan, plan = timed(lambda: plan_job("b", spec, inv), repeats)
     assert isinstance(plan, Plan)
-    homog = plan_job("b", spec, largest_pool(inv))
+    step = plan.predicted.step_time_s
+    try:
+        homog = f"{plan_job('b', spec, largest_pool(inv)).predicted.step_time_s / step:>9.3f}"
+    except PlanningError:  # the model does not fit on the largest pool alone
+        homog = f"{'no fit':>9}"
     smaller = inv.without_nodes([plan.ranks[-1].node])
     t_re, c_re, _ = timed(lambda: plan_job("b", spec, smaller, previous=plan), repeats)
     exh = "-"
     if exhaustive:
         full = plan_job("b", spec, inv, exhaustive=True)
         exh = f"{full.predicted.step_time_s / plan.predicted.step_time_s:.3f}"
-    step = plan.predicted.step_time_s
     return (f"{label:>9} {inv.gpus:>7} {t_plan:>8.3f} {c_plan:>7.3f} {t_re:>9.3f} {c_re:>7.3f} "
-            f"{step:>9.3f} "
-            f"{homog.predicted.step_time_s / plan.predicted.step_time_s:>9.3f} "
+            f"{step:>9.3f} {homog} "
             f"{uniform_ratio(spec, inv, plan):>10} {exh:>7}  "
             f"dp={plan.dp} pp={plan.pp} mb={plan.micro_batch} {plan.schedule}  "
             f"{verdict(inv.gpus, t_plan, t_re)}")

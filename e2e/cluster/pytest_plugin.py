@@ -4,8 +4,9 @@ Enable with ``pytest_plugins = ["e2e.cluster.pytest_plugin"]`` in ``tests/confte
 
 Fixtures:
   ``k8s_cluster`` (session)  the cluster: ``.kubeconfig``, ``.api`` (kubernetes ApiClient),
-                             ``.kubectl(...)``. Started once per session by ``e2e/cluster/up``,
-                             stopped at the end unless ``HETTRAIN_KEEP_CLUSTER=1``.
+                             ``.kubectl(...)``, ``.restart_apiserver()`` (local only). Started
+                             once per session by ``e2e/cluster/up``, stopped at the end unless
+                             ``HETTRAIN_KEEP_CLUSTER=1``.
   ``namespace``              a fresh namespace per test (default ServiceAccount present),
                              deleted afterwards.
   ``kwok_nodes``             factory: ``kwok_nodes(cluster_yaml)`` creates Ready fake nodes and
@@ -27,9 +28,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
+import socket
+import ssl
 import subprocess
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -68,6 +73,31 @@ class K8sCluster:
         if check and proc.returncode:
             raise RuntimeError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
         return proc.stdout
+
+    def api_ready(self) -> bool:
+        """Whether the apiserver answers ``/readyz`` with ok (admin client certificate)."""
+        if self.state_dir is None:
+            raise RuntimeError("api_ready needs the local cluster (state dir)")
+        pki = self.state_dir / "pki"
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        ctx.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+        try:
+            with urllib.request.urlopen(f"{self.env['HETTRAIN_API_URL']}/readyz", timeout=2,
+                                        context=ctx) as resp:
+                return resp.status == 200 and resp.read().strip() == b"ok"
+        except OSError:
+            return False
+
+    def restart_apiserver(self, timeout: float = 120.0) -> float:
+        """Crash the local kube-apiserver (SIGKILL) and start it again with the same command
+        line, port and certificates; etcd keeps every object. Returns the seconds until
+        ``/readyz`` answered ok again. Only for the local cluster (``e2e/cluster/up``)."""
+        if self.external or self.state_dir is None:
+            raise RuntimeError("restart_apiserver needs the local cluster, not HETTRAIN_KUBECONFIG")
+        t0 = time.monotonic()
+        restart_component(self.state_dir, "kube-apiserver")
+        wait_for(self.api_ready, timeout, 0.2, "kube-apiserver /readyz after its restart")
+        return time.monotonic() - t0
 
 
 def _truthy(name: str) -> bool:
@@ -176,6 +206,63 @@ def k8s_cluster() -> Iterator[K8sCluster]:
             )
             if tmp_parent:
                 shutil.rmtree(tmp_parent, ignore_errors=True)
+
+
+_restarted: dict[int, subprocess.Popen[bytes]] = {}  # components this process started
+
+
+def restart_component(state_dir: Path, name: str, sig: int = signal.SIGKILL,
+                      timeout: float = 30.0) -> int:
+    """Stop one component of the local control plane (``$STATE/pids/NAME``) with ``sig``
+    and start it again exactly as ``up`` did: the same argv and working directory (read
+    from /proc before the kill), its own session, output appended to ``logs/NAME.log``.
+    Updates the pid file (``down`` keeps working) and returns the new pid; waiting for the
+    component to be ready is the caller's business."""
+    pid_file = state_dir / "pids" / name
+    pid = int(pid_file.read_text().strip())
+    argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    cwd = os.readlink(f"/proc/{pid}/cwd")
+    os.kill(pid, sig)
+    own = _restarted.pop(pid, None)  # started by an earlier restart: our child, reap it
+    if own is not None:
+        own.wait(timeout)
+    deadline = time.monotonic() + timeout
+    # A multi-threaded process's leader shows Z while its other threads still exit and hold
+    # its sockets: wait until it is reaped (or a zombie alone), then until its port is free.
+    port = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--secure-port=")), None)
+    while not _exited(pid) or (port is not None and not _port_free(port)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} (pid {pid}) still alive {timeout:.0f}s after signal {sig}")
+        time.sleep(0.05)
+    with (state_dir / "logs" / f"{name}.log").open("ab") as log:
+        log.write(f"\n===== restarted at {time.strftime('%H:%M:%S')} =====\n".encode())
+        log.flush()
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    _restarted[proc.pid] = proc
+    pid_file.write_text(f"{proc.pid}\n")
+    return proc.pid
+
+
+def _exited(pid: int) -> bool:
+    """Whether every thread of process ``pid`` has exited (reaped, or a lone zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        threads = len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z" and threads <= 1
+
+
+def _port_free(port: int) -> bool:
+    """Whether 127.0.0.1:``port`` can be listened on again."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _dns_label(text: str, limit: int) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from e2e.cluster import kwoknodes
 from e2e.cluster.pytest_plugin import K8sCluster, exists, wait_for
 from e2e.support import wait_schedulable
@@ -79,6 +80,21 @@ def test_every_example_job_is_accepted_by_the_apiserver(k8s_cluster: K8sCluster,
                               str(ROOT / "examples" / "jobs"))
     jobs = sorted((ROOT / "examples" / "jobs").glob("*.yaml"))
     assert out.count("created (server dry run)") == len(jobs), out
+
+
+def test_a_job_without_spec_data_is_refused_by_the_apiserver(k8s_cluster: K8sCluster,
+                                                            chart_operator, namespace: str
+                                                            ) -> None:
+    """Synthetic tokens only when the spec says so: the CRD requires spec.data."""
+    doc = yaml.safe_load(EXAMPLE_JOB.read_text())
+    del doc["spec"]["data"]
+    with pytest.raises(RuntimeError, match=r"spec\.data: Required value"):
+        k8s_cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-",
+                            input=yaml.safe_dump(doc))
+    doc["spec"]["data"] = {"synthetic": True}
+    out = k8s_cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-",
+                              input=yaml.safe_dump(doc))
+    assert "created (server dry run)" in out
 
 
 def test_apply_example_fail_node_replace_repair_delete(k8s_cluster: K8sCluster, chart_operator,

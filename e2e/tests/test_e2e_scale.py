@@ -31,6 +31,7 @@ def _job(name: str, pools: list[str] | None) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "model": {"preset": "gpt3-1.3b"}, "training": {"globalBatch": 64, "steps": 100},
         "parallelism": {"dp": 4, "pp": 2, "tp": 8}, "checkpoint": {"uri": "/ckpt"},
+        "data": {"synthetic": True},
         "failurePolicy": {"maxRepairs": 3, "minGPUs": 8}}
     if pools:
         spec["placement"] = {"pools": pools}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from hettrain.api.spec import JobSpec, SpecError, parse_job_manifest
+from hettrain.api.spec import JobSpec, SpecError, parse_job_manifest, require_data
 from hettrain.api.yamlsafe import YamlInputError, read_yaml_documents
 
 EXIT_OK = 0
@@ -77,6 +77,7 @@ def _parse_job_doc(doc: Any) -> tuple[str, JobSpec]:
     from hettrain.data.tokenset import check_job_data
 
     name, spec = parse_job_manifest(doc)
+    require_data(spec)  # synthetic tokens only when spec.data.synthetic says so
     check_job_data(spec)  # a local token set must fit the model's vocab
     return name, spec
 

@@ -21,11 +21,21 @@ PHASE = Gauge("hettrain_job_phase", "1 for the job's current phase", ["namespace
 PLAN_FAILURES = Counter("hettrain_plan_failures_total", "Plans that failed",
                         ["namespace", "job", "reason"])
 RECONCILE_ERRORS = Counter("hettrain_reconcile_errors_total", "Errors in handlers", ["handler"])
+STAGE_PREDICTED = Gauge("hettrain_job_stage_predicted_seconds",
+                        "Predicted forward+backward seconds of one microbatch per stage",
+                        ["namespace", "job", "stage", "device"])
+STAGE_MEASURED = Gauge("hettrain_job_stage_measured_seconds",
+                       "Measured (runtime) forward+backward compute seconds of one microbatch "
+                       "per stage", ["namespace", "job", "stage", "device"])
+CALIBRATION_REPLANS = Counter("hettrain_calibration_replans_total",
+                              "Re-plans after calibration found a faster plan",
+                              ["namespace", "job"])
 RECONCILE_HANDLERS = ("reconcile", "gang-create")
 for _handler in RECONCILE_HANDLERS:  # exported at 0 from the start, so rate() works at once
     RECONCILE_ERRORS.labels(_handler)
 
 _phases: dict[tuple[str, str], str] = {}
+_stage_labels: dict[tuple[str, str], set[tuple[str, str]]] = {}
 
 
 def serve(port: int = 8080, addr: str = "0.0.0.0") -> None:
@@ -44,6 +54,7 @@ def set_phase(namespace: str, job: str, phase: str | None) -> None:
         for g in (TOKENS, MFU, WORLD):
             with contextlib.suppress(KeyError):
                 g.remove(namespace, job)
+        set_calibration(namespace, job, [])
     else:
         _phases[key] = phase
         for p in PHASES:
@@ -60,3 +71,21 @@ def set_plan(namespace: str, job: str, world: int, tokens: float, mfu: float,
     MFU.labels(namespace, job).set(mfu)
     if seconds is not None:
         PLAN_DURATION.observe(seconds)
+
+
+def set_calibration(namespace: str, job: str, rows: list) -> None:
+    """Record predicted vs measured seconds per stage (``planning.calibration.StageComparison``
+    rows); an empty list removes the job's series."""
+    key = (namespace, job)
+    fresh = {(str(r.stage), r.device) for r in rows}
+    for stage, device in _stage_labels.get(key, set()) - fresh:
+        for g in (STAGE_PREDICTED, STAGE_MEASURED):
+            with contextlib.suppress(KeyError):
+                g.remove(namespace, job, stage, device)
+    for r in rows:
+        STAGE_PREDICTED.labels(namespace, job, str(r.stage), r.device).set(r.predicted_s)
+        STAGE_MEASURED.labels(namespace, job, str(r.stage), r.device).set(r.measured_s)
+    if fresh:
+        _stage_labels[key] = fresh
+    else:
+        _stage_labels.pop(key, None)

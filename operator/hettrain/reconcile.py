@@ -14,9 +14,11 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+import yaml
+
 from hettrain.api import constants as c
 from hettrain.api import status as st
-from hettrain.api.spec import JobSpec, SpecError, parse_job_spec
+from hettrain.api.spec import JobSpec, SpecError, parse_job_spec, require_data
 from hettrain.manifests.builders import (
     JobRef,
     build_configmap,
@@ -28,8 +30,14 @@ from hettrain.manifests.builders import (
     pod_names,
 )
 from hettrain.manifests.ownership import owned_by
+from hettrain.manifests.profiling import (
+    build_profiling_configmap,
+    build_profiling_pods,
+    profiling_configmap_name,
+)
+from hettrain.planning import calibration as cal
 from hettrain.planning.catalog import DeviceSpec
-from hettrain.planning.errors import PlanningError
+from hettrain.planning.errors import PlanningError, PlanningInputError
 from hettrain.planning.inventory import (
     ClusterInventory,
     Link,
@@ -37,6 +45,8 @@ from hettrain.planning.inventory import (
 )
 from hettrain.planning.plan import Plan
 from hettrain.planning.planner import plan_job
+from hettrain.planning.profiles import LayerProfile, model_shape, profile_from_doc
+from hettrain.planning.units import filter_pools
 
 TERMINAL = (c.PHASE_SUCCEEDED, c.PHASE_FAILED)
 CAPACITY_RETRY_SECONDS = 15.0
@@ -71,6 +81,11 @@ class Decision:
     repair_cause: str | None = None
     plan_failure: str | None = None
     plan_budget_exceeded: bool = False  # planning ran out of its time/memory budget
+    # closed-loop calibration: predicted vs measured per stage (metrics), profiles to put in
+    # the namespace's profile store ({store key: DeviceProfile YAML}), a calibration re-plan
+    calibration: list[cal.StageComparison] = field(default_factory=list)
+    profiles_to_store: dict[str, str] = field(default_factory=dict)
+    calibration_replan: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +110,13 @@ class Observed:
     # priorityClassName values jobs may use (operator config); empty: none allowed
     priority_classes: tuple[str, ...] = ()
     scraper_namespace: str = "monitoring"  # may scrape the runtime metrics (NetworkPolicy)
+    operator_namespace: str = ""  # the operator's own (calibration scrapes); "" = not admitted
     # why spec.checkpoint's PVC / Secret cannot be used (names the field), or None
     storage_problem: str | None = None
+    # closed-loop calibration: the stage times the runtime measured (current attempt) and the
+    # profile store's profiles for this job's model shape and image ({device: profile})
+    stage_reports: Sequence[cal.StageMeasurement] = ()
+    profiles: Mapping[str, LayerProfile] = field(default_factory=dict)
 
     def inventory(self, node_selector: Mapping[str, str] | None = None) -> ClusterInventory:
         """The planner's inventory of the observed nodes with the topology config: only the
@@ -266,8 +286,9 @@ def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
                "or label the nodes")
         b.cond(c.COND_PLANNED, False, c.REASON_PLAN_FAILED, msg)
         return _fail(b, d, c.REASON_PLAN_FAILED, msg)
+    inv: ClusterInventory | None = None
     try:
-        inv = obs.inventory(selector)
+        inv = cal.with_profiles(obs.inventory(selector), obs.profiles, spec.model)
         if exclude:
             inv = inv.without_nodes([n for n in exclude if n in inv.node_names()])
         plan = planner(job.name, spec, inv, previous)
@@ -276,6 +297,11 @@ def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
         d.plan_failure = err.reason
         message = err.message + _held_note(obs.held)
         d.plan_budget_exceeded = getattr(err, "budget_exceeded", False)
+        short = (None if d.plan_budget_exceeded or inv is None
+                 else _pins_short_of_gpus(spec, inv))
+        if short is not None:  # the pinned layout needs more GPUs than are usable now
+            return _wait_for_capacity(b, d, c.REASON_INSUFFICIENT_CAPACITY,
+                                      short + _held_note(obs.held), repair)
         # a repair's job planned before: fewer usable nodes now is a capacity problem
         if not d.plan_budget_exceeded and (
                 repair is not None or err.reason == c.REASON_INSUFFICIENT_CAPACITY
@@ -295,11 +321,10 @@ def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
     d.plan = plan
     cm = configmap_name(job.name, attempt)
     d.create.append(build_service(job))
-    d.create.append(build_network_policy(job, obs.scraper_namespace))
+    d.create.append(build_network_policy(job, obs.scraper_namespace, obs.operator_namespace))
     d.create.append(build_configmap(job, plan, attempt))
     d.create.extend(build_pods(job, spec, plan, attempt, resume))
-    msg = (f"dp={plan.dp} pp={plan.pp} tp={[s.tp for s in plan.stages]} on "
-           f"{plan.world_size} GPUs in {','.join(plan.pools)}; predicted "
+    msg = (f"{_layout(plan)} on {plan.world_size} GPUs in {','.join(plan.pools)}; predicted "
            f"{plan.predicted.tokens_per_s:.0f} tokens/s")
     b.cond(c.COND_PLANNED, True, c.REASON_PLAN_FOUND, msg)
     b.cond(c.COND_PODS_READY, False, c.REASON_PODS_CREATED,
@@ -324,6 +349,33 @@ def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
     d.events.append(Event("Normal", c.REASON_PLAN_FOUND, msg))
     d.status = b.patch
     return d
+
+
+def _layout(plan: Plan) -> str:
+    """``dp= pp= tp=[..]`` of the plan, one part per replica group when it has groups."""
+    if not plan.groups:
+        return f"dp={plan.dp} pp={plan.pp} tp={[s.tp for s in plan.stages]}"
+    return "; ".join(f"group {g.index}: dp={g.dp} pp={g.pp} tp={[s.tp for s in g.stages]} "
+                     f"in {','.join(dict.fromkeys(p for s in g.stages for p in s.pools))}"
+                     for g in plan.groups)
+
+
+def _pins_short_of_gpus(spec: JobSpec, inv: ClusterInventory) -> str | None:
+    """Why the pins of spec.parallelism cannot be met by the GPUs usable now within
+    spec.placement (tp × pp × dp of them, the unpinned ones counted as 1), or None.
+
+    That is a capacity problem (nodes NotReady, deleted, held by other jobs or not joined
+    yet), not a bad spec: the job waits for capacity instead of failing for good."""
+    par = spec.parallelism
+    if not (par.tp or par.pp or par.dp):
+        return None
+    pp = 1 if spec.model.tie_embeddings else (par.pp or 1)  # the planner forces pp=1 then
+    need = (par.tp or 1) * pp * (par.dp or 1)
+    have = sum(p.gpus for p in filter_pools(inv, spec.placement))
+    if not 0 < have < need:  # nothing matching spec.placement at all: the planner's verdict
+        return None
+    return (f"spec.parallelism pins tp×pp×dp = {need} GPUs; {have} are usable within "
+            "spec.placement now; waiting for nodes to become ready, join or be freed")
 
 
 def _held_note(held: Mapping[str, str]) -> str:
@@ -381,6 +433,12 @@ def _unschedulable_since(pod: Mapping[str, Any]) -> float | None:
     return None
 
 
+def _unschedulable_due(pods: Sequence[Mapping[str, Any]], seconds: float) -> float | None:
+    """When the first Pending/Unschedulable pod of ``pods`` reaches the timeout, else None."""
+    since = [t for t in map(_unschedulable_since, pods) if t is not None]
+    return min(since) + seconds if since and seconds < float("inf") else None
+
+
 def _failures(pods: Sequence[Mapping[str, Any]], expected: set[str],
               nodes: Mapping[str, Mapping[str, Any]], launching: bool,
               now: float = 0.0, unschedulable_seconds: float = float("inf")
@@ -429,6 +487,7 @@ def reconcile(body: Mapping[str, Any], obs: Observed,
     obs = replace(obs, pods=[p for p in obs.pods if owned_by(p, job.uid)])
     try:
         spec = parse_job_spec(body.get("spec"))
+        require_data(spec)  # synthetic tokens only when spec.data.synthetic says so
         _check_priority_class(spec, obs.priority_classes)
     except SpecError as err:
         b.cond(c.COND_PLANNED, False, c.REASON_INVALID_SPEC, str(err))
@@ -455,11 +514,23 @@ def reconcile(body: Mapping[str, Any], obs: Observed,
             if phase == c.PHASE_SUSPENDED:
                 b.cond(c.COND_SUSPENDED, False, "Resumed")
         repair = None
+        exclude = list(old.get("failedNodes") or [])
         if old.get("failureCause") and attempt > 0 and phase != c.PHASE_SUSPENDED:
+            # a repair that waited for capacity, or one cut short (operator killed between
+            # its deletes and its status patch): leave its nodes out as _repair does
             repair = (str(old["failureCause"]), list(old.get("failureNodes") or []),
                       int(old.get("worldSize") or 0))
+            exclude = sorted(set(exclude) | set(repair[1]))
+            if repair[0] != CAUSE_UNSCHEDULABLE and exclude != sorted(
+                    old.get("failedNodes") or []):
+                b.patch["failedNodes"] = exclude  # (Unschedulable nodes are fine, just full)
+        if attempt == 0 and spec.calibration.profile:  # profiling pods before the first plan
+            waiting, measured = _profile_pools(job, body, spec, b, d, obs, current)
+            if waiting is not None:
+                return waiting
+            obs = replace(obs, profiles={**obs.profiles, **measured})
         return _launch(job, spec, b, d, obs, planner, obs.plan, attempt + 1, attempt > 0,
-                       old.get("failedNodes") or [], repair)
+                       exclude, repair)
 
     plan = obs.plan
     nodes = {str(n["metadata"]["name"]): n for n in obs.nodes}
@@ -468,7 +539,14 @@ def reconcile(body: Mapping[str, Any], obs: Observed,
     cause, bad = _failures(current, expected, nodes, launching, obs.now,
                            obs.unschedulable_seconds)
     if cause is None:
-        return _progress(job, spec, b, d, obs, plan, attempt, current, expected, launching)
+        d = _progress(job, spec, b, d, obs, plan, attempt, current, expected, launching,
+                      planner)
+        due = _unschedulable_due(current, obs.unschedulable_seconds)
+        if due is not None and d.status.get("phase") not in TERMINAL:
+            # wake up when the timeout runs out, not at the next resync
+            wait = max(0.5, due - obs.now + 0.1)
+            d.retry_after = wait if d.retry_after is None else min(d.retry_after, wait)
+        return d
     return _repair(job, spec, b, d, obs, planner, plan, attempt, current, cause, bad)
 
 
@@ -489,7 +567,7 @@ def _names(pods: Iterable[Mapping[str, Any]]) -> list[str]:
 
 def _progress(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed, plan: Plan,
               attempt: int, current: Sequence[Mapping[str, Any]], expected: set[str],
-              launching: bool) -> Decision:
+              launching: bool, planner: Planner = default_planner) -> Decision:
     _note_no_checkpoint(b, d, current, attempt)
     if (missing_secret := secret_error(current, spec)) is not None:  # pods can never start
         return _storage_unavailable(b, d, missing_secret, _names(current))
@@ -497,7 +575,7 @@ def _progress(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observe
     missing = expected - seen
     if missing and launching:  # operator restarted mid-launch: create the rest of the gang
         d.create.append(build_service(job))
-        d.create.append(build_network_policy(job, obs.scraper_namespace))
+        d.create.append(build_network_policy(job, obs.scraper_namespace, obs.operator_namespace))
         d.create.append(build_configmap(job, plan, attempt))
         d.create.extend(p for p in build_pods(job, spec, plan, attempt, attempt > 1)
                         if p["metadata"]["name"] in missing)
@@ -518,6 +596,8 @@ def _progress(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observe
         b.cond(c.COND_RUNNING, True, c.REASON_ALL_PODS_READY)
         b.cond(c.COND_REPAIRING, False, c.REASON_ALL_PODS_READY)
         d.status = b.patch
+    if running and spec.calibration.enabled:
+        return _calibrate(job, spec, b, d, obs, planner, plan, attempt, current)
     return d
 
 
@@ -653,3 +733,166 @@ def _note_no_checkpoint(b: _Builder, d: Decision, pods: Sequence[Mapping[str, An
     d.events.append(Event("Warning", c.REASON_NO_CHECKPOINT,
                           f"attempt {attempt}: {msg[:500]}"))
     d.status = b.patch
+
+
+# ---------------------------------------------------------------- closed-loop calibration
+
+
+def _calibrate(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
+               planner: Planner, plan: Plan, attempt: int,
+               current: Sequence[Mapping[str, Any]]) -> Decision:
+    """Compare the measured stage times with the plan (once per attempt, when every stage
+    has ``spec.calibration.minSteps`` measured steps), refine the device profiles, and decide
+    (:mod:`hettrain.planning.calibration`); a re-plan that pays off waits for the next
+    checkpoint, then relaunches the job from it on the corrected model."""
+    cfg = spec.calibration
+    measured = cal.usable(obs.stage_reports, plan, cfg.min_steps)
+    if not measured:
+        return d
+    d.calibration = cal.compare(plan, measured)
+    old = dict(b.old.get("calibration") or {})
+    replans = int(old.get("replans") or 0)
+    if old.get("attempt") != attempt:
+        return _calibration_verdict(job, spec, b, d, obs, planner, plan, attempt, measured,
+                                    replans)
+    ckpt = min(m.checkpoint_step for m in measured.values())
+    if not old.get("pendingReplan") or ckpt < int(old.get("pendingSinceStep") or 0):
+        return d
+    # the next checkpoint is written: relaunch from it on the refined profiles
+    refined = {str(p["device"]): _profile_from_status(p, spec) for p in old.get("refined") or []}
+    d.delete.extend(("Pod", n) for n in _names(current))
+    d.delete.append(("ConfigMap", configmap_name(job.name, attempt)))
+    b.patch["calibration"] = {**old, "pendingReplan": False, "replans": replans + 1}
+    d.calibration_replan = True
+    d.events.append(Event("Normal", c.REASON_CALIBRATION_REPLAN,
+                          f"re-planning from the checkpoint at step {ckpt}: the corrected "
+                          f"model predicts {old.get('currentStepSeconds')} s per step for the "
+                          f"current plan, {old.get('bestStepSeconds')} s for the new one"))
+    return _launch(job, spec, b, d, replace(obs, profiles={**obs.profiles, **refined}), planner,
+                   plan, attempt + 1, True, b.old.get("failedNodes") or [])
+
+
+def _calibration_verdict(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
+                         planner: Planner, plan: Plan, attempt: int,
+                         measured: Mapping[int, cal.StageMeasurement], replans: int
+                         ) -> Decision:
+    """The attempt's first usable measurements: status rows, refined profiles (stored), the
+    verdict, and an Event saying what was measured and what follows."""
+    cfg = spec.calibration
+    inv = cal.with_profiles(obs.inventory(dict(spec.placement.node_selector)), obs.profiles,
+                            spec.model)
+    failed = [n for n in b.old.get("failedNodes") or [] if n in inv.node_names()]
+    if failed:
+        inv = inv.without_nodes(failed)
+    refined = cal.refine_profiles(spec, plan, measured, cal.devices_of(inv))
+    verdict = cal.evaluate(spec, plan, cal.with_profiles(inv, refined, spec.model),
+                           lambda s, i, p: planner(job.name, s, i, p), cfg.replan_threshold)
+    software = {"image": spec.image}
+    d.profiles_to_store = {
+        cal.store_key(dev, p.shape, spec.image): yaml_dump(cal.profile_to_doc(p, spec.model,
+                                                                               software))
+        for dev, p in refined.items()}
+    step = max(m.step for m in measured.values())
+    rows = ", ".join(f"stage {r.stage} ({r.device}) {r.measured_s * 1e3:.3g} ms measured vs "
+                     f"{r.predicted_s * 1e3:.3g} ms predicted" for r in d.calibration)
+    status: dict[str, Any] = {
+        "attempt": attempt, "step": step, "stages": [r.to_status() for r in d.calibration],
+        "currentStepSeconds": round(verdict.current_s, 6),
+        "bestStepSeconds": round(verdict.best_s, 6), "replans": replans,
+        "pendingReplan": False, "pendingSinceStep": None,
+        "profiles": sorted(d.profiles_to_store),
+        "refined": [{"device": dev, "alphaS": p.alpha, "betaS": p.beta,
+                     "forwardShare": p.forward_share} for dev, p in sorted(refined.items())]}
+    old = b.old.get("calibration") or {}
+    if old.get("profiling"):
+        status["profiling"] = old["profiling"]
+    why = ""
+    if verdict.replan and replans >= cfg.max_replans:
+        why = f"; not re-planning: spec.calibration.maxReplans ({cfg.max_replans}) reached"
+    elif verdict.replan and not (spec.checkpoint.uri or spec.checkpoint.pvc):
+        why = "; not re-planning: the job has no spec.checkpoint to resume from"
+    elif verdict.replan:
+        status.update(pendingReplan=True, pendingSinceStep=step)
+        why = f"; re-planning at the next checkpoint (after step {step})"
+    else:
+        why = "; the current plan is kept"
+    b.patch["calibration"] = status
+    d.status = b.patch
+    d.events.append(Event("Normal", c.REASON_CALIBRATED, f"{rows}. {verdict.message()}{why}"))
+    return d
+
+
+def _profile_from_status(entry: Mapping[str, Any], spec: JobSpec) -> LayerProfile:
+    """A refined profile recorded in ``status.calibration.refined``."""
+    return LayerProfile(str(entry["device"]), model_shape(spec.model), float(entry["alphaS"]),
+                        float(entry["betaS"]), float(entry["forwardShare"]),
+                        source="calibration")
+
+
+def yaml_dump(doc: Mapping[str, Any]) -> str:
+    """A profile document as the YAML text the store keeps."""
+    return yaml.safe_dump(dict(doc), sort_keys=False)
+
+
+PROFILING_RETRY_SECONDS = 10.0
+
+
+def _profile_pools(job: JobRef, body: Mapping[str, Any], spec: JobSpec, b: _Builder,
+                   d: Decision, obs: Observed, pods: Sequence[Mapping[str, Any]]
+                   ) -> tuple[Decision | None, dict[str, LayerProfile]]:
+    """``spec.calibration.profile``: one profiling pod per device of the job's pools that
+    the profile store lacks (``manifests/profiling.py``), then their profiles (read from the
+    pods' termination messages, stored) for the first plan. Returns (a decision to wait
+    with, None once done) and the profiles measured."""
+    state = dict((b.old.get("calibration") or {}).get("profiling") or {})
+    if state.get("state") == "Done":
+        return None, {}
+    if not state:
+        targets: dict[str, tuple[str, str, str, str]] = {}
+        inv = obs.inventory(dict(spec.placement.node_selector))
+        for pool in filter_pools(inv, spec.placement):
+            if pool.device.name not in obs.profiles and pool.nodes:
+                targets.setdefault(pool.device.name, (pool.name, pool.device.name,
+                                                      pool.vendor, pool.nodes[0]))
+        if not targets:
+            b.patch["calibration"] = {"profiling": {"state": "Done", "pools": []}}
+            return None, {}
+        chosen = sorted(targets.values())
+        d.create.append(build_profiling_configmap(job, dict(body.get("spec") or {})))
+        d.create.extend(build_profiling_pods(job, spec, chosen))
+        b.phase(c.PHASE_PENDING)
+        msg = (f"profiling {', '.join(t[1] for t in chosen)} on pools "
+               f"{', '.join(t[0] for t in chosen)} before the first plan")
+        b.cond(c.COND_PLANNED, False, c.REASON_PROFILING, msg)
+        b.patch["calibration"] = {"profiling": {"state": "Running",
+                                                "pools": [t[0] for t in chosen]}}
+        d.events.append(Event("Normal", c.REASON_PROFILING, msg))
+        d.status = b.patch
+        d.retry_after = PROFILING_RETRY_SECONDS
+        return d, {}
+    if any(_pod_phase(p) not in ("Succeeded", "Failed") for p in pods):
+        d.retry_after = PROFILING_RETRY_SECONDS
+        return d, {}
+    measured: dict[str, LayerProfile] = {}
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        text = "\n".join(termination_messages([pod]))
+        try:
+            prof = profile_from_doc(yaml.safe_load(text) if text else None, f"pod {name}")
+            if not prof.matches(spec.model):
+                raise PlanningInputError(f"pod {name}", "profiled another model shape")
+        except (yaml.YAMLError, PlanningInputError) as err:
+            d.events.append(Event("Warning", c.REASON_PROFILING,
+                                  f"profiling pod {name} gave no profile ({err}); its device "
+                                  "is planned on the catalog model"))
+            continue
+        measured[prof.device] = prof
+        d.profiles_to_store[cal.store_key(prof.device, prof.shape, spec.image)] = text
+    d.delete.extend(("Pod", p["metadata"]["name"]) for p in pods)
+    d.delete.append(("ConfigMap", profiling_configmap_name(job.name)))
+    b.patch["calibration"] = {"profiling": {**state, "state": "Done"}}
+    if measured:
+        d.events.append(Event("Normal", c.REASON_PROFILING,
+                              f"profiled {', '.join(sorted(measured))}; planning with the "
+                              "measured layer times"))
+    return None, measured

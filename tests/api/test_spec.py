@@ -127,3 +127,16 @@ def test_manifest_checks_kind_and_name() -> None:
         parse_job_manifest({**doc, "kind": "Job"})
     with pytest.raises(SpecError, match=r"metadata\.name"):
         parse_job_manifest({**doc, "metadata": {}})
+
+
+def test_overlap_grad_reduce_defaults_on_and_names_its_field() -> None:
+    base = {"model": {"preset": "gpt-tiny"}, "training": {"globalBatch": 8, "steps": 1},
+            "data": {"synthetic": True}}
+    assert parse_job_spec(base).training.overlap_grad_reduce is True
+    off = copy.deepcopy(base)
+    off["training"]["overlapGradReduce"] = False
+    assert parse_job_spec(off).training.overlap_grad_reduce is False
+    off["training"]["overlapGradReduce"] = "no"
+    with pytest.raises(SpecError) as err:
+        parse_job_spec(off)
+    assert err.value.field == "spec.training.overlapGradReduce"

@@ -251,3 +251,18 @@ def test_finalizer_policy_reaches_the_operator_and_refuses_peering(helm: Path) -
     assert out.returncode != 0 and "finalizerPolicy=none" in out.stderr
     bad = helm_template(helm, "--set", "operator.finalizerPolicy=sometimes")
     assert bad.returncode != 0 and "finalizerPolicy" in bad.stderr
+
+
+def test_operator_namespace_is_admitted_to_the_metrics_ports_by_default(helm: Path) -> None:
+    def operator_env(*args: str) -> dict[str, dict]:
+        objs = render(helm, *args)
+        return {e["name"]: e for e in by_kind(objs, "Deployment")[0]["spec"]["template"][
+            "spec"]["containers"][0]["env"]}
+
+    env = operator_env()
+    # the downward API gives the operator its own namespace; each job's NetworkPolicy then
+    # admits it to the training pods' metrics ports (calibration reads them)
+    assert env["HETTRAIN_OPERATOR_NAMESPACE"]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert "HETTRAIN_OPERATOR_NAMESPACE" not in operator_env(
+        "--set", "networkPolicy.admitOperatorNamespace=false")

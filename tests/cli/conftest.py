@@ -56,7 +56,7 @@ def build_plan(pp: int = 3, dp: int = 2, microbatches: int = 4, schedule: str = 
         predicted=Prediction(step_time_s=1.25, tokens_per_s=52428.8, mfu=0.41, compute_s=0.9,
                              bubble_s=0.2, tp_comm_s=0.05, pp_comm_s=0.04, dp_comm_s=0.06,
                              cross_dc_bytes_per_step=3.5 * 2**30),
-        cross_dc={"mode": "sync"},
+        cross_dc={"mode": "sync"}, data={"synthetic": True},
         notes=("stage 1 on MI300X gets more layers: 192 GiB HBM",
                "rejected pp=2: stage memory 91 GiB > 80 GiB on H100-SXM"),
     )

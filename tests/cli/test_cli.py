@@ -38,7 +38,7 @@ def expected_plan(job: Path = JOB, cluster: Path = CLUSTER) -> Plan:
 
 
 def write_job(tmp_path: Path, training: str = "{globalBatch: 8, steps: 10}",
-              extra: str = "", name: str = "job.yaml") -> Path:
+              extra: str = "", name: str = "job.yaml", data: str = "{synthetic: true}") -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(f"""\
         apiVersion: hettrain.dev/v1alpha1
@@ -47,7 +47,7 @@ def write_job(tmp_path: Path, training: str = "{globalBatch: 8, steps: 10}",
         spec:
           model: {{preset: gpt-tiny}}
           training: {training}
-        """) + extra)
+        """) + (f"  data: {data}\n" if data else "") + extra)
     return path
 
 
@@ -110,9 +110,12 @@ def test_plan_out_and_picture_files(tmp_path: Path, capsys: pytest.CaptureFixtur
         (lambda t: ["plan", write_job(t, extra="---\nkind: Other\n"), "--cluster", CLUSTER],
          "holds 2 YAML documents"),
         (lambda t: ["plan", JOB, "--cluster", JOB], "kind"),
+        (lambda t: ["plan", write_job(t, data=""), "--cluster", CLUSTER],
+         "spec.data: is required: name the training tokens with uri"),
+        (lambda t: ["validate", write_job(t, data="")], "synthetic: true for generated tokens"),
     ],
     ids=["missing-job", "missing-cluster", "bad-yaml", "bad-field", "typo-field", "no-plan",
-         "two-docs", "job-as-cluster"],
+         "two-docs", "job-as-cluster", "no-data", "validate-no-data"],
 )
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path: Path, make_args, message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,6 +23,7 @@ metadata: {name: tiny}
 spec:
   model: {preset: gpt-tiny}
   training: {globalBatch: 8, steps: 10}
+  data: {synthetic: true}
 """
 GOOD_CLUSTER = """\
 apiVersion: hettrain.dev/v1alpha1

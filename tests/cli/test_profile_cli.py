@@ -14,6 +14,7 @@ metadata: {name: p}
 spec:
   model: {preset: gpt-tiny}
   training: {globalBatch: 8, steps: 1, precision: fp32, recompute: none}
+  data: {synthetic: true}
 """
 CLUSTER = "examples/clusters/local-cpu.yaml"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import struct
 import xml.etree.ElementTree as ET
@@ -135,3 +136,52 @@ def test_interleaved_stages_show_the_chunks_they_hold(make_plan: Callable[..., P
     assert all(", ".join(h) in out.getvalue() for h in held)
     plain = make_plan(pp=3, dp=1, microbatches=4)
     assert stage_layers(plain) == [f"{s.layer_start}–{s.layer_end - 1}" for s in plain.stages]
+
+
+def test_layout_and_stage_rows_name_the_cp_degree(make_plan: Callable[..., Plan]) -> None:
+    plan = make_plan(pp=2, dp=1, microbatches=2)
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, cp=4)
+                                                  for s in plan.stages))
+    assert layout_summary(plan).endswith(" (cp 4)")
+    buf = io.StringIO()
+    print_plan(plan, file=buf)
+    assert " cp4 " in buf.getvalue()
+
+
+def test_replica_groups_show_in_the_table_and_the_picture(tmp_path: Path) -> None:
+    from tests.operator.optest_helpers import hetero_nodes, job_body, make_node
+
+    from hettrain.api.spec import parse_job_spec
+    from hettrain.planning.inventory import inventory_from_nodes
+    from hettrain.planning.planner import plan_job
+
+    body = job_body()["spec"]
+    body["parallelism"] = {"tp": 1, "pp": 2, "dp": 8, "replicaGroups": True}
+    amd = [make_node(f"mi300-{i:03d}", "mi300", "MI300X", "amd", 8, "dc-a") for i in range(2)]
+    plan = plan_job("job1", parse_job_spec(body), inventory_from_nodes(hetero_nodes(2, 0) + amd))
+    assert len(plan.groups) == 2
+    g0, g1 = plan.groups
+    summary = layout_summary(plan)
+    assert summary == f"8×2×1 + {g1.dp}×{g1.pp}×1 (2 replica groups)", summary
+    buf = io.StringIO()
+    print_plan(plan, file=buf, width=200)
+    text = buf.getvalue()
+    assert summary in text
+    assert (f"{plan.micro_batch} seq × {g0.num_microbatches} (group 0) / "
+            f"{g1.num_microbatches} (group 1) per replica (global batch {plan.global_batch})"
+            ) in text
+    for g in plan.groups:  # one row per (group, stage), with the group's own DP degree
+        for s in g.stages:
+            row = next(line for line in text.splitlines()
+                       if line.startswith(f"│     {g.index} │     {s.index} │"))
+            assert s.device in row and row.rstrip("│ ").split("│")[-3].strip() == str(g.dp), row
+    out = tmp_path / "groups.svg"
+    render_plan_figure(plan, out)
+    ids = svg_ids(out)
+    assert sorted(i for i in ids if i.startswith("gpu-r")) == sorted(
+        f"gpu-r{r.rank}" for r in plan.ranks)  # group 1's GPUs are drawn too
+    picture = out.read_text()
+    assert "group 1 stage 0" in picture and "group 0 stage 1" in picture
+    # the step-time parts are the critical group's: none exceeds the step
+    p = plan.predicted
+    assert p.compute_s + p.bubble_s <= p.step_time_s + 1e-9, p

@@ -3,7 +3,8 @@
 Each test proves one component does its real job: the apiserver validates CRs against a CRD
 schema, kube-scheduler binds a pod to a kwok node by affinity and kwok runs it, the
 controller-manager's garbage collector follows ownerReferences, its node lifecycle controller
-taints failed nodes, and kwok keeps up with a thousand nodes.
+taints failed nodes, kwok keeps up with a thousand nodes, and a crashed kube-apiserver comes
+back with every object (etcd keeps the state).
 """
 
 from __future__ import annotations
@@ -225,6 +226,25 @@ def test_owner_reference_garbage_collection(k8s_cluster: K8sCluster, namespace: 
 
 def _taints(api: k8s.ApiClient, name: str) -> set[tuple[str, str]]:
     return {(t["key"], t["effect"]) for t in kwoknodes.node_taints(api, name)}
+
+
+def test_apiserver_restart_keeps_every_object(k8s_cluster: K8sCluster, namespace: str) -> None:
+    """restart_apiserver crashes the kube-apiserver (SIGKILL) and starts it again on the same
+    port: it is a new process, objects written before are served from etcd again, and
+    writes work at once."""
+    if k8s_cluster.external or k8s_cluster.state_dir is None:
+        pytest.skip("restarts a component of the local cluster")
+    core = k8s.CoreV1Api(k8s_cluster.api)
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "kept"},
+                                                  "data": {"k": "v"}})
+    pid_file = k8s_cluster.state_dir / "pids" / "kube-apiserver"
+    before = pid_file.read_text().strip()
+    took = k8s_cluster.restart_apiserver()
+    assert pid_file.read_text().strip() != before and 0 < took < 120
+    assert k8s_cluster.api_ready()
+    assert core.read_namespaced_config_map("kept", namespace).data == {"k": "v"}
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "after"}})
+    assert exists(core.read_namespaced_config_map, "after", namespace)
 
 
 def test_failed_nodes_get_lifecycle_taints(k8s_cluster: K8sCluster, kwok_nodes: Any) -> None:

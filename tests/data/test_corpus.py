@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 
-from conftest import CORPUS, TOKENIZER
+from tests.data.conftest import CORPUS, TOKENIZER
 
 
 def test_the_tokenizer_is_retrained_byte_for_byte_from_the_corpus(tmp_path):

@@ -12,9 +12,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tests.data.conftest import CORPUS, TOKENIZER
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from conftest import CORPUS, TOKENIZER
 from hettrain.cli import main
 from hettrain.data import tokenset as ts
 from hettrain.data.prepare import PrepareOptions, is_validation, prepare, text_documents

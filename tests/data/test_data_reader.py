@@ -11,8 +11,8 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+from tests.data.conftest import CORPUS, TOKENIZER
 
-from conftest import CORPUS, TOKENIZER
 from hettrain.data import tokenset as ts
 from hettrain.data.prepare import PrepareOptions, prepare
 from hettrain.data.tokenset import TokenSetError
@@ -162,7 +162,8 @@ def test_an_object_store_uri_is_downloaded_verified_and_reads_the_same(opticks_s
 def test_synthetic_only_when_the_plan_says_so(opticks_set):
     assert isinstance(open_data({"synthetic": True}, seed=1, seq_len=SEQ, vocab=256),
                       SyntheticData)
-    assert isinstance(open_data({}, seed=1, seq_len=SEQ, vocab=256), SyntheticData)  # old plans
+    with pytest.raises(ValueError, match="names no data"):  # no data section: refused
+        open_data({}, seed=1, seq_len=SEQ, vocab=256)
     assert isinstance(open_data({"uri": str(opticks_set)}, seed=1, seq_len=SEQ, vocab=VOCAB),
                       TokenDataset)
 

@@ -3,18 +3,23 @@ local token set whose tokenizer outgrows the model's vocab is refused by ``hettr
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
-from hettrain.api.spec import DataSpec, SpecError, parse_job_spec
+from hettrain.api.spec import DataSpec, SpecError, parse_job_spec, require_data
 from hettrain.cli import main
 from hettrain.manifests.builders import JobRef, build_pods
 from hettrain.planning.inventory import load_cluster
 from hettrain.planning.plan import Plan
 from hettrain.planning.planner import plan_job
+from hettrain.planning.support import unsupported
+from hettrain.runtime.dataset import open_data
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "jobs" / "opticks-tiny-local.yaml"
@@ -37,9 +42,44 @@ def test_data_forms_and_what_the_plan_carries(data, want):
     assert _spec(data).data.to_plan() == want
 
 
-def test_no_data_section_means_an_empty_plan_section():
-    assert parse_job_spec(BASE).data == DataSpec()
-    assert DataSpec().to_plan() == {}
+def test_synthetic_data_only_when_the_spec_says_so():
+    """A spec without data still parses (pure planning: the simulator, the benchmarks), but
+    whatever trains refuses it naming spec.data / plan.data: ``require_data`` (operator,
+    ``hettrain validate``/``plan``), the CRD, ``planning.support`` (runtime start-up) and the
+    runtime's data reader."""
+    spec = parse_job_spec(BASE)
+    assert spec.data == DataSpec() and DataSpec().to_plan() == {}
+    with pytest.raises(SpecError) as err:
+        require_data(spec)
+    assert err.value.field == "spec.data" and "synthetic: true" in err.value.message
+    for data in ({"synthetic": True}, {"uri": "/sets/x"}, {"pvc": "corpora", "path": "x"}):
+        require_data(_spec(data))  # named: accepted
+    cluster = load_cluster(str(CLUSTER))
+    plan = plan_job("j", spec, cluster)
+    assert plan.data == {}
+    refused = unsupported(plan)
+    assert len(refused) == 1 and refused[0].startswith("plan.data is empty")
+    assert "spec.data.synthetic: true" in refused[0]
+    assert unsupported(plan_job("j", _spec({"synthetic": True}), cluster)) == []
+    with pytest.raises(ValueError, match=r"plan.data=\{\} names no data"):
+        open_data({}, seed=1, seq_len=8, vocab=256)
+    for crd in (REPO / "crds", REPO / "charts" / "hettrain-operator" / "crds"):
+        doc = yaml.safe_load((crd / "hettrainingjobs.hettrain.dev.yaml").read_text())
+        schema = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        assert "data" in schema["properties"]["spec"]["required"]
+
+
+def test_the_runtime_exits_2_on_a_plan_without_data(tmp_path):
+    plan = plan_job("j", parse_job_spec(BASE), load_cluster(str(CLUSTER)))
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'operator'}{os.pathsep}"
+           f"{os.environ.get('PYTHONPATH', '')}", "HETTRAIN_PLAN_PATH": str(tmp_path / "plan.json"),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "WORLD_SIZE": str(plan.world_size),
+           "HETTRAIN_RANK_START": "0", "LOCAL_WORLD_SIZE": "1", "RANK": "0"}
+    proc = subprocess.run([sys.executable, "-m", "hettrain.runtime"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: plan.data is empty") and proc.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize("data, field, words", [

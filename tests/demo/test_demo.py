@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -79,12 +80,15 @@ def test_demo_trains_fails_a_node_repairs_and_resumes(tmp_path: Path) -> None:
         _reap(proc, token)
     assert proc.returncode == 0, out[-6000:]
     for i, title in enumerate(["local control plane up", "CRD + kwok GPU nodes",
-                               "operator running", "apply examples/demo/job.yaml",
-                               "the plan", "train the planned ranks", "inject a node failure",
+                               "operator running", "storage: token set, local S3 server",
+                               "apply examples/demo/job.yaml", "the plan",
+                               "train the planned ranks", "inject a node failure",
                                "resume from the checkpoint", "metrics"], start=1):
-        assert f"[{i}/9] {title}" in out, title
-    assert out.count(": ok ") == 9, out[-6000:]
+        assert f"[{i}/10] {title}" in out, title
+    assert out.count(": ok ") == 10, out[-6000:]
     assert "phase Repairing" in out and "loss fell before and after the repair" in out
+    # the model is the small Llama, trained on the shipped corpus's token set
+    assert "llama-opticks" in out and "/opticks-" in out
 
     summary = json.loads((tmp_path / "summary.json").read_text())
     first = {int(k): v for k, v in summary["losses"]["attempt1"].items()}
@@ -92,6 +96,13 @@ def test_demo_trains_fails_a_node_repairs_and_resumes(tmp_path: Path) -> None:
     # attempt 1 ran steps 0..>=9; the failure came after 10 steps; checkpoints every 4 steps
     assert min(first) == 0 and max(first) >= 9
     assert summary["resumed_at_step"] in (4, 8) and max(second) == 15
+    # checkpoints went to the S3 server: committed there before the resume (the one resumed
+    # from among them), and retention kept the last 3 at the end
+    committed = summary["committed_before_resume"]
+    assert summary["resumed_at_step"] == max(committed) and set(committed) <= {4, 8}
+    assert summary["committed_at_end"] == [8, 12, 16]
+    assert f"rank 0: resumed from checkpoint step {summary['resumed_at_step']}" in out
+    assert "s3://hettrain-demo/checkpoints/hettrain-demo/llama-opticks-demo" in out
     # losses fall before the failure and keep falling after the repair
     assert first[max(first)] < first[0]
     assert second[15] < first[0] and second[15] < second[min(second)]
@@ -102,6 +113,13 @@ def test_demo_trains_fails_a_node_repairs_and_resumes(tmp_path: Path) -> None:
     old, new = summary["plans"]
     assert summary["failed_node"] in old["nodes"] and summary["failed_node"] not in new["nodes"]
     assert old["fingerprint"] != new["fingerprint"]
+    # ... on a new parallel shape: the surviving pools yield dp=1 (pp=2 pinned), so the resume
+    # resharded the dp=2 checkpoint (the replayed losses above match the dp=2 run)
+    assert (old["dp"], old["pp"], old["layout"]) == (2, 2, "dp2×pp2")
+    assert (new["dp"], new["pp"], new["layout"]) == (1, 2, "dp1×pp2")
+    assert new["world_size"] == 2
+    assert "layout dp2×pp2 → dp1×pp2" in out
+    assert "on the new layout (dp2×pp2 → dp1×pp2)" in out
     assert any(ln.startswith("hettrain_repairs_total{") and 'cause="NodeLost"' in ln
                and ln.endswith(" 1.0") for ln in summary["operator_metrics"])
     assert any(ln.startswith("hettrain_runtime_step{") and ln.endswith(" 16.0")
@@ -110,6 +128,15 @@ def test_demo_trains_fails_a_node_repairs_and_resumes(tmp_path: Path) -> None:
     assert (tmp_path / "plan-attempt-2.png").stat().st_size > 10_000
     assert not (tmp_path / "cluster").exists()  # e2e/cluster/down removed the state dir
     assert marked_pids(token) == {}
+    # the S3 credentials reached the ranks only through the Secret: no file of the run (logs,
+    # summary, plan files) and not the demo's output holds an access key
+    assert not _ACCESS_KEY.search(out)
+    for f in tmp_path.rglob("*"):
+        if f.is_file():
+            assert not _ACCESS_KEY.search(f.read_text(errors="replace")), f
+
+
+_ACCESS_KEY = re.compile(r"AKIA[A-Z0-9]{16}")  # the form of the keys moto (and AWS) issue
 
 
 def test_sigint_mid_training_stops_every_child(tmp_path: Path) -> None:
@@ -126,9 +153,9 @@ def test_sigint_mid_training_stops_every_child(tmp_path: Path) -> None:
             lines.extend(reader.take(timeout=0.5))
         running = marked_pids(token)
         names = " ".join(running.values())
-        # the cluster's five components, the operator and the four ranks are all alive
+        # the cluster's five components, the operator, the S3 server and the four ranks
         for exe in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
-                    "kwok", "kopf run", "hettrain.runtime"):
+                    "kwok", "kopf run", "moto.server", "hettrain.runtime"):
             assert exe in names, names
         assert sum("hettrain.runtime" in cmd for cmd in running.values()) == 4
         t0 = time.monotonic()

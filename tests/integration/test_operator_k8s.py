@@ -168,7 +168,7 @@ def _job(name: str, prefix: str, **spec: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": {"preset": "gpt3-1.3b"}, "training": {"globalBatch": 64, "steps": 10},
         "placement": {"pools": [f"{prefix}-h100", f"{prefix}-mi300"]},
-        "checkpoint": {"uri": "/ckpt"},
+        "data": {"synthetic": True}, "checkpoint": {"uri": "/ckpt"},
         "failurePolicy": {"maxRepairs": 3, "minGPUs": 8, "debounceSeconds": 0.5}}
     body.update(spec)
     return {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": name},

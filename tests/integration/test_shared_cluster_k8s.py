@@ -1,6 +1,7 @@
 """The operator on a shared cluster, against the real control plane: squatters and foreign
 objects, other workloads' GPUs, restricted namespaces and 253-character names, refused spec
-fields, the planning budget, and restart mid-launch without double booking.
+fields, the planning budget, restart mid-launch without double booking, and a gang pod the
+real scheduler cannot place (Unschedulable) re-planned without its node.
 
 Run one at a time: ``pytest tests/integration/test_shared_cluster_k8s.py -m k8s -q``.
 """
@@ -17,10 +18,12 @@ from e2e.cluster import kwoknodes
 from e2e.cluster.pytest_plugin import K8sCluster
 from kubernetes import client as k8s
 from opproc import CRD, OperatorProcess, http_get
-from test_operator_k8s import Ctx, _job, _prefix
+from test_operator_k8s import Ctx, _affinity_node, _job, _metrics, _prefix, _sample
 
 from hettrain.api import constants as c
+from hettrain.kube import apply as kube
 from hettrain.manifests.builders import configmap_name, job_label, network_policy_name
+from hettrain.reconcile import CAUSE_UNSCHEDULABLE
 
 pytestmark = pytest.mark.k8s
 
@@ -250,3 +253,81 @@ def test_restart_mid_launch_keeps_the_nodes_booked(ctx: Ctx) -> None:
     assert f"{ctx.ns}/a" in _cond(st_b, c.COND_PLANNED)["message"]
     time.sleep(2)
     assert _pods_of(ctx, "b") == []
+
+
+# ---------------------------------------------------------------- Unschedulable gang pods
+
+
+def _scheduled_condition(pod: Any) -> Any:
+    return next((x for x in pod.status.conditions or () if x.type == "PodScheduled"), None)
+
+
+def test_a_gang_pod_the_scheduler_cannot_place_is_replanned_without_its_node(ctx: Ctx) -> None:
+    """Node B has 8 free GPUs (what the planner sees) but no free pod slot (allocatable
+    pods 1, taken by another workload's pod), so the real kube-scheduler leaves the gang pod
+    pinned there Pending with PodScheduled=False/Unschedulable. Past
+    HETTRAIN_UNSCHEDULABLE_SECONDS (4 s) the gang is re-planned without B. No other node
+    has room yet: the repair waits, torn down and uncounted, and never goes back onto B;
+    a node joins → relaunch on A + C, counted once (maxRepairs 1 not exceeded), an Event
+    naming B, B not in failedNodes (it is fine, just full)."""
+    prefix = _prefix()
+    node_a, node_b = ctx.nodes(_pool(prefix, nodes=2))
+    ctx.core.patch_node_status(node_b, {"status": {"allocatable": {"pods": "1"},
+                                                   "capacity": {"pods": "1"}}})
+    filler = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "filler"},
+              "spec": {"nodeName": node_b, "containers": [{"name": "x", "image": "busybox"}],
+                       "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists"}]}}
+    ctx.core.create_namespaced_pod(ctx.ns, filler)
+    ctx.wait(lambda: ctx.core.read_namespaced_pod("filler", ctx.ns).status.phase == "Running",
+             60, "the filler pod running on node B")
+    ctx.create(_one_pool_job("llm", prefix, parallelism={"tp": 8, "pp": 2, "dp": 1},
+                             failurePolicy={"maxRepairs": 1, "minGPUs": 8,
+                                            "debounceSeconds": 0}))
+    st = ctx.wait(lambda: (x := ctx.status("llm")).get("plan") and x, 30, "the first plan")
+    assert sorted(st["plan"]["nodes"]) == sorted([node_a, node_b]) and st["attempt"] == 1
+
+    def unschedulable_on_b() -> Any:
+        for p in _pods_of(ctx, "llm"):
+            cond = _scheduled_condition(p)
+            if (p.status.phase == "Pending" and cond is not None and cond.status == "False"
+                    and cond.reason == "Unschedulable"):
+                return p, cond
+        return None
+    pod, cond = ctx.wait(unschedulable_on_b, 30, "the scheduler's Unschedulable verdict")
+    assert "Too many pods" in cond.message, cond.message
+    assert _affinity_node(pod) == node_b and not pod.spec.node_name
+    t_unschedulable = cond.last_transition_time.timestamp()
+
+    def waiting() -> Any:
+        x = ctx.status("llm")
+        return (x.get("phase") == c.PHASE_REPAIRING and not x.get("plan")
+                and _cond(x, c.COND_REPAIRING).get("reason") == c.REASON_INSUFFICIENT_CAPACITY
+                and not _pods_of(ctx, "llm") and x)
+    st = ctx.wait(waiting, 30, "the repair torn down and waiting for capacity")
+    assert time.time() - t_unschedulable >= 4.0, "re-planned before the timeout"
+    assert st["failureCause"] == CAUSE_UNSCHEDULABLE and st["failureNodes"] == [node_b]
+    assert not (st.get("repairs") or {}).get("count"), "a waiting repair was counted"
+    assert node_b not in (st.get("failedNodes") or [])
+    time.sleep(3.0)  # passes keep running (pod deletions woke it): it must keep waiting
+    st = ctx.status("llm")
+    assert st["phase"] == c.PHASE_REPAIRING and st["attempt"] == 1 and not st.get("repairs")
+    assert _pods_of(ctx, "llm") == [], "relaunched onto the node its pod could not fit"
+
+    grown = next(p for p in kwoknodes.load_cluster(_pool(prefix, nodes=3)))
+    node_c = kwoknodes.node_name(grown.name, 2)
+    kube.request(ctx.api, "POST", "/api/v1/nodes", kwoknodes.node_manifest(grown, 2))
+    try:
+        st, pods = _running(ctx, "llm")
+    finally:
+        kwoknodes.delete_nodes(ctx.api, [node_c])
+    assert sorted(st["plan"]["nodes"]) == sorted([node_a, node_c])
+    assert {p.spec.node_name for p in pods} == {node_a, node_c}
+    assert st["attempt"] == 2 and st["restarts"] == 1
+    assert st["repairs"]["count"] == 1 and st["repairs"]["lastCause"] == CAUSE_UNSCHEDULABLE
+    assert st["repairs"]["history"][0]["nodes"] == [node_b]
+    assert node_b not in (st.get("failedNodes") or [])
+    events = [e for e in ctx.events("llm") if e.reason == CAUSE_UNSCHEDULABLE]
+    assert [e.message for e in events] == [f"repair 1: re-planned without {node_b}"], events
+    assert events[0].type == "Warning"
+    assert _sample(_metrics(ctx.op), "hettrain_repairs_total", namespace=ctx.ns, job="llm",
+                   cause=CAUSE_UNSCHEDULABLE) == 1

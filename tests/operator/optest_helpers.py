@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from hettrain.api import constants as c
@@ -34,6 +35,7 @@ def job_body(spec: dict[str, Any] | None = None, status: dict[str, Any] | None =
     """A HetTrainingJob body."""
     base = {"model": {"preset": "gpt3-1.3b"},
             "training": {"globalBatch": 64, "steps": 10},
+            "data": {"synthetic": True},
             "checkpoint": {"uri": "/ckpt", "intervalSteps": 5},
             "failurePolicy": {"maxRepairs": 2, "minGPUs": 8, "debounceSeconds": 2}}
     base.update(spec or {})
@@ -41,3 +43,16 @@ def job_body(spec: dict[str, Any] | None = None, status: dict[str, Any] | None =
             "metadata": {"name": "job1", "namespace": "ns", "uid": "u-1",
                          "generation": generation},
             "spec": base, "status": status or {}}
+
+
+def apply_decision(body: dict[str, Any], d: Any, pods: list[dict[str, Any]]
+                   ) -> list[dict[str, Any]]:
+    """Apply a reconcile ``Decision`` like the API server would: merge its status into
+    ``body``, delete its pods, create its new pods; returns the pods after it."""
+    body["status"] = {**body.get("status", {}), **d.status}
+    gone = {n for k, n in d.delete if k == "Pod"}
+    pods = [p for p in pods if p["metadata"]["name"] not in gone]
+    names = {p["metadata"]["name"] for p in pods}
+    pods += [copy.deepcopy(o) for o in d.create
+             if o["kind"] == "Pod" and o["metadata"]["name"] not in names]
+    return pods

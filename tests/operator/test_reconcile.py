@@ -138,6 +138,20 @@ def test_invalid_spec_names_the_field():
     assert cond["message"].startswith("spec.training.microBatch")
 
 
+def test_a_job_without_spec_data_fails_naming_it_and_creates_nothing():
+    """Synthetic tokens only when the spec says so: no spec.data is an invalid spec."""
+    body = job_body()
+    del body["spec"]["data"]
+    d = reconcile(body, Observed([], hetero_nodes(), None, now=1.0))
+    assert d.create == [] and d.status["phase"] == c.PHASE_FAILED
+    cond = get_condition(d.status, c.COND_PLANNED)
+    assert cond["reason"] == c.REASON_INVALID_SPEC
+    assert cond["message"].startswith("spec.data: is required") and "synthetic: true" in (
+        cond["message"])
+    body["spec"]["data"] = {"synthetic": True}
+    assert reconcile(body, Observed([], hetero_nodes(), None, now=1.0)).plan is not None
+
+
 def test_min_gpus_at_first_launch_waits_for_capacity(nodes):
     """Never launched: fewer GPUs than minGPUs parks the job Pending and retries (nodes may
     still be joining), creating nothing."""

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 import pytest
-from optest_helpers import hetero_nodes, job_body
+from optest_helpers import apply_decision, hetero_nodes, job_body, make_node
 
 from hettrain.api import constants as c
 from hettrain.api.status import get_condition
@@ -38,14 +38,6 @@ DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 
 
-def _apply(body: dict[str, Any], d: Decision, pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    body["status"] = {**body.get("status", {}), **d.status}
-    gone = {n for k, n in d.delete if k == "Pod"}
-    pods = [p for p in pods if p["metadata"]["name"] not in gone]
-    names = {p["metadata"]["name"] for p in pods}
-    pods += [copy.deepcopy(o) for o in d.create
-             if o["kind"] == "Pod" and o["metadata"]["name"] not in names]
-    return pods
 
 
 def _pods(d: Decision) -> list[dict[str, Any]]:
@@ -56,7 +48,7 @@ def test_a_foreign_pod_with_the_jobs_label_is_never_adopted_or_deleted() -> None
     nodes = hetero_nodes()
     body = job_body()
     d = reconcile(body, Observed([], nodes, None, now=1.0))
-    pods = _apply(body, d, [])
+    pods = apply_decision(body, d, [])
     squatter = copy.deepcopy(pods[0])
     squatter["metadata"].update(name="squatter", ownerReferences=[])
     squatter["metadata"]["labels"][c.LABEL_ATTEMPT] = "7"  # looks stale: would be deleted
@@ -131,7 +123,7 @@ def test_unschedulable_gang_pod_past_the_timeout_replans_without_its_node() -> N
     nodes = hetero_nodes(3, 3)
     body = job_body({"failurePolicy": {"maxRepairs": 2, "minGPUs": 8, "debounceSeconds": 0}})
     d = reconcile(body, Observed([], nodes, None, now=1000.0))
-    pods = _apply(body, d, [])
+    pods = apply_decision(body, d, [])
     for p in pods[1:]:
         p["status"] = {"phase": "Running"}
     _unschedulable(pods[0], "1970-01-01T00:16:40Z")  # at 1000 s
@@ -140,17 +132,110 @@ def test_unschedulable_gang_pod_past_the_timeout_replans_without_its_node() -> N
         "matchExpressions"][0]["values"][0]
     early = reconcile(body, Observed(pods, nodes, d.plan, now=1050.0, unschedulable_seconds=120))
     assert early.repair_cause is None and not early.create
+    # the pass comes back when the timeout runs out (1120 s), not at the next resync
+    assert early.retry_after == pytest.approx(70.1)
     late = reconcile(body, Observed(pods, nodes, d.plan, now=1200.0, unschedulable_seconds=120))
     assert late.repair_cause == CAUSE_UNSCHEDULABLE and late.plan is not None
     assert node not in late.plan.nodes()
     assert node not in late.status["failedNodes"]  # the node is fine, just not free
 
 
+def test_an_unschedulable_repair_that_waits_for_capacity_still_skips_its_node() -> None:
+    """Regression (live chaos/Unschedulable test): an Unschedulable repair that finds no room
+    drops the plan and waits; the relaunch must still leave out the node the pod could not
+    be scheduled on (it is not in failedNodes), else it lands there again, counts a repair
+    and loops."""
+    nodes = hetero_nodes(2, 0)
+    pins = {"parallelism": {"tp": 8, "pp": 2, "dp": 1},
+            "failurePolicy": {"maxRepairs": 1, "minGPUs": 8, "debounceSeconds": 0}}
+    body = job_body(pins)
+    d = reconcile(body, Observed([], nodes, None, now=1000.0))
+    pods = apply_decision(body, d, [])
+    assert sorted(d.plan.nodes()) == ["h100-000", "h100-001"]
+    pods[0]["status"] = {"phase": "Running"}
+    _unschedulable(pods[1], "1970-01-01T00:16:40Z")
+    bad = pods[1]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"][0]["values"][0]
+    plan = d.plan
+    for step in range(3):  # no room without the bad node: the repair waits, uncounted
+        out = reconcile(body, Observed(pods, nodes, plan, now=1200.0 + step,
+                                       unschedulable_seconds=120))
+        pods = apply_decision(body, out, pods)
+        if out.status.get("plan", "kept") is None:
+            plan = None
+        assert out.plan is None and out.repair_cause is None, out.plan and out.plan.nodes()
+        assert body["status"]["phase"] == c.PHASE_REPAIRING
+        assert not (body["status"].get("repairs") or {}).get("count")
+    assert pods == [] and plan is None
+    assert bad not in (body["status"].get("failedNodes") or [])
+    extra = make_node("h100-002", "h100", "H100-SXM", "nvidia", 8, "dc-a")
+    out = reconcile(body, Observed(pods, [*nodes, extra], None, now=1210.0))
+    assert out.plan is not None and bad not in out.plan.nodes()
+    assert sorted(out.plan.nodes()) == sorted({"h100-000", "h100-001", "h100-002"} - {bad})
+    assert out.repair_cause == CAUSE_UNSCHEDULABLE
+    apply_decision(body, out, pods)
+    assert body["status"]["repairs"]["count"] == 1
+    assert body["status"]["repairs"]["history"][-1]["nodes"] == [bad]
+
+
+def test_a_repair_cut_short_by_a_crash_still_leaves_out_and_records_the_failed_node() -> None:
+    """Regression (chaos: operator SIGKILLed between the repair's deletes and its status
+    patch): the gang and the old plan ConfigMap are gone, the status still holds the
+    debounce pass's failureCause/failureNodes. The restarted operator finds no plan and
+    re-plans a new attempt: it must leave the failed node out and record it in
+    failedNodes, as the uninterrupted repair would have."""
+    nodes = hetero_nodes(3, 0)
+    body = job_body({"parallelism": {"tp": 8, "pp": 1, "dp": 1},
+                     "failurePolicy": {"maxRepairs": 3, "minGPUs": 8, "debounceSeconds": 2}})
+    d = reconcile(body, Observed([], nodes, None, now=1000.0))
+    pods = apply_decision(body, d, [])
+    bad = d.plan.nodes()[0]
+    pods[0]["status"] = {"phase": "Failed"}
+    first = reconcile(body, Observed(pods, nodes, d.plan, now=1001.0))  # debounce pass
+    assert first.status["failureNodes"] == [bad] and first.retry_after
+    apply_decision(body, first, pods)
+    # the repair pass deleted the pods and the ConfigMap, then the operator died
+    out = reconcile(body, Observed([], nodes, None, now=1004.0))
+    assert out.plan is not None and bad not in out.plan.nodes()
+    assert out.repair_cause == c.REASON_POD_FAILED
+    assert out.status["failedNodes"] == [bad]
+    assert out.status["repairs"]["count"] == 1 and out.status["attempt"] == 2
+
+
+def test_a_new_job_whose_pins_need_more_gpus_than_are_usable_now_waits() -> None:
+    """Regression (live, a node deleted or NotReady while a job is created): pins needing
+    two nodes with one usable must wait Pending/InsufficientCapacity, not fail for good
+    (the planner's "model does not fit" was recorded as PlanFailed); it launches when a
+    node joins. A model too big for any layout still fails."""
+    body = job_body({"parallelism": {"tp": 8, "pp": 2, "dp": 1}})
+    out = reconcile(body, Observed([], hetero_nodes(1, 0), None, now=1.0))
+    assert out.status["phase"] == c.PHASE_PENDING and _pods(out) == []
+    cond = get_condition(out.status, c.COND_PLANNED)
+    assert cond["reason"] == c.REASON_INSUFFICIENT_CAPACITY
+    assert "tp×pp×dp = 16 GPUs; 8 are usable" in cond["message"]
+    assert out.retry_after and not out.status.get("completionTime")
+    apply_decision(body, out, [])
+    later = reconcile(body, Observed([], hetero_nodes(2, 0), None, now=20.0))
+    assert later.plan is not None and later.plan.world_size == 16
+    assert later.status["phase"] == c.PHASE_LAUNCHING and later.status["attempt"] == 1
+    # only the pools spec.placement allows count
+    mi300_only = job_body({"parallelism": {"tp": 8, "pp": 2, "dp": 1},
+                           "placement": {"pools": ["mi300"]}})
+    out = reconcile(mi300_only, Observed([], hetero_nodes(2, 1), None, now=1.0))
+    assert out.status["phase"] == c.PHASE_PENDING and _pods(out) == []
+    big = reconcile(job_body({"model": {"preset": "llama3-405b"},
+                              "failurePolicy": {"minGPUs": 1}}),
+                    Observed([], hetero_nodes(1, 0), None, now=1.0))
+    assert big.status["phase"] == c.PHASE_FAILED
+    assert get_condition(big.status, c.COND_PLANNED)["reason"] == c.REASON_PLAN_FAILED
+
+
 def test_a_repair_waiting_for_capacity_does_not_use_up_max_repairs() -> None:
     nodes = hetero_nodes(1, 0)
     body = job_body({"failurePolicy": {"maxRepairs": 1, "minGPUs": 8, "debounceSeconds": 0}})
     d = reconcile(body, Observed([], nodes, None, now=1000.0))
-    pods = _apply(body, d, [])
+    pods = apply_decision(body, d, [])
     assert d.plan.world_size == 8
     for p in pods:
         p["status"] = {"phase": "Running"}
@@ -159,7 +244,7 @@ def test_a_repair_waiting_for_capacity_does_not_use_up_max_repairs() -> None:
     plan = d.plan
     for step in range(5):  # many passes while no capacity: no repair is counted
         out = reconcile(body, Observed(pods, survivors, plan, now=1001.0 + step))
-        pods = _apply(body, out, pods)
+        pods = apply_decision(body, out, pods)
         if out.status.get("plan", "kept") is None:
             plan = None
         assert out.plan is None and out.repair_cause is None
@@ -173,7 +258,7 @@ def test_a_repair_waiting_for_capacity_does_not_use_up_max_repairs() -> None:
     out = reconcile(body, Observed(pods, [*survivors, extra], None, now=1010.0))
     assert out.plan is not None and lost not in out.plan.nodes()
     assert out.repair_cause == c.REASON_NODE_LOST
-    _apply(body, out, pods)
+    apply_decision(body, out, pods)
     assert body["status"]["repairs"]["count"] == 1 and body["status"]["restarts"] == 1
     assert body["status"]["repairs"]["history"][-1]["toWorldSize"] == 8
     assert body["status"]["attempt"] == 2 and body["status"]["failureCause"] is None

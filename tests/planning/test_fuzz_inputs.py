@@ -11,8 +11,7 @@ import math
 from datetime import timedelta
 from typing import Any
 
-import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from hettrain.api.spec import JobSpec, SpecError, parse_job_manifest, parse_job_spec
@@ -20,6 +19,7 @@ from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import ClusterInventory, load_cluster
 from hettrain.planning.plan import Plan
 from hettrain.planning.planner import plan_job
+from hettrain.planning.support import context_parallel_errors
 
 PARSE = settings(max_examples=150, deadline=timedelta(seconds=5),
                  suppress_health_check=[HealthCheck.too_slow])
@@ -43,6 +43,7 @@ JOB_PATHS = [
     ("placement",), ("placement", "vendors"), ("placement", "pools"),
     ("placement", "nodeSelector"), ("placement", "maxGPUs"), ("parallelism", "tp"),
     ("parallelism", "pp"), ("parallelism", "dp"), ("parallelism", "schedule"),
+    ("parallelism", "cp"),
     ("crossDC", "mode"), ("crossDC", "compression"), ("crossDC", "outerSteps"),
     ("crossDC", "outerLearningRate"), ("crossDC", "outerMomentum"),
     ("checkpoint", "uri"), ("checkpoint", "pvc"), ("checkpoint", "intervalSteps"),
@@ -199,6 +200,9 @@ def _jobs_and_clusters(draw: st.DrawFn) -> tuple[dict, dict]:
     }
     if draw(st.booleans()):
         spec["placement"] = {"maxGPUs": draw(st.integers(1, 64))}
+    cp = draw(st.sampled_from([None, None, 1, 2, 4]))
+    if cp is not None:
+        spec["parallelism"]["cp"] = cp
     return spec, cluster
 
 
@@ -210,7 +214,10 @@ def _check_plan(plan: Plan, inv: ClusterInventory, spec: JobSpec) -> None:
               pred.cross_dc_bytes_per_step):
         assert math.isfinite(t) and t >= 0, pred
     assert 0 < pred.mfu <= 1, pred
-    assert len(plan.ranks) == plan.world_size == plan.dp * sum(s.tp for s in plan.stages)
+    assert len(plan.ranks) == plan.world_size == plan.dp * sum(s.tp * s.cp for s in plan.stages)
+    assert context_parallel_errors(plan) == []  # what the runtime accepts
+    if spec.parallelism.cp is not None:
+        assert {s.cp for s in plan.stages} == {spec.parallelism.cp}
     if spec.placement.max_gpus is not None:
         assert plan.world_size <= spec.placement.max_gpus
     assert sum(s.layer_end - s.layer_start for s in plan.stages) == spec.model.layers
@@ -225,12 +232,52 @@ def _check_plan(plan: Plan, inv: ClusterInventory, spec: JobSpec) -> None:
     assert all(node in gpus and 0 <= lr < gpus[node] for node, lr in slots)
 
 
-@pytest.mark.xfail(run=False, reason=(
-    "issue #16 target not met: a layout search that finds no feasible incumbent on a mixed "
-    "cluster (126 layers, maxGPUs 1, three pools) ran 145 s, over the 60 s deadline; the "
-    "operator bounds planning with its own deadline (planguard), the planner does not yet"))
+def _fuzz_cluster(link_gbps: float, device: dict, pools: list[dict]) -> dict:
+    return dict(VALID_CLUSTER, links=[{"between": ["a", "b"], "bandwidthGbps": link_gbps,
+                                       "latencyMs": 40}], devices=[device], pools=pools)
+
+
+def _pool(name: str, dc: str, device: str, nodes: int, gpus: int, nic: float) -> dict:
+    return {"name": name, "datacenter": dc, "device": device, "nodes": nodes,
+            "gpusPerNode": gpus, "nicGbps": nic}
+
+
+SLOW_DEVICE = dict(VALID_CLUSTER["devices"][0], bf16Tflops=1e-3, efficiency=1e-3)
+# found by this fuzz: 145 s on the planner before maxGPUs pruned the search (every layout of
+# the three pools over the cap was built and evaluated, with no feasible incumbent to prune)
+CAPPED_NO_LAYOUT = (
+    {"model": {"layers": 126, "hidden": 64, "heads": 64, "seqLen": 8192, "vocab": 128256},
+     "training": {"globalBatch": 720720, "steps": 1, "precision": "bf16",
+                  "recompute": "selective"},
+     "parallelism": {"schedule": "zb-h1"}, "placement": {"maxGPUs": 1}},
+    _fuzz_cluster(0.01, SLOW_DEVICE, [_pool("p0", "a", "MI300X", 1, 2, 3200),
+                                      _pool("p1", "b", "Gaudi3", 5000, 4, 1),
+                                      _pool("p2", "b", "Gaudi3", 1, 4, 3200)]))
+# 7 microbatches and interleaved pinned: only pp = 7 can run; every other stage count was
+# searched (tens of seconds) before a leaf checked that some schedule can run it
+INTERLEAVED_PRIME_M = (
+    {"model": {"layers": 126, "hidden": 64, "heads": 1, "seqLen": 64, "vocab": 256},
+     "training": {"globalBatch": 7, "steps": 1, "precision": "fp32", "recompute": "full"},
+     "parallelism": {"schedule": "interleaved"}},
+    _fuzz_cluster(0.01, dict(SLOW_DEVICE, efficiency=1.0),
+                  [_pool("p0", "b", "Gaudi3", 5000, 2, 1),
+                   _pool("p1", "b", "A100-80GB", 64, 2, 1)]))
+# 126 layers, 19020 (tp, k) leaves in one (dp, mb) pair and no incumbent until they were all
+# bounded (7 s) before greedy layouts seeded the search
+NO_EARLY_INCUMBENT = (
+    {"model": {"layers": 126, "hidden": 1024, "heads": 8, "seqLen": 8192, "vocab": 256},
+     "training": {"globalBatch": 5, "steps": 1, "precision": "bf16", "recompute": "selective"},
+     "parallelism": {"schedule": "auto"}},
+    _fuzz_cluster(1e6, dict(SLOW_DEVICE, efficiency=0.5),
+                  [_pool("p0", "b", "MI300X", 3, 1, 1), _pool("p1", "a", "H100-SXM", 64, 4, 100),
+                   _pool("p2", "a", "Gaudi3", 2, 4, 100)]))
+
+
 @PLAN
 @given(_jobs_and_clusters())
+@example(CAPPED_NO_LAYOUT)
+@example(INTERLEAVED_PRIME_M)
+@example(NO_EARLY_INCUMBENT)
 def test_plan_job_refuses_cleanly_or_satisfies_the_invariants(case: tuple[dict, dict]) -> None:
     spec_doc, cluster_doc = case
     try:

@@ -28,6 +28,7 @@ LABEL_APP_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_JOB = f"{GROUP}/job"
 LABEL_RANK = f"{GROUP}/rank"
 LABEL_STAGE = f"{GROUP}/stage"
+LABEL_GROUP = f"{GROUP}/replica-group"  # only on pods of plans with replica groups
 LABEL_PLAN_HASH = f"{GROUP}/plan-hash"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
 
@@ -95,6 +96,9 @@ REASON_SUSPENDED = "Suspended"
 REASON_COMPLETED = "Completed"
 REASON_CHECKPOINT_STORAGE = "CheckpointStorageUnavailable"
 REASON_NO_CHECKPOINT = "NoCheckpoint"
+REASON_CALIBRATED = "Calibrated"  # measured vs predicted stage times compared
+REASON_CALIBRATION_REPLAN = "CalibrationReplan"  # re-planned on the corrected model
+REASON_PROFILING = "Profiling"  # profiling pods measure the pools' devices (first plan)
 
 # Env contract between operator-built pods and the runtime.
 ENV_PLAN_PATH = "HETTRAIN_PLAN_PATH"

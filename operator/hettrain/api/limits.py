@@ -54,7 +54,12 @@ SPEC_MAXIMUMS: dict[str, int | float] = {
     "spec.training.validation.intervalSteps": 10**9,
     "spec.training.validation.batches": 10**4,
     "spec.parallelism.virtualStages": 64,
+    "spec.parallelism.cp": 64,
     "spec.checkpoint.keep": 1000,
+    # closed-loop calibration (spec.calibration)
+    "spec.calibration.replanThreshold": 1,  # exclusive in the CRD and the parser
+    "spec.calibration.maxReplans": 100,
+    "spec.calibration.minSteps": 10**6,
 }
 
 LABEL_VALUE_MAX = 63  # a Kubernetes label value

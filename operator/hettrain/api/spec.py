@@ -146,6 +146,9 @@ class TrainingSpec:
     adam_eps: float = 1e-8
     validation_interval: int = 0  # validation loss every N steps; 0 = never
     validation_batches: int = 1  # global batches per validation
+    # DP gradient sync overlapped with the last microbatch's backward, in buckets (runtime/
+    # grad_sync.py); false: one sync after the backward (the cost model follows either way)
+    overlap_grad_reduce: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +171,8 @@ class ParallelismSpec:
     dp: int | None = None
     schedule: str = "auto"
     virtual_stages: int | None = None  # interleaved: model chunks per stage (None: searched)
+    cp: int | None = None  # context-parallel degree, a power of two (None: searched)
+    replica_groups: bool = False  # may add a replica group on idle nodes of another pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +234,18 @@ class FailurePolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class CalibrationSpec:
+    """Closed-loop calibration (``spec.calibration``): compare the runtime's measured stage
+    times with the plan, refine the device profiles, re-plan when it pays off."""
+
+    enabled: bool = False
+    replan_threshold: float = 0.10  # re-plan when the corrected model's best plan is this faster
+    max_replans: int = 3  # calibration re-plans per job (a cap on oscillation)
+    min_steps: int = 3  # measured steps (after the first) before the stage times are trusted
+    profile: bool = False  # run one profiling pod per pool before the first plan
+
+
+@dataclass(frozen=True, slots=True)
 class JobSpec:
     """The whole parsed HetTrainingJob spec."""
 
@@ -246,6 +263,7 @@ class JobSpec:
     suspend: bool = False
     priority_class_name: str | None = None
     scheduler_name: str | None = None
+    calibration: CalibrationSpec = CalibrationSpec()
 
     def with_training(self, **changes: Any) -> JobSpec:
         """A copy with some training fields changed (used by re-planning and the simulator)."""
@@ -469,6 +487,7 @@ def _parse_training(f: _Fields) -> TrainingSpec:
     mb = f.int_("microBatch")
     precision = f.str_("precision", "bf16", PRECISIONS)
     sharding = f.bool_("optimizerSharding", True)
+    overlap = f.bool_("overlapGradReduce", True)
     recompute = f.str_("recompute", "selective", RECOMPUTE_SPEC_MODES)
     lr = f.float_("learningRate", 3e-4)
     seed = f.int_("seed", 1234, minimum=0)
@@ -484,6 +503,7 @@ def _parse_training(f: _Fields) -> TrainingSpec:
     return TrainingSpec(
         global_batch=gb, steps=steps, micro_batch=mb, precision=precision,
         optimizer_sharding=sharding, recompute=recompute, learning_rate=lr, seed=seed, **loop,
+        overlap_grad_reduce=overlap,
     )
 
 
@@ -545,9 +565,14 @@ def _parse_parallelism(f: _Fields) -> ParallelismSpec:
     p = ParallelismSpec(
         tp=f.int_("tp"), pp=f.int_("pp"), dp=f.int_("dp"),
         schedule=f.str_("schedule", "auto", SCHEDULES) or "auto",
-        virtual_stages=f.int_("virtualStages"),
+        virtual_stages=f.int_("virtualStages"), cp=f.int_("cp"),
+        replica_groups=f.bool_("replicaGroups", False),
     )
     f.reject_unknown()
+    if p.cp is not None and p.cp & (p.cp - 1):
+        raise SpecError(f"{f.path}.cp", f"must be a power of two (got {p.cp}): the runtime "
+                        "cuts each sequence into 2·cp chunks; use 1, 2, 4, 8, ... or omit cp "
+                        "to let the planner choose")
     if p.virtual_stages is not None and p.schedule != "interleaved":
         raise SpecError(f"{f.path}.virtualStages", "only the interleaved schedule has model "
                         "chunks: set schedule: interleaved, or omit virtualStages")
@@ -631,6 +656,22 @@ def _parse_failure_policy(f: _Fields) -> FailurePolicy:
     return p
 
 
+def _parse_calibration(f: _Fields) -> CalibrationSpec:
+    cal = CalibrationSpec(
+        enabled=f.bool_("enabled", False),
+        replan_threshold=f.float_("replanThreshold", 0.10),
+        max_replans=f.int_("maxReplans", 3, minimum=0) or 0,
+        min_steps=f.int_("minSteps", 3) or 3,
+        profile=f.bool_("profile", False),
+    )
+    f.reject_unknown()
+    if cal.replan_threshold >= 1.0:
+        raise SpecError(f"{f.path}.replanThreshold", f"must be below 1 (got "
+                        f"{cal.replan_threshold}); it is the fraction of step time a new plan "
+                        "must save, e.g. 0.1")
+    return cal
+
+
 def _parse_data(f: _Fields, present: bool) -> DataSpec:
     d = DataSpec(uri=f.str_("uri"), pvc=f.str_("pvc"), path=f.str_("path", "") or "",
                  synthetic=f.bool_("synthetic", False))
@@ -660,6 +701,22 @@ def _parse_data(f: _Fields, present: bool) -> DataSpec:
         raise SpecError(f"{f.path}.path", f"must be relative inside the claim, without .. "
                         f"(got {d.path!r})")
     return d
+
+
+DATA_REQUIRED = ("is required: name the training tokens with uri (a token set from 'hettrain "
+                 "data prepare': a path or s3://...), pvc + path, or synthetic: true for "
+                 "generated tokens (tests, demos)")
+
+
+def require_data(spec: JobSpec) -> None:
+    """A job that trains must name its data: generated tokens only when ``spec.data.synthetic``
+    says so. The operator and ``hettrain validate`` / ``plan`` call this after parsing (the CRD
+    requires ``spec.data`` too); the runtime refuses a plan without ``data``
+    (``planning.support``). Pure planning (the simulator's built-in scenarios, the benchmarks)
+    does not need data."""
+    d = spec.data
+    if not (d.synthetic or d.uri or d.pvc):
+        raise SpecError("spec.data", DATA_REQUIRED)
 
 
 _IMAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*")
@@ -695,6 +752,7 @@ def parse_job_spec(spec: Mapping[str, Any] | None) -> JobSpec:
     suspend = f.bool_("suspend", False)
     priority = f.str_("priorityClassName")
     scheduler = f.str_("schedulerName")
+    calibration = _parse_calibration(f.sub("calibration"))
     f.reject_unknown()
     if training.micro_batch is None and parallelism.dp and training.global_batch % parallelism.dp:
         raise SpecError(
@@ -712,6 +770,13 @@ def parse_job_spec(spec: Mapping[str, Any] | None) -> JobSpec:
             "spec.parallelism.pp",
             f"pp ({parallelism.pp}) exceeds the model's layers ({model.layers})",
         )
+    if parallelism.cp is not None and model.seq_len % (2 * parallelism.cp):
+        raise SpecError(
+            "spec.parallelism.cp",
+            f"seqLen ({model.seq_len}) must be a multiple of 2·cp ({2 * parallelism.cp}): "
+            "context parallelism gives each rank two equal chunks of every sequence; lower cp "
+            "or omit it to let the planner choose",
+        )
     if model.tie_embeddings and parallelism.pp is not None and parallelism.pp > 1:
         raise SpecError(
             "spec.parallelism.pp",
@@ -722,7 +787,7 @@ def parse_job_spec(spec: Mapping[str, Any] | None) -> JobSpec:
         model=model, training=training, placement=placement, parallelism=parallelism,
         cross_dc=cross_dc, checkpoint=checkpoint, failure_policy=failure, data=data, image=image,
         command=command, args=args, suspend=suspend, priority_class_name=priority,
-        scheduler_name=scheduler,
+        scheduler_name=scheduler, calibration=calibration,
     )
 
 

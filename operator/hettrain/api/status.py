@@ -60,8 +60,11 @@ def is_true(status: Mapping[str, Any] | None, ctype: str) -> bool:
 
 def plan_summary(plan: Any, configmap: str, fingerprint: str | None = None) -> dict[str, Any]:
     """status.plan for a :class:`hettrain.planning.plan.Plan` (duck-typed to stay pure);
-    ``fingerprint`` saves recomputing ``plan.fingerprint()`` when the caller has it."""
-    return {
+    ``fingerprint`` saves recomputing ``plan.fingerprint()`` when the caller has it.
+
+    With replica groups (``plan.groups``) ``dp``/``pp``/``tpByStage`` are group 0's (as in
+    the plan JSON) and ``replicaGroups`` lists every group's."""
+    out = {
         "hash": fingerprint or plan.fingerprint(),
         "worldSize": plan.world_size,
         "dp": plan.dp,
@@ -77,6 +80,13 @@ def plan_summary(plan: Any, configmap: str, fingerprint: str | None = None) -> d
         "configMap": configmap,
         "nodes": list(plan.nodes()),
     }
+    if getattr(plan, "groups", ()):
+        out["replicaGroups"] = [
+            {"group": g.index, "dp": g.dp, "pp": g.pp,
+             "microbatchesPerReplica": g.num_microbatches, "tpByStage": [s.tp for s in g.stages],
+             "pools": list(dict.fromkeys(p for s in g.stages for p in s.pools))}
+            for g in plan.groups]
+    return out
 
 
 def add_repair(repairs: Mapping[str, Any] | None, cause: str, nodes: Sequence[str],

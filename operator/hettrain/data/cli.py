@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from hettrain.data.prepare import DEFAULT_SHARD_TOKENS, FORMATS, TEXT_UNITS
 
     parser.description = ("Tokenized training data: 'prepare' writes a token set that a job "
-                          "names in spec.data.uri; 'verify' checks one.")
+                          "names in spec.data (uri, or pvc + path); 'verify' checks one.")
     sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     p = sub.add_parser(
         "prepare", help="tokenize text / JSONL / Parquet files into a token set",

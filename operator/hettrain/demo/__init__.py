@@ -1,9 +1,11 @@
 """``hettrain demo``: the whole system on one machine, in a few minutes.
 
 A local control plane (``e2e/cluster/up``) with a four-vendor / two-datacenter kwok cluster, the
-operator as a child process, the demo job applied and planned, its planned ranks trained as
-local CPU processes (gloo), a node failure injected, the repair and the resumed training shown,
-and the operator's and runtime's metrics printed. Ctrl-C at any point stops everything.
+operator as a child process, a local S3 server (moto) whose credentials reach the ranks through
+a Secret, the demo job (a small Llama on the shipped corpus) applied and planned, its planned
+ranks trained as local CPU processes (gloo) checkpointing to the bucket, a node failure
+injected, the repair and the training resumed from the object store on the new layout, and
+the operator's and runtime's metrics printed. Ctrl-C at any point stops everything.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``hettrain demo``."""
     parser.description = (
         "Start a local Kubernetes control plane with fake (kwok) GPU nodes of four vendors in "
-        "two datacenters, run the operator, apply the demo job, show its plan, train the "
-        "planned ranks as local CPU processes, fail a node, show the repair and the resumed "
-        "training, print the metrics, and tear everything down. Ctrl-C stops it cleanly.")
+        "two datacenters, run the operator, start a local S3 server for the checkpoints (its "
+        "credentials in a Secret), apply the demo job (a small Llama on the shipped corpus, "
+        "prepared once and cached), show its plan, train the planned ranks as local CPU "
+        "processes, fail a node, show the repair and the training resumed from the object "
+        "store on the new layout, print the metrics, and tear everything down. Ctrl-C stops "
+        "it cleanly.")
     parser.add_argument("--steps", type=int_in(2, 10**6), default=40,
                         help="training steps of the job (default 40)")
     parser.add_argument("--fail-at", type=int_in(1, 10**6), default=None, metavar="STEP",
@@ -51,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; 0 when the loss fell before and after the repair, 130 on Ctrl-C."""
+    """Run the demo; 0 when training resumed from a checkpoint and the loss fell before and
+    after the repair, 130 on Ctrl-C."""
     from hettrain.demo.cluster import DemoError
     from hettrain.demo.flow import run_demo
 

@@ -223,15 +223,20 @@ def job_events(api: k8s.ApiClient, ns: str, job: str) -> list[Any]:
     return sorted(items, key=lambda e: str(e.last_timestamp or e.event_time or ""))
 
 
-def load_job_manifest(path: Path, steps: int | None, checkpoint_uri: str,
-                      interval: int | None) -> dict[str, Any]:
-    """The demo job manifest with the demo's steps / checkpoint settings patched in."""
+def load_job_manifest(path: Path, steps: int | None, interval: int | None, *,
+                      data_uri: str | None = None,
+                      checkpoint_endpoint: str | None = None) -> dict[str, Any]:
+    """The demo job manifest with the demo's steps, checkpoint interval, token set
+    (``spec.data.uri``) and S3 endpoint (``spec.checkpoint.endpoint``) patched in."""
     doc = yaml.safe_load(path.read_text())
     spec = doc.setdefault("spec", {})
     if steps is not None:
         spec.setdefault("training", {})["steps"] = steps
     ckpt = spec.setdefault("checkpoint", {})
-    ckpt["uri"] = checkpoint_uri
+    if checkpoint_endpoint is not None:
+        ckpt["endpoint"] = checkpoint_endpoint
     if interval is not None:
         ckpt["intervalSteps"] = interval
+    if data_uri is not None:
+        spec["data"] = {"uri": data_uri}
     return doc

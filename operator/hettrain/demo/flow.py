@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ import yaml
 
 from hettrain.api import constants as c
 from hettrain.demo import cluster as kc
-from hettrain.demo import training
+from hettrain.demo import storage, training
 from hettrain.demo.children import Children, interrupts_as_keyboard_interrupt, no_interrupts
 from hettrain.demo.progress import Progress
 from hettrain.planning.plan import Plan
@@ -39,6 +40,10 @@ class Demo:
     job_name: str = ""
     metrics_port: int = 0
     runs: list[training.Run] = field(default_factory=list)
+    s3: storage.S3Server | None = None
+    data_uri: str | None = None
+    checkpoint_uri: str = ""
+    keep: str = "?"
     summary: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ helpers
@@ -102,8 +107,7 @@ def step_nodes(d: Demo) -> None:
     assert d.cluster is not None
     kc.kubectl(d.cluster.kubeconfig, d.cluster.tools_bin, "apply", "--server-side", "-f",
                str(d.repo / kc.CRD_FILE))
-    kc.kubectl(d.cluster.kubeconfig, d.cluster.tools_bin, "wait", "--timeout=60s",
-               "--for=condition=Established", "crd/hettrainingjobs.hettrain.dev")
+    kc.wait_for(lambda: _crd_established(d), 60, "the CRD Established", interval=0.5)
     d.progress.info("CRD hettrainingjobs.hettrain.dev established")
     kwoknodes = _kwoknodes(d.repo)
     names = kwoknodes.create_nodes(d.api, d.repo / d.args.cluster)
@@ -114,6 +118,20 @@ def step_nodes(d: Demo) -> None:
     out = kc.kubectl(d.cluster.kubeconfig, d.cluster.tools_bin, "get", "nodes", "-L",
                      "hettrain.dev/vendor,hettrain.dev/device,topology.kubernetes.io/region")
     d.progress.info(out.rstrip())
+
+
+def _crd_established(d: Demo) -> bool:
+    """``kubectl wait`` for the CRD; False while the apiserver has not written its status yet
+    (kubectl then fails with an accessor error instead of waiting)."""
+    assert d.cluster is not None
+    try:
+        kc.kubectl(d.cluster.kubeconfig, d.cluster.tools_bin, "wait", "--timeout=10s",
+                   "--for=condition=Established", "crd/hettrainingjobs.hettrain.dev")
+    except kc.DemoError as exc:
+        if "accessor error" in str(exc):
+            return False
+        raise
+    return True
 
 
 def _kwoknodes(repo: Path) -> Any:
@@ -143,12 +161,47 @@ def step_operator(d: Demo) -> None:
     d.progress.info(f"metrics: http://127.0.0.1:{d.metrics_port}/metrics")
 
 
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hettrain" / "demo"
+
+
+def step_storage(d: Demo) -> None:
+    """The job's storage: the token set of the shipped corpus (prepared once, cached), the
+    local S3 server for the checkpoints and the Secret with its credentials."""
+    assert d.cluster is not None
+    ns = d.args.namespace
+    spec = (yaml.safe_load((d.repo / d.args.job).read_text()) or {}).get("spec") or {}
+    data, ck = spec.get("data") or {}, spec.get("checkpoint") or {}
+    if data.get("uri"):
+        d.data_uri = str(storage.prepared_corpus(d.repo, _cache_dir(), d.progress.info))
+    else:
+        d.progress.info(f"spec.data {data}: used as given")
+    kc.ensure_namespace(d.api, ns)
+    if not str(ck.get("uri", "")).startswith("s3://"):
+        d.checkpoint_uri = str(d.workdir / "checkpoints")
+        d.progress.info(f"spec.checkpoint.uri is not s3://: checkpoints in {d.checkpoint_uri}")
+        return
+    if not ck.get("secretRef"):
+        raise kc.DemoError(f"{d.args.job}: spec.checkpoint.secretRef must name the Secret for "
+                           "the demo's S3 credentials")
+    d.s3 = storage.start_s3(d.workdir / "s3.log", d.children.add)
+    d.progress.info(f"S3 server (moto, pid {d.s3.proc.pid}, IAM auth on: unsigned or "
+                    f"wrongly signed requests are refused) at {d.s3.endpoint}, bucket "
+                    f"{d.s3.bucket}; log {d.workdir / 's3.log'}")
+    storage.create_secret(d.api, ns, ck["secretRef"], d.s3.creds)
+    d.progress.info(f"Secret {ns}/{ck['secretRef']} holds the access key "
+                    f"({', '.join(sorted(d.s3.creds))}); the ranks get it only as the pods' "
+                    "secretKeyRef env")
+
+
 def step_job(d: Demo) -> Plan:
     assert d.cluster is not None
     ns = d.args.namespace
-    kc.ensure_namespace(d.api, ns)
-    doc = kc.load_job_manifest(d.repo / d.args.job, d.args.steps,
-                               str(d.workdir / "checkpoints"), d.args.checkpoint_interval)
+    doc = kc.load_job_manifest(d.repo / d.args.job, d.args.steps, d.args.checkpoint_interval,
+                               data_uri=d.data_uri,
+                               checkpoint_endpoint=d.s3.endpoint if d.s3 else None)
+    if d.s3 is None:
+        doc["spec"].setdefault("checkpoint", {})["uri"] = d.checkpoint_uri
     d.job_name = doc["metadata"]["name"]
     out = kc.kubectl(d.cluster.kubeconfig, d.cluster.tools_bin, "apply", "-n", ns, "-f", "-",
                      stdin=yaml.safe_dump(doc))
@@ -187,21 +240,62 @@ def watch_phases(d: Demo, done: Any, timeout: float, what: str) -> dict[str, Any
     return kc.wait_for(check, timeout, f"job {what}", interval=0.1, alive=d.operator_alive)
 
 
+def layout(plan: Plan) -> str:
+    """The plan's parallel shape, e.g. ``dp2×pp2`` (``×tpN`` only when TP is used)."""
+    tps = sorted({s.tp for s in plan.stages})
+    tp = "" if tps == [1] else "×tp" + "/".join(map(str, tps))
+    return f"dp{plan.dp}×pp{plan.pp}{tp}"
+
+
 def _plan_info(plan: Plan) -> dict[str, Any]:
-    return {"world_size": plan.world_size, "dp": plan.dp, "pp": plan.pp,
+    return {"world_size": plan.world_size, "dp": plan.dp, "pp": plan.pp, "layout": layout(plan),
             "nodes": list(plan.nodes()), "pools": list(plan.pools),
             "fingerprint": plan.fingerprint()}
 
 
+def _pod_env(d: Demo, attempt: int) -> dict[str, str]:
+    """The env the operator gave this attempt's pods (Secret refs resolved like the kubelet)."""
+    pods = [p for p in kc.job_pods(d.api, d.args.namespace, d.job_name)
+            if (p.metadata.labels or {}).get(c.LABEL_ATTEMPT) == str(attempt)]
+    if not pods:
+        raise kc.DemoError(f"no pods of attempt {attempt} for job {d.job_name}")
+    pod = sorted(pods, key=lambda p: p.metadata.name)[0]
+    return storage.rank_env(storage.resolve_pod_env(d.api, d.args.namespace, pod))
+
+
+def _committed(d: Demo) -> list[int]:
+    """Steps of the checkpoints published in the object store (listed with the job's key)."""
+    if d.s3 is None or not d.checkpoint_uri.startswith("s3://"):
+        return []
+    prefix = d.checkpoint_uri.removeprefix(f"s3://{d.s3.bucket}/")
+    return d.s3.committed_steps(prefix)
+
+
 def step_train(d: Demo, plan: Plan, attempt: int, until_step: int | None) -> training.Run:
     workdir = d.workdir / f"train-attempt-{attempt}"
-    run = training.start(plan, workdir, d.workdir / "checkpoints", d.children,
-                         resume=attempt > 1, interval=d.args.checkpoint_interval,
-                         step_sleep=d.args.step_sleep)
+    env = _pod_env(d, attempt)
+    d.checkpoint_uri = env.get(c.ENV_CHECKPOINT_URI, d.checkpoint_uri)
+    d.keep = env.get("HETTRAIN_CHECKPOINT_KEEP", d.keep)
+    if attempt > 1 and d.s3 is not None:
+        steps = _committed(d)
+        d.summary["committed_before_resume"] = steps
+        d.progress.info(f"object store: committed checkpoints at steps {steps} in "
+                        f"{d.checkpoint_uri}")
+    run = training.start(plan, workdir, d.children, env, step_sleep=d.args.step_sleep)
     d.runs.append(run)
-    d.progress.info(f"{plan.world_size} ranks as local processes (CPU, gloo); logs "
-                    f"{workdir}/rank-*.log; checkpoints every {d.args.checkpoint_interval} steps")
+    d.progress.info(f"{plan.world_size} ranks as local processes (CPU, gloo) with the pods' "
+                    f"env ({c.ENV_RESUME}={env.get(c.ENV_RESUME)}); logs {workdir}/rank-*.log")
+    d.progress.info(f"data {d.data_uri or 'as in the spec'}; checkpoints every "
+                    f"{env.get('HETTRAIN_CHECKPOINT_INTERVAL')} steps to {d.checkpoint_uri}"
+                    + (f" (endpoint {d.s3.endpoint})" if d.s3 else ""))
     training.stream(run, d.show_loss, until_step=until_step, timeout=d.args.train_timeout)
+    if attempt > 1:  # what rank 0 did with the object store at the resume
+        log = (workdir / "rank-0.log").read_text(errors="replace").splitlines()
+        said = [ln.split(" INFO ", 1)[-1] for ln in log if " INFO " in ln and (
+            "resumed from checkpoint" in ln or "removed incomplete checkpoint" in ln)]
+        d.summary["resume_log"] = said
+        for ln in said:
+            d.progress.info(ln if ln.startswith("rank ") else f"rank 0: {ln}")
     return run
 
 
@@ -234,6 +328,8 @@ def step_failure(d: Demo, plan: Plan) -> Plan:
     d.show_plan(new, 2)
     d.progress.info(f"world size {plan.world_size} → {new.world_size}; pools "
                     f"{','.join(plan.pools)} → {','.join(new.pools)}")
+    d.progress.info(f"layout {layout(plan)} → {layout(new)}"
+                    + ("" if layout(plan) != layout(new) else " (same shape, other nodes)"))
     return new
 
 
@@ -266,9 +362,19 @@ def summarize_losses(d: Demo) -> int:
     d.summary["resumed_at_step"] = s_res
     d.progress.info(f"attempt 1: loss {first[s0]:.4f} at step {s0 + 1} → {first[s_fail]:.4f} "
                     f"at step {s_fail + 1}, then the node failed")
-    d.progress.info(f"attempt 2: resumed from the step-{s_res} checkpoint on the new layout: "
+    lay = [p.get("layout", "?") for p in d.summary.get("plans", [])]
+    d.progress.info(f"attempt 2: resumed from the step-{s_res} checkpoint on the new layout "
+                    f"({' → '.join(lay)}): "
                     f"{second[s_res]:.4f} at step {s_res + 1} → {second[s_end]:.4f} at step "
                     f"{s_end + 1}")
+    if d.s3 is not None:
+        d.summary["committed_at_end"] = _committed(d)
+        d.progress.info(f"object store: committed checkpoints at steps "
+                        f"{d.summary['committed_at_end']} (retention keeps the last "
+                        f"{d.keep}) in {d.checkpoint_uri}")
+    if s_res == 0:
+        d.progress.info("WARNING: attempt 2 started at step 1: no checkpoint was resumed")
+        return 1
     same = [k for k in second if k in first]
     if same:
         diff = max(abs(first[k] - second[k]) for k in same)
@@ -290,7 +396,7 @@ def run_demo(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hettrain-demo-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     train = not args.no_train
-    progress = Progress(9 if train else 7)
+    progress = Progress(10 if train else 8)
     children = Children(log=progress.info)
     d = Demo(args, repo, workdir, progress, children)
     steps = args.steps
@@ -308,6 +414,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 step_nodes(d)
             with progress.step("operator running"):
                 step_operator(d)
+            with progress.step("storage: token set, local S3 server, credentials Secret"):
+                step_storage(d)
             with progress.step(f"apply {args.job}, wait for Planned and PodsReady"):
                 plan = step_job(d)
             with progress.step("the plan (table + picture)"):

@@ -57,15 +57,14 @@ class Run:
         return text
 
 
-def start(plan: Plan, workdir: Path, checkpoint_dir: Path, children: Children, *,
-          resume: bool, interval: int, step_sleep: float) -> Run:
-    """``launch_local`` the plan's ranks; checkpoints in ``checkpoint_dir``."""
+def start(plan: Plan, workdir: Path, children: Children, pod_env: Mapping[str, str], *,
+          step_sleep: float) -> Run:
+    """``launch_local`` the plan's ranks with the env the operator gave the attempt's pods
+    (checkpoint URI and interval, resume flag, S3 endpoint and the Secret's credentials)."""
     loss_log = workdir / "losses.jsonl"
     port = free_port_block(plan.world_size)  # rank r serves metrics on port + r
-    env: Mapping[str, str] = {
-        "HETTRAIN_CHECKPOINT_URI": str(checkpoint_dir),
-        "HETTRAIN_CHECKPOINT_INTERVAL": str(interval),
-        "HETTRAIN_RESUME": "1" if resume else "0",
+    env: dict[str, str] = {
+        **pod_env,
         ENV_LOSS_LOG: str(loss_log),
         ENV_METRICS_PORT: str(port),
         "HETTRAIN_STEP_SLEEP": str(step_sleep),

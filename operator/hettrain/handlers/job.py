@@ -13,7 +13,9 @@ Environment (all optional): ``HETTRAIN_METRICS_PORT`` (8080; 0 disables),
 (:mod:`hettrain.planguard`: ``HETTRAIN_PLAN_TIMEOUT_SECONDS`` 30, ``HETTRAIN_PLAN_MEMORY_MB``
 1024, ``HETTRAIN_PLAN_WORKERS`` 2), ``HETTRAIN_ALLOWED_PRIORITY_CLASSES`` (comma-separated;
 empty: none), ``HETTRAIN_UNSCHEDULABLE_SECONDS`` (120), ``HETTRAIN_SCRAPER_NAMESPACE``
-(monitoring), ``HETTRAIN_EVENT_INTERVAL_SECONDS`` (60).
+(monitoring), ``HETTRAIN_OPERATOR_NAMESPACE`` (the operator's namespace, admitted to the
+training pods' metrics ports for calibration; the chart sets it; empty: not admitted),
+``HETTRAIN_EVENT_INTERVAL_SECONDS`` (60).
 
 Shared clusters: a node is held only by pods whose controller ownerReference is a live job
 (uid checked against the job index) or by the recorded plan of a live job that is launching
@@ -36,17 +38,24 @@ from dataclasses import replace
 from typing import Any
 
 import kopf
+import yaml
 
-from hettrain import metrics
+from hettrain import calibration_scrape, metrics
 from hettrain.api import constants as c
+from hettrain.api.spec import SpecError, parse_job_spec
 from hettrain.eventlimit import EventLimiter
 from hettrain.kube import apply as kube
+from hettrain.kube import profile_store
 from hettrain.kube.storage import checkpoint_storage_problem
 from hettrain.manifests.ownership import controller_job, owned_by
+from hettrain.manifests.profiles import PROFILE_STORE
 from hettrain.planguard import Budget, PassWatchdog, PlanWorkers
+from hettrain.planning.calibration import store_key
 from hettrain.planning.catalog import DeviceSpec
+from hettrain.planning.errors import PlanningInputError
 from hettrain.planning.inventory import Link, load_topology
 from hettrain.planning.plan import Plan
+from hettrain.planning.profiles import model_shape, profile_from_doc
 from hettrain.reconcile import (
     UNSCHEDULABLE_SECONDS,
     Decision,
@@ -96,6 +105,7 @@ _events_lock = threading.Lock()
 _priority_classes: tuple[str, ...] = ()
 _unschedulable_seconds = UNSCHEDULABLE_SECONDS
 _scraper_namespace = "monitoring"
+_operator_namespace = ""  # HETTRAIN_OPERATOR_NAMESPACE: admitted to the metrics ports too
 HOLDING_PHASES = (c.PHASE_LAUNCHING, c.PHASE_RUNNING)
 
 
@@ -159,7 +169,7 @@ def _configure_shared_cluster() -> None:
     """Planning workers, pass watchdog, allow-lists and limits from the environment; a bad
     value stops the operator naming the variable."""
     global _workers, _watchdog, _events, _priority_classes, _unschedulable_seconds
-    global _scraper_namespace
+    global _scraper_namespace, _operator_namespace
     try:
         budget = Budget.from_env()
         _unschedulable_seconds = _positive_env("HETTRAIN_UNSCHEDULABLE_SECONDS",
@@ -170,6 +180,7 @@ def _configure_shared_cluster() -> None:
     _priority_classes = tuple(x.strip() for x in os.environ.get(
         "HETTRAIN_ALLOWED_PRIORITY_CLASSES", "").split(",") if x.strip())
     _scraper_namespace = os.environ.get("HETTRAIN_SCRAPER_NAMESPACE", "monitoring")
+    _operator_namespace = os.environ.get("HETTRAIN_OPERATOR_NAMESPACE", "").strip()
     _watchdog = PassWatchdog(limit_s=3 * budget.timeout_s + 60.0)
     _workers = PlanWorkers(budget)
     _workers.warm()
@@ -340,14 +351,23 @@ def _apply(ns: str, name: str, d: Decision, old_phase: str | None, uid: str) -> 
     if d.delete:
         kube.delete_all(_api, ns, d.delete, owner_uid=uid)
     pods = [o for o in d.create if o["kind"] == "Pod"]
-    # Service, ConfigMap and the status write go out together; the pods only after all three.
+    # Service, NetworkPolicy and ConfigMap go out together, then the status write, then the
+    # pods. A status naming a new plan is written only once its ConfigMap exists: a crash
+    # in between (operator killed, apiserver gone) never leaves a recorded plan without it.
     # (A new attempt's ConfigMap left by a crash before its status write is stale: replace.)
-    calls = [functools.partial(kube.create, _api, ns, obj,
-                               replace=d.plan is not None and obj["kind"] == "ConfigMap")
-             for obj in d.create if obj["kind"] != "Pod"]
+    try:
+        kube.run_all([functools.partial(kube.create, _api, ns, obj,
+                                        replace=d.plan is not None and obj["kind"] == "ConfigMap")
+                      for obj in d.create if obj["kind"] != "Pod"])
+    except kube.ForeignObjectError as err:
+        if d.plan is not None and d.status and err.kind == "ConfigMap":
+            # the new attempt's ConfigMap name is taken by a foreign object: record the
+            # attempt anyway, so the next pass (no plan to read) plans attempt+1 under a
+            # fresh name instead of retrying this one forever
+            kube.patch_status(_api, ns, name, d.status)
+        raise
     if d.status:
-        calls.append(functools.partial(kube.patch_status, _api, ns, name, d.status))
-    kube.run_all(calls)
+        kube.patch_status(_api, ns, name, d.status)
     if d.plan is not None:
         _plans[(ns, name)] = (int(d.status.get("attempt") or 0), d.plan)
         metrics.set_plan(ns, name, d.plan.world_size, d.plan.predicted.tokens_per_s,
@@ -363,6 +383,7 @@ def _apply(ns: str, name: str, d: Decision, old_phase: str | None, uid: str) -> 
                                  time.monotonic(), {p["metadata"]["name"]: p for p in pods})
     if d.repair_cause:
         metrics.REPAIRS.labels(ns, name, d.repair_cause).inc()
+    _apply_calibration(ns, name, d)
     if d.plan_failure:
         metrics.PLAN_FAILURES.labels(ns, name, d.plan_failure).inc()
     phase = d.status.get("phase") or old_phase
@@ -419,8 +440,10 @@ def _reconcile_once(ns: str, name: str, pods_by_job: Any, nodes_by_name: Any,
                    foreign_gpus=_foreign_gpus(gpu_pods_by_node, live),
                    unschedulable_seconds=_unschedulable_seconds,
                    priority_classes=_priority_classes, scraper_namespace=_scraper_namespace,
+                   operator_namespace=_operator_namespace,
                    storage_problem=checkpoint_storage_problem(_api, ns, body.get("spec")))
     obs = replace(obs, held=_held_by_others(ns, name, pods_by_job, jobs_by_key))
+    obs = _with_calibration_inputs(ns, body, obs)
     planner = (_workers.planner((ns, name)) if _workers is not None else default_planner)
     t1 = time.perf_counter()
     d = reconcile(body, obs, planner)
@@ -443,6 +466,51 @@ def _reconcile_once(ns: str, name: str, pods_by_job: Any, nodes_by_name: Any,
                  1e3 * (d.plan_seconds or 0), 1e3 * (time.perf_counter() - t2),
                  len(d.create), len(d.delete))
     return body, d
+
+
+def _with_calibration_inputs(ns: str, body: Mapping[str, Any], obs: Observed) -> Observed:
+    """With ``spec.calibration`` (``enabled`` or ``profile``): the profile store's profiles
+    for this job's model and image, and (enabled, while Running) the stage times its runtime
+    measured
+    (:mod:`hettrain.calibration_scrape`). Unusable inputs are skipped, never fatal."""
+    try:
+        spec = parse_job_spec(body.get("spec"))
+    except SpecError:
+        return obs
+    if not (spec.calibration.enabled or spec.calibration.profile):
+        return obs
+    profiles = {}
+    for key, text in profile_store.read_profiles(_api, ns).items():
+        try:
+            prof = profile_from_doc(yaml.safe_load(text), f"{PROFILE_STORE}/{key}")
+        except (yaml.YAMLError, PlanningInputError):
+            log.warning("%s/%s: unusable profile %s in %s", ns, body["metadata"]["name"], key,
+                        PROFILE_STORE)
+            continue
+        if key == store_key(prof.device, model_shape(spec.model), spec.image):
+            profiles[prof.device] = prof
+    reports = []
+    status = body.get("status") or {}
+    done = status.get("calibration") or {}
+    decided = (str(done.get("attempt")) == str(status.get("attempt"))
+               and not done.get("pendingReplan"))  # nothing left to measure this attempt
+    if (spec.calibration.enabled and status.get("phase") == c.PHASE_RUNNING
+            and obs.plan is not None and not decided):
+        attempt = str(status.get("attempt") or 0)
+        pods = [p for p in obs.pods
+                if ((p.get("metadata") or {}).get("labels") or {}).get(c.LABEL_ATTEMPT) == attempt]
+        reports = calibration_scrape.scrape(calibration_scrape.stage_targets(obs.plan, pods))
+    return replace(obs, profiles=profiles, stage_reports=tuple(reports))
+
+
+def _apply_calibration(ns: str, name: str, d: Decision) -> None:
+    """Store refined profiles; export predicted vs measured stage times and re-plans."""
+    if d.profiles_to_store:
+        profile_store.store_profiles(_api, ns, d.profiles_to_store)
+    if d.calibration:
+        metrics.set_calibration(ns, name, d.calibration)
+    if d.calibration_replan:
+        metrics.CALIBRATION_REPLANS.labels(ns, name).inc()
 
 
 def _live_jobs(jobs_by_key: Any) -> dict[tuple[str, str], str]:

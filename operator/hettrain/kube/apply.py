@@ -36,7 +36,11 @@ class GangCreateError(RuntimeError):
 
 class ForeignObjectError(RuntimeError):
     """An object with a child's name exists but the job does not own it: never adopted,
-    merged into or deleted."""
+    merged into or deleted. ``kind`` is the child's kind."""
+
+    def __init__(self, message: str, kind: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def load_client(kubeconfig: str | None = None) -> k8s.ApiClient:
@@ -99,7 +103,8 @@ def create(api: k8s.ApiClient, ns: str, obj: dict[str, Any], replace: bool = Fal
     """Create one object; True if created. Already there (409): False if the job (the
     object's own controller ownerReference, by uid) owns it, or with ``replace`` its
     ``data``/labels are overwritten by a merge patch (ConfigMaps of a not-yet-launched
-    attempt). An existing object the job does not own raises :class:`ForeignObjectError`."""
+    attempt). A leftover of an earlier job of the same name (other uid) is replaced. Any
+    other existing object the job does not own raises :class:`ForeignObjectError`."""
     path = _collection(ns, obj["kind"])
     status, _ = request(api, "POST", path, obj, ok=(409,))
     if status != 409:
@@ -109,16 +114,38 @@ def create(api: k8s.ApiClient, ns: str, obj: dict[str, Any], replace: bool = Fal
     got, existing = request(api, "GET", f"{path}/{quote(name)}", ok=(404,))
     if got == 404:  # deleted meanwhile: the next pass creates it
         return False
+    if owner is not None and _leftover_of_namesake(existing, owner):
+        # a child of an earlier job of the same name (deleted and created again; the garbage
+        # collector has not removed it yet): not a foreign object, so remove it now (uid
+        # precondition) and create ours instead of failing the launch with ForeignObject
+        request(api, "DELETE", f"{path}/{quote(name)}",
+                {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0,
+                 "propagationPolicy": "Background",
+                 "preconditions": {"uid": existing["metadata"]["uid"]}}, ok=(404, 409))
+        status, _ = request(api, "POST", path, obj, ok=(409,))
+        if status == 409:
+            raise RuntimeError(f"{obj['kind']} {ns}/{name}: the leftover of an earlier job "
+                               f"{owner[0]} is still being deleted; retrying")
+        return True
     if owner is None or not owned_by(existing, owner[1]):
         raise ForeignObjectError(
             f"{obj['kind']} {ns}/{name} exists but is not owned by job {owner and owner[0]}; "
-            "delete or rename it (the operator never adopts objects it does not own)")
+            "delete or rename it (the operator never adopts objects it does not own)",
+            kind=str(obj["kind"]))
     if replace:
         patch = {"metadata": {"labels": obj["metadata"].get("labels") or {},
                               "resourceVersion": existing["metadata"]["resourceVersion"]},
                  "data": obj.get("data") or {}}
         request(api, "PATCH", f"{path}/{quote(name)}", patch, _MERGE_PATCH)
     return False
+
+
+def _leftover_of_namesake(existing: dict[str, Any], owner: tuple[str, str]) -> bool:
+    """Whether ``existing`` is controlled by a HetTrainingJob of the same name as ``owner``
+    but another uid: an earlier, deleted job of that name (two live jobs never share a
+    namespace and name), whose children the garbage collector removes anyway."""
+    prev = controller_job(existing)
+    return prev is not None and prev[0] == owner[0] and prev[1] != owner[1]
 
 
 def delete(api: k8s.ApiClient, ns: str, kind: str, name: str, owner_uid: str | None = None

@@ -147,10 +147,21 @@ def pod_names(job: str, plan: Plan, attempt: int) -> list[str]:
     return [pod_name(job, attempt, plan.ranks_on(node)[0].rank) for node in plan.nodes()]
 
 
+def node_pinning(node: str) -> dict[str, Any]:
+    """Pod-spec fields that pin a pod to ``node`` (required node affinity on its hostname
+    label) and tolerate the kwok fake-node taint, so the same manifests run on kwok."""
+    return {
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": c.LABEL_HOSTNAME, "operator": "In", "values": [node]}]}]}}},
+        "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists",
+                         "effect": "NoSchedule"}],
+    }
+
+
 def build_pods(job: JobRef, spec: JobSpec, plan: Plan, attempt: int,
                resume: bool) -> list[dict[str, Any]]:
     """One Pod per planned node, hosting that node's consecutive ranks, pinned to the node."""
-    stages = {s.index: s for s in plan.stages}
     addr = master_addr(job, plan, attempt)
     fingerprint = plan_fingerprint(plan)
     pods = []
@@ -159,13 +170,15 @@ def build_pods(job: JobRef, spec: JobSpec, plan: Plan, attempt: int,
         start = ranks[0].rank
         if [r.rank for r in ranks] != list(range(start, start + len(ranks))):
             raise ValueError(f"plan: ranks on node {node} are not consecutive; re-plan")
-        stage = stages[ranks[0].stage]
+        stage = plan.stage_of(ranks[0])  # its replica group's stage with plan.groups
         resource = c.VENDOR_RESOURCES.get(stage.vendor)
         name = pod_name(job.name, attempt, start)
         labels = common_labels(job.name, COMPONENT_WORKER)
         labels.update({c.LABEL_RANK: str(start), c.LABEL_STAGE: str(stage.index),
                        c.LABEL_PLAN_HASH: fingerprint, c.LABEL_ATTEMPT: str(attempt),
                        c.LABEL_POOL: ranks[0].pool})
+        if plan.groups:  # the stage label is a coordinate inside this group's pipeline
+            labels[c.LABEL_GROUP] = str(ranks[0].group)
         env = {
             c.ENV_PLAN_PATH: f"{PLAN_MOUNT_DIR}/{c.PLAN_CONFIGMAP_KEY}",
             c.ENV_MASTER_ADDR: addr,
@@ -209,11 +222,7 @@ def build_pods(job: JobRef, spec: JobSpec, plan: Plan, attempt: int,
             "restartPolicy": "Never",
             "hostname": name,
             "subdomain": service_name(job.name),
-            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [{"matchExpressions": [
-                    {"key": c.LABEL_HOSTNAME, "operator": "In", "values": [node]}]}]}}},
-            "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists",
-                             "effect": "NoSchedule"}],
+            **node_pinning(node),
             "containers": [container],
             "volumes": volumes,
         }
@@ -237,6 +246,7 @@ def build_pods(job: JobRef, spec: JobSpec, plan: Plan, attempt: int,
 #: the job's NetworkPolicy can admit exactly these ports.
 COLLECTIVE_PORT_RANGE = (30000, 30999)
 RUNTIME_METRICS_PORT = 9400
+METRICS_PORTS_PER_POD = 64  # one per rank of a pod (gpusPerNode <= 64)
 RUNTIME_UID = 10001  # the runtime image's user (images/runtime/Dockerfile)
 ENV_COLLECTIVE_PORTS = "HETTRAIN_COLLECTIVE_PORTS"
 
@@ -261,12 +271,16 @@ def network_policy_name(job: str) -> str:
     return dns_name(job, "net", limit=253)
 
 
-def build_network_policy(job: JobRef, scraper_namespace: str = "monitoring") -> dict[str, Any]:
+def build_network_policy(job: JobRef, scraper_namespace: str = "monitoring",
+                         operator_namespace: str = "") -> dict[str, Any]:
     """Ingress to the job's pods only from the job's own pods, on the ports they use
-    (TCPStore, the pinned collective range), plus the metrics port from the scraper's
-    namespace. Everything else (other tenants, other jobs) is denied."""
+    (TCPStore, the pinned collective range), plus the metrics ports from the scraper's
+    namespace and (when given) the operator's own, whose calibration reads them.
+    Everything else (other tenants, other jobs) is denied."""
     me = {c.LABEL_JOB: job_label(job.name)}
     lo, hi = COLLECTIVE_PORT_RANGE
+    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
+                for ns in dict.fromkeys((scraper_namespace, operator_namespace)) if ns]
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": _meta(job, network_policy_name(job.name),
@@ -278,9 +292,10 @@ def build_network_policy(job: JobRef, scraper_namespace: str = "monitoring") -> 
                 {"from": [{"podSelector": {"matchLabels": me}}],
                  "ports": [{"protocol": "TCP", "port": c.DEFAULT_MASTER_PORT},
                            {"protocol": "TCP", "port": lo, "endPort": hi}]},
-                {"from": [{"namespaceSelector": {"matchLabels": {
-                    "kubernetes.io/metadata.name": scraper_namespace}}}],
-                 "ports": [{"protocol": "TCP", "port": RUNTIME_METRICS_PORT}]},
+                {"from": scrapers,
+                 # rank r of a pod serves on 9400 + r (calibration reads every stage's first)
+                 "ports": [{"protocol": "TCP", "port": RUNTIME_METRICS_PORT,
+                            "endPort": RUNTIME_METRICS_PORT + METRICS_PORTS_PER_POD - 1}]},
             ],
         },
     }

@@ -102,3 +102,17 @@ def divisors_up_to(n: int, limit: int) -> list[int]:
                 grown.append(x)
         divs.extend(grown)
     return sorted(d for d in divs if d <= limit)
+
+
+def shard_bounds(n: int, shards: int) -> list[tuple[int, int]]:
+    """Split ``n`` items into ``shards`` contiguous ranges (the first ``n % shards`` one
+    longer): a flat buffer's shards in the runtime, a layer range's stages in the planner."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    base, extra = divmod(n, shards)
+    out, start = [], 0
+    for j in range(shards):
+        end = start + base + (1 if j < extra else 0)
+        out.append((start, end))
+        start = end
+    return out

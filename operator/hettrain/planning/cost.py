@@ -25,6 +25,10 @@ allocates them: bf16/fp16 mixed precision keeps 2 (weights) + 4 (fp32 main grads
 master, Adam m and v); ZeRO-1 shards the 12 over the stage's data-parallel ranks. fp32 training
 keeps 4 + 4 + 8 (the weights are the master).
 
+Context parallelism (``cp > 1``): :func:`stage_memory` counts a CP rank's ``s/cp`` tokens and
+what its attention keeps of the whole sequence; the time of a CP layer is in
+``planning/context.py``.
+
 Communication uses the α–β model (Hockney; Thakur et al., "Optimization of Collective
 Communication Operations in MPICH", 2005): a ring all-reduce of ``n`` bytes over ``k`` ranks costs
 ``2·(k−1)·α + 2·(k−1)/k · n/β``; reduce-scatter and all-gather cost half of that each.
@@ -32,7 +36,7 @@ Communication Operations in MPICH", 2005): a ring all-reduce of ``n`` bytes over
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hettrain.api.spec import ModelSpec, TrainingSpec
 from hettrain.planning.catalog import DeviceSpec
@@ -176,11 +180,20 @@ def layer_time_s(model: ModelSpec, training: TrainingSpec, micro_batch: int, tp:
             + tp_comm_per_layer_s(model, micro_batch, tp, device, eb, training.recompute))
 
 
-def head_time_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec) -> float:
-    """Seconds of the LM head (vocab-parallel logits, forward + 2 backward GEMMs) per
-    microbatch on one TP rank."""
-    flops = 3 * head_forward_flops(model, micro_batch * model.seq_len) / tp
-    return flops / (device.flops * device.efficiency) + 3 * KERNEL_FIXED_S
+def head_time_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
+                elem_bytes: int = 2) -> float:
+    """Seconds of the LM head (forward + 2 backward GEMMs) per microbatch on one TP rank: the
+    logits are vocab-parallel where :func:`vocab_shards` splits them, else replicated. A
+    vocab-parallel head also all-reduces its input gradient over the TP group (its
+    cross-entropy's three ``s·b``-float all-reduces are left out: latency only)."""
+    shards = vocab_shards(model, tp)
+    flops = 3 * head_forward_flops(model, micro_batch * model.seq_len) / shards
+    t = flops / (device.flops * device.efficiency) + 3 * KERNEL_FIXED_S
+    if shards > 1:
+        nbytes = model.seq_len * micro_batch * model.hidden * elem_bytes
+        t += ring_all_reduce_s(nbytes, tp, device.intra_node_gbps * TP_BUS_EFFICIENCY,
+                               TP_LATENCY_S)
+    return t
 
 
 def min_seconds_per_flop(device: DeviceSpec, model: ModelSpec | None = None) -> float:
@@ -266,6 +279,41 @@ def activation_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, reco
     return s * b * (replicated + sharded / tp) + rope
 
 
+def cp_local_model(model: ModelSpec, cp: int) -> ModelSpec:
+    """``model`` as one context-parallel rank sees its token-local work: ``seq_len / cp``
+    tokens per sequence (its two load-balanced chunks); ``model`` itself when ``cp == 1``."""
+    return model if cp <= 1 else replace(model, seq_len=model.seq_len // cp)
+
+
+def cp_attention_extra_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, cp: int,
+                                       recompute: str, elem_bytes: int = 2) -> float:
+    """Bytes a CP rank's attention keeps per layer and microbatch beyond the token-local count
+    of :func:`activation_bytes_per_layer` on ``seq_len / cp`` tokens, as
+    ``runtime/context_parallel.py`` holds them (0 for ``cp == 1`` or full recompute, whose
+    working set adds the ``none`` value once).
+
+    ``none``: the gathered keys and values after the GQA repeat (the SDPA inputs, ``h/tp`` wide
+    each) cover the whole sequence, not only the rank's tokens: ``2·(s − s/cp)·h/tp`` more;
+    and the per-chunk SDPA outputs are kept by the kernels besides their concatenation
+    (the output projection's input): ``(s/cp)·h/tp`` more; and each chunk's causal mask over
+    its key prefix, which SDPA keeps converted to the plan precision: ``L·(j+1)·L`` elements
+    for chunk ``j`` of ``L = s/2cp`` tokens, ``L²·(2cp+1)`` for the rank's two chunks (not per
+    sequence: the mask broadcasts over the microbatch). ``selective`` keeps the checkpoint's
+    inputs, the gathered keys and values before the repeat (``kv/tp`` each) over the whole
+    sequence: ``2·(s − s/cp)·kv/tp`` more."""
+    if cp <= 1 or recompute == "full":
+        return 0.0
+    s, b, h = model.seq_len, micro_batch, model.hidden
+    local = s // cp
+    eb = float(elem_bytes)
+    if recompute == "selective":
+        kv = model.kv_heads * model.head_dim
+        return b * 2 * (s - local) * kv / tp * eb
+    chunk = s // (2 * cp)
+    masks = chunk * chunk * (2 * cp + 1) * eb
+    return b * (2 * (s - local) + local) * h / tp * eb + masks
+
+
 def recompute_working_set_bytes(model: ModelSpec, micro_batch: int, tp: int, recompute: str,
                                 elem_bytes: int = 2) -> float:
     """Full recompute: what the backward of one layer holds while it re-runs that layer's
@@ -286,9 +334,16 @@ LOSS_SCALAR_BYTES = 8.0  # the loss and the cross-entropy's weight total, fp32 s
 
 
 def embedding_params(model: ModelSpec) -> int:
-    """Token embedding (first stage) or LM head (last stage) parameters; replicated on every TP
-    rank of the stage (the runtime does not shard the vocabulary)."""
+    """Token embedding (first stage) or LM head (last stage) parameters of the whole model; a
+    TP rank holds ``1/`` :func:`vocab_shards` of them."""
     return model.vocab * model.hidden
+
+
+def vocab_shards(model: ModelSpec, tp: int) -> int:
+    """How many ways a stage with TP degree ``tp`` splits the vocabulary (embedding rows, LM
+    head rows, logits): ``tp`` when the vocabulary divides by it (the runtime's vocab-parallel
+    embedding and cross-entropy, ``runtime/tensor_parallel.py``), else 1 (replicated)."""
+    return tp if tp > 1 and model.vocab % tp == 0 else 1
 
 
 def in_flight_microbatches(stage: int, pp: int, m: int, schedule: str,
@@ -360,7 +415,7 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
                  in_flight: float, first: bool, last: bool,
                  virtual_stages: int = 1, pending_w: float = 0.0,
                  head_in_flight: float = 1.0, ids_in_flight: float | None = None,
-                 zb_stash: float = 0.0) -> StageMemory:
+                 zb_stash: float = 0.0, cp: int = 1) -> StageMemory:
     """Per-device memory of a stage as a function of its layer count.
 
     ``in_flight``: :func:`in_flight_microbatches`. Besides the model state and the layers'
@@ -375,23 +430,40 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     replaced its activations: where one microbatch's stash outweighs its activations (full
     recompute keeps only the layer input) the difference is added.
     :func:`schedule_memory_args` gives the schedule-dependent arguments.
+
+    Context parallelism ``cp > 1`` (``runtime/context_parallel.py``): every token-local term
+    counts the rank's ``seq_len / cp`` tokens (:func:`cp_local_model`), each layer adds what
+    the CP attention keeps beyond that (:func:`cp_attention_extra_bytes_per_layer`: the
+    gathered full-sequence keys/values), and ZeRO-1 shards over the ``dp·cp`` gradient group.
     """
-    per_param = state_bytes_per_param(training, dp)
+    per_param = state_bytes_per_param(training, dp * cp)
     eb = precision_bytes(training)
+    if cp > 1:
+        full, model = model, cp_local_model(model, cp)
+        cp_extra = cp_attention_extra_bytes_per_layer(full, micro_batch, tp, cp,
+                                                      training.recompute, eb)
+    else:
+        cp_extra = 0.0
     s, b, h = model.seq_len, micro_batch, model.hidden
-    act = activation_bytes_per_layer(model, micro_batch, tp, training.recompute, eb) * in_flight
+    act_one = activation_bytes_per_layer(model, micro_batch, tp, training.recompute, eb) + cp_extra
+    act = act_one * in_flight
     stash_one = weight_grad_stash_bytes_per_layer(model, micro_batch, tp, eb)
-    act_one = activation_bytes_per_layer(model, micro_batch, tp, training.recompute, eb)
     stash = stash_one * pending_w + zb_stash * max(0.0, stash_one - act_one)
     # matmul weights are TP-sharded, the norms replicated on every TP rank
     params = layer_matmul_params(model) / tp + (2 + NORM_BIAS_PARAMS_H) * h
     per_layer = params * per_param + act + stash
     fixed = float(FRAMEWORK_OVERHEAD_BYTES)
     fixed += recompute_working_set_bytes(model, micro_batch, tp, training.recompute, eb)
+    if training.recompute == "full" and cp > 1:  # the re-run layer's gathered keys/values
+        fixed += cp_attention_extra_bytes_per_layer(full, micro_batch, tp, cp, "none", eb)
     chunks_in_flight = in_flight * virtual_stages
+    vs = vocab_shards(model, tp)
+    # vocab-parallel: the embedding keeps its local int64 ids and a bool out-of-range mask; the
+    # cross-entropy its local int64 target index and a bool in-range mask (1 byte each)
+    mask = 1.0 if vs > 1 else 0.0
     if first:
-        table = embedding_params(model) + (s * h if LEARNED_POSITIONS else 0)
-        ids = s * b * 8.0 + (s * 8.0 if LEARNED_POSITIONS else 0.0)  # int64 tokens, positions
+        table = embedding_params(model) / vs + (s * h if LEARNED_POSITIONS else 0)
+        ids = s * b * (8.0 + mask) + (s * 8.0 if LEARNED_POSITIONS else 0.0)  # int64 tokens
         fixed += table * per_param + ids * (in_flight if ids_in_flight is None
                                             else ids_in_flight)
     if not last:
@@ -399,13 +471,13 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     else:
         if virtual_stages > 1:  # the last stage's earlier chunks feed stage 0
             fixed += s * b * h * eb * max(0.0, chunks_in_flight - 1)
-        head_table = 0 if (first and model.tie_embeddings) else embedding_params(model)
+        head_table = 0 if (first and model.tie_embeddings) else embedding_params(model) / vs
         fixed += (head_table + (1 + NORM_BIAS_PARAMS_H // 2) * h) * per_param  # + final norm
-        logits = s * b * model.vocab
+        logits = s * b * model.vocab / vs  # this rank's logit columns
         # per microbatch in flight: the final (fp32) RMSNorm's saved tensors; the saved fp32
-        # log-softmax; the int64 targets
+        # log-softmax (vocab-parallel: softmax); the int64 targets
         fixed += head_in_flight * (s * b * rms_norm_saved_bytes_per_token(h, eb)
-                                   + logits * 4.0 + s * b * 8.0 + LOSS_SCALAR_BYTES)
+                                   + logits * 4.0 + s * b * (8.0 + mask) + LOSS_SCALAR_BYTES)
         fixed += logits * (eb + (4.0 if eb != 4 else 0.0))  # logits + fp32 copy, transient
         fixed += pending_w * (s * b * h + logits) * eb  # ZB-H1: the head's stashed W inputs
     return StageMemory(fixed, per_layer)
@@ -438,6 +510,54 @@ def transfer_s(nbytes: float, gbytes_per_s: float, latency_s: float) -> float:
 def host_staged_gbytes(src: DeviceSpec, dst: DeviceSpec, network_gbytes: float) -> float:
     """Effective bandwidth of a cross-vendor hop: device→host, network, host→device in series."""
     return 1.0 / (1.0 / src.pcie_gbps + 1.0 / network_gbytes + 1.0 / dst.pcie_gbps)
+
+
+# ---------------------------------------------------------------- DP sync overlapped with backward
+
+DP_BUCKET_BYTES = 25 * 2**20  # the runtime's gradient bucket (runtime/grad_sync.py; torch DDP's)
+# fraction of the backward window the DP all-reduce can use when it runs alongside compute
+# (the collective's kernels and the GEMMs contend for SMs and memory bandwidth); an estimate,
+# not fitted: no published row overlaps its DP sync (Megatron SC'21 reduced after the backward)
+DP_OVERLAP_SHARE = 0.8
+
+
+def backward_fraction(recompute: str) -> float:
+    """Share of a layer's fwd+bwd compute spent in its backward (incl. a full recompute's
+    forward, which runs inside the backward): 2/3, or 3/4 with full recompute."""
+    passes = compute_passes(recompute)
+    return (passes - 1) / passes
+
+
+def dp_exposed_s(sync_s: float, last_bucket_s: float, window_s: float,
+                 share: float = DP_OVERLAP_SHARE) -> float:
+    """Exposed seconds of a bucketed DP gradient sync overlapped with the last microbatch's
+    backward of the stage (what ``runtime/grad_sync.py`` does).
+
+    ``sync_s``: the all-reduce of every bucket back to back; ``last_bucket_s``: the bucket the
+    backward finishes last (the first layers' gradients, incl. the embedding on the first
+    stage), which can only start when the backward ends and is always exposed;
+    ``window_s``: the last microbatch's backward on the stage, of which ``share`` is usable
+    for communication. The other buckets run during the window; what does not fit delays the
+    last one::
+
+        exposed = last + max(0, sync − last − share · window),   last = min(last_bucket, sync)
+    """
+    last = min(last_bucket_s, sync_s)
+    return last + max(0.0, sync_s - last - share * window_s)
+
+
+def dp_exposed_coeffs(c: float, e: float, window_per_layer: float, window_fixed: float,
+                      last_bucket_s: float, share: float = DP_OVERLAP_SHARE
+                      ) -> tuple[float, float]:
+    """The planner's affine form ``(c', e')`` of :func:`dp_exposed_s` for a stage whose full
+    sync is ``c·n + e`` and last-microbatch backward ``window_per_layer·n + window_fixed``
+    with ``n`` layers: ``c' = max(0, c − share·w)``, ``e' = last + max(0, e − last −
+    share·w_fixed)``. It is never below :func:`dp_exposed_s` (the positive part is
+    subadditive; equal when the two parts have the same sign) and keeps the layer split exact
+    (``planning/layers.py`` needs affine, non-decreasing DP times)."""
+    cc = max(0.0, c - share * window_per_layer)
+    ee = last_bucket_s + max(0.0, e - last_bucket_s - share * window_fixed)
+    return cc, ee
 
 
 def tp_all_reduces_per_layer(recompute: str) -> int:

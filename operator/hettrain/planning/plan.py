@@ -10,13 +10,21 @@ and runs on one device type with its own tensor-parallel
 degree ``tp``; its ``dp`` replicas may come from several pools of that device type (then the
 stage's DP all-reduce is hierarchical across pools or datacenters). Each rank is one GPU with
 coordinates ``(stage, dp, tp)``; ranks are numbered so that a node hosts consecutive ranks.
+
+Heterogeneous replicas (optional ``Plan.groups``): the data-parallel replicas form several
+replica groups, each its own pipeline (devices, stage count, layer split, TP) with its own
+number of replicas and microbatches per step (its share of the global batch). Each rank names
+its group (``RankPlan.group``) and its ``stage``/``dp`` are coordinates inside that group. The
+plan's top-level ``dp``/``pp``/``num_microbatches``/``stages`` then repeat group 0's, and
+``global_batch`` is the sum over the groups. Without groups nothing changes (and the JSON omits
+the new fields).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from hettrain.api.spec import ModelSpec, TrainingSpec
@@ -42,6 +50,7 @@ class StagePlan:
     time_ms: float  # forward+backward of one microbatch on this stage
     has_embedding: bool = False
     has_head: bool = False
+    cp: int = 1  # context parallelism: ranks sharing each sequence (runtime/context_parallel)
 
     @property
     def layers(self) -> int:
@@ -61,6 +70,28 @@ class RankPlan:
     stage: int
     dp: int
     tp: int
+    cp: int = 0  # index in the stage's context-parallel group (0..stage.cp-1)
+    group: int = 0  # replica group (Plan.groups); stage/dp are coordinates inside it
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaGroup:
+    """One group of identical DP replicas: its own pipeline and its share of the batch.
+
+    Its replicas each run ``num_microbatches`` microbatches of ``Plan.micro_batch`` sequences
+    per step, so the group's share of the global batch is ``dp * num_microbatches *
+    micro_batch`` sequences (proportional to its speed when the planner sizes it)."""
+
+    index: int
+    dp: int  # replicas in this group
+    pp: int
+    num_microbatches: int  # per replica per optimizer step
+    stages: tuple[StagePlan, ...]
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches the whole group runs per step (``dp * num_microbatches``)."""
+        return self.dp * self.num_microbatches
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +130,7 @@ class Plan:
     virtual_stages: int = 1  # interleaved schedule: model chunks per rank
     data: dict[str, Any] = field(default_factory=dict)  # spec.data.to_plan(): uri | synthetic
     version: int = PLAN_VERSION
+    groups: tuple[ReplicaGroup, ...] = ()  # heterogeneous replica groups (module docstring)
 
     @property
     def world_size(self) -> int:
@@ -107,18 +139,55 @@ class Plan:
 
     @property
     def global_batch(self) -> int:
-        """Sequences per optimizer step: dp * micro_batch * num_microbatches."""
-        return self.dp * self.micro_batch * self.num_microbatches
+        """Sequences per optimizer step: dp * micro_batch * num_microbatches (with groups:
+        micro_batch times the sum of every group's dp * num_microbatches)."""
+        return self.micro_batch * self.total_microbatches
+
+    @property
+    def total_microbatches(self) -> int:
+        """Microbatches per optimizer step over every replica (of every group)."""
+        if self.groups:
+            return sum(g.microbatches for g in self.groups)
+        return self.dp * self.num_microbatches
+
+    @property
+    def all_stages(self) -> tuple[StagePlan, ...]:
+        """Every stage of every replica group (the plan's stages without groups)."""
+        if self.groups:
+            return tuple(s for g in self.groups for s in g.stages)
+        return self.stages
 
     @property
     def pools(self) -> tuple[str, ...]:
-        """Distinct pools used, in stage order."""
-        return tuple(dict.fromkeys(p for s in self.stages for p in s.pools))
+        """Distinct pools used, in stage order (groups in order)."""
+        return tuple(dict.fromkeys(p for s in self.all_stages for p in s.pools))
 
     @property
     def datacenters(self) -> tuple[str, ...]:
-        """Distinct datacenters used, in stage order."""
-        return tuple(dict.fromkeys(d for s in self.stages for d in s.datacenters))
+        """Distinct datacenters used, in stage order (groups in order)."""
+        return tuple(dict.fromkeys(d for s in self.all_stages for d in s.datacenters))
+
+    def stage_of(self, rank: RankPlan) -> StagePlan:
+        """The stage ``rank`` runs (in its replica group's pipeline when there are groups)."""
+        return (self.groups[rank.group].stages if self.groups else self.stages)[rank.stage]
+
+    def group_ranks(self, group: int) -> tuple[RankPlan, ...]:
+        """Ranks of replica group ``group`` in rank order (every rank without groups)."""
+        return tuple(r for r in self.ranks if r.group == group)
+
+    def group_row_offset(self, group: int) -> int:
+        """First global-batch row of replica group ``group`` (groups take consecutive rows,
+        in group order; replica ``d`` of the group the ``d``-th block after it)."""
+        return self.micro_batch * sum(g.microbatches for g in self.groups[:group])
+
+    def group_plan(self, group: int) -> Plan:
+        """Replica group ``group`` as a plain plan: its stages, replicas and microbatches, its
+        ranks renumbered ``0..n-1`` in rank order. Everything else (model, training, data,
+        schedule) is the job's; ``global_batch`` is the group's share."""
+        g = self.groups[group]
+        ranks = tuple(replace(r, rank=i, group=0) for i, r in enumerate(self.group_ranks(group)))
+        return replace(self, dp=g.dp, pp=g.pp, num_microbatches=g.num_microbatches,
+                       stages=g.stages, ranks=ranks, groups=())
 
     def nodes(self) -> tuple[str, ...]:
         """Distinct nodes in rank order."""
@@ -131,8 +200,18 @@ class Plan:
     # ------------------------------------------------------------ serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict (tuples become lists)."""
-        return _jsonable(asdict(self))
+        """Plain JSON-ready dict (tuples become lists); ``cp`` fields at their defaults
+        (no context parallelism) are left out, so such plans serialise as before."""
+        d = _jsonable(asdict(self))
+        stages = d["stages"] + [s for g in d["groups"] for s in g["stages"]]
+        for key, default, items in (("cp", 1, stages), ("cp", 0, d["ranks"]),
+                                    ("group", 0, d["ranks"])):
+            for item in items:
+                if item.get(key) == default:
+                    del item[key]
+        if not d["groups"]:
+            del d["groups"]
+        return d
 
     def to_json(self, indent: int | None = None) -> str:
         """Canonical JSON (sorted keys)."""
@@ -143,7 +222,7 @@ class Plan:
         d = self.to_dict()
         for k in ("predicted", "notes"):
             d.pop(k, None)
-        for s in d["stages"]:
+        for s in d["stages"] + [s for g in d.get("groups", ()) for s in g["stages"]]:
             for k in ("memory_gib", "time_ms"):
                 s.pop(k, None)
         blob = json.dumps(d, sort_keys=True).encode()
@@ -174,6 +253,10 @@ class Plan:
             virtual_stages=d.get("virtual_stages", 1),
             data=dict(d.get("data", {})),
             version=version,
+            groups=tuple(ReplicaGroup(index=g["index"], dp=g["dp"], pp=g["pp"],
+                                      num_microbatches=g["num_microbatches"],
+                                      stages=tuple(_build(StagePlan, s) for s in g["stages"]))
+                         for g in d.get("groups", ())),
         )
 
     @classmethod

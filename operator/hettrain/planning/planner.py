@@ -1,4 +1,5 @@
-"""The heterogeneous planner: DP×PP×TP, stage order over pools, non-uniform layers, microbatches.
+"""The heterogeneous planner: CP×DP×PP×TP, stage order over pools, non-uniform layers,
+microbatches.
 
 Search space (docs/planning.md): data-parallel degree ``dp`` (a divisor of the global batch), per
 unit a tensor-parallel degree (a power of two within a node) and a number of stages ``k_u``, an
@@ -7,17 +8,22 @@ split is solved exactly (:mod:`hettrain.planning.layers`).
 
 Fast mode (:func:`_search_fast`) is branch and bound. Units are device types (device × GPUs per
 node × DC), never single nodes. ``(dp, mb)`` pairs are visited in ascending order of a root
-bound; inside a pair a depth-first walk over units chooses "unused" or one ``(tp, k)`` per unit,
-pruned by :func:`bounds.partial_lower_bound`; complete choices get the tighter
-:func:`bounds.step_lower_bound` (whole layers, coupled bottleneck and bubble, DP balance,
-boundary transfers) and are evaluated best-bound first until the bound reaches the incumbent.
-Only ZB-H1 is evaluated for ``pp ≥ 2`` under ``schedule: auto`` (it dominates 1F1B and
-interleaved in the cost model). All of that is exact. Two heuristics apply only to large
+bound; each pair first evaluates a few greedy layouts (:func:`_seed_incumbent`), then a
+depth-first walk over units chooses "unused" or one ``(tp, k)`` per unit, pruned by
+:func:`bounds.partial_lower_bound` and ``spec.placement.maxGPUs``; complete choices get the
+tighter :func:`bounds.step_lower_bound` (whole layers, coupled bottleneck and bubble, DP
+balance, boundary transfers, in-flight memory) and are evaluated best-bound first until the
+bound reaches the incumbent, each stage order only if its stages can hold the layers
+(:func:`_memory_fits`). Under ``schedule: auto`` with ``pp ≥ 2`` ZB-H1 is evaluated, and 1F1B
+and interleaved only where their memory caps exceed ZB-H1's (elsewhere ZB-H1 dominates them;
+:func:`_evaluate_order`). All of that is exact. Two heuristics apply only to large
 instances: when the per-unit ``(tp, k)`` combinations exceed ``EXACT_LEAF_BUDGET`` the stage
 counts are limited to full use (``K_FULL_WINDOW``, plus every count where layers per stage
 step for single-unit layouts), and with more than ``MAX_PERMUTED_UNITS`` used units the stage
 order is fixed (datacenter by datacenter, fastest devices first). ``exhaustive=True``
 enumerates everything and brute-forces the layer splits: the reference the tests compare with.
+Context parallelism: each degree of :func:`_cp_options` is searched in turn with one incumbent
+(``_Search.use_cp``), ``dp`` then counting the DP×CP group (see "stage costs" below).
 """
 
 from __future__ import annotations
@@ -29,16 +35,20 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from hettrain.api.spec import JobSpec
-from hettrain.planning import cost
+from hettrain.planning import context, cost
 from hettrain.planning.arith import divisors_up_to
 from hettrain.planning.bounds import (
     Choice,
+    LeafBound,
+    PartialSums,
     UnitStats,
     boundary_lower_bounds,
+    order_caps_bound,
     ordered_boundaries,
+    partial_bound_of_sums,
     partial_lower_bound,
-    step_lower_bound,
 )
+from hettrain.planning.capsrows import CapsRows
 from hettrain.planning.errors import PlanningError, no_plan
 from hettrain.planning.inventory import ClusterInventory
 from hettrain.planning.layers import (
@@ -48,13 +58,16 @@ from hettrain.planning.layers import (
     split_layers_brute_force,
 )
 from hettrain.planning.placement import moved_ranks, place_ranks
-from hettrain.planning.plan import Plan, Prediction, StagePlan
+from hettrain.planning.plan import Plan, Prediction, RankPlan, StagePlan
+from hettrain.planning.replica_groups import plan_with_replica_group
 from hettrain.planning.units import Unit, build_units, filter_pools, spans_datacenters
 
 K_FULL_WINDOW = 1
 MAX_PERMUTED_UNITS = 4
 EXACT_LEAF_BUDGET = 20_000  # above this many (tp, k) combinations the k window applies
 MAX_MICRO_BATCH = 16
+ORDER_REFINEMENTS = 2  # _refine_order's stages: memory caps and divisor, then exact caps
+SEED_EVALUATIONS = 4  # greedy layouts evaluated per (dp, mb) pair before its branch and bound
 MAX_INTERLEAVE_CHUNKS = 4  # schedule: interleaved: model chunks per stage searched in 2..4
 AUTO_MAX_CHUNKS = 3  # schedule: auto: interleaved with 2..3 chunks (all dominated by ZB-H1)
 REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the best
@@ -83,6 +96,7 @@ class Candidate:
     memory: tuple[float, ...]
     grouping: str  # "split" or "merged"
     chunks: int = 1  # interleaved: model chunks per stage (virtual stages)
+    cp: int = 1  # context-parallel degree; ``dp`` counts the dp·cp replicas of the DP×CP group
 
     @property
     def pp(self) -> int:
@@ -91,8 +105,8 @@ class Candidate:
 
     def sort_key(self) -> tuple:
         """Deterministic preference: faster, then fewer stages, then names."""
-        return (round(self.step_time_s, 12), self.pp, self.dp, self.micro_batch, self.schedule,
-                self.chunks,
+        return (round(self.step_time_s, 12), self.pp, self.dp, self.cp, self.micro_batch,
+                self.schedule, self.chunks,
                 tuple(u.key for u in self.units), self.tps, self.split)
 
 
@@ -115,6 +129,22 @@ class _Search:
         self.over_max_gpus = 0  # layouts skipped for using more GPUs than that
         self.stage_memo: dict[tuple, tuple[StageCost, tuple[cost.StageMemory, float]]] = {}
         self.boundary_memo: dict[tuple, float] = {}
+        self.pp_fits: dict[tuple[int, int], bool] = {}  # (pp, m): some schedule runs it
+        self.caps_rows: dict[tuple[int, int], CapsRows] = {}  # (dp, mb): block layer caps
+        self.leaf_bounds: dict[tuple[Choice, ...], LeafBound] = {}  # leaves of one pair
+        self.pair_rows: CapsRows | None = None  # the block layer caps of the current pair
+        self.between_memo: dict[tuple, tuple[float, float]] = {}  # boundary bounds, one pair
+
+    def use_cp(self, spec: JobSpec) -> None:
+        """Search the context-parallel degree ``spec.parallelism.cp`` next (a concrete spec);
+        the incumbent carries over (its bound prunes the next degree), the memos do not."""
+        self.spec = spec
+        self.stage_memo.clear()
+        self.boundary_memo.clear()
+        self.caps_rows.clear()  # stage memory depends on cp
+        self.leaf_bounds.clear()
+        self.between_memo.clear()
+        self.pair_rows = None
 
     def offer(self, cand: Candidate) -> None:
         if self.best is None or cand.sort_key() < self.best.sort_key():
@@ -135,6 +165,42 @@ class _Search:
 
 
 # ---------------------------------------------------------------- stage costs
+#
+# Context parallelism: a search runs one concrete ``spec.parallelism.cp`` at a time
+# (:func:`_cp`); its ``dp`` then counts the ``dp·cp`` replicas of the DP×CP gradient group (the
+# runtime's ``context_parallel.comm_view``): GPUs, DP sync and ZeRO-1 follow it unchanged,
+# while the microbatches per replica use the true ``dp`` (:func:`_replica_batch`) and the stage
+# costs the CP model (``planning/context.py``).
+
+
+def _cp(spec: JobSpec) -> int:
+    """The context-parallel degree this (concrete) spec is searched at."""
+    return spec.parallelism.cp or 1
+
+
+def _replica_batch(spec: JobSpec, dp: int) -> int:
+    """Sequences per step of one true replica when ``dp`` counts the DP×CP group."""
+    return spec.training.global_batch // (dp // _cp(spec))
+
+
+def _dp_words(spec: JobSpec, dp: int) -> str:
+    """``dp=N`` (true replicas) and, with context parallelism, ``cp=C``: for messages."""
+    cp = _cp(spec)
+    return f"dp={dp // cp}" + (f", cp={cp}" if cp > 1 else "")
+
+
+def _layer_s(spec: JobSpec, unit: Unit, mb: int, tp: int) -> float:
+    """Seconds of one layer per microbatch on ``unit`` at ``tp`` (and the spec's CP)."""
+    cp = _cp(spec)
+    if cp == 1:
+        return cost.layer_time_s(spec.model, spec.training, mb, tp, unit.device)
+    link = context.cp_link(unit.device, unit.gpus_per_node, unit.nic_gbytes_per_gpu, tp, cp)
+    return context.cp_layer_time_s(spec.model, spec.training, mb, tp, cp, unit.device, link)
+
+
+def _head_s(spec: JobSpec, unit: Unit, mb: int, tp: int) -> float:
+    """Seconds of the LM head per microbatch on ``unit`` at ``tp`` (and the spec's CP)."""
+    return context.cp_head_time_s(spec.model, mb, tp, _cp(spec), unit.device)
 
 
 def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
@@ -165,10 +231,44 @@ def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
     codec = {"none": 1.0, "bf16": 0.5, "int8": 0.25}[mode.compression]  # bytes vs fp32
     shrink = {"sync": 1.0, "compress": codec,
               "diloco": codec / max(1, mode.outer_steps)}[mode.mode]
+    # ZeRO-1's parameter all-gather is never compressed and crosses the link once per byte
+    # per receiving DC (HetCommunicator.dp_all_gather_): eb/8 of the all-reduce's bytes
+    gather = eb / 8.0 if spec.training.optimizer_sharding else 0.0
     # every TP rank's shard owners share the link: tp·(1/tp of the grads) = the whole stage
-    per_byte_inter = cross * shrink * tp / (link.gbytes * 1e9)
+    per_byte_inter = cross * (shrink + gather) * tp / (link.gbytes * 1e9)
     lat = 2 * (local - 1) * cost.COLLECTIVE_LATENCY_S + 2 * (k - 1) * link.latency_ms / 1e3
-    return lat, factor * (intra + per_byte_inter), cross * shrink * tp
+    return lat, factor * intra + per_byte_inter, cross * (shrink + gather) * tp
+
+
+def _dp_exposed(unit: Unit, dp: int, tp: int, spec: JobSpec, c: float, e: float, lat: float,
+                per_byte: float, layer_s: float, head_s: float, first: bool
+                ) -> tuple[float, float]:
+    """``(c', e')``: the stage's EXPOSED DP seconds per layer and fixed, from its full sync
+    ``c·n + e`` (``_dp_time_per_byte``), as the runtime overlaps it (runtime/grad_sync.py).
+
+    The runtime overlaps only a DP group inside one pool (``HetCommunicator.dp_overlappable``);
+    a unit of several pools may place a stage's replicas in more than one, so there (and across
+    datacenters, and with ``overlapGradReduce: false``) the sync stays fully exposed. Else the
+    gradient all-reduce runs in buckets during the last microbatch's backward
+    (:func:`cost.dp_exposed_coeffs`): the window is the backward share of the layers' time
+    (plus the head's on the last stage); the last bucket, at most ``cost.DP_BUCKET_BYTES`` (or
+    the embedding's gradient on the first stage) and at most the model's, is exposed. ZeRO-1's
+    parameter all-gather follows the optimizer step: always exposed. ``dp`` is the gradient
+    group: ``dp·cp`` with context parallelism, so cp > 1 syncs even at dp = 1."""
+    if dp <= 1 or not spec.training.overlap_grad_reduce or len(unit.pools) != 1:
+        return c, e
+    model, training = spec.model, spec.training
+    eb = cost.precision_bytes(training)
+    factor = 1.0 + eb / 8.0 if training.optimizer_sharding else 1.0
+    c_red, e_red = c / factor, lat + (e - lat) / factor
+    c_gather, e_gather = c - c_red, (e - lat) - (e - lat) / factor
+    embed = cost.embedding_params(model) * 4.0 / cost.vocab_shards(model, tp)
+    whole = (cost.layer_params(model) * model.layers / tp + 2 * embed)
+    last_bytes = min(max(cost.DP_BUCKET_BYTES, embed if first else 0.0), whole)
+    last_s = lat + last_bytes * per_byte / factor
+    back = cost.backward_fraction(training.recompute)
+    cc, ee = cost.dp_exposed_coeffs(c_red, e_red, layer_s * back, head_s * 2.0 / 3.0, last_s)
+    return cc + c_gather, ee + e_gather
 
 
 def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_batch: int,
@@ -176,7 +276,8 @@ def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_b
     """Forward + backward transfer time of one microbatch across a stage boundary."""
     eb = cost.precision_bytes(spec.training)
     tp = max(1, min(tp_src, tp_dst))
-    nbytes = cost.boundary_link_bytes(spec.model, micro_batch, eb, tp_src, tp_dst)
+    nbytes = cost.boundary_link_bytes(cost.cp_local_model(spec.model, _cp(spec)), micro_batch,
+                                      eb, tp_src, tp_dst)
     nic = min(src.nic_gbytes_per_gpu, dst.nic_gbytes_per_gpu)
     lat = cost.COLLECTIVE_LATENCY_S
     shared_dcs = set(src.datacenters) & set(dst.datacenters)
@@ -206,12 +307,12 @@ def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
     Interleaved takes ``v`` in ``2..MAX_INTERLEAVE_CHUNKS`` (or the pinned
     ``spec.parallelism.virtualStages``), each stage holding at least ``v`` layers. Under
     ``schedule: auto`` the space is 1F1B, ZB-H1 and interleaved with ``v ≤ AUTO_MAX_CHUNKS``;
-    with ``exhaustive=False`` only the schedules that can win are listed
-    (:func:`_evaluate_order`): 1F1B for ``pp = 1``, else ZB-H1 and 1F1B. (More chunks could
-    beat ZB-H1
-    in this model at ``v``× the boundary traffic; searching them under auto loosens every bound
-    from ``bubble/3`` to ``bubble/v``, so they are left to an explicit ``schedule:
-    interleaved``.) ``layers=None`` skips the layer check (for the bubble divisor).
+    with ``exhaustive=False`` they are listed ZB-H1 first (it dominates the others on every
+    split it fits; :func:`_evaluate_order` skips a dominated one by comparing memory caps);
+    1F1B only for ``pp = 1``. (More chunks could beat ZB-H1 in this model at ``v``× the
+    boundary traffic; searching them under auto loosens every bound from ``bubble/3`` to
+    ``bubble/v``, so they are left to an explicit ``schedule: interleaved``.) ``layers=None``
+    skips the layer check (for the bubble divisor).
     """
     par = spec.parallelism
     pinned_v = par.virtual_stages
@@ -226,10 +327,34 @@ def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
         return [(par.schedule, 1)]
     if exhaustive:
         return [("1f1b", 1), *inter, ("zb-h1", 1)]
-    # ZB-H1 is never slower than 1F1B on one split, but its stash of deferred weight-gradient
-    # inputs (cost.zb_pending_weight_grads) makes it hold more memory: where that caps a
-    # stage, 1F1B may fit a split (or a layout) that ZB-H1 cannot, so both are evaluated
-    return [("1f1b", 1)] if pp == 1 else [("zb-h1", 1), ("1f1b", 1)]
+    # ZB-H1 is never slower than 1F1B or interleaved on one split, but its stash of deferred
+    # weight-gradient inputs (cost.zb_pending_weight_grads) can make it hold more memory:
+    # where that caps a stage, the others may fit a split (or a layout) that ZB-H1 cannot
+    return [("1f1b", 1)] if pp == 1 else [("zb-h1", 1), ("1f1b", 1), *inter]
+
+
+def _schedule_fits(schedule: str, v: int, pp: int, m: int, layers: int) -> bool:
+    """Whether ``schedule`` can run a ``pp``-stage pipeline of ``m`` microbatches: ZB-H1 and
+    interleaved need ``pp ≥ 2``; interleaved also ``m`` a multiple of ``pp`` and at least
+    ``v`` layers per stage (the runtime's schedule)."""
+    if schedule == "interleaved":
+        return pp >= 2 and m % pp == 0 and layers >= pp * v
+    if schedule == "zb-h1":
+        return pp >= 2
+    return True
+
+
+def _any_schedule_fits(search: _Search, pp: int, m: int) -> bool:
+    """Whether some schedule the search may pick runs ``pp`` stages (memoised): a leaf with
+    none has no layout, exactly."""
+    key = (pp, m)
+    fits = search.pp_fits.get(key)
+    if fits is None:
+        layers = search.spec.model.layers
+        fits = search.pp_fits[key] = any(
+            _schedule_fits(sched, v, pp, m, layers)
+            for sched, v in _schedule_options(search.spec, pp, layers, exhaustive=False))
+    return fits
 
 
 def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
@@ -240,16 +365,29 @@ def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m:
         pp = len(units)
         out, mems = [], []
         for i, (u, tp) in enumerate(zip(units, tps, strict=True)):
-            key = (u.key, tp, dp, mb, i == 0, i == pp - 1,
-                   *cost.schedule_memory_args(i, pp, m, schedule, v).values())
-            hit = memo.get(key)
-            if hit is None:
-                sc, sm = _stage_costs_raw([u], [tp], dp, mb, m, schedule, inv, spec, i, pp, v)
-                hit = memo[key] = (sc, sm)
+            hit = _stage_cost_at(memo, u, tp, dp, mb, i, pp, m, schedule, v, inv, spec)
             out.append(hit[0])
             mems.append(hit[1])
         return out, mems
     return _stage_costs_raw(units, tps, dp, mb, m, schedule, inv, spec, None, None, v)
+
+
+def _stage_cost_at(memo: dict, u: Unit, tp: int, dp: int, mb: int, i: int, pp: int, m: int,
+                   schedule: str, v: int, inv: ClusterInventory, spec: JobSpec
+                   ) -> tuple[StageCost, tuple[cost.StageMemory, float]]:
+    """Cost and memory of the stage at position ``i`` of ``pp`` (memoised in ``memo``)."""
+    # by position first (cheap key), then by what the costs depend on (shared)
+    where = ("at", u.key, tp, dp, mb, i, pp, m, schedule, v)
+    hit = memo.get(where)
+    if hit is None:
+        key = (u.key, tp, dp, mb, i == 0, i == pp - 1,
+               *cost.schedule_memory_args(i, pp, m, schedule, v).values())
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = _stage_costs_raw([u], [tp], dp, mb, m, schedule, inv,
+                                               spec, i, pp, v)
+        memo[where] = hit
+    return hit
 
 
 def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
@@ -267,14 +405,16 @@ def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int
         indices = [(only, (units[0], tps[0]))]
     for i, (u, tp) in indices:
         first, last = i == 0, i == pp - 1
-        a = cost.layer_time_s(model, training, mb, tp, u.device)
-        b = cost.head_time_s(model, mb, tp, u.device) if last else 0.0
+        a = _layer_s(spec, u, mb, tp)
+        b = _head_s(spec, u, mb, tp) if last else 0.0
         lat, per_byte, _ = _dp_time_per_byte(u, dp, tp, inv, spec)
-        fixed_grad = grad_embed * (int(first) + int(last)) / tp
+        fixed_grad = grad_embed * (int(first) + int(last)) / cost.vocab_shards(model, tp)
         c = grad_layer / tp * per_byte
         e = (lat + fixed_grad * per_byte) if dp > 1 else 0.0
-        mem = cost.stage_memory(model, training, tp=tp, dp=dp, micro_batch=mb, first=first,
-                                last=last, **cost.schedule_memory_args(i, pp, m, schedule, v))
+        c, e = _dp_exposed(u, dp, tp, spec, c, e, lat, per_byte, a, b, first)
+        mem = cost.stage_memory(model, training, tp=tp, dp=dp // _cp(spec), cp=_cp(spec),
+                                micro_batch=mb, first=first, last=last,
+                                **cost.schedule_memory_args(i, pp, m, schedule, v))
         usable = u.device.hbm_bytes * cost.MEMORY_HEADROOM
         max_layers = int((usable - mem.fixed) // mem.per_layer) if usable > mem.fixed else 0
         out.append(StageCost(a, b, c, e, max_layers))
@@ -291,15 +431,18 @@ def _dp_values(spec: JobSpec, units: Sequence[Unit]) -> list[int]:
     """Data-parallel degrees worth searching: divisors of the global batch (by factorisation,
     :mod:`hettrain.planning.arith`) up to the GPUs of the largest unit (a stage takes all its
     replicas from one unit) and ``spec.placement.maxGPUs``; the pinned one if pinned. Exact:
-    a larger ``dp`` leaves every unit without a stage. Cost independent of the batch size."""
+    a larger ``dp`` leaves every unit without a stage. Cost independent of the batch size.
+    With context parallelism each value counts the ``dp·cp`` replicas (``_cp``)."""
     cap = max((u.gpus for u in units), default=0)
     if spec.placement.max_gpus is not None:
         cap = min(cap, spec.placement.max_gpus)
+    cp = _cp(spec)
+    cap //= cp
     pinned = spec.parallelism.dp
     gb = spec.training.global_batch
     if pinned is not None:
-        return [pinned] if pinned <= cap and gb % pinned == 0 else []
-    return divisors_up_to(gb, cap)
+        return [pinned * cp] if pinned <= cap and gb % pinned == 0 else []
+    return [d * cp for d in divisors_up_to(gb, cap)]
 
 
 def _micro_batches(per_replica: int, pinned: int | None) -> list[int]:
@@ -400,16 +543,14 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
               schedule: str, inv: ClusterInventory, grouping: str, v: int = 1) -> None:
     spec = search.spec
     model = spec.model
-    m = spec.training.global_batch // (dp * mb)
+    m = _replica_batch(spec, dp) // mb
     pp = len(units)
     if search.max_gpus is not None and dp * sum(tps) > search.max_gpus:
         search.over_max_gpus += 1  # exact: only removes layouts, every bound stays valid
         return
     if schedule != "interleaved":
         v = 1
-    if schedule == "interleaved" and (pp < 2 or m % pp or model.layers < pp * v):
-        return
-    if schedule == "zb-h1" and pp < 2:
+    if not _schedule_fits(schedule, v, pp, m, model.layers):
         return
     stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec, search.stage_memo,
                                 v)
@@ -435,7 +576,8 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
         ratio, i = max((mem.bytes_for(per) / usable, i) for i, (mem, usable) in enumerate(mems))
         mem, usable = mems[i]
         search.shortfall(ratio, (
-            f"stage {i} of {pp} ({units[i].device.name}, tp={tps[i]}, dp={dp}, microBatch {mb}, "
+            f"stage {i} of {pp} ({units[i].device.name}, tp={tps[i]}, {_dp_words(spec, dp)}, "
+            f"microBatch {mb}, "
             f"{schedule}) needs {mem.bytes_for(per) / cost.GIB:.1f} GiB per device for {per} "
             f"layers; it has {usable / cost.GIB:.1f} GiB usable "
             f"({cost.MEMORY_HEADROOM:.0%} of {units[i].device.hbm_gib:.0f} GiB)"))
@@ -448,13 +590,12 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
     memory = tuple(mem.bytes_for(n) / cost.GIB for (mem, _), n in zip(mems, split, strict=True))
     search.offer(Candidate(t, dp, mb, schedule, tuple(units), tuple(tps), tuple(split),
                            tuple(stage_s), tuple(stage_dp), tuple(boundaries), bubble, memory,
-                           grouping, v))
+                           grouping, v, _cp(spec)))
 
 
 def _search_exhaustive(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory,
                      grouping: str) -> None:
     spec = search.spec
-    gb = spec.training.global_batch
     dp_values = _dp_values(spec, units)
     mbs_pinned = spec.training.micro_batch
     dropped: list[float] = []
@@ -464,7 +605,7 @@ def _search_exhaustive(search: _Search, units: tuple[Unit, ...], inv: ClusterInv
     for bound, dp, tps_u, ks in outer:
         if not search.exhaustive and bound >= search.bound():
             break
-        mbs = _micro_batches(gb // dp, mbs_pinned)
+        mbs = _micro_batches(_replica_batch(spec, dp), mbs_pinned)
         for order in _orders(units, ks, search.exhaustive):
             stage_units = tuple(units[i] for i in order for _ in range(ks[i]))
             stage_tps = tuple(tps_u[i] for i in order for _ in range(ks[i]))
@@ -477,23 +618,40 @@ def _unit_stats(unit: Unit, tp: int, dp: int, mb: int, inv: ClusterInventory,
                 spec: JobSpec) -> UnitStats:
     """Per-stage aggregates of ``unit`` (:mod:`hettrain.planning.bounds`), relaxed memory."""
     model, training = spec.model, spec.training
-    a = cost.layer_time_s(model, training, mb, tp, unit.device)
-    head = cost.head_time_s(model, mb, tp, unit.device)
+    a = _layer_s(spec, unit, mb, tp)
+    head = _head_s(spec, unit, mb, tp)
     lat, per_byte, _ = _dp_time_per_byte(unit, dp, tp, inv, spec)
     dp_c = cost.layer_params(model) * 4.0 / tp * per_byte if dp > 1 else 0.0
     dp_e = lat if dp > 1 else 0.0
-    mem = cost.stage_memory(model, training, tp=tp, dp=dp, micro_batch=mb, in_flight=1,
-                            first=False, last=False)
+    # a middle stage's exposed DP time: no stage's is lower (the bounds stay valid)
+    dp_c, dp_e = _dp_exposed(unit, dp, tp, spec, dp_c, dp_e, lat, per_byte, a, 0.0, False)
+    cp = _cp(spec)
+    mem = cost.stage_memory(model, training, tp=tp, dp=dp // cp, cp=cp, micro_batch=mb,
+                            in_flight=1, first=False, last=False)
     usable = unit.device.hbm_bytes * cost.MEMORY_HEADROOM
     cap = int((usable - mem.fixed) // mem.per_layer) if usable > mem.fixed else 0
-    return UnitStats(a, head, dp_c, dp_e, min(cap, model.layers), mem.fixed, mem.per_layer)
+    eb = cost.precision_bytes(training)
+    act = (cost.activation_bytes_per_layer(cost.cp_local_model(model, cp), mb, tp,
+                                           training.recompute, eb)
+           + cost.cp_attention_extra_bytes_per_layer(model, mb, tp, cp, training.recompute, eb))
+    return UnitStats(a, head, dp_c, dp_e, min(cap, model.layers), mem.fixed, mem.per_layer,
+                     act, usable, _replica_batch(spec, dp) // mb)
+
+
+def _max_stages(unit: Unit, tp: int, dp: int, spec: JobSpec) -> int:
+    """Most stages of ``tp`` GPUs ``unit`` can host at ``dp``: its node-local TP groups, the
+    layers, and ``spec.placement.maxGPUs`` (a unit alone using more than the cap has no layout;
+    exact)."""
+    k = min(unit.tp_groups(tp) // dp, spec.model.layers)
+    cap = spec.placement.max_gpus
+    return k if cap is None else min(k, cap // (dp * tp))
 
 
 def _windowed(units: Sequence[Unit], spec: JobSpec, tp_opts: Sequence[Sequence[int]]) -> bool:
     """True when enumerating every stage count (at dp = 1) would exceed ``EXACT_LEAF_BUDGET``."""
     count = 1
     for u, tps in zip(units, tp_opts, strict=True):
-        count *= 1 + sum(min(u.tp_groups(tp), spec.model.layers) for tp in tps)
+        count *= 1 + sum(_max_stages(u, tp, 1, spec) for tp in tps)
         if count > EXACT_LEAF_BUDGET:
             return True
     return False
@@ -516,26 +674,31 @@ def _k_rich(max_k: int, layers: int) -> list[int]:
 
 
 def _unit_choices(units: Sequence[Unit], tp_opts: Sequence[Sequence[int]], dp: int, mb: int,
-                  inv: ClusterInventory, spec: JobSpec, window: bool
+                  inv: ClusterInventory, spec: JobSpec, window: bool, search: _Search
                   ) -> tuple[list[list[Choice]], list[Choice]]:
-    """Per unit, every (tp, k ≥ 1) it can host at this (dp, mb) and whose stage holds a layer
-    (k near full use when ``window``); plus, when ``window``, the further single-unit layouts
-    of :func:`_k_rich`."""
+    """Per unit, every (tp, k ≥ 1) it can host at this (dp, mb) within
+    ``spec.placement.maxGPUs`` and whose stage holds a layer (k near full use when ``window``);
+    plus, when ``window``, the further single-unit layouts of :func:`_k_rich`. Stage counts
+    the cap removes are counted in ``search.over_max_gpus`` (for the refusal message)."""
     out, singles = [], []
     for i, (u, tps) in enumerate(zip(units, tp_opts, strict=True)):
         opts = []
         for tp in tps:
-            maxk = min(u.tp_groups(tp) // dp, spec.model.layers)
+            maxk = _max_stages(u, tp, dp, spec)
+            if maxk < min(u.tp_groups(tp) // dp, spec.model.layers):
+                search.over_max_gpus += 1
             if maxk < 1:
                 continue
             stats = _unit_stats(u, tp, dp, mb, inv, spec)
             if stats.cap < 1:
                 continue
             ks = [k for k in _k_options(maxk, not window) if k]
-            opts.extend(Choice(i, tp, k, stats) for k in ks)
+            # a unit whose deepest stage cannot hold a layer (bounds.stage_capacity) has no
+            # layout with that many stages: exact
+            opts.extend(c for k in ks if (c := Choice(i, tp, k, stats)).kcap >= k)
             if window:
-                singles.extend(Choice(i, tp, k, stats) for k in _k_rich(maxk, spec.model.layers)
-                               if k not in ks)
+                singles.extend(c for k in _k_rich(maxk, spec.model.layers)
+                               if k not in ks and (c := Choice(i, tp, k, stats)).kcap >= k)
         out.append(opts)
     return out, singles
 
@@ -544,35 +707,80 @@ def _search_fast(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory
                  grouping: str) -> None:
     """Branch and bound over (dp, mb) pairs and per-unit (tp, k) choices (module docstring)."""
     spec = search.spec
-    gb, layers = spec.training.global_batch, spec.model.layers
     pinned_pp = spec.parallelism.pp
     dp_values = _dp_values(spec, units)
     tp_opts = [_tp_options(u, spec) for u in units]
     window = _windowed(units, spec, tp_opts)
-    pairs = []
+    layer_s: dict[tuple[int, int, int], float] = {}  # (unit, tp, mb): cost.layer_time_s
+    cheap = []
     for dp in dp_values:
-        per_replica = gb // dp
+        per_replica = _replica_batch(spec, dp)
         for mb in _micro_batches(per_replica, spec.training.micro_batch):
-            opts, singles = _unit_choices(units, tp_opts, dp, mb, inv, spec, window)
             m = per_replica // mb
-            rest_rate, rest_cap, rest_a = [0.0], [0], [math.inf]
-            for unit_opts in reversed(opts):
-                rest_rate.append(rest_rate[-1] + max((c.k / c.stats.a for c in unit_opts),
-                                                     default=0.0))
-                rest_cap.append(rest_cap[-1] + max((c.k * c.stats.cap for c in unit_opts),
-                                                   default=0))
-                rest_a.append(min([rest_a[-1], *(c.stats.a for c in unit_opts)]))
-            rest = (rest_rate[::-1], rest_cap[::-1], rest_a[::-1])
-            root = partial_lower_bound((), rest[0][0], rest[1][0], rest[2][0], layers, m,
-                                       search.bubble_div)
-            pairs.append((root, dp, mb, m, opts, rest, singles))
-    pairs.sort(key=lambda p: p[:3])
-    for pair in pairs:
-        if pair[0] >= search.bound():
+            cheap.append((_cheap_root(search, units, tp_opts, dp, mb, m, layer_s), dp, mb, m))
+    cheap.sort()
+    pairs = []
+    for root_lb, dp, mb, m in cheap:
+        if root_lb >= search.bound():
             break
-        _run_pair(search, units, inv, grouping, pair, pinned_pp)
+        pair = _pair(search, units, tp_opts, dp, mb, m, inv, window)
+        pairs.append(pair)
+        if pair[0] < search.bound():
+            _run_pair(search, units, inv, grouping, pair, pinned_pp)
     if search.best is None:
+        built = {(p[1], p[2]) for p in pairs}
+        pairs += [_pair(search, units, tp_opts, dp, mb, m, inv, window)
+                  for _, dp, mb, m in cheap if (dp, mb) not in built]
         _record_shortfall(search, units, spec, dp_values, pairs)
+
+
+def _cheap_root(search: _Search, units: Sequence[Unit], tp_opts: Sequence[Sequence[int]],
+                dp: int, mb: int, m: int, layer_s: dict[tuple[int, int, int], float]) -> float:
+    """A lower bound on a (dp, mb) pair's root bound (:func:`_pair`) from the layer times
+    alone (they do not depend on ``dp``; memoised in ``layer_s``): every unit at its most
+    stages, no memory caps. Pairs are visited in its order and only built (unit statistics,
+    choices) when it beats the incumbent, so the pairs' cost does not grow with the number of
+    divisors of the global batch that the bounds rule out."""
+    spec = search.spec
+    rate, min_a = 0.0, math.inf
+    for u, tps in zip(units, tp_opts, strict=True):
+        best = 0.0
+        for tp in tps:
+            maxk = _max_stages(u, tp, dp, spec)
+            if maxk < min(u.tp_groups(tp) // dp, spec.model.layers):
+                search.over_max_gpus += 1  # as _unit_choices counts it (refusal message)
+            if maxk < 1:
+                continue
+            key = (id(u), tp, mb)
+            a = layer_s.get(key)
+            if a is None:
+                a = layer_s[key] = _layer_s(spec, u, mb, tp)
+            best = max(best, maxk / a)
+            min_a = min(min_a, a)
+        rate += best
+    if rate <= 0:
+        return math.inf
+    layers = spec.model.layers
+    return ((m - 1.0 / search.bubble_div) * layers / rate
+            + layers * min_a / search.bubble_div)
+
+
+def _pair(search: _Search, units: tuple[Unit, ...], tp_opts: Sequence[Sequence[int]], dp: int,
+          mb: int, m: int, inv: ClusterInventory, window: bool) -> tuple:
+    """One (dp, mb) pair: (root bound, dp, mb, m, choices per unit, what the units after each
+    one can add at best, single-unit extras)."""
+    layers = search.spec.model.layers
+    opts, singles = _unit_choices(units, tp_opts, dp, mb, inv, search.spec, window, search)
+    rest_rate, rest_cap, rest_a = [0.0], [0], [math.inf]
+    for unit_opts in reversed(opts):
+        rest_rate.append(rest_rate[-1] + max((c.k / c.stats.a for c in unit_opts),
+                                             default=0.0))
+        rest_cap.append(rest_cap[-1] + max((c.kcap for c in unit_opts), default=0))
+        rest_a.append(min([rest_a[-1], *(c.stats.a for c in unit_opts)]))
+    rest = (rest_rate[::-1], rest_cap[::-1], rest_a[::-1])
+    root = partial_lower_bound((), rest[0][0], rest[1][0], rest[2][0], layers, m,
+                               search.bubble_div)
+    return (root, dp, mb, m, opts, rest, singles)
 
 
 def _run_pair(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory, grouping: str,
@@ -581,92 +789,418 @@ def _run_pair(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory, g
     _, dp, mb, m, opts, rest, singles = pair
     layers = search.spec.model.layers
     leaves: list[tuple[float, tuple[Choice, ...]]] = []
+    search.leaf_bounds.clear()  # keyed by choices, which embed this pair's unit statistics
+    search.pair_rows = _caps_rows(search, units, dp, mb, inv)
+    search.between_memo.clear()  # boundary costs depend on (dp, mb)
+
+    pair_costs: dict[tuple[int, int, int, int], float] = {}  # this pair's boundary costs
 
     def boundary_cost(x: Choice, y: Choice) -> float:
-        return _boundary_memo(search, units[x.unit], units[y.unit], x.tp, y.tp, dp, mb, inv)
+        key = (x.unit, x.tp, y.unit, y.tp)
+        b = pair_costs.get(key)
+        if b is None:
+            b = pair_costs[key] = _boundary_memo(search, units[x.unit], units[y.unit], x.tp,
+                                                 y.tp, dp, mb, inv)
+        return b
 
-    _collect(search, opts, rest, 0, (), layers, m, pinned_pp, leaves, boundary_cost, units)
+    _seed_incumbent(search, units, inv, grouping, pair, pinned_pp, boundary_cost)
+    _collect(search, opts, rest, 0, (), layers, m, dp, pinned_pp, leaves, boundary_cost, units)
     for choice in singles:
-        _leaf(search, (choice,), layers, m, pinned_pp, leaves, boundary_cost, units)
+        if _single_may_beat(search, choice, layers, m, boundary_cost):
+            _leaf(search, (choice,), layers, m, pinned_pp, leaves, boundary_cost, units)
     # one best-first queue over leaves and, once a leaf reaches the front, its stage orders:
-    # an order is evaluated only if its own bound still beats the incumbent when it comes up
-    heap = [(lb, i, choices, None) for i, (lb, choices) in enumerate(
+    # an order is evaluated only if its own bound still beats the incumbent when it comes up.
+    # Orders enter with a bound that ignores memory (the search's largest bubble divisor);
+    # when one comes up its memory caps are checked and its divisor set from the schedules
+    # they admit (:func:`_refine_order`), and it goes back in if that raised its bound
+    heap = [(lb, i, choices, None, 0) for i, (lb, choices) in enumerate(
         sorted(leaves, key=lambda x: (x[0], tuple((c.unit, c.tp, c.k) for c in x[1]))))]
     heapq.heapify(heap)
     seq = len(heap)
     while heap:
-        lb, _, choices, order = heapq.heappop(heap)
+        lb, _, choices, order, stage = heapq.heappop(heap)
         if lb >= search.bound():
             break
         if order is not None:
-            _evaluate_order(search, units, choices, order, dp, mb, inv, grouping)
+            while stage < ORDER_REFINEMENTS:
+                order_lb = _refine_order(search, units, choices, order, m, boundary_cost, dp,
+                                         mb, inv, stage)
+                stage += 1
+                if order_lb > lb:  # back in the queue with the tighter bound (or dropped)
+                    if order_lb < search.bound():
+                        heapq.heappush(heap, (order_lb, seq, choices, order, stage))
+                        seq += 1
+                    break
+            else:
+                _evaluate_order(search, units, choices, order, dp, mb, inv, grouping)
             continue
-        for order_lb, o in sorted(_order_bounds(search, units, choices, m, boundary_cost)):
+        if stage == 0:  # a leaf's memory-aware divisor, once it comes up
+            stage = 1
+            leaf_lb = _refine_leaf(search, choices, m, units, boundary_cost)
+            if leaf_lb > lb:
+                if leaf_lb < search.bound():
+                    heapq.heappush(heap, (leaf_lb, seq, choices, None, stage))
+                    seq += 1
+                continue
+        for order_lb, o in sorted(_order_bounds(search, units, choices, m, boundary_cost, dp,
+                                                mb, inv, memory=False)):
             if order_lb < search.bound():
-                heapq.heappush(heap, (max(lb, order_lb), seq, choices, o))
+                heapq.heappush(heap, (max(lb, order_lb), seq, choices, o, 0))
                 seq += 1
 
 
+def _seed_incumbent(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory,
+                    grouping: str, pair: tuple, pinned_pp: int | None,
+                    boundary_cost: Callable[[Choice, Choice], float]) -> None:
+    """Evaluate a few greedy layouts of one (dp, mb) pair before its branch and bound, so the
+    bounds prune from the start instead of after every leaf is collected: each unit alone
+    (every choice, best bound first) and every unit at its fastest choice together (units
+    added fastest first while ``spec.placement.maxGPUs`` allows), best stage order. Up to
+    ``SEED_EVALUATIONS`` of them, best bound first, each only while its bound beats the
+    incumbent. Only adds evaluations, so the search stays exact."""
+    _, dp, mb, m, opts, _rest, singles = pair
+    layers = search.spec.model.layers
+    seeds: list[tuple[float, tuple[Choice, ...]]] = []
+    for choice in (*itertools.chain.from_iterable(opts), *singles):
+        if _single_may_beat(search, choice, layers, m, boundary_cost):
+            _leaf(search, (choice,), layers, m, pinned_pp, seeds, boundary_cost, units)
+    fastest = sorted((max(o, key=lambda c: (c.rate, -c.tp * c.k)) for o in opts if o),
+                     key=lambda c: -c.rate)
+    together: list[Choice] = []
+    for c in fastest:
+        gpus = dp * (c.tp * c.k + sum(x.tp * x.k for x in together))
+        if search.max_gpus is None or gpus <= search.max_gpus:
+            together.append(c)
+    if len(together) > 1:
+        _leaf(search, tuple(sorted(together, key=lambda c: c.unit)), layers, m, pinned_pp,
+              seeds, boundary_cost, units)
+    seeds.sort(key=lambda x: (x[0], tuple((c.unit, c.tp, c.k) for c in x[1])))
+    for lb, choices in seeds[:SEED_EVALUATIONS]:
+        if lb >= search.bound():
+            break
+        bounds = _order_bounds(search, units, choices, m, boundary_cost, dp, mb, inv)
+        if not bounds:
+            continue
+        order_lb, order = min(bounds)
+        if order_lb < search.bound():
+            _evaluate_order(search, units, choices, order, dp, mb, inv, grouping)
+
+
+NO_CHOICES = PartialSums()
+
+
+def _single_may_beat(search: _Search, choice: Choice, layers: int, m: int,
+                     boundary_cost: Callable[[Choice, Choice], float]) -> bool:
+    """Whether the one-unit layout ``choice`` passes the partial bound (nothing left to add;
+    :func:`_collect` applies the same to its leaves) before its full bound is computed."""
+    inside = (0.0, 0.0)
+    if choice.k > 1:
+        b = boundary_cost(choice, choice)
+        inside = (max(0.0, b), 0.0 + b * (choice.k - 1))
+    lb = partial_bound_of_sums(NO_CHOICES.add(choice), 0.0, 0, math.inf, layers, m,
+                               search.bubble_div, inside)
+    return lb < search.bound() and lb != math.inf
+
+
 def _collect(search: _Search, opts: list[list[Choice]], rest: tuple, i: int,
-             chosen: tuple[Choice, ...], layers: int, m: int, pinned_pp: int | None,
+             chosen: tuple[Choice, ...], layers: int, m: int, dp: int, pinned_pp: int | None,
              out: list, boundary_cost: Callable[[Choice, Choice], float],
-             units: tuple[Unit, ...]) -> None:
-    """Depth-first over units: skip a unit or take one of its choices; keep leaves under bound."""
+             units: tuple[Unit, ...], inside: tuple[float, float] = (0.0, 0.0),
+             sums: PartialSums = NO_CHOICES) -> None:
+    """Depth-first over units: skip a unit or take one of its choices; keep leaves under bound.
+    ``inside``: slowest and sum of the boundaries inside the chosen units (partial bound);
+    ``sums``: the chosen units' :class:`bounds.PartialSums`."""
     if i == len(opts):
         _leaf(search, chosen, layers, m, pinned_pp, out, boundary_cost, units)
         return
+    cap = search.max_gpus
     for choice in (None, *opts[i]):
-        nxt = chosen if choice is None else (*chosen, choice)
-        if choice is not None or i + 1 < len(opts):
-            lb = partial_lower_bound(nxt, rest[0][i + 1], rest[1][i + 1], rest[2][i + 1],
-                                     layers, m, search.bubble_div)
-            if lb >= search.bound():
+        nxt, nxt_inside, nxt_sums = chosen, inside, sums
+        if choice is not None:
+            nxt = (*chosen, choice)
+            nxt_sums = sums.add(choice)
+            if cap is not None and dp * nxt_sums.gpus > cap:
+                search.over_max_gpus += 1  # the world size only grows deeper down: exact
                 continue
-        _collect(search, opts, rest, i + 1, nxt, layers, m, pinned_pp, out, boundary_cost,
-                 units)
+            if choice.k > 1:
+                b = boundary_cost(choice, choice)
+                nxt_inside = (max(inside[0], b), inside[1] + b * (choice.k - 1))
+        # also at a complete leaf (nothing left to add: its own stages' rate and capacity,
+        # cheaper than its full bound), and inf (no layout) prunes before any incumbent
+        lb = partial_bound_of_sums(nxt_sums, rest[0][i + 1], rest[1][i + 1], rest[2][i + 1],
+                                   layers, m, search.bubble_div, nxt_inside)
+        if lb >= search.bound() or lb == math.inf:
+            continue
+        _collect(search, opts, rest, i + 1, nxt, layers, m, dp, pinned_pp, out, boundary_cost,
+                 units, nxt_inside, nxt_sums)
 
 
 def _leaf(search: _Search, chosen: tuple[Choice, ...], layers: int, m: int,
           pinned_pp: int | None, out: list, boundary_cost: Callable[[Choice, Choice], float],
           units: tuple[Unit, ...]) -> None:
-    """Append ``(bound, chosen)`` to ``out`` when its full bound is under the incumbent."""
+    """Append ``(bound, chosen)`` to ``out`` when its full bound is under the incumbent (with
+    the search's largest bubble divisor: :func:`_refine_leaf` adds the memory caps)."""
     if not chosen or (pinned_pp is not None and sum(c.k for c in chosen) != pinned_pp):
         return
-    last = None
+    if sum(c.kcap for c in chosen) < layers:  # no layout (its bound would be inf)
+        return
+    if not _any_schedule_fits(search, sum(c.k for c in chosen), m):
+        return
+    bounds, last = _leaf_boundaries(search, chosen, units, boundary_cost)
+    leaf = LeafBound(chosen, layers, m)
+    leaf.div = search.bubble_div
+    lb = leaf.bound(bounds, last, search.bubble_div, search.bound())
+    if lb < search.bound():
+        out.append((lb, chosen))
+        search.leaf_bounds[chosen] = leaf  # its orders' bounds reuse the order-free terms
+
+
+def _leaf_boundaries(search: _Search, chosen: tuple[Choice, ...], units: tuple[Unit, ...],
+                     boundary_cost: Callable[[Choice, Choice], float]
+                     ) -> tuple[Callable[[], tuple[float, float]], Choice | None]:
+    """The leaf's boundary bounds (a function: ``LeafBound.bound`` calls it at most once, and
+    only past its cheap bound) and its last unit when its order is fixed (more than
+    ``MAX_PERMUTED_UNITS`` units: that order's exact boundaries)."""
     if len(chosen) > MAX_PERMUTED_UNITS:  # one order only: its exact boundaries
         by_unit = {c.unit: c for c in chosen}
         ordered = [by_unit[u] for u in _fixed_order(units, list(by_unit))]
-        last = ordered[-1]
 
-        def bounds() -> tuple[float, float]:
+        def exact() -> tuple[float, float]:
             return ordered_boundaries(ordered, boundary_cost)
-    else:
-        def bounds() -> tuple[float, float]:
-            return boundary_lower_bounds(chosen, boundary_cost)
-    lb = step_lower_bound(chosen, layers, m, bounds, last, search.bubble_div, search.bound())
-    if lb < search.bound():
-        out.append((lb, chosen))
+        return exact, ordered[-1]
+
+    def any_order() -> tuple[float, float]:
+        return boundary_lower_bounds(chosen, boundary_cost, search.between_memo)
+    return any_order, None
+
+
+def _refine_leaf(search: _Search, chosen: tuple[Choice, ...], m: int, units: tuple[Unit, ...],
+                 boundary_cost: Callable[[Choice, Choice], float]) -> float:
+    """The leaf's bound with the largest bubble divisor its memory caps may admit
+    (:func:`_leaf_bubble_divisor`, kept as the leaf's ``div`` for its orders' bounds); inf
+    when no order of its stages holds the layers; ``-inf`` when no tighter."""
+    leaf = _leaf_bound(search, chosen, m)
+    div = _leaf_bubble_divisor(search, chosen, m)
+    if not div:
+        return math.inf
+    leaf.div = div
+    if div == search.bubble_div:
+        return -math.inf
+    bounds, last = _leaf_boundaries(search, chosen, units, boundary_cost)
+    return leaf.bound(bounds, last, div, search.bound())
+
+
+def _leaf_bubble_divisor(search: _Search, chosen: tuple[Choice, ...], m: int) -> float:
+    """The largest bubble divisor among the schedules that some stage order of ``chosen`` may
+    run within memory (:meth:`CapsRows.may_fit`, a relaxation over the orders): every order's
+    own divisor (:func:`_blocks_bubble_divisor`) is at most this, so a bound with it holds
+    for all of them; 0 when not even 1F1B's caps may hold the layers."""
+    rows = search.pair_rows
+    if rows is None:
+        return search.bubble_div
+    blocks = [(c.unit, c.tp, c.k) for c in chosen]
+    if not rows.may_fit(blocks, "1f1b", 1):  # 1F1B's caps are the largest (_memory_fits)
+        return 0.0
+    if search.spec.parallelism.schedule != "auto" or search.bubble_div <= 1.0:
+        return search.bubble_div
+    return _largest_divisor(search, sum(c.k for c in chosen), m,
+                            lambda schedule, v: rows.may_fit(blocks, schedule, v))
 
 
 def _order_bounds(search: _Search, units: tuple[Unit, ...], choices: tuple[Choice, ...], m: int,
-                  boundary_cost: Callable[[Choice, Choice], float]
+                  boundary_cost: Callable[[Choice, Choice], float], dp: int, mb: int,
+                  inv: ClusterInventory, memory: bool = True
                   ) -> list[tuple[float, tuple[int, ...]]]:
-    """Every stage order of ``choices`` with its own bound (exact boundaries, known last unit)."""
+    """Every stage order of ``choices`` whose stages can hold the layers
+    (:func:`_memory_fits`), with its own bound (exact boundaries, known last unit).
+    ``memory=False``: every order, bounded with the leaf's divisor (:func:`_refine_leaf`;
+    valid for all its orders; :func:`_refine_order` adds each order's memory caps)."""
     ks = [0] * len(units)
     for c in choices:
         ks[c.unit] = c.k
-    orders = list(_orders(units, ks, False))
-    if len(orders) == 1:
-        return [(-math.inf, orders[0])]
     by_unit = {c.unit: c for c in choices}
-    layers = search.spec.model.layers
+    orders = list(_orders(units, ks, False))
+    if memory:
+        rows = _caps_rows(search, units, dp, mb, inv)
+        orders = [o for o in orders if _memory_fits(rows, _blocks(by_unit, o))]
+        if len(orders) == 1:
+            return [(-math.inf, orders[0])]
+    leaf = _leaf_bound(search, choices, m)
     out = []
+    cutoff = search.bound()
     for order in orders:
         ordered = [by_unit[i] for i in order]
-        out.append((step_lower_bound(choices, layers, m,
-                                     ordered_boundaries(ordered, boundary_cost), ordered[-1],
-                                     search.bubble_div, search.bound()), order))
+        boundaries = _lazy(lambda ordered=ordered: ordered_boundaries(ordered, boundary_cost))
+        # the search's largest bubble divisor first: a bound for every schedule, so an order
+        # it already puts past the incumbent is dropped without looking at memory caps
+        lb = leaf.bound(boundaries, ordered[-1], search.bubble_div if memory else leaf.div,
+                        cutoff)
+        if memory and lb < cutoff:
+            div = _blocks_bubble_divisor(search, rows, _blocks(by_unit, order), m)
+            if div != search.bubble_div:
+                lb = leaf.bound(boundaries, ordered[-1], div, cutoff)
+        out.append((lb, order))
     return out
+
+
+def _refine_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Choice, ...],
+                  order: tuple[int, ...], m: int,
+                  boundary_cost: Callable[[Choice, Choice], float], dp: int, mb: int,
+                  inv: ClusterInventory, stage: int) -> float:
+    """A tighter bound of one stage order (``-inf``: no tighter than the one it was queued
+    with; inf: no layout). Stage 0: inf when its stages cannot hold the layers
+    (:func:`_memory_fits`), else its bound with the largest bubble divisor among the schedules
+    its caps admit (:func:`_blocks_bubble_divisor`). Stage 1: also with every stage's exact
+    1F1B layer cap at its position (:func:`bounds.order_caps_bound`; 1F1B's caps are the
+    largest, so it holds for every schedule)."""
+    by_unit = {c.unit: c for c in choices}
+    blocks = _blocks(by_unit, order)
+    rows = _caps_rows(search, units, dp, mb, inv)
+    if stage == 0 and not _memory_fits(rows, blocks):
+        return math.inf
+    div = _blocks_bubble_divisor(search, rows, blocks, m)
+    ordered = [by_unit[i] for i in order]
+    leaf = _leaf_bound(search, choices, m)
+    if stage == 0:
+        if div == leaf.div:
+            return -math.inf  # the bound it was queued with stands
+        return leaf.bound(ordered_boundaries(ordered, boundary_cost), ordered[-1], div,
+                          search.bound())
+    layers = search.spec.model.layers
+    pp = sum(c.k for c in choices)
+    top = layers - (pp - 1)
+    caps = rows.caps(blocks, "1f1b", 1)
+    groups, start = [], 0
+    for c in ordered:
+        block = [x if x < top else top for x in caps[start:start + c.k]]
+        start += c.k
+        if c is ordered[-1]:  # the last stage also runs the LM head
+            if len(block) > 1:
+                groups.append((c.a, 0.0, block[:-1]))
+            groups.append((c.a, c.stats.head, block[-1:]))
+        else:
+            groups.append((c.a, 0.0, block))
+    return order_caps_bound(groups, layers, m, div, ordered_boundaries(ordered, boundary_cost),
+                            leaf.dp_bound())
+
+
+def _leaf_bound(search: _Search, choices: tuple[Choice, ...], m: int) -> LeafBound:
+    """The leaf's :class:`LeafBound` (kept by :func:`_leaf`, else a new one)."""
+    leaf = search.leaf_bounds.get(choices)
+    if leaf is None:
+        leaf = search.leaf_bounds[choices] = LeafBound(choices, search.spec.model.layers, m)
+        leaf.div = search.bubble_div
+    return leaf
+
+
+def _blocks(by_unit: dict[int, Choice], order: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """The stage order as blocks ``(unit, tp, k)`` (:mod:`hettrain.planning.capsrows`)."""
+    return [(i, by_unit[i].tp, by_unit[i].k) for i in order]
+
+
+def _lazy(fn: Callable[[], tuple[float, float]]) -> Callable[[], tuple[float, float]]:
+    """``fn``, called at most once (its result kept)."""
+    kept: list[tuple[float, float]] = []
+
+    def once() -> tuple[float, float]:
+        if not kept:
+            kept.append(fn())
+        return kept[0]
+    return once
+
+
+def _caps_rows(search: _Search, units: tuple[Unit, ...], dp: int, mb: int,
+               inv: ClusterInventory) -> CapsRows:
+    """The search's memoised block layer caps (:mod:`hettrain.planning.capsrows`) at
+    ``(dp, mb)``: each stage's ``max_layers`` as :func:`_stage_costs_raw` computes it (from
+    its memory alone), shared by every position with the same memory arguments."""
+    rows = search.caps_rows.get((dp, mb))
+    if rows is None:
+        spec = search.spec
+        model, training = spec.model, spec.training
+        m = _replica_batch(spec, dp) // mb  # dp counts the dp·cp replicas
+        cp = _cp(spec)
+        memo = search.stage_memo
+        # 1F1B's and ZB-H1's memory arguments depend on the position only through the
+        # microbatches in flight (and ZB-H1's pending W passes), interleaved's through the
+        # chunk-forwards in flight (and the first stage's token ids): caps keyed by those skip
+        # building the arguments (cost.schedule_memory_args) for every position of every row
+        simple: dict[tuple, int] = {}
+
+        def stage_cap(unit: int, tp: int, i: int, pp: int, schedule: str, v: int) -> int:
+            if schedule == "1f1b" or schedule == "zb-h1":
+                depth = pp - i
+                fast_key = (schedule, unit, tp, i == 0, depth == 1, depth if depth < m else m,
+                            cost.zb_pending_weight_grads(i, pp, m) if schedule == "zb-h1"
+                            else 0)
+                cap = simple.get(fast_key)
+                if cap is None:
+                    cap = simple[fast_key] = general_cap(unit, tp, i, pp, schedule, v)
+                return cap
+            if schedule == "interleaved" and v > 1:  # chunk-forwards in flight (and ids)
+                chunks = 2 * (pp - i - 1) + (v - 1) * pp + 1
+                fast_key = (schedule, unit, tp, v, i == pp - 1,
+                            chunks if chunks < m * v else m * v,
+                            min(pp * v, m) if i == 0 else -1)
+                cap = simple.get(fast_key)
+                if cap is None:
+                    cap = simple[fast_key] = general_cap(unit, tp, i, pp, schedule, v)
+                return cap
+            return general_cap(unit, tp, i, pp, schedule, v)
+
+        def general_cap(unit: int, tp: int, i: int, pp: int, schedule: str, v: int) -> int:
+            args = cost.schedule_memory_args(i, pp, m, schedule, v)
+            key = ("cap", unit, tp, dp, mb, i == 0, i == pp - 1, *args.values())
+            cap = memo.get(key)
+            if cap is None:
+                mem_key = ("mem", tp, dp, mb, i == 0, i == pp - 1, *args.values())
+                mem = memo.get(mem_key)  # the same for every unit (device-independent)
+                if mem is None:
+                    mem = memo[mem_key] = cost.stage_memory(
+                        model, training, tp=tp, dp=dp // cp, cp=cp, micro_batch=mb,
+                        first=i == 0, last=i == pp - 1, **args)
+                usable = units[unit].device.hbm_bytes * cost.MEMORY_HEADROOM
+                cap = memo[key] = (int((usable - mem.fixed) // mem.per_layer)
+                                   if usable > mem.fixed else 0)
+            return cap
+
+        rows = search.caps_rows[(dp, mb)] = CapsRows(spec.model.layers, stage_cap)
+    return rows
+
+
+def _blocks_bubble_divisor(search: _Search, rows: CapsRows, blocks: Sequence[tuple[int, int, int]],
+                           m: int) -> float:
+    """The largest bubble divisor among the schedules whose memory caps let this order
+    (given as blocks ``(unit, tp, k)``) hold the layers (a smaller divisor only raises the
+    bound, so it stays valid): where ZB-H1's stash fits nowhere the order is bounded as 1F1B
+    (or interleaved), not ZB-H1."""
+    if search.bubble_div <= 1.0 or search.spec.parallelism.schedule != "auto":
+        return search.bubble_div
+    return _largest_divisor(search, sum(b[2] for b in blocks), m,
+                            lambda schedule, v: rows.fits(blocks, schedule, v))
+
+
+def _largest_divisor(search: _Search, pp: int, m: int,
+                     fits: Callable[[str, int], bool]) -> float:
+    """The largest bubble divisor (at least 1) among the schedules ``(schedule, v)`` that can
+    run ``pp`` stages and ``m`` microbatches and for which ``fits`` holds (checked only for
+    divisors above the best so far: ``fits`` is the costly part)."""
+    layers = search.spec.model.layers
+    best = 1.0
+    for schedule, v in _schedule_options(search.spec, pp, layers, exhaustive=False):
+        div = _bubble_divisor(schedule, v)
+        if div > best and _schedule_fits(schedule, v, pp, m, layers) and fits(schedule, v):
+            best = div
+    return best
+
+
+def _memory_fits(rows: CapsRows, blocks: Sequence[tuple[int, int, int]]) -> bool:
+    """Whether the stages of an order (as blocks) can hold every layer, one or more each,
+    under 1F1B's memory caps (embedding and head included). Exact for every schedule: at each
+    position 1F1B holds the fewest microbatches in flight (interleaved and GPipe hold at least
+    as many, ZB-H1 as many plus its stash; ``cost.schedule_memory_args``), so its caps are the
+    largest."""
+    return rows.fits(blocks, "1f1b", 1)
 
 
 def _evaluate_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Choice, ...],
@@ -676,23 +1210,44 @@ def _evaluate_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Cho
 
     Dominance (exact in this cost model): with ``X`` the slowest of stages and boundaries and
     ``Σ`` their sum, 1F1B costs ``m·X + (Σ − X)`` and ZB-H1 ``m·X + (Σ − X)/3``, so ZB-H1 ≤
-    1F1B on every split both fit; ZB-H1 holds more memory (its weight-gradient stash), so
-    1F1B is evaluated too for the splits only it fits. Interleaved with ``v ≤ AUTO_MAX_CHUNKS = 3``
-    chunks holds more activations (its feasible splits are a subset), multiplies boundary
-    traffic by ``v`` (``X_v ≥ X``, ``Σ_v ≥ Σ``) and costs ``(m − 1/v)·X_v + Σ_v/v ≥
-    (m − 1/3)·X + Σ/3 + (Σ − X)·(1/v − 1/3)``, the last term ≥ 0. So with ``schedule: auto`` and
-    ``pp ≥ 2`` ZB-H1 and 1F1B are evaluated; for ``pp = 1`` only 1F1B exists.
+    1F1B on every split both fit. Interleaved with ``v ≤ AUTO_MAX_CHUNKS = 3`` chunks
+    multiplies boundary traffic by ``v`` (``X_v ≥ X``, ``Σ_v ≥ Σ``) and costs
+    ``(m − 1/v)·X_v + Σ_v/v ≥ (m − 1/3)·X + Σ/3 + (Σ − X)·(1/v − 1/3)``, the last term ≥ 0, so
+    ZB-H1 ≤ interleaved on every split both fit. The stage times do not depend on the
+    schedule; memory does, and only through each stage's layer cap (``max_layers``). So a
+    schedule whose caps are all ≤ ZB-H1's (and whose splits need ≥ 1 layer per stage, as ZB-H1's
+    do) fits only splits ZB-H1 fits and never wins: it is skipped. Any other (1F1B, or
+    interleaved, when ZB-H1's stash caps a stage harder than their activations do) is
+    evaluated, so under ``schedule: auto`` with ``pp ≥ 2`` the search equals the exhaustive
+    one over 1F1B, ZB-H1 and interleaved ``v ≤ 3``; for ``pp = 1`` only 1F1B exists.
     """
+    spec = search.spec
     ks = [0] * len(units)
     tps = [0] * len(units)
     for c in choices:
         ks[c.unit], tps[c.unit] = c.k, c.tp
     pp = sum(ks)
-    schedules = _schedule_options(search.spec, pp, search.spec.model.layers, exhaustive=False)
+    schedules = _schedule_options(spec, pp, spec.model.layers, exhaustive=False)
     stage_units = tuple(units[i] for i in order for _ in range(ks[i]))
     stage_tps = tuple(tps[i] for i in order for _ in range(ks[i]))
+    zb_caps: list[int] | None = None
     for schedule, v in schedules:
+        if zb_caps is not None and all(
+                c <= z for c, z in zip(_layer_caps(search, stage_units, stage_tps, dp, mb,
+                                                   schedule, v, inv), zb_caps, strict=True)):
+            continue  # dominated by ZB-H1 (docstring)
         _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping, v)
+        if schedule == "zb-h1" and spec.parallelism.schedule == "auto":
+            zb_caps = _layer_caps(search, stage_units, stage_tps, dp, mb, "zb-h1", 1, inv)
+
+
+def _layer_caps(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int,
+                schedule: str, v: int, inv: ClusterInventory) -> list[int]:
+    """Layers each stage can hold under ``schedule`` (memoised stage costs)."""
+    m = _replica_batch(search.spec, dp) // mb
+    stages, _ = _stage_costs(units, tps, dp, mb, m, schedule, inv, search.spec,
+                             search.stage_memo, v)
+    return [s.max_layers for s in stages]
 
 
 def _state_shortfall(search: _Search, units: Sequence[Unit], need_gib: float) -> None:
@@ -727,7 +1282,8 @@ def _record_shortfall(search: _Search, units: tuple[Unit, ...], spec: JobSpec,
             usable = dev.hbm_gib * cost.MEMORY_HEADROOM
             need = (c.stats.fixed_bytes + c.stats.layer_bytes * per) / cost.GIB
             search.shortfall(need / usable, (
-                f"each of {pp} stages ({dev.name}, tp={c.tp}, dp={dp}, microBatch {mb}) needs "
+                f"each of {pp} stages ({dev.name}, tp={c.tp}, {_dp_words(spec, dp)}, "
+                f"microBatch {mb}) needs "
                 f"at least {need:.1f} GiB per device for {per} layers; it has {usable:.1f} GiB "
                 f"usable ({cost.MEMORY_HEADROOM:.0%} of {dev.hbm_gib:.0f} GiB)"))
 
@@ -739,7 +1295,8 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
            spec: JobSpec) -> list[str]:
     notes = [
         f"searched {search.evaluated} layouts ({'exhaustive' if search.exhaustive else 'fast'})",
-        f"chose dp={best.dp} pp={best.pp} tp={'/'.join(map(str, best.tps))} "
+        f"chose dp={best.dp // best.cp} pp={best.pp} tp={'/'.join(map(str, best.tps))} "
+        + (f"cp={best.cp} " if best.cp > 1 else "") +
         f"mb={best.micro_batch} schedule={best.schedule}"
         + (f" chunks={best.chunks}" if best.schedule == "interleaved" else ""),
     ]
@@ -798,12 +1355,19 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
         groupings.append(("merged", build_units(pools, merged=True)))
     best_by: dict[str, Candidate] = {}
     searches = []
+    cps = _cp_options(spec, pools)
     for grouping, units in groupings:
         search = _Search(spec, exhaustive, REPLAN_TOLERANCE if previous is not None else 1.0)
-        if exhaustive:
-            _search_exhaustive(search, units, inventory, grouping)
-        else:
-            _search_fast(search, units, inventory, grouping)
+        # one incumbent over every CP degree, which prunes the next: the widest first (where
+        # CP is searched it usually wins, and its plan bounds the narrower degrees tightly;
+        # measured: 2-8x less planning than narrowest first on the plan-quality 32k/128k jobs)
+        for cp in reversed(cps):
+            search.use_cp(replace(spec, parallelism=replace(spec.parallelism, cp=cp)))
+            if exhaustive:
+                _search_exhaustive(search, units, inventory, grouping)
+            else:
+                _search_fast(search, units, inventory, grouping)
+        search.use_cp(spec)
         searches.append(search)
         if search.best is not None:
             best_by[grouping] = search.best
@@ -814,13 +1378,56 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     alt = ranked[1] if len(ranked) > 1 else None
     near = [c for s in searches for c in s.near]
     if previous is None:
-        chosen, ranks = best, place_ranks(best.units, best.tps, best.dp, None)
+        chosen, ranks = best, _place(best, None)
     else:
         chosen, ranks = _fewest_moves(best, near, previous)
     notes = _notes(chosen, searches[0], alt, inventory, spec)
     if previous is not None:
         notes.append(f"re-plan: {moved_ranks(previous, ranks)} of {len(ranks)} ranks change stage")
-    return _to_plan(name, spec, chosen, ranks, notes, inventory)
+    concrete = replace(spec, parallelism=replace(spec.parallelism, cp=chosen.cp))
+    plan = _to_plan(name, concrete, chosen, ranks, notes, inventory)
+    if spec.parallelism.replica_groups:
+        plan = plan_with_replica_group(plan, spec, inventory)
+    return plan
+
+
+# where the planner searches cp > 1 (a pinned cp is exempt): sequences of at least
+# CP_MIN_SEQ_LEN tokens, each CP rank keeping at least CP_MIN_LOCAL_TOKENS of them. Below, the
+# rank's GEMMs shrink while the K/V exchange does not, CP rarely wins in the cost model
+# (bench/cp_crossover.py: never on H100 at 8k, by 0.3% on L40S), and each degree is one more
+# search (2x the planning time at 8k). Llama 3 used CP only for its long-context stage.
+CP_MIN_SEQ_LEN = 16384
+CP_MIN_LOCAL_TOKENS = 4096
+
+
+def _cp_options(spec: JobSpec, pools: Sequence) -> list[int]:
+    """Context-parallel degrees to search: the pinned ``spec.parallelism.cp``, else the powers
+    of two ``cp`` with ``seq_len`` a multiple of ``2·cp`` (the runtime's load-balanced chunks,
+    ``planning/support.py``), at most the largest node's GPUs (a CP group beyond a node runs
+    over the NIC: costed, but never searched wider), ``seq_len ≥ CP_MIN_SEQ_LEN`` and
+    ``seq_len / cp ≥ CP_MIN_LOCAL_TOKENS``; ascending."""
+    if spec.parallelism.cp is not None:
+        return [spec.parallelism.cp]
+    node = max((p.gpus_per_node for p in pools), default=1)
+    out, cp = [1], 2
+    seq = spec.model.seq_len
+    if seq < CP_MIN_SEQ_LEN:
+        return out
+    while cp <= node and seq % (2 * cp) == 0 and seq // cp >= CP_MIN_LOCAL_TOKENS:
+        out.append(cp)
+        cp *= 2
+    return out
+
+
+def _place(c: Candidate, previous: Plan | None) -> tuple[RankPlan, ...]:
+    """Ranks of candidate ``c``: its ``dp·cp`` replicas placed as plain DP replicas (a
+    ``(stage, dp)``'s ``cp`` ranks get consecutive ``tp``-GPU blocks, one node where the group
+    fits, ``context.cp_link``), then renumbered back to ``(dp, cp)`` coordinates: the inverse of
+    the runtime's ``context_parallel.comm_view``."""
+    ranks = place_ranks(c.units, c.tps, c.dp, previous)
+    if c.cp == 1:
+        return ranks
+    return tuple(replace(r, dp=r.dp // c.cp, cp=r.dp % c.cp) for r in ranks)
 
 
 def _plan_auto(name: str, inventory: ClusterInventory, exhaustive: bool,
@@ -859,13 +1466,13 @@ def _fewest_moves(best: Candidate, near: Sequence[Candidate], previous: Plan
     limit = best.step_time_s * REPLAN_TOLERANCE
     by_layout: dict[tuple, Candidate] = {}
     for c in sorted((c for c in near if c.step_time_s <= limit), key=Candidate.sort_key):
-        by_layout.setdefault((tuple(u.key for u in c.units), c.tps, c.dp), c)
+        by_layout.setdefault((tuple(u.key for u in c.units), c.tps, c.dp, c.cp), c)
     scored = []
     for c in list(by_layout.values())[:REPLAN_OPTIONS]:
-        r = place_ranks(c.units, c.tps, c.dp, previous)
+        r = _place(c, previous)
         scored.append((moved_ranks(previous, r), c.sort_key(), c, r))
     if not scored:  # best itself is always within the tolerance; defensive
-        return best, place_ranks(best.units, best.tps, best.dp, previous)
+        return best, _place(best, previous)
     _, _, chosen, ranks = min(scored, key=lambda x: (x[0], x[1]))
     return chosen, ranks
 
@@ -885,11 +1492,14 @@ def step_time_for_split(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
     stage_units = [by_pool[s.pools[0]] for s in plan.stages]
     tps = [s.tp for s in plan.stages]
     m, v = plan.num_microbatches, plan.virtual_stages
-    stages, _ = _stage_costs(stage_units, tps, plan.dp, plan.micro_batch, m, plan.schedule,
+    cp = plan.stages[0].cp
+    spec = replace(spec, parallelism=replace(spec.parallelism, cp=cp))
+    dp = plan.dp * cp  # the DP×CP group, as the search counts it
+    stages, _ = _stage_costs(stage_units, tps, dp, plan.micro_batch, m, plan.schedule,
                              inventory, spec, v=v)
     if any(n < 1 or n > s.max_layers for s, n in zip(stages, split, strict=True)):
         return None
-    boundaries = [_boundary_s(stage_units[i], stage_units[i + 1], tps[i], tps[i + 1], plan.dp,
+    boundaries = [_boundary_s(stage_units[i], stage_units[i + 1], tps[i], tps[i + 1], dp,
                               plan.micro_batch, inventory, spec) for i in range(plan.pp - 1)]
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
     pipe, _ = cost.pipeline_time_s(stage_s, boundaries, m, plan.schedule, v)
@@ -902,7 +1512,7 @@ def _explain_failure(spec: JobSpec, pools: Sequence, searches: Sequence[_Search]
     if capped and spec.placement.max_gpus is not None:
         return no_plan(
             f"no feasible layout within spec.placement.maxGPUs={spec.placement.max_gpus} "
-            f"({capped} layouts needed more GPUs); raise maxGPUs or pin a smaller "
+            "(the cap excluded the larger layouts); raise maxGPUs or pin a smaller "
             "spec.parallelism"
         )
     shortfall = min((s.memory_shortfall for s in searches if s.memory_shortfall),
@@ -933,10 +1543,11 @@ def _memory_suggestions(spec: JobSpec, state_only: bool) -> list[str]:
         out.append("set spec.training.optimizerSharding: true")
     if t.micro_batch is not None and t.micro_batch > 1 and not state_only:
         out.append(f"lower spec.training.microBatch (now {t.micro_batch}) or omit it")
-    pins = [f"{k}={v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("dp", par.dp))
-            if v is not None]
+    pins = [f"{k}={v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("dp", par.dp),
+                                    ("cp", par.cp)) if v is not None]
     if pins:
-        out.append(f"unpin spec.parallelism ({', '.join(pins)}) so TP/PP can spread the model")
+        out.append(f"unpin spec.parallelism ({', '.join(pins)}) so TP/PP/CP can spread the "
+                   "model")
     if pl.max_gpus is not None:
         out.append(f"raise spec.placement.maxGPUs (now {pl.max_gpus})")
     if pl.vendors or pl.datacenters or pl.pools:
@@ -948,7 +1559,8 @@ def _memory_suggestions(spec: JobSpec, state_only: bool) -> list[str]:
 def _tp_comm_s(c: Candidate, spec: JobSpec, i: int) -> float:
     """Exposed TP comm of stage ``i`` per microbatch (part of its stage time)."""
     eb = cost.precision_bytes(spec.training)
-    return c.split[i] * cost.tp_comm_per_layer_s(spec.model, c.micro_batch, c.tps[i],
+    local = cost.cp_local_model(spec.model, c.cp)  # a CP rank's TP collectives: its tokens
+    return c.split[i] * cost.tp_comm_per_layer_s(local, c.micro_batch, c.tps[i],
                                                  c.units[i].device, eb, spec.training.recompute)
 
 
@@ -956,7 +1568,8 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
              inv: ClusterInventory) -> Plan:
     model = spec.model
     gb = spec.training.global_batch
-    m = gb // (c.dp * c.micro_batch)
+    dp = c.dp // c.cp  # c.dp counts the DP×CP group
+    m = gb // (dp * c.micro_batch)
     stages = []
     start = 0
     for i, (u, tp, n) in enumerate(zip(c.units, c.tps, c.split, strict=True)):
@@ -967,7 +1580,7 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
             pools=pools_used, datacenters=dcs, layer_start=start, layer_end=start + n, tp=tp,
             memory_gib=round(c.memory[i], 3), capacity_gib=round(u.device.hbm_gib, 3),
             time_ms=round(c.stage_s[i] * 1e3, 6), has_embedding=i == 0,
-            has_head=i == len(c.units) - 1,
+            has_head=i == len(c.units) - 1, cp=c.cp,
         ))
         start += n
     peak = sum(u.device.flops * tp * c.dp for u, tp in zip(c.units, c.tps, strict=True))
@@ -987,14 +1600,15 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         dp_comm_s=max(c.stage_dp_s),
         cross_dc_bytes_per_step=cross_bytes,
         pp_bytes_per_step=c.dp * cost.pipeline_bytes_per_step(
-            model, c.micro_batch, cost.precision_bytes(spec.training), m, c.pp,
+            cost.cp_local_model(model, c.cp), c.micro_batch,
+            cost.precision_bytes(spec.training), m, c.pp,
             c.chunks if c.schedule == "interleaved" else 1),
     )
     cross = {"mode": spec.cross_dc.mode, "compression": spec.cross_dc.compression,
              "outer_steps": spec.cross_dc.outer_steps, "outer_lr": spec.cross_dc.outer_lr,
              "outer_momentum": spec.cross_dc.outer_momentum, "grouping": c.grouping}
     return Plan(
-        job=name, model=model, training=spec.training, dp=c.dp, pp=c.pp,
+        job=name, model=model, training=spec.training, dp=dp, pp=c.pp,
         micro_batch=c.micro_batch, num_microbatches=m, schedule=c.schedule,
         stages=tuple(stages), ranks=ranks, predicted=pred, cross_dc=cross, notes=tuple(notes),
         virtual_stages=c.chunks if c.schedule == "interleaved" else 1,

@@ -9,6 +9,7 @@ spec field that sets it.
 from __future__ import annotations
 
 from hettrain.api.spec import LR_SCHEDULES, PRECISIONS
+from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan
 
 
@@ -27,4 +28,144 @@ def unsupported(plan: Plan) -> list[str]:
         out.append("plan.training.optimizer_sharding=true with plan.cross_dc.mode=diloco: "
                    "ZeRO-1 cannot combine with DiLoCo (each datacenter's replicas drift apart "
                    "between outer steps); set spec.training.optimizerSharding: false")
+    if not plan.data:
+        out.append("plan.data is empty (a spec without spec.data): the runtime trains only on "
+                   "named data; set spec.data.uri, spec.data.pvc + path, or "
+                   "spec.data.synthetic: true")
+    out += context_parallel_errors(plan)
+    out += replica_group_errors(plan)
     return out
+
+
+def context_parallel_degree(plan: Plan) -> int:
+    """The plan's context-parallel degree (``stages[i].cp``, equal on every stage; 1: none)."""
+    return max((s.cp for s in plan.stages), default=1)
+
+
+def context_parallel_errors(plan: Plan) -> list[str]:
+    """Why the runtime cannot run this plan's context parallelism (empty: it can, or cp = 1).
+
+    The planner writes ``cp`` from ``spec.parallelism.cp`` (pinned or searched); any plan
+    with ``cp > 1`` is checked here: one degree on every stage (pipeline peers pair by CP
+    index), ``seq_len`` a multiple of ``2·cp`` (the load-balanced chunks), and every
+    ``(stage, dp, tp, cp)`` coordinate present exactly once."""
+    cps = {s.cp for s in plan.stages}
+    if cps == {1}:
+        if any(r.cp for r in plan.ranks):
+            return ["plan.ranks[].cp: set on a plan whose stages all have cp=1; remove it"]
+        return []
+    n = max(cps)
+    if len(cps) > 1 or n < 1:
+        return [f"plan.stages[].cp={sorted(cps)}: every stage needs the same context-parallel "
+                "degree >= 1 (pipeline peers pair by CP index)"]
+    if plan.model.seq_len % (2 * n):
+        return [f"plan.stages[].cp={n}: plan.model.seq_len={plan.model.seq_len} must be a "
+                f"multiple of 2·cp={2 * n} (two load-balanced chunks per CP rank)"]
+    want = {(s.index, d, t, c) for s in plan.stages for d in range(plan.dp)
+            for t in range(s.tp) for c in range(n)}
+    have = [(r.stage, r.dp, r.tp, r.cp) for r in plan.ranks]
+    if len(set(have)) != len(have) or set(have) != want:
+        return [f"plan.ranks: with cp={n} every (stage, dp, tp, cp) coordinate must appear "
+                "exactly once (cp in 0..cp-1)"]
+    return []
+
+
+def replica_group_errors(plan: Plan) -> list[str]:
+    """Why the runtime cannot run this plan's replica groups (empty: it can, or no groups).
+
+    Every group is a complete pipeline (stages ``0..pp-1`` covering layers ``[0, layers)``
+    once each, in order), its ranks hold every ``(stage, dp, tp)`` coordinate exactly once,
+    a node hosts ranks of one group only, the groups' batch shares sum to
+    ``training.global_batch``, the top-level ``dp/pp/num_microbatches/stages`` repeat group 0,
+    and each layer (and the embedding and head) has the same TP degree in every group: the
+    runtime sums gradients between groups per TP shard, never re-sharding between degrees.
+    Model, precision and optimizer are the plan's, shared by every group by construction."""
+    if not plan.groups:
+        if any(r.group for r in plan.ranks):
+            return ["plan.ranks[].group: set on a plan without plan.groups; remove it"]
+        return []
+    out: list[str] = []
+    n = plan.model.layers
+    for i, g in enumerate(plan.groups):
+        where = f"plan.groups[{i}]"
+        if g.index != i:
+            out.append(f"{where}.index={g.index}: groups must be numbered 0..{len(plan.groups) - 1}"
+                       " in order")
+        if g.dp < 1 or g.num_microbatches < 1:
+            out.append(f"{where}: dp={g.dp} and num_microbatches={g.num_microbatches} must be "
+                       ">= 1")
+        if len(g.stages) != g.pp or [s.index for s in g.stages] != list(range(g.pp)):
+            out.append(f"{where}.stages: need stages 0..pp-1 (pp={g.pp}) in order")
+            continue
+        bounds = [(s.layer_start, s.layer_end) for s in g.stages]
+        chain = all(a < b for a, b in bounds) and all(
+            bounds[k][1] == bounds[k + 1][0] for k in range(len(bounds) - 1))
+        if not (chain and bounds[0][0] == 0 and bounds[-1][1] == n):
+            out.append(f"{where}.stages: layer ranges {bounds} must cover every layer [0, {n}) "
+                       "exactly once, in stage order")
+        if any(s.cp != 1 for s in g.stages):
+            out.append(f"{where}.stages[].cp: context parallelism is not supported with "
+                       "replica groups; set cp=1")
+        want = {(s.index, d, t) for s in g.stages for d in range(g.dp) for t in range(s.tp)}
+        have = [(r.stage, r.dp, r.tp) for r in plan.group_ranks(i)]
+        if len(set(have)) != len(have) or set(have) != want:
+            out.append(f"plan.ranks: group {i} must hold every (stage, dp, tp) coordinate of "
+                       f"{where} exactly once")
+    if out:
+        return out
+    if any(not 0 <= r.group < len(plan.groups) for r in plan.ranks):
+        out.append(f"plan.ranks[].group: must lie in 0..{len(plan.groups) - 1}")
+    node_groups: dict[str, set[int]] = {}
+    for r in plan.ranks:
+        node_groups.setdefault(r.node, set()).add(r.group)
+    mixed = sorted(node for node, gs in node_groups.items() if len(gs) > 1)
+    if mixed:
+        out.append(f"plan.ranks: node {mixed[0]!r} hosts ranks of several replica groups; "
+                   "a node belongs to one group")
+    if plan.global_batch != plan.training.global_batch:
+        shares = [g.microbatches * plan.micro_batch for g in plan.groups]
+        out.append(f"plan.groups: batch shares {shares} (dp * num_microbatches * micro_batch) "
+                   f"sum to {plan.global_batch}, not plan.training.global_batch="
+                   f"{plan.training.global_batch}")
+    g0 = plan.groups[0]
+    if (plan.dp, plan.pp, plan.num_microbatches, plan.stages) != (
+            g0.dp, g0.pp, g0.num_microbatches, g0.stages):
+        out.append("plan.dp/pp/num_microbatches/stages must repeat plan.groups[0]'s")
+    mode = (plan.cross_dc or {}).get("mode", "sync")
+    if mode != "sync":
+        out.append(f"plan.cross_dc.mode={mode!r} with plan.groups: replica groups sync "
+                   "gradients every step; set spec.training.crossDC.mode: sync")
+    out += _tp_mismatches(plan)
+    return out
+
+
+def group_stage_units(plan: Plan) -> dict[tuple[int, int], list[str]]:
+    """``{(group, stage): units}``: the parameter units each stage of each replica group
+    holds -- ``"embedding"`` (stage 0), ``"layer i"`` (its chunks' layers), ``"head"`` (the
+    final norm and output layer, last stage). The runtime syncs gradients between the holders
+    of each unit (runtime/replica_sync.py)."""
+    out: dict[tuple[int, int], list[str]] = {}
+    for g in plan.groups:
+        chunks = chunk_layer_ranges(plan.group_plan(g.index))
+        for s in g.stages:
+            units = ["embedding"] * (s.index == 0)
+            units += [f"layer {i}" for a, b in chunks[s.index] for i in range(a, b)]
+            units += ["head"] * (s.index == g.pp - 1)
+            out[(g.index, s.index)] = units
+    return out
+
+
+def _tp_mismatches(plan: Plan) -> list[str]:
+    """Layers (and the embedding / head) whose TP degree differs between replica groups."""
+    degrees: dict[str, dict[int, int]] = {}
+    for (g, s), units in group_stage_units(plan).items():
+        for u in units:
+            degrees.setdefault(u, {})[g] = plan.groups[g].stages[s].tp
+    order = ["embedding", *(f"layer {i}" for i in range(plan.model.layers)), "head"]
+    for u in order:
+        tps = degrees.get(u, {})
+        if len(set(tps.values())) > 1:
+            return [f"plan.groups: {u} has tp {dict(sorted(tps.items()))} by group; the "
+                    "runtime syncs gradients between groups per TP shard, so every layer needs "
+                    "the same tp in every group (re-split the layers or change a group's tp)"]
+    return []

@@ -23,7 +23,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from hettrain.planning.plan import Plan, RankPlan
 from hettrain.render.schedule import BACKWARD, FORWARD, WEIGHT, Timeline, build_timeline
-from hettrain.render.table import layout_summary, schedule_summary, stage_layers
+from hettrain.render.table import group_stages, layout_summary, schedule_summary
 
 FORMATS = ("svg", "png")
 NODES_PER_ROW = 8
@@ -71,8 +71,10 @@ def _placement_rows(plan: Plan) -> int:
 
 def draw_placement(ax: Axes, plan: Plan) -> int:
     """Draw the placement map on ``ax``; returns the number of GPU cells drawn."""
-    colors = stage_colors(plan.pp)
-    pool_device = {p: s.device for s in plan.stages for p in s.pools}
+    stages = group_stages(plan)  # every replica group's stages, one colour each
+    palette = stage_colors(len(stages))
+    colors = {(g, s.index): palette[i] for i, (g, _, s, _) in enumerate(stages)}
+    pool_device = {p: s.device for _, _, s, _ in stages for p in s.pools}
     gpus_per_node = max((r.local_rank + 1 for r in plan.ranks), default=1)
     node_w = gpus_per_node + 1.0  # one cell of gap between nodes
     cells = 0
@@ -92,7 +94,8 @@ def draw_placement(ax: Axes, plan: Plan) -> int:
                                        fill=False, edgecolor="#555555", linewidth=0.6))
                 for r in ranks:
                     cell = Rectangle((x0 + r.local_rank, y0 + 0.05), 0.9, 0.6,
-                                     facecolor=colors[r.stage], edgecolor="white", linewidth=0.3)
+                                     facecolor=colors[(r.group, r.stage)], edgecolor="white",
+                                     linewidth=0.3)
                     cell.set_gid(f"gpu-r{r.rank}")
                     cell.set_in_layout(False)  # inside the axes; keeps layout fast
                     ax.add_artist(cell)
@@ -107,9 +110,9 @@ def draw_placement(ax: Axes, plan: Plan) -> int:
     ax.set_xlim(-0.5, max(widest, 4) * node_w)
     ax.set_ylim(y + 0.2, -0.4)
     ax.set_axis_off()
-    labels = stage_layers(plan)
-    legend = [Patch(facecolor=colors[s.index], label=f"stage {s.index}: {s.device} tp{s.tp}, "
-                    f"layers {labels[s.index]}") for s in plan.stages]
+    legend = [Patch(facecolor=colors[(g, s.index)],
+                    label=(f"group {g} " if plan.groups else "") + f"stage {s.index}: "
+                    f"{s.device} tp{s.tp}, layers {label}") for g, _, s, label in stages]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
               frameon=False, title="placement", title_fontsize=8)
     ax.set_title(f"{plan.job}: {plan.world_size} GPUs, DP×PP×TP = {layout_summary(plan)}",

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hettrain.planning.layers import chunk_layer_ranges
-from hettrain.planning.plan import Plan
+from hettrain.planning.plan import Plan, StagePlan
 
 
 def human_bytes(n: float) -> str:
@@ -32,15 +32,33 @@ def human_rate(tokens_per_s: float) -> str:
 
 def tp_summary(plan: Plan) -> str:
     """The TP degree, or the per-stage degrees when stages differ (``{8,4}``)."""
-    degrees = sorted({s.tp for s in plan.stages}, reverse=True)
-    if len(degrees) == 1:
-        return str(degrees[0])
-    return "{" + ",".join(str(d) for d in degrees) + "}"
+    return _tp_of(plan.stages)
 
 
 def layout_summary(plan: Plan) -> str:
-    """``DP×PP×TP``, e.g. ``2×4×8``."""
-    return f"{plan.dp}×{plan.pp}×{tp_summary(plan)}"
+    """``DP×PP×TP``, e.g. ``2×4×8``; with context parallelism ``2×4×2 (cp 4)``; with replica
+    groups each group's, e.g. ``8×2×1 + 16×1×1 (2 replica groups)``."""
+    cp = max((s.cp for s in plan.stages), default=1)
+    base = f"{plan.dp}×{plan.pp}×{tp_summary(plan)}" + (f" (cp {cp})" if cp > 1 else "")
+    if not plan.groups:
+        return base
+    rest = " + ".join(f"{g.dp}×{g.pp}×{_tp_of(g.stages)}" for g in plan.groups[1:])
+    return f"{base} + {rest} ({len(plan.groups)} replica groups)"
+
+
+def _tp_of(stages: tuple[StagePlan, ...]) -> str:
+    degrees = sorted({s.tp for s in stages}, reverse=True)
+    return str(degrees[0]) if len(degrees) == 1 else "{" + ",".join(map(str, degrees)) + "}"
+
+
+def group_stages(plan: Plan) -> list[tuple[int, int, StagePlan, str]]:
+    """``(group, dp, stage, layers label)`` for every pipeline stage of every replica group
+    (one group, index 0, when the plan has none)."""
+    labels = stage_layers(plan)
+    out = [(0, plan.dp, s, labels[s.index]) for s in plan.stages]
+    for g in plan.groups[1:]:
+        out += [(g.index, g.dp, s, layer_range(s.layer_start, s.layer_end)) for s in g.stages]
+    return out
 
 
 def schedule_summary(plan: Plan) -> str:
@@ -69,23 +87,26 @@ def stage_layers(plan: Plan) -> list[str]:
 def stage_table(plan: Plan) -> Table:
     """One row per pipeline stage."""
     table = Table(title=f"Plan for {plan.job}: {plan.model.name}", title_justify="left")
+    if plan.groups:
+        table.add_column("group", justify="right")
     for name, justify in (
         ("stage", "right"), ("device", "left"), ("vendor", "left"), ("pools", "left"),
         ("DCs", "left"), ("layers", "right"), ("#", "right"), ("TP", "right"),
         ("DP", "right"), ("memory GiB", "right"), ("time ms", "right"),
     ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    labels = stage_layers(plan)
-    for s in plan.stages:
+    for group, dp, s, label in group_stages(plan):
         extras = "".join(mark for flag, mark in ((s.has_embedding, " +emb"), (s.has_head, " +head"))
                          if flag)
         memory = Text(f"{s.memory_gib:.1f}/{s.capacity_gib:.0f}")
         if s.capacity_gib and s.memory_gib > 0.9 * s.capacity_gib:
             memory.stylize("bold yellow")
         table.add_row(
+            *([str(group)] if plan.groups else []),
             str(s.index), s.device, s.vendor, ", ".join(s.pools), ", ".join(s.datacenters),
-            f"{labels[s.index]}{extras}", str(s.layers), str(s.tp),
-            str(plan.dp), memory, f"{s.time_ms:.1f}",
+            f"{label}{extras}", str(s.layers),
+            str(s.tp) + (f" cp{s.cp}" if s.cp > 1 else ""),
+            str(dp), memory, f"{s.time_ms:.1f}",
         )
     return table
 
@@ -99,8 +120,10 @@ def summary_table(plan: Plan) -> Table:
     rows = [
         ("world size", f"{plan.world_size} ranks (one per device) on {len(plan.nodes())} nodes"),
         ("DP×PP×TP", layout_summary(plan)),
-        ("microbatch", f"{plan.micro_batch} seq × {plan.num_microbatches} per replica "
-                       f"(global batch {plan.global_batch})"),
+        ("microbatch", f"{plan.micro_batch} seq × " + (
+            " / ".join(f"{g.num_microbatches} (group {g.index})" for g in plan.groups)
+            if plan.groups else f"{plan.num_microbatches}")
+            + f" per replica (global batch {plan.global_batch})"),
         ("schedule", schedule_summary(plan)),
         ("step time", f"{p.step_time_s:.3f} s"
                       f" (compute {p.compute_s:.3f}, bubble {p.bubble_s:.3f}, "

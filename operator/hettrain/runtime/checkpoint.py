@@ -6,8 +6,9 @@ model tensors (``layers.7.attn.q.weight``), AdamW state (``optim.<param>.exp_avg
 (``rng.torch``). Each rank presents its own pieces -- a TP shard as the index runs it owns, a
 replicated tensor whole -- and writes only what it owns: data-parallel replica 0 writes, and
 of a replicated tensor only TP index 0 (so every element is stored exactly once). An optimizer
-whose state is sharded over DP (ZeRO-1) presents its state as flat ranges and every replica
-writes its part. Nothing is gathered.
+whose state is sharded over DP (ZeRO-1) presents views of its own slice of the flat buffers,
+placed as boxes in the unsharded global tensors (``StageOptimizer.checkpoint_state``), and
+every replica writes its part: ``1/dp`` of the optimizer state per rank. Nothing is gathered.
 
 Saving (:class:`Checkpointer`): the training thread only copies the pieces to host memory
 (the stall); a background thread writes this rank's safetensors file and manifest, and on
@@ -281,16 +282,15 @@ class Checkpointer:
     def _publish(self, step: int, meta: dict) -> None:
         store, staging = self.store, self.store.staging(step)
         paths = [f"{staging}/rank-{r:05d}.json" for r in range(self.world_size)]
-        store.wait_for(paths, self.commit_timeout_s, f"checkpoint step {step}")
-        ranks = []
-        for p in paths:
-            m = json.loads(store.fs.cat_file(p))
+        ranks = store.wait_for_json(paths, self.commit_timeout_s, f"checkpoint step {step}")
+        for p, m in zip(paths, ranks, strict=True):
             if m.get("step") != step or m.get("world_size") != self.world_size:
                 raise CheckpointFormatError(f"{p}: written by another run (step "
                                             f"{m.get('step')}, world {m.get('world_size')})")
-            ranks.append(m)
         merged = merge_manifests(ranks, {**meta, "step": step, "world_size": self.world_size})
         final = store.publish(step, json.dumps(merged).encode())
+        # retention after the wait: every writing rank has written this step's manifest, so it
+        # has finished loading (a resume) the older checkpoint that retention may now delete
         dropped = store.retain(self.keep)
         log.info("checkpoint step %d published at %s%s", step, final.rsplit("/", 1)[-1],
                  f" (retention removed steps {dropped})" if dropped else "")

@@ -288,3 +288,53 @@ def fill_piece(target: Piece, name: str, entry: dict, open_file: Callable[[str],
             flat[hit] = data[pos[hit]].to(flat.dtype)
         filled += int(hit.sum())
     return filled
+
+
+def range_boxes(shape: Sequence[int], start: int, end: int
+                ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Elements ``[start, end)`` (row-major) of a tensor of ``shape`` as boxes ``(offsets,
+    extent)``, in order; each box is a contiguous run of the flat range, so the boxes' element
+    counts sum to ``end - start`` and consecutive boxes continue where the previous ended."""
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (end - start,))] if shape else [((), ())]
+    row = math.prod(shape[1:])
+    r0, c0 = divmod(start, row)
+    r1, c1 = divmod(end, row)
+    out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    if r0 == r1:
+        return [((r0, *o), (1, *e)) for o, e in range_boxes(shape[1:], c0, c1)]
+    if c0:
+        out += [((r0, *o), (1, *e)) for o, e in range_boxes(shape[1:], c0, row)]
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0,) + (0,) * (len(shape) - 1), (r1 - r0, *shape[1:])))
+    if c1:
+        out += [((r1, *o), (1, *e)) for o, e in range_boxes(shape[1:], 0, c1)]
+    return out
+
+
+def local_range_pieces(data: torch.Tensor, local_shape: Sequence[int], start: int, *,
+                       dim: int | None = None, index: Sequence[int] | None = None
+                       ) -> list[Piece]:
+    """Box pieces of the GLOBAL tensor holding ``data``: elements ``[start, start +
+    data.numel())`` of a local tensor of ``local_shape``, whose position ``i`` along ``dim``
+    is global position ``index[i]`` (a TP shard; ``dim=None``: the local tensor is the global
+    one). The pieces are views of ``data`` (no copy): a ZeRO-1 optimizer slice of a flat
+    buffer, saved or loaded in place, reshards onto any tp/dp layout."""
+    out, pos = [], 0
+    for offsets, extent in range_boxes(local_shape, start, start + data.numel()):
+        n = math.prod(extent)
+        box = data[pos:pos + n].view(extent)
+        pos += n
+        if dim is None or index is None:
+            out.append(Piece(box, offsets=offsets))
+            continue
+        lo, local = offsets[dim], 0
+        for run_start, length in _runs([int(i) for i in index[lo:lo + extent[dim]]]):
+            glob = list(offsets)
+            glob[dim] = run_start
+            out.append(Piece(box.narrow(dim, local, length), offsets=tuple(glob)))
+            local += length
+    return out

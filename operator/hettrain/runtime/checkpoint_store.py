@@ -12,9 +12,18 @@ Layout under the job's root (the operator already appends the per-job subdirecto
 rank 0 writes it after every rank's manifest is present and merged. On a local filesystem the
 ranks write into ``step-N.tmp/`` and rank 0 renames it to ``step-N/`` before writing the
 marker (so a half-written step never even has its final name); object stores have no atomic
-rename and rely on the marker alone. **Retention** deletes all but the newest ``keep``
-committed checkpoints (marker first, so a half-deleted one is invisible) and any incomplete
-one older than the newest committed.
+rename and rely on the marker alone.
+
+**Small objects appear whole** (:meth:`CheckpointStore.write_bytes`: the rank manifests that
+rank 0 polls for, ``manifest.json``, the marker): on a local / PVC filesystem they are written
+under a temporary name in the same directory (``<name>.<random>.partial``) and renamed into
+place, so a reader never sees a file that exists but is still empty or half-written; on an
+object store one PUT is atomic already. Rank 0's wait for the rank manifests
+(:meth:`CheckpointStore.wait_for_json`) still counts a manifest that does not parse as "not
+there yet" (and says so if it never completes), as polling is the design there.
+
+**Retention** deletes all but the newest ``keep`` committed checkpoints (marker first, so a
+half-deleted one is invisible) and any incomplete one older than the newest committed.
 
 Credentials come only from the environment (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``
 / ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL`` for S3-compatible stores), injected by the operator
@@ -23,9 +32,12 @@ from the Secret ``spec.checkpoint.secretRef``; they never appear in a URI, log o
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import time
+import uuid
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -34,6 +46,8 @@ import fsspec
 COMMITTED = "COMMITTED"
 MANIFEST = "manifest.json"
 LATEST = "latest"
+PARTIAL = ".partial"  # suffix of a small object being written (local filesystems)
+POLL_S = 0.05
 STEP_RE = re.compile(r"^step-(\d+)(\.tmp)?$")
 URI_FIELD = "spec.checkpoint.uri (env HETTRAIN_CHECKPOINT_URI)"
 SECRET_FIELD = "spec.checkpoint.secretRef"
@@ -141,6 +155,8 @@ class CheckpointStore:
             if not self.fs.exists(self.root):
                 return []
             names = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:  # an object store's prefix emptied since exists() (another
+            return []              # rank's probe object, written and removed meanwhile)
         except Exception as e:
             raise self.error("list checkpoints", e) from None
         out = []
@@ -162,9 +178,21 @@ class CheckpointStore:
 
     # -- writing -------------------------------------------------------------------------
     def write_bytes(self, path: str, data: bytes) -> None:
-        """Write a small object in one piece."""
+        """Write a small object so that readers see all of it or nothing: locally under a
+        temporary name in the same directory, then an atomic rename (a plain write creates
+        the file empty first, and a poller would read it so); on object stores one PUT."""
         try:
-            self.fs.pipe_file(path, data)
+            if not self.local:
+                self.fs.pipe_file(path, data)
+                return
+            tmp = f"{path}.{uuid.uuid4().hex}{PARTIAL}"
+            try:
+                self.fs.pipe_file(tmp, data)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise
         except Exception as e:
             raise self.error(f"write {path.rsplit('/', 2)[-2:]}", e) from None
 
@@ -179,20 +207,42 @@ class CheckpointStore:
                 removed.append(p)
         return removed
 
-    def wait_for(self, paths: list[str], timeout: float, what: str) -> None:
-        """Poll until every path exists (the other ranks' manifests)."""
+    def wait_for_json(self, paths: list[str], timeout: float, what: str) -> list[dict]:
+        """Poll until every path holds a complete JSON object (the other ranks' manifests);
+        returns them in order. A file that exists but does not parse yet (a writer without
+        atomic rename, in the middle of its write) counts as not there yet."""
         deadline = time.monotonic() + timeout
-        pending = list(paths)
-        while pending:
-            pending = [p for p in pending if not self.fs.exists(p)]
+        found: dict[str, dict] = {}
+        while True:
+            for p in paths:
+                if p not in found and (doc := self._read_json(p)) is not None:
+                    found[p] = doc
+            pending = [p for p in paths if p not in found]
             if not pending:
-                return
-            if time.monotonic() > deadline:
+                return [found[p] for p in paths]
+            if time.monotonic() >= deadline:
+                first = pending[0]
+                state = "present but incomplete (not valid JSON)" if self.fs.exists(first) \
+                    else "missing"
                 raise CheckpointStorageError(
                     f"{what}: {len(pending)} rank(s) did not finish within {timeout:.0f} s "
-                    f"(first missing: {pending[0].rsplit('/', 1)[-1]}); the checkpoint stays "
+                    f"(first: {first.rsplit('/', 1)[-1]}, {state}); the checkpoint stays "
                     "unpublished")
-            time.sleep(0.05)
+            time.sleep(POLL_S)
+
+    def _read_json(self, path: str) -> dict | None:
+        """The JSON object at ``path``; None while it is missing, empty or partial."""
+        try:
+            data = self.fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            raise self.error(f"read {path.rsplit('/', 2)[-2:]}", e) from None
+        try:
+            doc = json.loads(data)
+        except ValueError:  # empty or cut short (JSONDecodeError, UnicodeDecodeError)
+            return None
+        return doc if isinstance(doc, dict) else None
 
     def publish(self, step: int, manifest: bytes) -> str:
         """Write the merged manifest, move staging to final (local), then the commit marker."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from hettrain.api import constants as C
+from hettrain.planning.cost import DP_BUCKET_BYTES
 from hettrain.planning.plan import Plan
 from hettrain.runtime.checkpoint import DEFAULT_INTERVAL, DEFAULT_KEEP
 from hettrain.runtime.devices import ENV_DEVICE, check_choice
@@ -24,6 +26,9 @@ ENV_SUMMARY_DIR = "HETTRAIN_SUMMARY_DIR"  # optional: each rank writes rank-R.js
 ENV_RECV_AHEAD = "HETTRAIN_RECV_AHEAD"  # pipeline receives posted ahead per peer (default 1)
 ENV_DATA_VERIFY = "HETTRAIN_DATA_VERIFY"  # token set check at start-up: full (sha256) | size
 ENV_DATA_CACHE = "HETTRAIN_DATA_CACHE"  # download dir for object-store token sets
+# bucket size of the overlapped DP gradient sync in MiB (default 25, planning.cost.DP_BUCKET_BYTES;
+# tests and benchmarks: the planner assumes the default)
+ENV_DP_BUCKET_MB = "HETTRAIN_DP_BUCKET_MB"
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -37,6 +42,20 @@ def _int(env: dict[str, str], name: str, default: int | None = None) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"env {name}={raw!r} must be an integer") from None
+
+
+def _bucket_bytes(env: dict[str, str]) -> int:
+    raw = env.get(ENV_DP_BUCKET_MB, "")
+    if raw == "":
+        return DP_BUCKET_BYTES
+    try:
+        mib = float(raw)
+    except ValueError:
+        raise ValueError(f"env {ENV_DP_BUCKET_MB}={raw!r} must be a number of MiB") from None
+    if not (math.isfinite(mib) and mib > 0):
+        raise ValueError(f"env {ENV_DP_BUCKET_MB}={raw!r} must be a positive number of MiB "
+                         "(default 25)")
+    return max(1, int(mib * 2**20))
 
 
 @dataclass(frozen=True)
@@ -64,6 +83,7 @@ class RuntimeConfig:
     checkpoint_keep: int = DEFAULT_KEEP
     checkpoint_async: bool = True
     termination_log: str = ""
+    dp_bucket_bytes: int = DP_BUCKET_BYTES
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> RuntimeConfig:
@@ -99,6 +119,7 @@ class RuntimeConfig:
             termination_log=env.get(ENV_TERMINATION_LOG, ""),
             data_verify=env.get(ENV_DATA_VERIFY, "") or "full",
             data_cache=env.get(ENV_DATA_CACHE, ""),
+            dp_bucket_bytes=_bucket_bytes(env),
         )
         if cfg.checkpoint_keep < 1:
             raise ValueError(f"env {ENV_CHECKPOINT_KEEP}={cfg.checkpoint_keep} must be >= 1 "

@@ -143,6 +143,10 @@ class DataSource(Protocol):
         """Validation batch ``index`` of ``batch`` sequences."""
         ...
 
+    def global_batch(self, seed: int, step: int, batch: int) -> Batch:
+        """The whole global batch (``batch`` rows) of optimizer step ``step``."""
+        ...
+
 
 def replica_rows(x: torch.Tensor, y: torch.Tensor, dp: int, dp_index: int, micro_batch: int,
                  num_microbatches: int) -> list[Batch]:
@@ -153,6 +157,17 @@ def replica_rows(x: torch.Tensor, y: torch.Tensor, dp: int, dp_index: int, micro
     x, y = x[dp_index * per:(dp_index + 1) * per], y[dp_index * per:(dp_index + 1) * per]
     return [(x[m * micro_batch:(m + 1) * micro_batch], y[m * micro_batch:(m + 1) * micro_batch])
             for m in range(num_microbatches)]
+
+
+def rows_microbatches(x: torch.Tensor, y: torch.Tensor, offset: int, micro_batch: int,
+                      num_microbatches: int) -> list[Batch]:
+    """Rows ``[offset, offset + micro_batch·num_microbatches)`` of a global batch, cut into
+    microbatches (a replica of a replica group: its group's row offset, then its block)."""
+    end = offset + micro_batch * num_microbatches
+    if offset < 0 or end > x.shape[0]:
+        raise ValueError(f"rows [{offset}, {end}) outside a global batch of {x.shape[0]}")
+    return [(x[a:a + micro_batch], y[a:a + micro_batch])
+            for a in range(offset, end, micro_batch)]
 
 
 @dataclass
@@ -166,6 +181,10 @@ class SyntheticData:
     def microbatches(self, seed: int, step: int, **kw: Any) -> list[Batch]:
         """As :func:`hettrain.runtime.data.microbatches`."""
         return synthetic.microbatches(seed, step, **kw)
+
+    def global_batch(self, seed: int, step: int, batch: int) -> Batch:
+        """As :func:`hettrain.runtime.data.global_batch`."""
+        return synthetic.global_batch(seed, step, batch, self.seq_len, self.vocab)
 
     def validation_batch(self, index: int, batch: int) -> Batch:
         """Draws from the same pool with other indices: there is no held-out synthetic data."""
@@ -302,13 +321,14 @@ def materialize(uri: str, cache_dir: str | Path | None = None) -> Path:
 
 def open_data(data: dict[str, Any], *, seed: int, seq_len: int, vocab: int,
               verify: str = "full", cache_dir: str | Path | None = None) -> DataSource:
-    """The source a plan's ``data`` section names (``{}`` in plans without one: synthetic)."""
+    """The source a plan's ``data`` section names: the synthetic pool only when it says
+    ``synthetic``; a plan without data is refused (ValueError naming ``plan.data``)."""
     uri = data.get("uri")
-    if data.get("synthetic") or not uri:
-        if not data:
-            log.warning("plan has no data section: training on the synthetic pool (set "
-                        "spec.data.uri to a token set, or spec.data.synthetic: true)")
+    if data.get("synthetic"):
         return SyntheticData(seed, seq_len, vocab)
+    if not uri:
+        raise ValueError(f"plan.data={data!r} names no data: set spec.data.uri, spec.data.pvc "
+                         "+ path, or spec.data.synthetic: true")
     local = materialize(uri, cache_dir)
     if not ts.is_local(uri):
         verify = "size"  # every file was just checked against its sha256

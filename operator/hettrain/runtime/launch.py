@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from hettrain.api import constants as C
@@ -52,11 +52,14 @@ def free_port_block(count: int, low: int = 20000, high: int = 32000) -> int:
 
 
 def launch_local(plan: Plan, workdir: Path,
-                 env_extra: Mapping[str, str] | None = None) -> list[subprocess.Popen]:
+                 env_extra: Mapping[str, str] | None = None,
+                 rank_env: Callable[[int], Mapping[str, str]] | None = None
+                 ) -> list[subprocess.Popen]:
     """One process per rank; ``workdir/plan.json`` is the plan, ``workdir/rank-R.log`` logs.
 
     A non-zero ``HETTRAIN_METRICS_PORT`` in ``env_extra`` is a base: rank ``r`` serves on
-    ``base + r``.
+    ``base + r``. ``rank_env(r)``, applied last, sets one rank's own variables (e.g. the
+    metrics address and port of the pod it stands for).
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -75,6 +78,8 @@ def launch_local(plan: Plan, workdir: Path,
         base = int(env.get("HETTRAIN_METRICS_PORT", "0") or 0)
         if base:  # one port per rank: the pod-local offset would be 0 for every process here
             env["HETTRAIN_METRICS_PORT"] = str(base + r)
+        if rank_env is not None:
+            env.update(rank_env(r))
         log = open(workdir / f"rank-{r}.log", "w")  # noqa: SIM115 - owned by the child
         procs.append(subprocess.Popen([sys.executable, "-m", "hettrain.runtime"], env=env,
                                       stdout=log, stderr=subprocess.STDOUT))

@@ -18,7 +18,10 @@ activations and gradients standing in for its pipeline peers. It reports:
   computed (the saved log-softmax is part of ``activations``).
 
 TP is measured on the local shard without the TP collectives (their buffers are transient and
-their saved tensors are the same as without them). Nothing here talks to other processes.
+their saved tensors are the same as without them). Context parallelism (``stages[s].cp > 1``)
+is measured on CP rank 0's ``seq_len / cp`` tokens, the other ranks' keys/values stand-ins
+(``context_parallel.StandInContextParallel``), ZeRO-1 over the DP×CP group. Nothing here talks
+to other processes.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import torch
 from hettrain.planning import cost
 from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan
-from hettrain.runtime.model import StageModel, WeightGradStore, defer_weight_grads, lm_loss
+from hettrain.runtime.context_parallel import StandInContextParallel, enable_
+from hettrain.runtime.model import StageModel, WeightGradStore, defer_weight_grads
 from hettrain.runtime.optim import ShardGroup, StageOptimizer
 from hettrain.runtime.schedules import chunk_actions
 from hettrain.runtime.tensor_parallel import shard_stage_
@@ -132,7 +136,7 @@ def predicted_stage_bytes(plan: Plan, stage: int) -> float:
     (``cost.stage_memory`` with the plan's layout and schedule): what :func:`measure_stage`
     must match."""
     st = plan.stages[stage]
-    mem = cost.stage_memory(plan.model, plan.training, tp=st.tp, dp=plan.dp,
+    mem = cost.stage_memory(plan.model, plan.training, tp=st.tp, dp=plan.dp, cp=st.cp,
                             micro_batch=plan.micro_batch, first=stage == 0,
                             last=stage == plan.pp - 1,
                             **cost.schedule_memory_args(stage, plan.pp, plan.num_microbatches,
@@ -144,8 +148,11 @@ def measure_stage(plan: Plan, stage: int) -> StageBytes:
     """Run one step of stage ``stage``'s schedule on the CPU and measure its bytes."""
     st = plan.stages[stage]
     model, sharded = build_stage(plan, stage)
-    shard = (ShardGroup(None, 0, plan.dp, torch.device("cpu"))
-             if plan.training.optimizer_sharding and plan.dp > 1 else None)
+    if st.cp > 1:  # CP rank 0: its 2 chunks of the sequence, stand-in peers' keys/values
+        enable_(model, StandInContextParallel(st.cp, 0, plan.model.seq_len))
+    zero = plan.dp * st.cp  # ZeRO-1 shards over the DP×CP gradient group
+    shard = (ShardGroup(None, 0, zero, torch.device("cpu"))
+             if plan.training.optimizer_sharding and zero > 1 else None)
     opt = StageOptimizer(model, plan.training, shard=shard, tp_sharded=sharded, tp=st.tp)
     params = opt.params_flat.numel() * opt.params_flat.element_size()
     grads = opt.main_grad.numel() * opt.main_grad.element_size()
@@ -169,7 +176,8 @@ def _recompute_working_set(plan: Plan, model: StageModel, params_flat: torch.Ten
     layer = next(iter(model.layers.values()))
     spec = plan.model
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn((plan.micro_batch, spec.seq_len, spec.hidden), generator=gen)
+    seq = spec.seq_len // plan.stages[0].cp  # context parallel: this rank's tokens
+    x = torch.randn((plan.micro_batch, seq, spec.hidden), generator=gen)
     x = x.to(params_flat.dtype).requires_grad_()
     cos, sin = model._cos_sin(x)
     tracker = _Tracker({params_flat.untyped_storage().data_ptr()})
@@ -188,7 +196,8 @@ def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer
     chunked = plan.schedule == "interleaved"
     first, last = stage == 0, stage == plan.pp - 1
     dtype = opt.params_flat.dtype
-    shape = (b, spec.seq_len, spec.hidden)
+    seq = spec.seq_len // plan.stages[stage].cp  # context parallel: this rank's tokens
+    shape = (b, seq, spec.hidden)
     held: dict[tuple[int, int], tuple[torch.Tensor, _Held]] = {}
     stash: dict[int, tuple[WeightGradStore, list[_Held]]] = {}
     loss_buffers = 0
@@ -196,7 +205,7 @@ def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer
     for kind, i, c in chunk_actions(plan.schedule, stage, plan.pp, m, v):
         if kind == "F":
             if first and c == 0:
-                x = torch.randint(0, spec.vocab, (b, spec.seq_len), generator=gen)
+                x = torch.randint(0, spec.vocab, (b, seq), generator=gen)
             else:
                 x = torch.randn(shape, generator=gen).to(dtype).requires_grad_()
             with _saved_tensors(tracker):
@@ -204,8 +213,8 @@ def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer
                 if last and c == v - 1:
                     extra = 0 if out.dtype == torch.float32 else out.numel() * 4
                     loss_buffers = max(loss_buffers, out.numel() * out.element_size() + extra)
-                    y = torch.randint(0, spec.vocab, (b, spec.seq_len), generator=gen)
-                    out = lm_loss(out, y)
+                    y = torch.randint(0, spec.vocab, (b, seq), generator=gen)
+                    out = model.loss(out, y)
             held[(i, c)] = (out, tracker.hold(out))  # the runner keeps it for backward
         elif kind == "B":
             out = held.pop((i, c))[0]  # its holder is released here, as the runner does

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from hettrain.runtime.collectives import CommStats
 
 LABELS = ("job", "rank", "stage", "pool")
 DEFAULT_PORT = 9400
+ENV_METRICS_ADDR = "HETTRAIN_METRICS_ADDR"  # bind address of the endpoint (default all)
 
 
 class RuntimeMetrics:
-    """One rank's metrics on its own registry; ``port`` 0 disables the HTTP endpoint."""
+    """One rank's metrics on its own registry; ``port`` 0 disables the HTTP endpoint, which
+    listens on ``$HETTRAIN_METRICS_ADDR`` (default ``0.0.0.0``)."""
 
     def __init__(self, job: str, rank: int, stage: int, pool: str, port: int) -> None:
         self.registry = CollectorRegistry()
@@ -40,11 +44,25 @@ class RuntimeMetrics:
                                "1 for the pipeline schedule this rank executes (schedule) and "
                                "the one the plan asked for (planned)",
                                (*LABELS, "schedule", "planned"), registry=r)
+        self.stage_compute = Gauge(
+            "hettrain_runtime_stage_compute_seconds", "Median forward+backward compute seconds "
+            "of one microbatch on this rank's stage (receives/sends excluded)", LABELS,
+            registry=r).labels(**lab)
+        self.stage_layers = Gauge(
+            "hettrain_runtime_stage_layers_seconds", "Median forward+backward seconds of this "
+            "rank's decoder layers for one microbatch", LABELS, registry=r).labels(**lab)
+        self.stage_comm = Gauge("hettrain_runtime_stage_comm_seconds",
+                                "Median communication seconds per step on this rank", LABELS,
+                                registry=r).labels(**lab)
+        self.stage_steps = Gauge("hettrain_runtime_stage_measured_steps",
+                                 "Steps the stage time medians cover", LABELS,
+                                 registry=r).labels(**lab)
         self._lab = lab
         self._seen: dict[str, tuple[int, float]] = {}
         self.port = port
         if port:
-            start_http_server(port, registry=r)
+            start_http_server(port, addr=os.environ.get(ENV_METRICS_ADDR) or "0.0.0.0",
+                              registry=r)
 
     def set_schedule(self, executed: str, planned: str) -> None:
         """Export which schedule runs (it differs from the plan's for interleaved / zb-h1)."""
@@ -58,6 +76,14 @@ class RuntimeMetrics:
         self.step_seconds.observe(seconds)
         self.tokens.set(tokens / seconds if seconds > 0 else 0.0)
         self.mfu.set(flops / seconds / peak_flops if seconds > 0 and peak_flops > 0 else 0.0)
+
+    def observe_stage(self, compute_s: float, comm_s: float, steps: int,
+                      layers_s: float = 0.0) -> None:
+        """Export the measured stage times (runtime/stage_timing.py) for calibration."""
+        self.stage_compute.set(compute_s)
+        self.stage_layers.set(layers_s)
+        self.stage_comm.set(comm_s)
+        self.stage_steps.set(steps)
 
     def observe_comm(self, stats: CommStats) -> None:
         """Advance the per-tier counters to the communicator's running totals."""

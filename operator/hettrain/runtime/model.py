@@ -30,6 +30,14 @@ weighted values: the ``s²`` terms, Korthikanti et al. 2023) in the backward; ``
 each block's input and re-runs the whole block (``torch.utils.checkpoint``, non-reentrant).
 Gradients are identical in every mode.
 
+Vocabulary-parallel TP (Megatron's ``VocabParallelEmbedding`` / parallel cross-entropy): when
+the stage is TP-sharded and ``vocab`` divides by ``tp`` (:func:`hettrain.planning.cost.
+vocab_shards`), each TP rank holds ``vocab/tp`` rows of the token embedding and of the output
+layer. The embedding looks up the ids in its range, zeroes the others and sums the partial
+embeddings over the TP group; the output layer produces this rank's slice of the logits and
+:meth:`StageModel.loss` computes the cross-entropy from the slices (max, sum of exponentials and
+the target logit reduced over the TP group) without ever gathering the logits.
+
 Every projection is a :class:`Linear` whose weight gradient can be DEFERRED for ZB-H1: inside
 ``with defer_weight_grads() as store`` a backward computes only input gradients (and the small
 norm/embedding gradients) and stashes ``(input, grad_output)`` per linear; ``store.flush()``
@@ -41,7 +49,9 @@ recomputed forward runs in the backward, whose linears then stash as usual).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +59,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hettrain.api.spec import RECOMPUTE_MODES, ModelSpec
-from hettrain.runtime.tensor_parallel import copy_to_tp, reduce_from_tp
+from hettrain.runtime.tensor_parallel import all_reduce_in_tp, copy_to_tp, reduce_from_tp
 
 EMBED_SEED_OFFSET = 997
 HEAD_SEED_OFFSET = 998
@@ -70,6 +80,9 @@ class WeightGradStore:
                 main = getattr(weight, "main_grad", None)  # runtime.optim's fp32 accumulator
                 if main is not None:
                     main.add_(gw)
+                    ready = getattr(weight, "main_grad_ready", None)  # overlapped DP sync
+                    if ready is not None:
+                        ready(weight)
                 elif weight.grad is None:
                     weight.grad = gw
                 else:
@@ -116,13 +129,83 @@ class _SplitLinear(torch.autograd.Function):
 
 class Linear(nn.Linear):
     """Bias-free ``nn.Linear`` (same parameters and init) whose weight gradient can be
-    deferred to a W pass (:func:`defer_weight_grads`)."""
+    deferred to a W pass (:func:`defer_weight_grads`). With ``deferrable`` off (schedules
+    without a W pass, :func:`set_weight_grad_deferral`) it is torch's own linear: the custom
+    autograd function costs ~5 % of a CPU step."""
+
+    deferrable = True
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SplitLinear.apply(x, self.weight)
+        if self.deferrable:
+            return _SplitLinear.apply(x, self.weight)
+        return F.linear(x, self.weight)
+
+
+def set_weight_grad_deferral(model: nn.Module, on: bool) -> None:
+    """Whether ``model``'s :class:`Linear` layers can defer weight gradients (ZB-H1 needs it;
+    every other schedule runs faster without)."""
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            mod.deferrable = on
+
+
+class Embedding(nn.Embedding):
+    """Token embedding (``nn.Embedding``: same parameter and init); after
+    :func:`hettrain.runtime.tensor_parallel.shard_stage_` shards the vocabulary it holds rows
+    ``[vocab_start, vocab_start + num_embeddings)`` and sums the TP ranks' partial lookups."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__(vocab, hidden)
+        self.vocab_start = 0
+        self.vocab_sharded = False
+        self.tp_group = None  # set by tensor_parallel.shard_stage_ with the vocabulary shard
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.vocab_sharded:
+            return super().forward(ids)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp_group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy from this rank's logit columns ``[start, start + V/tp)``; the row
+    max, the sum of exponentials and the target logit are all-reduced over the TP group ``tp``
+    (None: this shard alone, as ``runtime.memory`` measures it). Keeps the fp32 softmax slice,
+    the local target index and its in-range mask for the backward."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int,
+                tp) -> torch.Tensor:
+        x = logits.float()
+        mx = x.amax(dim=-1, keepdim=True)
+        all_reduce_in_tp(mx, tp, torch.distributed.ReduceOp.MAX)
+        x = x - mx
+        n_local = x.shape[-1]
+        local = targets - start
+        inside = (local >= 0) & (local < n_local)
+        idx = local.clamp(0, n_local - 1)
+        picked = x.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * inside
+        soft = x.exp_()
+        total = soft.sum(dim=-1)
+        all_reduce_in_tp(total, tp)
+        all_reduce_in_tp(picked, tp)
+        loss = (total.log() - picked).mean()
+        soft.div_(total.unsqueeze(-1))
+        ctx.save_for_backward(soft, idx, inside)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        soft, idx, inside = ctx.saved_tensors
+        g = soft.scatter_add(-1, idx.unsqueeze(-1), -inside.unsqueeze(-1).to(soft.dtype))
+        g.mul_(grad / idx.numel())
+        return g.to(ctx.dtype), None, None, None
 
 
 class RMSNorm(nn.Module):
@@ -158,10 +241,14 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
 
 
 def rope_cos_sin(spec: ModelSpec, seq_len: int,
-                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` of shape ``(seq_len, head_dim)`` in fp32 for positions ``0..seq_len-1``."""
+                 device: torch.device | None = None,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of shape ``(seq_len, head_dim)`` in fp32 for positions ``0..seq_len-1``
+    (or, given, for ``positions``: a context-parallel shard's true token positions)."""
     inv = rope_inv_freq(spec).to(device)
-    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    pos = (torch.arange(seq_len, device=device, dtype=torch.float32) if positions is None
+           else positions.to(device=device, dtype=torch.float32))
+    freqs = torch.outer(pos, inv)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
@@ -200,6 +287,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(spec.heads * spec.head_dim, spec.hidden)
         self.tp_group = None  # set by tensor_parallel.shard_stage_ (heads are then local)
         self.recompute_core = False  # selective recompute: redo the attention core in backward
+        self.cp = None  # context_parallel.ContextParallel: the sequence is sharded (enable_)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -208,7 +296,9 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.recompute_core and torch.is_grad_enabled():
+        if self.cp is not None:  # keys/values of the whole sequence gathered over the CP group
+            y = self.cp.attention(q, k, v, self.recompute_core and torch.is_grad_enabled())
+        elif self.recompute_core and torch.is_grad_enabled():
             y = checkpoint(_attention_core, q, k, v, use_reentrant=False)
         else:
             y = _attention_core(q, k, v)
@@ -288,7 +378,7 @@ class LlamaBody(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed_tokens: nn.Embedding | None = None
+        self.embed_tokens: Embedding | None = None
         self.layers = nn.ModuleDict()
         self.norm: RMSNorm | None = None
 
@@ -319,7 +409,7 @@ class StageModel(nn.Module):
         self.layer_start, self.layer_end = ranges[0][0], ranges[-1][1]
         self.model = LlamaBody()
         if has_embedding:
-            self.model.embed_tokens = nn.Embedding(spec.vocab, spec.hidden)
+            self.model.embed_tokens = Embedding(spec.vocab, spec.hidden)
             _seeded_init(self.model.embed_tokens, seed * 1000 + EMBED_SEED_OFFSET, spec.layers)
         for a, b in ranges:
             for i in range(a, b):
@@ -337,8 +427,13 @@ class StageModel(nn.Module):
             else:  # tied without the embedding here: a copy of the same seeded values
                 off = EMBED_SEED_OFFSET if spec.tie_embeddings else HEAD_SEED_OFFSET
                 _seeded_init(self.lm_head, seed * 1000 + off, spec.layers)
+        self.vocab_start = 0  # first vocabulary row of this rank's lm_head shard
+        self.vocab_sharded = False
+        self.tp_group = None  # the head's TP group (vocabulary-parallel output layer)
         self.set_recompute(recompute)
         self._rope: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.positions: torch.Tensor | None = None  # context parallel: this shard's positions
+        self.layer_clock: Any = None  # runtime.stage_timing.LayerClock: layer times measured
 
     @property
     def layers(self) -> nn.ModuleDict:
@@ -354,7 +449,7 @@ class StageModel(nn.Module):
     def _cos_sin(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = (str(x.device), x.shape[1])
         if key not in self._rope:  # fp32, kept out of the state dict and of .to(dtype)
-            self._rope[key] = rope_cos_sin(self.spec, x.shape[1], x.device)
+            self._rope[key] = rope_cos_sin(self.spec, x.shape[1], x.device, self.positions)
         return self._rope[key]
 
     def forward_chunk(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
@@ -363,11 +458,28 @@ class StageModel(nn.Module):
         if chunk == 0 and self.model.embed_tokens is not None:
             x = self.model.embed_tokens(x)
         cos, sin = self._cos_sin(x)
+        clock = self.layer_clock if torch.is_grad_enabled() else None
+        if clock is not None:
+            x, t0 = clock.enter(x), time.perf_counter()
         for i in range(a, b):
             x = self.model.layers[str(i)](x, cos, sin)
+        if clock is not None:
+            clock.forward_s += time.perf_counter() - t0
+            x = clock.leave(x)
         if chunk == len(self.chunks) - 1 and self.lm_head is not None:
-            x = self.lm_head(self.model.norm(x))
+            x = self.model.norm(x)
+            if self.vocab_sharded:
+                x = copy_to_tp(x, self.tp_group)
+            x = self.lm_head(x)
         return x
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of this stage's (last stage) logits: :func:`lm_loss`,
+        or the vocabulary-parallel cross-entropy over the TP group when the head is sharded."""
+        if not self.vocab_sharded:
+            return lm_loss(logits, targets)
+        return _VocabParallelCrossEntropy.apply(logits, targets, self.vocab_start,
+                                                self.tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (first stage) or hidden states in; hidden states or logits out (every

@@ -17,13 +17,19 @@ A step: average the main grads over the stage's DP group (the caller's ``reduce_
 HetCommunicator's hierarchical / compressed all-reduce), unscale (fp16), the GLOBAL gradient norm
 over every stage and TP shard (TP-replicated parameters counted once; one small all-reduce over
 the world group), clip, AdamW on the owned slice, cast the slice into the parameters and, with
-ZeRO-1, all-gather the updated slices over the DP group.
+ZeRO-1, all-gather the updated slices over the DP group (across datacenters through
+``ShardGroup.gather``: the communicator's all-gather that crosses the DC link once per byte).
 
 ZeRO-1 reduces the gradients with an all-reduce and keeps its own slice rather than a
 reduce-scatter: the communicator's hierarchical (pool / datacenter) and compressed paths exist
 for all-reduce only, and gloo (CPU, host-staged cross-vendor groups) has no reduce-scatter. The
 all-reduce moves twice the bytes of a reduce-scatter; the planner charges it (``planner.
 _dp_time_per_byte``).
+
+Checkpoints (:meth:`StageOptimizer.checkpoint_state`): each rank saves and loads views of its
+own slice, as boxes of the global (unsharded, TP-gathered) per-parameter tensors; nothing is
+gathered, so a ZeRO-1 rank writes ``1/dp`` of the optimizer state and a checkpoint reshards
+onto any tp/pp/dp layout.
 
 fp16 uses dynamic loss scaling: the loss is multiplied by :attr:`StageOptimizer.loss_scale`
 before backward; a step whose gradients overflow anywhere is skipped on every rank and the scale
@@ -43,7 +49,10 @@ import torch.distributed as dist
 from torch import nn
 
 from hettrain.api.spec import TrainingSpec
+from hettrain.runtime.checkpoint_format import ShardedTensor, local_range_pieces
+from hettrain.runtime.grad_sync import DEFAULT_BUCKET_BYTES, BucketedGradSync, Work
 from hettrain.runtime.lr_schedule import lr_at
+from hettrain.runtime.tensor_parallel import TPShards
 
 log = logging.getLogger("hettrain.runtime")
 
@@ -75,6 +84,9 @@ class ShardGroup:
     size: int
     staging: torch.device  # where the all-gather's buffers must live (host for gloo)
     account: Callable[[int, float], None] | None = None  # (bytes, seconds) → comm stats
+    # (slices, own index) → fills every slice in place, accounting its own bytes: replaces the
+    # flat all-gather (the communicator's DC-aware one when the group spans datacenters)
+    gather: Callable[[list[torch.Tensor], int], None] | None = None
 
 
 def param_kinds(model: nn.Module) -> dict[str, str]:
@@ -175,12 +187,33 @@ class StageOptimizer:
         self.step_count = 0
         self.loss_scale = FP16_INITIAL_SCALE if training.precision == "fp16" else 1.0
         self._good_steps = 0
+        self._master_in: torch.Tensor | None = None  # load targets (checkpoint_state)
+        self._steps_in: list[torch.Tensor] = []
         local = [(max(s.start, self.lo) - self.lo, min(s.end, self.hi) - self.lo, s)
                  for s in self.segments if s.start < self.hi and s.end > self.lo]
         self._decay = [(a, b) for a, b, s in local if s.decay]
         self._norm = [(a, b) for a, b, s in local if not (s.replicated and tp_index != 0)]
         if self.shard is None and not counts_norm:
             self._norm = []
+        self._norm = _merge_ranges(self._norm)  # one reduction per contiguous run, not per param
+        self.grad_sync: BucketedGradSync | None = None  # enable_overlap()
+
+    def enable_overlap(self, launch: Callable[[torch.Tensor], Work], group_size: int,
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                       account: Callable[[int, float], None] | None = None,
+                       wire_bytes: Callable[[int], int] | None = None) -> BucketedGradSync:
+        """Sync the main grads in buckets during the backward instead of ``reduce_grads``
+        after it (``grad_sync`` module doc): ``launch(view)`` starts one bucket's sum
+        all-reduce over the DP group. Call :meth:`begin_step` after :meth:`zero_grad`."""
+        self.grad_sync = BucketedGradSync(
+            self.params, [(s.start, s.end) for s in self.segments], self.main_grad, launch,
+            group_size, bucket_bytes, account, wire_bytes)
+        return self.grad_sync
+
+    def begin_step(self, microbatches: int) -> None:
+        """Arm the overlapped sync for a step of ``microbatches`` backwards (no-op without)."""
+        if self.grad_sync is not None:
+            self.grad_sync.begin(microbatches)
 
     # ------------------------------------------------------------ the step
 
@@ -193,23 +226,29 @@ class StageOptimizer:
     def grad_norm_sq_local(self) -> float:
         """Sum of squares of this rank's countable share of the (reduced) gradients."""
         g = self.main_grad[self.lo:self.hi]
-        return float(sum(g[a:b].double().pow(2).sum() for a, b in self._norm)) if self._norm \
-            else 0.0
+        # float64 accumulation without a float64 copy of the buffer
+        return sum(float(torch.linalg.vector_norm(g[a:b], dtype=torch.float64)) ** 2
+                   for a, b in self._norm)
 
     @torch.no_grad()
     def step(self, step: int) -> dict[str, float]:
         """Reduce, unscale, clip and apply optimizer step ``step`` (0-based); returns
         ``{"lr", "grad_norm", "skipped", "loss_scale"}``. Collective over the job."""
         lr = lr_at(self.t, step)
-        if self.reduce_grads is not None:
+        if self.grad_sync is not None:  # overlapped: wait on every bucket's all-reduce
+            self.grad_sync.finish()
+        elif self.reduce_grads is not None:
             self.reduce_grads(self.main_grad)
         g = self.main_grad[self.lo:self.hi]
         if self.loss_scale != 1.0:
             g.div_(self.loss_scale)
         slot, slots = self.norm_slot
         vec = torch.zeros(2 * slots, dtype=torch.float64)
-        vec[2 * slot] = self.grad_norm_sq_local()
-        vec[2 * slot + 1] = 0.0 if bool(torch.isfinite(g).all()) else 1.0
+        # a non-finite gradient anywhere makes some rank's counted sum of squares non-finite
+        # (uncounted elements are copies of counted ones): no separate isfinite pass
+        local_sq = self.grad_norm_sq_local()
+        vec[2 * slot] = local_sq
+        vec[2 * slot + 1] = 0.0 if math.isfinite(local_sq) else 1.0
         if self.norm_reduce is not None:
             self.norm_reduce(vec)
         norm = math.sqrt(max(0.0, float(vec[2 * slot])))
@@ -268,6 +307,11 @@ class StageOptimizer:
         assert sh is not None
         staged = flat if flat.device == sh.staging else flat.to(sh.staging)
         parts = list(staged.split(self.hi - self.lo))
+        if sh.gather is not None:
+            sh.gather(parts, sh.index)
+            if staged is not flat:
+                flat.copy_(staged)
+            return
         mine = parts[sh.index].clone()
         t0 = time.perf_counter()
         dist.all_gather(parts, mine, group=sh.group)
@@ -292,75 +336,84 @@ class StageOptimizer:
         with torch.no_grad():
             self._publish()
 
-    def _full(self, part: torch.Tensor | None, fill: float = 0.0) -> torch.Tensor:
-        """The whole flat fp32 buffer of which ``part`` is this rank's slice (collective with
-        ZeRO-1)."""
-        if part is None:
-            return torch.full((self.padded,), fill, dtype=torch.float32)
-        if self.shard is None:
-            return part
-        full = torch.zeros(self.padded, dtype=torch.float32, device=part.device)
-        full[self.lo:self.hi].copy_(part)
-        self._all_gather(full)
-        return full
+    def checkpoint_state(self, tp: TPShards | None = None, *, dp_index: int = 0,
+                         for_save: bool = True) -> list[ShardedTensor]:
+        """This rank's optimizer state as checkpoint pieces, keyed by global parameter names
+        (``optim.<name>.{exp_avg,exp_avg_sq,step}`` and, for low precision,
+        ``optim.<name>.master``), each piece a VIEW of this rank's slice: nothing is gathered
+        or copied, so with ZeRO-1 a rank saves (and loads) ``1/dp`` of the state. ``tp``: how
+        the stage's parameters are TP-sharded (pieces are placed in the unsharded tensors).
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Optimizer state keyed by global parameter names, full (unsharded) tensors:
-        ``optim.<name>.{step,exp_avg,exp_avg_sq}`` and, for low precision,
-        ``optim.<name>.master``. Collective over the DP group with ZeRO-1."""
-        out: dict[str, torch.Tensor] = {}
-        m = self._full(self.exp_avg) if self.kind == "adamw" else None
-        v = self._full(self.exp_avg_sq) if self.kind == "adamw" else None
-        master = self._full(self.master) if self.dtype != torch.float32 else None
+        ``for_save``: only what this rank writes -- with ZeRO-1 every DP replica its slice,
+        unsharded only replica ``dp_index`` 0; TP-replicated parameters only from TP index 0;
+        each parameter's scalar ``step`` once, by the TP-index-0 rank owning its first
+        element. Otherwise the load targets of the whole slice (then :meth:`load_finish`)."""
+        shards = tp.shards if tp is not None else {}
+        tp_index = tp.index if tp is not None else 0
+        if for_save and self.shard is None and dp_index != 0:
+            return []
+        sources: list[tuple[str, torch.Tensor]] = []
+        if self.exp_avg is not None and self.exp_avg_sq is not None:
+            sources += [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
+        if self.dtype != torch.float32:
+            if not for_save:  # NaN: not in the checkpoint -> taken from the loaded parameters
+                self._master_in = torch.full_like(self.master, math.nan)
+            sources.append(("master", self.master if for_save or self._master_in is None
+                            else self._master_in))
+        if not for_save:
+            self._steps_in = []
+        out = []
         for s, p in zip(self.segments, self.params, strict=True):
-            if m is not None and v is not None:
-                out[f"optim.{s.name}.step"] = torch.tensor(float(self.step_count))
-                out[f"optim.{s.name}.exp_avg"] = m[s.start:s.end].view(p.shape)
-                out[f"optim.{s.name}.exp_avg_sq"] = v[s.start:s.end].view(p.shape)
-            if master is not None:
-                out[f"optim.{s.name}.master"] = master[s.start:s.end].view(p.shape)
-        return out
-
-    def load_targets(self) -> dict[str, torch.Tensor]:
-        """Fresh full tensors for :meth:`checkpoint_tensors`' keys to load into (a checkpoint
-        may lack some); pass them back to :meth:`load_finish`."""
-        out: dict[str, torch.Tensor] = {}
-        m = torch.zeros(self.padded) if self.kind == "adamw" else None
-        v = torch.zeros(self.padded) if self.kind == "adamw" else None
-        master = torch.full((self.padded,), math.nan) if self.dtype != torch.float32 else None
-        for s, p in zip(self.segments, self.params, strict=True):
-            if m is not None and v is not None:
-                out[f"optim.{s.name}.step"] = torch.tensor(-1.0)
-                out[f"optim.{s.name}.exp_avg"] = m[s.start:s.end].view(p.shape)
-                out[f"optim.{s.name}.exp_avg_sq"] = v[s.start:s.end].view(p.shape)
-            if master is not None:
-                out[f"optim.{s.name}.master"] = master[s.start:s.end].view(p.shape)
-        self._targets = (m, v, master)
+            a, b = max(s.start, self.lo), min(s.end, self.hi)
+            if a >= b or (for_save and s.replicated and tp_index != 0):
+                continue
+            dim, idx = shards.get(s.name, (None, None))
+            shape = tuple(p.shape) if dim is None or tp is None else tp.full_shape(s.name, p)
+            index = idx[tp_index].tolist() if idx is not None else None
+            for kind, buf in sources:
+                pieces = local_range_pieces(buf[a - self.lo:b - self.lo], p.shape, a - s.start,
+                                            dim=dim, index=index)
+                out.append(ShardedTensor(f"optim.{s.name}.{kind}", shape, pieces))
+            if self.kind == "adamw" and (not for_save or (s.start >= self.lo and tp_index == 0)):
+                step = torch.tensor(float(self.step_count) if for_save else -1.0)
+                if not for_save:
+                    self._steps_in.append(step)
+                out.append(ShardedTensor.whole(f"optim.{s.name}.step", step))
         return out
 
     @torch.no_grad()
-    def load_finish(self, targets: dict[str, torch.Tensor]) -> None:
-        """Adopt what a checkpoint load put into :meth:`load_targets`' tensors; the parameters
-        themselves were loaded by the checkpoint (master weights default to them)."""
-        m, v, master = self._targets
-        lo, hi = self.lo, self.hi
-        steps = [float(t) for k, t in targets.items() if k.endswith(".step")]
-        if m is not None and v is not None and self.exp_avg is not None:
-            assert self.exp_avg_sq is not None
-            self.exp_avg.copy_(m[lo:hi])
-            self.exp_avg_sq.copy_(v[lo:hi])
-            self.step_count = int(max(steps, default=0.0)) if steps else 0
-            self.step_count = max(self.step_count, 0)
-        if master is not None:
-            mine = master[lo:hi].to(self.master.device)
-            current = self.params_flat[lo:hi].float()
-            self.master.copy_(torch.where(torch.isnan(mine), current, mine))
+    def load_finish(self) -> None:
+        """Adopt what a checkpoint load put into :meth:`checkpoint_state`'s targets (``for_save=
+        False``); the parameters were loaded by the checkpoint, and master weights it lacks
+        default to them. Collective over the DP group with ZeRO-1 (the parameter all-gather)."""
+        if self.kind == "adamw":
+            self.step_count = max(0, int(max((float(t) for t in self._steps_in), default=0.0)))
+        if self._master_in is not None:
+            current = self.params_flat[self.lo:self.hi].float()
+            self.master.copy_(torch.where(torch.isnan(self._master_in), current,
+                                          self._master_in))
+            self._master_in = None
             self._publish()
-        del self._targets
+        self._steps_in = []
+
+
+def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ascending ``[a, b)`` ranges with touching neighbours joined."""
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
 
 
 def _fold_into_main_grad(p: torch.Tensor) -> None:
-    """Post-accumulate hook: add the low-precision gradient into fp32 ``main_grad``, free it."""
+    """Post-accumulate hook: add the low-precision gradient into fp32 ``main_grad``, free it,
+    and tell the overlapped DP sync (``grad_sync.BucketedGradSync``) when there is one."""
     if p.grad is not None:
         p.main_grad.add_(p.grad)
         p.grad = None
+        ready = getattr(p, "main_grad_ready", None)
+        if ready is not None:
+            ready(p)

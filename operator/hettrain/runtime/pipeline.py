@@ -52,7 +52,11 @@ from hettrain.runtime.collectives.p2p import (  # noqa: F401 (stream_tag re-expo
     to_host,
     wire_dtype,
 )
-from hettrain.runtime.model import WeightGradStore, defer_weight_grads, lm_loss
+from hettrain.runtime.model import (
+    WeightGradStore,
+    defer_weight_grads,
+    set_weight_grad_deferral,
+)
 from hettrain.runtime.schedules import (  # noqa: F401 (re-exported)
     RUNTIME_SCHEDULES,
     SCHEDULES,
@@ -61,6 +65,7 @@ from hettrain.runtime.schedules import (  # noqa: F401 (re-exported)
     stage_actions,
     warmup_count,
 )
+from hettrain.runtime.stage_timing import LayerClock
 
 KIND_NAMES = {ACTIVATION: "activation", GRADIENT: "gradient"}
 
@@ -145,6 +150,8 @@ class StageRunner:
         elif self.v != 1:
             raise ValueError(f"plan.schedule={self.schedule!r} runs one chunk per stage; the "
                              f"stage model has {self.v} (set schedule: interleaved)")
+        # only ZB-H1 defers weight gradients; the others use torch's linear (faster)
+        set_weight_grad_deferral(model, self.schedule == "zb-h1")
         self.tp = plan.stages[self.stage].tp
         self.tp_group = comm.tp_group if comm is not None else None
         if self.tp > 1 and self.pp > 1 and self.tp_group is None:
@@ -179,6 +186,15 @@ class StageRunner:
         self._numel = 0
         self._posted: dict[tuple[int, int], deque[tuple[torch.Tensor, list]]] = {}
         self._to_post: dict[tuple[int, int], int] = {}
+        # the last run(): forward+backward seconds of one microbatch spent computing (receives
+        # and sends excluded) and the seconds spent in receives/sends (closed-loop calibration)
+        self._p2p_s = 0.0
+        self.last_compute_s = 0.0
+        self.last_layers_s = 0.0  # the decoder layers only (stage_timing.LayerClock)
+        self.last_p2p_s = 0.0
+        self.clock = LayerClock()
+        if hasattr(model, "layer_clock"):
+            model.layer_clock = self.clock
 
     def _gather_order(self) -> list[int] | None:
         """Group-rank order of the TP all-gather's blocks by TP index (None: already in order)."""
@@ -214,6 +230,7 @@ class StageRunner:
         link = self._out.get((chunk, kind))
         if link is None:  # no receiver takes a piece from this TP rank
             return
+        t_send = time.perf_counter()
         flat = t.detach().to(self.wire).contiguous().view(-1)
         entry = self.p2p_stats.get_stats(link.boundary, kind)
         for piece, group in link.pieces:
@@ -228,6 +245,7 @@ class StageRunner:
             entry.route = "world" if group is None else f"stream:{self.comm.backend(group)}"
             if self.stats is not None:
                 self.stats.add(self._tier(piece.receiver), nbytes, time.perf_counter() - t0)
+        self._p2p_s += time.perf_counter() - t_send
 
     def _post(self, key: tuple[int, int]) -> tuple[torch.Tensor, list]:
         """Post the receives of this rank's ``1/tp`` slice of the next tensor on ``key``."""
@@ -278,7 +296,9 @@ class StageRunner:
         full = buf
         if self.tp > 1:
             full = self._all_gather(buf, link)
-        return to_device(full.view(tuple(shape)), self.device).to(dtype)
+        out = to_device(full.view(tuple(shape)), self.device).to(dtype)
+        self._p2p_s += time.perf_counter() - t0
+        return out
 
     def _all_gather(self, part: torch.Tensor, link: _Link) -> torch.Tensor:
         """The full flat tensor from every TP rank's received slice (in the wire dtype)."""
@@ -327,7 +347,7 @@ class StageRunner:
                 x = x_in.requires_grad_()
             out = self.model.forward_chunk(c, x) if chunked else self.model(x)
             if self._dst(c)[0] is None:
-                loss = lm_loss(out, batches[i][1])
+                loss = self.model.loss(out, batches[i][1])
                 total += loss.item()
                 out = loss * loss_scale
             else:
@@ -351,11 +371,21 @@ class StageRunner:
                 deferred.pop(i).flush()
 
         ops: dict[str, Callable[[int, int], None]] = {"F": forward, "B": backward, "W": weights}
+        self._p2p_s, busy, w_s = 0.0, 0.0, 0.0
+        self.clock.reset()
         for kind, i, c in chunk_actions(self.schedule, self.stage, self.pp, m, self.v):
+            t0 = time.perf_counter()
             ops[kind](i, c)
+            busy += time.perf_counter() - t0
+            if kind == "W":  # ZB-H1's deferred weight gradients: the layers' (and head's)
+                w_s += time.perf_counter() - t0
+        self.last_compute_s = max(0.0, busy - self._p2p_s) / m
+        self.last_layers_s = (self.clock.reset() + w_s) / m
+        t0 = time.perf_counter()
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+        self.last_p2p_s = self._p2p_s + time.perf_counter() - t0
         return total
 
     @torch.no_grad()
@@ -377,7 +407,7 @@ class StageRunner:
                      self._recv((c, ACTIVATION), act_shape, self.act_dtype))
                 out = self.model.forward_chunk(c, x) if chunked else self.model(x)
                 if self._dst(c)[0] is None:
-                    total += lm_loss(out, batches[i][1]).item()
+                    total += self.model.loss(out, batches[i][1]).item()
                 else:
                     self._send(out, c, ACTIVATION)
         for work, _ in self._pending:

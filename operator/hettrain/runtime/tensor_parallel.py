@@ -5,9 +5,13 @@ Per block: ``q_proj``, ``k_proj`` and ``v_proj`` are column-parallel (each TP ra
 the MLP ``gate_proj``/``up_proj`` are column-parallel and ``down_proj`` row-parallel. The two
 conjugate ops are ``copy_to_tp`` (identity forward, all-reduce of the input gradient backward)
 before a column-parallel group and ``reduce_from_tp`` (all-reduce forward, identity backward)
-after a row-parallel layer. The token embedding, the RMSNorms and the LM head are REPLICATED
-(not vocab-parallel): their gradients are identical on every TP rank because the residual
-stream and its gradient are, so no extra TP all-reduce is needed for them.
+after a row-parallel layer. The RMSNorms are REPLICATED: their gradients are identical on every
+TP rank because the residual stream and its gradient are, so no extra TP all-reduce is needed
+for them. The token embedding and the LM head are VOCABULARY-parallel (rows ``r·V/tp ..
+(r+1)·V/tp`` on TP rank ``r``: the embedding sums its partial lookups forward, the head's
+input gets ``copy_to_tp``, the loss is the vocab-parallel cross-entropy of
+``runtime.model``) when ``vocab`` divides by ``tp`` (:func:`hettrain.planning.cost.
+vocab_shards`, the rule the planner's memory model uses); otherwise they stay replicated.
 
 A sharded parameter keeps its global name; :class:`TPShards` records, per name, the dimension
 and the index set each TP rank owns, so checkpoints can store FULL tensors (gathered in the TP
@@ -25,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hettrain.api.spec import ModelSpec
+from hettrain.planning.cost import vocab_shards
 from hettrain.runtime.collectives import CommStats, Tier
 
 
@@ -37,6 +42,19 @@ def _all_reduce(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
         tp.stats.add(Tier.INTRA_POOL, int(2 * (g - 1) / g * out.numel() * out.element_size()),
                      time.perf_counter() - t0)
     return out
+
+
+def all_reduce_in_tp(t: torch.Tensor, tp: TPGroup | None, op=dist.ReduceOp.SUM) -> None:
+    """In-place all-reduce of a small tensor over the TP group (accounted like the others);
+    nothing when ``tp`` or its group is None (a lone shard, as ``runtime.memory`` measures)."""
+    if tp is None or tp.group is None:
+        return
+    g = dist.get_world_size(tp.group)
+    t0 = time.perf_counter()
+    dist.all_reduce(t, op=op, group=tp.group)
+    if tp.stats is not None:
+        tp.stats.add(Tier.INTRA_POOL, int(2 * (g - 1) / g * t.numel() * t.element_size()),
+                     time.perf_counter() - t0)
 
 
 @dataclass(frozen=True)
@@ -174,4 +192,29 @@ def shard_stage_(model: nn.Module, spec: ModelSpec, tp: int, index: int,
         blk.self_attn.heads //= tp
         blk.self_attn.kv_heads //= tp
         blk.self_attn.tp_group = blk.mlp.tp_group = TPGroup(group, stats)
+    if vocab_shards(spec, tp) == tp:
+        _shard_vocabulary_(model, spec, tp, index, TPGroup(group, stats), info)
     return info
+
+
+def _shard_vocabulary_(model: nn.Module, spec: ModelSpec, tp: int, index: int, tp_group: TPGroup,
+                       info: TPShards) -> None:
+    """Keep TP rank ``index``'s ``vocab/tp`` rows of the embedding and of the output layer
+    (one parameter when tied: the head then IS the sharded embedding)."""
+    rows = [_rows(r * spec.vocab // tp, spec.vocab // tp) for r in range(tp)]
+    start = index * spec.vocab // tp
+    emb, head = model.model.embed_tokens, model.lm_head
+    tied = emb is not None and head is not None and head.weight is emb.weight
+    if emb is not None:
+        emb.weight = nn.Parameter(emb.weight.detach().index_select(0, rows[index]).clone())
+        emb.num_embeddings = spec.vocab // tp
+        emb.vocab_start, emb.vocab_sharded, emb.tp_group = start, True, tp_group
+        info.shards["model.embed_tokens.weight"] = (0, rows)
+    if head is not None:
+        if tied:
+            head.weight = emb.weight
+        else:
+            head.weight = nn.Parameter(head.weight.detach().index_select(0, rows[index]).clone())
+            info.shards["lm_head.weight"] = (0, rows)
+        head.out_features = spec.vocab // tp
+        model.vocab_start, model.vocab_sharded, model.tp_group = start, True, tp_group

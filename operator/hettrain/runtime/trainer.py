@@ -17,12 +17,15 @@ from hettrain.planning.plan import Plan
 from hettrain.runtime import checkpoint as ckpt
 from hettrain.runtime.collectives import DiLoCo, HetCommunicator, Tier
 from hettrain.runtime.config import ENV_OPTIMIZER, OPTIMIZERS, RuntimeConfig
-from hettrain.runtime.dataset import DataSource, open_data, replica_rows
+from hettrain.runtime.context_parallel import ContextParallel, comm_view, enable_
+from hettrain.runtime.dataset import DataSource, open_data, replica_rows, rows_microbatches
 from hettrain.runtime.devices import activate, select_device
 from hettrain.runtime.metrics import RuntimeMetrics
 from hettrain.runtime.model import StageModel, check_layout, lm_loss, whole_model
 from hettrain.runtime.optim import ShardGroup, StageOptimizer
 from hettrain.runtime.pipeline import StageRunner
+from hettrain.runtime.replica_sync import ReplicaSync, group_config
+from hettrain.runtime.stage_timing import StageTimer
 from hettrain.runtime.tensor_parallel import check_tp, shard_stage_
 from hettrain.runtime.weights import load_pretrained
 
@@ -33,8 +36,8 @@ CROSS_DC_MODES = ("sync", "compress", "diloco")
 
 def make_optimizer(model: torch.nn.Module, lr: float,
                    kind: str = "adamw") -> torch.optim.Optimizer:
-    """A plain fp32 torch optimizer (the bare-loop baseline of ``bench/runtime.py``; the
-    runtime itself uses :class:`~hettrain.runtime.optim.StageOptimizer`)."""
+    """A plain fp32 torch optimizer (for bare loops outside the runtime, which itself uses
+    :class:`~hettrain.runtime.optim.StageOptimizer`)."""
     if kind == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY,
                                  foreach=False)
@@ -71,7 +74,7 @@ def peak_flops(plan: Plan) -> float:
     """Sum of the catalog peak FLOP/s of every planned device (0 when unknown)."""
     total = 0.0
     for r in plan.ranks:
-        dev = CATALOG.get(plan.stages[r.stage].device)
+        dev = CATALOG.get(plan.stage_of(r).device)
         total += dev.flops if dev is not None else 0.0
     return total
 
@@ -104,46 +107,79 @@ def validation_due(plan: Plan, done: int) -> bool:
 
 def reference_losses(plan: Plan, steps: int, start_step: int = 0,
                      optimizer: str = "adamw",
-                     validation: dict[int, float] | None = None) -> list[float]:
+                     validation: dict[int, float] | None = None,
+                     final: dict[str, torch.Tensor] | None = None) -> list[float]:
     """Single-process run of the same model, global batches, precision and loop (schedule,
     clipping, weight decay): the losses to match. ``validation`` (if given) receives
-    ``{done steps: validation loss}`` at the plan's validation interval."""
+    ``{done steps: validation loss}`` at the plan's validation interval; ``final`` (if given)
+    the parameters after the last step, by global name."""
     t = plan.training
     data = open_data(plan.data, seed=t.seed, seq_len=plan.model.seq_len, vocab=plan.model.vocab)
     model = whole_model(plan.model, t.seed)
     opt = StageOptimizer(model, t, kind=optimizer)
     out = []
-    n = plan.dp * plan.num_microbatches
+    n = plan.total_microbatches
     for step in range(start_step, steps):
         opt.zero_grad()
         total = 0.0
-        for d in range(plan.dp):
-            for x, y in data.microbatches(t.seed, step, dp=plan.dp, dp_index=d,
-                                     micro_batch=plan.micro_batch,
-                                     num_microbatches=plan.num_microbatches,
-                                     seq_len=plan.model.seq_len, vocab=plan.model.vocab):
-                loss = lm_loss(model(x), y)
-                (loss * (opt.loss_scale / n)).backward()
-                total += loss.item()
+        for x, y in _all_microbatches(plan, data, step):
+            loss = lm_loss(model(x), y)
+            (loss * (opt.loss_scale / n)).backward()
+            total += loss.item()
         opt.step(step)
         out.append(total / n)
         if validation is not None and validation_due(plan, step + 1):
             with torch.no_grad():
-                vals = [lm_loss(model(x), y).item() for d in range(plan.dp)
-                        for x, y in validation_batches(plan, data, d)]
+                vals = [lm_loss(model(x), y).item()
+                        for x, y in _all_microbatches(plan, data, None)]
             validation[step + 1] = sum(vals) / len(vals)
+    if final is not None:
+        final.update({n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def _all_microbatches(plan: Plan, data: DataSource,
+                      step: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every replica's microbatches of ``step`` (None: of the validation set), replicas (of
+    every replica group, in order) one after the other: the reference's inputs."""
+    t = plan.training
+    if not plan.groups:
+        if step is None:
+            return [b for d in range(plan.dp) for b in validation_batches(plan, data, d)]
+        return [b for d in range(plan.dp) for b in data.microbatches(
+            t.seed, step, dp=plan.dp, dp_index=d, micro_batch=plan.micro_batch,
+            num_microbatches=plan.num_microbatches, seq_len=plan.model.seq_len,
+            vocab=plan.model.vocab)]
+    globals_ = ([data.global_batch(t.seed, step, plan.global_batch)] if step is not None else
+                [data.validation_batch(k, plan.global_batch)
+                 for k in range(t.validation_batches)])
+    out = []
+    for x, y in globals_:
+        for g in plan.groups:
+            for d in range(g.dp):
+                offset = plan.group_row_offset(g.index) + d * plan.micro_batch * \
+                    g.num_microbatches
+                out += rows_microbatches(x, y, offset, plan.micro_batch, g.num_microbatches)
     return out
 
 
 class Trainer:
     """One rank: its stage slice, pipeline runner, DP / cross-DC sync, checkpoints, metrics."""
 
-    def __init__(self, cfg: RuntimeConfig, rank: int) -> None:
-        self.cfg, self.rank, self.plan = cfg, rank, cfg.plan
-        plan = self.plan
+    def __init__(self, cfg: RuntimeConfig, rank: int,
+                 replica: ReplicaSync | None = None) -> None:
+        # replica groups (plan.groups): cfg and rank are the group's world (group_config),
+        # ``replica`` the sync between groups; its plan is the whole job's
+        self.cfg, self.rank, self.replica = cfg, rank, replica
+        self.global_rank = replica.rank if replica is not None else rank
+        self.full_plan = replica.plan if replica is not None else cfg.plan
+        # context parallelism: the communicator sees each (dp, cp) pair as one replica (the CP
+        # ranks join the gradient group); data and FLOPs follow the plan as written
+        self.job_plan = cfg.plan
+        self.plan = plan = comm_view(cfg.plan)
         self.me = plan.ranks[rank]
         st = plan.stages[self.me.stage]
-        refused = unsupported(plan)
+        refused = unsupported(self.job_plan)
         if refused:
             raise ValueError(refused[0])
         check_tp(plan.model, st.tp, f"plan.stages[{st.index}]")
@@ -159,6 +195,8 @@ class Trainer:
         # on the CPU every group is gloo; on an accelerator each pool uses the plan's backend
         # (nccl/hccl) where this host has it, and groups spanning pools are host-staged gloo
         self.comm = HetCommunicator.from_plan(plan, rank, device=self.device)
+        self.cp = ContextParallel.from_plan(self.job_plan, rank, self.device,
+                                            account=self._cp_account())
         self.model = StageModel(plan.model, st.layer_start, st.layer_end,
                                 has_embedding=st.index == 0, has_head=st.index == plan.pp - 1,
                                 seed=plan.training.seed,
@@ -168,6 +206,8 @@ class Trainer:
                       if st.tp > 1 else [0])
         self.tp = shard_stage_(self.model, plan.model, st.tp, self.me.tp, self.comm.tp_group,
                                tp_members, self.comm.stats)
+        if self.cp is not None:
+            enable_(self.model, self.cp)
         if plan.model.pretrained:  # a checkpoint, when resuming, overrides these in train()
             load_pretrained(self.model, plan.model.pretrained, self.tp)
         self.model.to(self.device)  # built and sliced on the host: identical weights anywhere
@@ -182,7 +222,7 @@ class Trainer:
                                   recv_ahead=cfg.recv_ahead, comm=self.comm)
         self.loss_src = next(r.rank for r in plan.ranks
                              if (r.stage, r.dp, r.tp) == (plan.pp - 1, 0, 0))
-        self.metrics = RuntimeMetrics(plan.job, rank, self.me.stage, self.me.pool,
+        self.metrics = RuntimeMetrics(plan.job, self.global_rank, self.me.stage, self.me.pool,
                                       cfg.metrics_port + (rank - cfg.rank_start)
                                       if cfg.metrics_port else 0)
         self.metrics.set_schedule(self.runner.schedule, self.runner.planned)
@@ -200,11 +240,18 @@ class Trainer:
         shard = None
         if t.optimizer_sharding and comm.dp_size > 1:
             tier = self._dp_tier()
+            # across datacenters the parameter all-gather crosses the DC link once per byte
+            spans = len({r.datacenter for r in plan.ranks
+                         if (r.stage, r.tp) == (self.me.stage, self.me.tp)}) > 1
             shard = ShardGroup(comm.dp_group, dist.get_rank(comm.dp_group), comm.dp_size,
                                comm.staging_device(comm.dp_group),
-                               lambda nbytes, secs: comm.stats.add(tier, nbytes, secs))
+                               lambda nbytes, secs: comm.stats.add(tier, nbytes, secs),
+                               gather=comm.dp_all_gather_ if spans else None)
 
         def reduce_grads(flat: torch.Tensor) -> None:
+            if self.replica is not None:  # replica groups: the sum over every holder
+                self.replica.reduce_(flat, self.opt.segments)
+                return
             # mode "compress": the communicator compresses the DC hop
             comm.dp_all_reduce_([flat], average=True, scope=scope)
 
@@ -217,12 +264,28 @@ class Trainer:
         peers = [r for r in plan.ranks if (r.stage, r.tp) == (self.me.stage, self.me.tp)
                  and (scope == "global" or r.datacenter == self.me.datacenter)]
         slot = dcs.index(self.me.datacenter) if scope == "dc" else 0
-        return StageOptimizer(
+        opt = StageOptimizer(
             self.model, t, kind=self.cfg.optimizer, shard=shard,
-            reduce_grads=reduce_grads if plan.dp > 1 else None, norm_reduce=norm_reduce,
+            reduce_grads=reduce_grads if plan.dp > 1 or self.replica else None,
+            norm_reduce=norm_reduce,
             tp_sharded=set(self.tp.shards), tp=plan.stages[self.me.stage].tp,
             tp_index=self.me.tp, norm_slot=(slot, len(dcs) if scope == "dc" else 1),
             counts_norm=self.me.dp == min(r.dp for r in peers))
+        self.dp_overlap = (plan.dp > 1 and t.overlap_grad_reduce and self.replica is None
+                           and comm.dp_overlappable(scope))
+        if self.dp_overlap:
+            # one pool: bucketed async all-reduces during the last microbatch's backward
+            # (runtime/grad_sync.py); across pools/DCs the hierarchical sync stays after it
+            n = comm.dp_scope_size(scope)
+            opt.enable_overlap(
+                lambda view: comm.dp_all_reduce_async(view, scope), n,
+                bucket_bytes=self.cfg.dp_bucket_bytes,
+                account=lambda nbytes, secs: comm.stats.add(Tier.INTRA_POOL, nbytes, secs),
+                wire_bytes=lambda nbytes: int(2 * (n - 1) / n * nbytes))
+        log.info("rank %d: DP gradient sync %s", self.rank,
+                 f"overlapped with the backward (buckets of {self.cfg.dp_bucket_bytes} bytes)"
+                 if self.dp_overlap else "after the backward")
+        return opt
 
     def _checkpointer(self, cfg: RuntimeConfig) -> ckpt.Checkpointer | None:
         """The checkpoint saver (None without a URI); storage probed by every rank, stale
@@ -232,29 +295,86 @@ class Trainer:
         saver = ckpt.Checkpointer(ckpt.CheckpointStore.open(cfg.checkpoint_uri), self.rank,
                                   self.plan.world_size, keep=cfg.checkpoint_keep,
                                   async_save=cfg.checkpoint_async)
-        saver.prepare()
+        if self._writes_checkpoints:
+            saver.prepare()
         dist.barrier()
         return saver
+
+    @property
+    def _writes_checkpoints(self) -> bool:
+        """Replica groups: only group 0 writes (every group holds the same weights and
+        optimizer state after each step); every group reads on resume."""
+        return self.replica is None or self.replica.writes_checkpoints
+
+    def _batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's microbatches of ``step`` (replica groups: its group's rows of the
+        job's global batch, then its replica's block)."""
+        plan, t = self.job_plan, self.plan.training
+        if self.replica is None:
+            return self.data.microbatches(
+                t.seed, step, dp=plan.dp, dp_index=plan.ranks[self.rank].dp,
+                micro_batch=plan.micro_batch, num_microbatches=plan.num_microbatches,
+                seq_len=plan.model.seq_len, vocab=plan.model.vocab)
+        x, y = self.data.global_batch(t.seed, step, self.full_plan.global_batch)
+        return rows_microbatches(x, y, self._row_offset(), plan.micro_batch,
+                                 plan.num_microbatches)
+
+    def _row_offset(self) -> int:
+        """First global-batch row of this rank's replica (replica groups)."""
+        plan = self.job_plan
+        block = plan.ranks[self.rank].dp * plan.micro_batch * plan.num_microbatches
+        return self.full_plan.group_row_offset(self.full_plan.ranks[self.global_rank].group) \
+            + block
+
+    def _validation_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's share of the fixed validation set (see :func:`validation_batches`)."""
+        if self.replica is None:
+            return validation_batches(self.job_plan, self.data,
+                                      self.job_plan.ranks[self.rank].dp)
+        plan, out = self.job_plan, []
+        for k in range(plan.training.validation_batches):
+            x, y = self.data.validation_batch(k, self.full_plan.global_batch)
+            out += rows_microbatches(x, y, self._row_offset(), plan.micro_batch,
+                                     plan.num_microbatches)
+        return out
 
     def _resume(self) -> int:
         """Load the newest committed checkpoint into this rank's layout; its step (0: none)."""
         assert self.ckpt is not None
         found = self.ckpt.store.latest_step()
         if found is None:
-            if self.rank == 0:
+            if self.global_rank == 0:
                 ckpt.report_no_checkpoint(self.ckpt.store, self.cfg.termination_log)
             return 0
-        opt_targets = self.opt.load_targets()
+        # the optimizer loads only its own (ZeRO-1: 1/dp) slice, in place, from any layout
         targets = ckpt.job_state(self.model, None, tp=self.tp, for_save=False,
-                                 extra={**self._outer_state(), **opt_targets})
+                                 extra=self._outer_state(),
+                                 sharded=self.opt.checkpoint_state(self.tp, for_save=False))
         loaded = ckpt.load(self.ckpt.store, found, targets, model=ckpt.model_meta(self.plan.model))
-        self.opt.load_finish(opt_targets)
+        self.opt.load_finish()
         ckpt.restore_rng(targets, loaded)
         self.metrics.last_ckpt.set(found)
         if self.diloco is not None:  # the outer (global) weights are the loaded ones
             self.diloco.global_params = [p.detach().clone() for p in self.opt.master_views()]
         log.info("rank %d: resumed from checkpoint step %d", self.rank, found)
         return found
+
+    def _cp_account(self):
+        """``(bytes, seconds)`` of a CP collective into the comm stats, under the slowest
+        link of this rank's CP group."""
+        me = self.job_plan.ranks[self.rank]
+        peers = [r for r in self.job_plan.ranks if (r.stage, r.dp, r.tp) == (me.stage, me.dp,
+                                                                              me.tp)]
+        tier = (Tier.CROSS_DC if len({r.datacenter for r in peers}) > 1 else
+                Tier.INTER_POOL if len({r.pool for r in peers}) > 1 else Tier.INTRA_POOL)
+        return lambda nbytes, secs: self.comm.stats.add(tier, nbytes, secs)
+
+    def _shard(self, batches: list[tuple[torch.Tensor, torch.Tensor]]
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Context parallel: this rank's tokens of each microbatch (else as given)."""
+        if self.cp is None:
+            return batches
+        return [self.cp.shard_batch(x, y) for x, y in batches]
 
     def _dp_tier(self) -> Tier:
         """The slowest link this rank's stage DP group spans (for the loss all-reduce)."""
@@ -282,6 +402,12 @@ class Trainer:
         return info
 
     def _reduce_loss(self, total: float) -> torch.Tensor:
+        loss = self._group_loss(total)
+        if self.replica is not None:  # the groups' means, weighted by their shares
+            loss = torch.tensor([self.replica.global_mean(loss.item())])
+        return loss
+
+    def _group_loss(self, total: float) -> torch.Tensor:
         loss = torch.tensor([total / self.plan.num_microbatches])
         if self.me.stage == self.plan.pp - 1 and self.plan.dp > 1:
             # plain (never compressed) average over the replicas; 4 bytes, still accounted
@@ -299,16 +425,17 @@ class Trainer:
         plan, t = self.plan, self.plan.training
         start = self._resume() if self.cfg.resume and self.ckpt is not None else 0
         losses = []
-        flops, peak = step_flops(plan), peak_flops(plan)
+        flops, peak = step_flops(self.full_plan), peak_flops(self.full_plan)
         ckpt_due = False
         self.step_cpu: list[float] = []  # process CPU seconds per step (all threads)
+        self.stage_timer = StageTimer()  # measured stage times (closed-loop calibration)
         for step in range(start, t.steps):
             t0, c0 = time.perf_counter(), time.process_time()
+            comm0 = sum(s.seconds for _, s in self.comm.stats.items())
             self.opt.zero_grad()
-            batches = self.data.microbatches(t.seed, step, dp=plan.dp, dp_index=self.me.dp,
-                                   micro_batch=plan.micro_batch,
-                                   num_microbatches=plan.num_microbatches,
-                                   seq_len=plan.model.seq_len, vocab=plan.model.vocab)
+            self.opt.begin_step(plan.num_microbatches)  # arms the overlapped DP sync
+            # the data replica of this rank (CP ranks share it)
+            batches = self._shard(self._batches(step))
             if self.device.type != "cpu":
                 batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
             total = self.runner.run(batches, self.opt.loss_scale / plan.num_microbatches)
@@ -327,9 +454,15 @@ class Trainer:
             seconds = time.perf_counter() - t0
             self.step_cpu.append(time.process_time() - c0)
             self.metrics.observe_step(done, loss.item(), seconds,
-                                      plan.global_batch * plan.model.seq_len, flops, peak)
+                                      self.full_plan.global_batch * plan.model.seq_len, flops,
+                                      peak)
             self.metrics.observe_comm(self.comm.stats)
-            if self.rank == 0 and self.cfg.loss_log:
+            self.stage_timer.add(self.runner.last_compute_s,
+                                 sum(s.seconds for _, s in self.comm.stats.items()) - comm0,
+                                 self.runner.last_layers_s)
+            self.metrics.observe_stage(self.stage_timer.compute_s, self.stage_timer.comm_s,
+                                       self.stage_timer.measured, self.stage_timer.layers_s)
+            if self.global_rank == 0 and self.cfg.loss_log:
                 with open(self.cfg.loss_log, "a") as f:
                     rec = {"step": step, "loss": loss.item(), "seconds": seconds,
                            "lr": info["lr"], "grad_norm": info["grad_norm"],
@@ -340,13 +473,15 @@ class Trainer:
             ckpt_due = ckpt_due or done % self.cfg.checkpoint_interval == 0
             # DiLoCo replicas differ between outer syncs: checkpoint only right after one
             synced = self.diloco is None or done % self.diloco.outer_steps == 0 or last
-            if self.ckpt is not None and ((ckpt_due and synced) or last):
-                # the optimizer's state as full per-parameter tensors (all-gathered over the
-                # DP group under ZeRO-1: every replica takes part, replica 0 writes)
+            if self.ckpt is not None and self._writes_checkpoints and (
+                    (ckpt_due and synced) or last):
+                # the optimizer's state as views of its own slice: under ZeRO-1 every DP
+                # replica writes its 1/dp (nothing is gathered), else replica 0 writes it all
                 state = ckpt.job_state(self.model, None, tp=self.tp, dp_index=self.me.dp,
-                                       extra={**self._outer_state(),
-                                              **self.opt.checkpoint_tensors()})
-                self.ckpt.save(done, state, ckpt.meta_for(plan))
+                                       extra=self._outer_state(),
+                                       sharded=self.opt.checkpoint_state(
+                                           self.tp, dp_index=self.me.dp))
+                self.ckpt.save(done, state, ckpt.meta_for(self.full_plan))
                 self.metrics.last_ckpt.set(done)
                 ckpt_due = False
             if self.cfg.step_sleep:
@@ -359,16 +494,25 @@ class Trainer:
     def _validate(self) -> float:
         """Mean loss of the validation set (forward only through the pipeline, averaged over
         the DP replicas); every rank returns it."""
-        batches = validation_batches(self.plan, self.data, self.me.dp)
+        batches = self._shard(self._validation_batches())
         if self.device.type != "cpu":
             batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         self.model.eval()
         total = self.runner.evaluate(batches)
         self.model.train()
         per = len(batches) / self.plan.num_microbatches  # _reduce_loss divides by M
-        val = self._reduce_loss(total / per).item()
+        val = self._reduce_loss(total / per).item()  # replica groups: already the job's mean
         log.info("rank %d: validation loss %.6f", self.rank, val)
         return val
+
+    def _overlap_summary(self) -> dict:
+        """The overlapped DP sync of the last step: buckets, how many started during the
+        backward, seconds waited after it (empty when the sync ran after the backward)."""
+        gs = self.opt.grad_sync
+        if gs is None:
+            return {}
+        return {"buckets": len(gs.buckets), "launched_in_backward": gs.launched_early,
+                "wait_s": gs.wait_s}
 
     def _write_summary(self, losses: list[float]) -> None:
         """``HETTRAIN_SUMMARY_DIR/rank-R.json``: per-tier bytes/ops/seconds, CPU seconds per step,
@@ -377,7 +521,8 @@ class Trainer:
             return
         with torch.no_grad():
             checksum = float(sum(p.double().sum() for p in self.model.parameters()))
-        rec = {"rank": self.rank, "stage": self.me.stage, "dp": self.me.dp, "tp": self.me.tp,
+        rec = {"rank": self.global_rank, "group": self.full_plan.ranks[self.global_rank].group,
+               "stage": self.me.stage, "dp": self.me.dp, "tp": self.me.tp,
                "datacenter": self.me.datacenter, "mode": self.xdc["mode"],
                "schedule": self.runner.schedule, "device": str(self.device),
                "steps": len(losses),
@@ -389,14 +534,18 @@ class Trainer:
                "ops": {t.value: s.ops for t, s in self.comm.stats.items()},
                "seconds": {t.value: s.seconds for t, s in self.comm.stats.items()},
                "p2p": self.runner.p2p_stats.as_json(),
-               "step_cpu_seconds": self.step_cpu}
-        path = Path(self.cfg.summary_dir) / f"rank-{self.rank}.json"
+               "dp_overlap": self._overlap_summary(),
+               "step_cpu_seconds": self.step_cpu,
+               "stage_timing": self.stage_timer.as_json()}
+        path = Path(self.cfg.summary_dir) / f"rank-{self.global_rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(rec))
 
 
 def run_rank(cfg: RuntimeConfig, rank: int) -> list[float]:
     """Join the process group as ``rank``, train, leave."""
+    if cfg.plan.groups:
+        return run_grouped_rank(cfg, rank)
     dist.init_process_group("gloo", init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}",
                             rank=rank, world_size=cfg.world_size,
                             timeout=datetime.timedelta(seconds=120))
@@ -405,3 +554,26 @@ def run_rank(cfg: RuntimeConfig, rank: int) -> list[float]:
     finally:
         dist.destroy_process_group()
 
+
+
+def run_grouped_rank(cfg: RuntimeConfig, rank: int) -> list[float]:
+    """Replica groups: the job's TCP store, the gradient sync between groups (built first,
+    see runtime/replica_sync.py), then this rank's group as its own world; train, leave."""
+    timeout = datetime.timedelta(seconds=120)
+    store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, rank == 0,
+                          timeout)
+    stats: dict = {}
+    sync = ReplicaSync(cfg.plan, rank, store, timeout,
+                       account=lambda tier, n, secs: stats["comm"].add(tier, n, secs))
+    group_cfg, local = group_config(cfg, rank)
+    group = cfg.plan.ranks[rank].group
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"hetrep/group-{group}/", store),
+                            rank=local, world_size=group_cfg.world_size, timeout=timeout)
+    try:
+        trainer = Trainer(group_cfg, local, replica=sync)
+        stats["comm"] = trainer.comm.stats
+        losses = trainer.train()
+        sync.barrier()  # rank 0 serves the store: it leaves last
+        return losses
+    finally:
+        dist.destroy_process_group()

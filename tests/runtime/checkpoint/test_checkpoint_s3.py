@@ -140,10 +140,10 @@ def test_multiprocess_run_saves_to_s3_and_resumes_on_another_layout(s3, tmp_path
     store = ckpt.CheckpointStore.open(uri)
     assert store.committed_steps() == [2, 4]
     files = sorted(p.rsplit("/", 1)[-1] for p in _fs(s3).ls(store.final(2)))
-    # every rank wrote its manifest; only DP replica 0 of each stage wrote tensors
-    assert files == ["COMMITTED", "manifest.json", "rank-00000.json",
-                     "rank-00000.safetensors", "rank-00001.json", "rank-00002.json",
-                     "rank-00002.safetensors", "rank-00003.json"]
+    # every rank wrote its manifest and tensors: the model from DP replica 0 of each stage,
+    # the ZeRO-1 optimizer state from every replica (its own half, nothing gathered)
+    assert files == ["COMMITTED", "manifest.json"] + [
+        f"rank-{r:05d}.{ext}" for r in range(4) for ext in ("json", "safetensors")]
     # as if the job had died after step 2: resume on one stage with TP 2 and one replica
     _fs(s3).rm(store.final(4), recursive=True)
     second = tiny_plan([(0, 4, "pool-b")], dp=1, steps=steps, tp=2, num_microbatches=8)
@@ -156,3 +156,24 @@ def test_multiprocess_run_saves_to_s3_and_resumes_on_another_layout(s3, tmp_path
         assert after[step] == pytest.approx(ref[step], rel=1e-4), step
     assert "resumed from checkpoint step 2" in (tmp_path / "run2" / "rank-0.log").read_text()
     assert store.committed_steps() == [2, 4]
+
+
+def test_listing_a_prefix_emptied_meanwhile_finds_no_checkpoint(s3, monkeypatch):
+    """Rank 0 lists at start-up while the other ranks write and remove their probe objects:
+    the prefix can exist for ``exists()`` and be gone for ``ls()`` (s3fs raises
+    FileNotFoundError); that is an empty store, not a storage error."""
+    store = ckpt.CheckpointStore.open(_uri(s3))
+    other = _fs(s3)
+    probe = store.path(".probe-other-rank")
+    other.pipe_file(probe, b"ok")
+    real_exists = store.fs.exists
+
+    def exists_then_removed(path, **kw):
+        found = real_exists(path, **kw)
+        other.rm_file(probe)  # the other rank removes its probe right after
+        store.fs.invalidate_cache()
+        return found
+
+    monkeypatch.setattr(store.fs, "exists", exists_then_removed)
+    assert store.committed_steps() == []
+    assert store.clean_incomplete() == []

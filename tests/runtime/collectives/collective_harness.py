@@ -44,7 +44,7 @@ def make_plan(stages: list[dict[str, Any]], dp: int, cross_dc: dict | None = Non
                 pp=len(stages), micro_batch=1, num_microbatches=1, schedule="1f1b",
                 stages=tuple(stage_plans), ranks=tuple(ranks),
                 predicted=Prediction(step_time_s=1.0, tokens_per_s=1.0, mfu=0.1),
-                cross_dc=cross_dc or {"mode": "sync"})
+                cross_dc=cross_dc or {"mode": "sync"}, data={"synthetic": True})
 
 
 def free_port() -> int:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from hettrain.api.spec import ModelSpec, TrainingSpec
-from hettrain.planning.plan import Plan, Prediction, RankPlan, StagePlan
+from hettrain.planning.plan import Plan, Prediction, RankPlan, ReplicaGroup, StagePlan
 
 BACKEND = {"cpu": "gloo", "nvidia": "nccl", "amd": "nccl", "intel": "hccl", "huawei": "hccl"}
 TINY = ModelSpec(layers=4, hidden=32, heads=4, seq_len=32, vocab=256, ffn_hidden=128,
@@ -54,4 +55,36 @@ def tiny_plan(splits: list[tuple[int, int, str]], dp: int, *, steps: int = 10,
                 dp=dp, pp=len(splits), micro_batch=micro_batch,
                 num_microbatches=num_microbatches, schedule=schedule, stages=tuple(stages),
                 ranks=tuple(ranks), predicted=Prediction(step_time_s=1, tokens_per_s=1, mfu=0),
+                data={"synthetic": True},
                 cross_dc=dict(cross_dc or {}))
+
+
+def grouped_plan(groups: Sequence[dict], *, steps: int = 6, micro_batch: int = 2,
+                 model: ModelSpec = TINY, lr: float = 3e-3, **training) -> Plan:
+    """A plan of heterogeneous replica groups. Each ``groups[i]`` is a dict with ``splits``
+    ``[(layer_start, layer_end, pool)]``, ``dp`` (default 1), ``num_microbatches`` (default
+    2), ``tp`` (default 1; an int or one per stage) and ``dc`` (default ``dc1``). Ranks are
+    numbered group by group; the global batch is the sum of the groups' shares."""
+    built, ranks = [], []
+    for gi, spec in enumerate(groups):
+        one = tiny_plan(spec["splits"], spec.get("dp", 1), steps=steps, micro_batch=micro_batch,
+                        num_microbatches=spec.get("num_microbatches", 2), model=model,
+                        lr=lr, tp=spec.get("tp", 1))
+        dc = spec.get("dc", "dc1")
+        stages = tuple(replace(s, datacenters=(dc,)) for s in one.stages)
+        built.append(ReplicaGroup(index=gi, dp=one.dp, pp=one.pp,
+                                  num_microbatches=one.num_microbatches, stages=stages))
+        for r in one.ranks:
+            ranks.append(replace(r, rank=len(ranks), group=gi, node=f"g{gi}-{r.node}",
+                                 datacenter=dc))
+    gb = micro_batch * sum(g.microbatches for g in built)
+    g0 = built[0]
+    return Plan(job="rt-test", model=model,
+                training=TrainingSpec(**{
+                    "global_batch": gb, "steps": steps, "micro_batch": micro_batch,
+                    "precision": "fp32", "learning_rate": lr, "seed": 3,
+                    "optimizer_sharding": True, **training}),
+                dp=g0.dp, pp=g0.pp, micro_batch=micro_batch,
+                num_microbatches=g0.num_microbatches, schedule="1f1b", stages=g0.stages,
+                ranks=tuple(ranks), predicted=Prediction(step_time_s=1, tokens_per_s=1, mfu=0),
+                data={"synthetic": True}, groups=tuple(built))

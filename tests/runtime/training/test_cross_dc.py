@@ -11,6 +11,7 @@ from tests.runtime.checkpoints import rewind
 from tests.runtime.training.plans import tiny_plan
 
 from hettrain.runtime.launch import launch_local, wait_all
+from hettrain.runtime.model import whole_model
 from hettrain.runtime.trainer import reference_losses
 
 pytestmark = pytest.mark.slow
@@ -19,12 +20,12 @@ DCS = ("dc1", "dc1", "dc2", "dc2")
 STEPS = 8
 
 
-def _plan(lr=3e-3, dcs=DCS, grad_clip=1.0, **cross_dc):
-    # no ZeRO-1: its parameter all-gather crosses the DC link uncompressed, so the byte ratios
-    # below (codec, 1/H) hold for the gradient exchange alone
+def _plan(lr=3e-3, dcs=DCS, grad_clip=1.0, zero1=False, **cross_dc):
+    # no ZeRO-1 by default: its parameter all-gather crosses the DC link uncompressed, so the
+    # byte ratios below (codec, 1/H) hold for the gradient exchange alone
     return tiny_plan([(0, 4, "pool")], dp=len(dcs), steps=STEPS, num_microbatches=2, lr=lr,
                      replica_dcs=dcs, cross_dc=cross_dc, grad_clip=grad_clip,
-                     optimizer_sharding=False)
+                     optimizer_sharding=zero1)
 
 
 def _run(tmp_path, name, plan, optimizer="adamw", env=None):
@@ -56,6 +57,30 @@ def test_sync_across_dcs_matches_the_reference(sync_run):
     assert losses == pytest.approx(reference_losses(plan, STEPS), rel=1e-5)
     assert _cross_bytes(summaries) > 0
     assert len({s["param_checksum"] for s in summaries}) == 1  # replicas identical
+
+
+def test_zero1_all_gather_crosses_the_dc_link_once_per_byte(tmp_path, sync_run):
+    """ZeRO-1 across 2 DCs x 2 replicas: same losses as the reference, and on top of the
+    gradient exchange the parameter all-gather sends each DC the other DC's slices once (not
+    once per receiving rank) -- the ``eb/8`` all-reduce share the planner adds per byte."""
+    _, _, sync_sum = sync_run
+    plan = _plan(mode="sync", zero1=True)
+    losses, summaries = _run(tmp_path, "zero1", plan)
+    assert losses == pytest.approx(reference_losses(plan, STEPS), rel=1e-5)
+    assert len({s["param_checksum"] for s in summaries}) == 1  # replicas identical
+    n = sum(p.numel() for p in whole_model(plan.model, plan.training.seed).parameters())
+    dp, k, eb = 4, 2, 4  # fp32 parameters
+    slice_bytes = -(-n // dp) * eb
+    gather = _cross_bytes(summaries) - _cross_bytes(sync_sum)
+    per_step = gather / STEPS
+    # each DC receives the other DC's 2 slices once per step
+    assert per_step == k * (dp - dp // k) * slice_bytes, (per_step, slice_bytes)
+    # planner (planning/planner.py _dp_time_per_byte): per DC, eb/8 of a ring all-reduce's
+    # 2(k-1)/k bytes per fp32 byte of the stage's parameters (padding aside)
+    planned = eb / 8 * 2 * (k - 1) / k * 4 * n
+    assert per_step / k == pytest.approx(planned, rel=1e-3)
+    # a flat all-gather would deliver the remote slices to every rank: twice as much here
+    print(f"zero1 all-gather cross-DC bytes/step {per_step:.0f} (flat: {2 * per_step:.0f})")
 
 
 def test_int8_compressed_dc_hop_stays_close_to_sync_and_sends_less(tmp_path, sync_run):
@@ -122,4 +147,24 @@ def test_diloco_resume_restores_the_outer_momentum(tmp_path):
     resumed, _ = _run(tmp_path, "resumed", plan, optimizer="sgd",
                       env={**env, "HETTRAIN_RESUME": "1"})
     # steps 6, 7 follow the outer step after step 6, which uses the restored momentum
+    assert resumed == pytest.approx(full[4:], rel=1e-6)
+
+
+def test_zero1_uneven_dcs_and_resume(tmp_path):
+    """ZeRO-1 over 3 replicas in 2 DCs (2 + 1): the reference losses, each DC receives the
+    other's slices once per step (dc1 one slice, dc2 two), and a resume from a checkpoint
+    (whose load re-runs the all-gather) continues the uninterrupted run."""
+    dcs = ("dc1", "dc1", "dc2")
+    plan = _plan(mode="sync", dcs=dcs, zero1=True)
+    ck = tmp_path / "ckpt"
+    env = {"HETTRAIN_CHECKPOINT_URI": str(ck), "HETTRAIN_CHECKPOINT_INTERVAL": "4"}
+    full, summaries = _run(tmp_path, "full", plan, env=env)
+    assert full == pytest.approx(reference_losses(plan, STEPS), rel=1e-5)
+    assert len({s["param_checksum"] for s in summaries}) == 1
+    _, base = _run(tmp_path, "no-zero1", _plan(mode="sync", dcs=dcs))
+    n = sum(p.numel() for p in whole_model(plan.model, plan.training.seed).parameters())
+    slice_bytes = -(-n // 3) * 4
+    assert (_cross_bytes(summaries) - _cross_bytes(base)) / STEPS == 3 * slice_bytes
+    rewind(ck, 4)
+    resumed, _ = _run(tmp_path, "resumed", plan, env={**env, "HETTRAIN_RESUME": "1"})
     assert resumed == pytest.approx(full[4:], rel=1e-6)

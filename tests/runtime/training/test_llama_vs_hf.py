@@ -22,7 +22,6 @@ from hettrain.runtime.model import (
     StageModel,
     check_layout,
     defer_weight_grads,
-    lm_loss,
     rope_inv_freq,
     whole_model,
 )
@@ -105,7 +104,7 @@ def run_chain(stages: list[StageModel], tokens: torch.Tensor, defer: bool = Fals
     x = tokens
     for st in stages:
         x = st(x)
-    loss = lm_loss(x[:, :-1], tokens[:, 1:])
+    loss = stages[-1].loss(x[:, :-1], tokens[:, 1:])  # vocab-parallel when the head is sharded
     if defer:
         with defer_weight_grads() as store:
             loss.backward()
@@ -242,7 +241,11 @@ def _tp_worker(rank: int, world: int, spec: ModelSpec) -> dict:
         stages = build_stages(spec, pp, weights, recompute=mode)
         shards = [shard_stage_(st, spec, 2, rank, group, [0, 1]) for st in stages]
         got_logits, got_loss = run_chain(stages, tokens, defer=defer)
-        torch.testing.assert_close(got_logits, logits, rtol=0, atol=ATOL)
+        # vocab-parallel head: this rank's logit columns; the loss over the whole vocabulary
+        cols = spec.vocab // 2
+        assert got_logits.shape[-1] == cols
+        torch.testing.assert_close(got_logits, logits[..., rank * cols:(rank + 1) * cols],
+                                   rtol=0, atol=ATOL)
         torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=1e-6)
         sharded = {n: info for info in shards for n in info.shards}
         ours = stage_grads(stages)
@@ -252,7 +255,10 @@ def _tp_worker(rank: int, world: int, spec: ModelSpec) -> dict:
             torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6,
                                        msg=f"pp={pp} {mode} {n}")
             checked += 1
-        assert sum(len(i.shards) for i in shards) == 7 * spec.layers
+        # + the embedding and the head rows (one tensor when tied in one stage)
+        vocab = 1 if spec.tie_embeddings and pp == 1 else 2
+        assert sum(len(i.shards) for i in shards) == 7 * spec.layers + vocab
+        assert "model.embed_tokens.weight" in sharded
     return {"checked": checked}
 
 

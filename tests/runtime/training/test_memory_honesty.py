@@ -63,18 +63,26 @@ def _case_id(case) -> str:
     return "-".join(map(str, case[:8] + case[9:]))
 
 
-@pytest.mark.parametrize("case", GRID, ids=_case_id)
-def test_measured_stage_bytes_match_the_plan_and_never_exceed_it(case):
-    plan = _plan(*case)
+def _assert_every_stage_matches_the_plan(plan, label: str) -> list:
+    """Measure every stage of ``plan``: within TOLERANCE of the planned bytes, never above;
+    returns the measurements."""
+    out = []
     for stage in range(plan.pp):
         got = measure_stage(plan, stage)
         want = predicted_stage_bytes(plan, stage)
         ratio = got.total / want
-        print(f"{_case_id(case)} stage {stage}: measured {got.total} B, planned {want:.0f} B, "
+        print(f"{label} stage {stage}: measured {got.total} B, planned {want:.0f} B, "
               f"ratio {ratio:.4f} ({got})")
-        assert got.activations > 0 and got.params > 0
         assert ratio <= 1.0, (stage, got, want)
         assert ratio >= 1.0 - TOLERANCE, (stage, got, want)
+        out.append(got)
+    return out
+
+
+@pytest.mark.parametrize("case", GRID, ids=_case_id)
+def test_measured_stage_bytes_match_the_plan_and_never_exceed_it(case):
+    for got in _assert_every_stage_matches_the_plan(_plan(*case), _case_id(case)):
+        assert got.activations > 0 and got.params > 0
 
 
 def test_state_bytes_are_exactly_the_cost_models_per_parameter_bytes():
@@ -96,3 +104,29 @@ def test_activation_bytes_scale_with_microbatch_and_in_flight_count():
     gpipe = measure_stage(_plan(2, 1, 1, 1, 4, "gpipe", "bf16", False, MODEL), 0)
     # 1F1B keeps pp - 0 = 2 microbatches on stage 0, GPipe all 4
     assert gpipe.activations == pytest.approx(2 * one.activations, rel=0.02)
+
+
+# context parallelism (runtime/context_parallel.py): a sequence-dominated model, so the
+# gathered full-sequence keys/values and the per-chunk masks are a visible share
+LONG = replace(MODEL, seq_len=512)
+LONG_GATED = replace(LONG, gated_mlp=True)
+CP_GRID = [
+    # (cp, pp, tp, dp, micro_batch, microbatches, schedule, precision, sharding, model,
+    #  recompute)
+    (2, 2, 1, 1, 1, 4, "1f1b", "bf16", False, LONG_GATED, "none"),
+    (2, 2, 1, 2, 2, 4, "1f1b", "bf16", True, LONG, "none"),
+    (4, 2, 1, 1, 1, 4, "1f1b", "bf16", True, LONG_GATED, "none"),
+    (2, 2, 2, 1, 1, 4, "1f1b", "fp32", False, LONG, "none"),
+    (2, 2, 1, 1, 1, 4, "zb-h1", "bf16", False, LONG_GATED, "none"),
+    (2, 1, 1, 1, 2, 2, "1f1b", "fp16", True, LONG_GATED, "selective"),
+    (4, 2, 2, 1, 1, 4, "1f1b", "bf16", False, LONG, "selective"),
+    (2, 2, 1, 1, 1, 4, "1f1b", "bf16", False, LONG_GATED, "full"),
+    (2, 2, 2, 1, 2, 4, "zb-h1", "bf16", True, LONG, "full"),
+]
+
+
+@pytest.mark.parametrize("case", CP_GRID, ids=lambda c: "cp" + "-".join(map(str, c[:9] + c[10:])))
+def test_context_parallel_stage_bytes_match_the_plan_and_never_exceed_it(case):
+    from tests.runtime.cp.plans import with_cp
+    cp, rest = case[0], case[1:]
+    _assert_every_stage_matches_the_plan(with_cp(_plan(*rest), cp), f"cp={cp} {rest[:8]}")

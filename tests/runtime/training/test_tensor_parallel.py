@@ -11,10 +11,12 @@ import torch
 from tests.runtime.checkpoints import rewind
 from tests.runtime.training.plans import TINY, tiny_plan
 
+from hettrain.api.spec import TrainingSpec
+from hettrain.planning import cost
 from hettrain.runtime.collectives.p2p import boundary_pieces
 from hettrain.runtime.launch import launch_local, wait_all
 from hettrain.runtime.model import whole_model
-from hettrain.runtime.tensor_parallel import check_tp, shard_layout
+from hettrain.runtime.tensor_parallel import check_tp, shard_layout, shard_stage_
 from hettrain.runtime.trainer import reference_losses
 
 # fp32: TP changes only the summation order of o/down (partial sums all-reduced)
@@ -44,6 +46,39 @@ def test_shards_partition_every_weight_and_compute_the_block(spec, tp):
     for suffix, (dim, idx) in shard_layout(spec, tp).items():
         size = blk.get_parameter(suffix).shape[dim]
         assert sorted(torch.cat(idx).tolist()) == list(range(size)), suffix
+
+
+@pytest.mark.parametrize("vocab", [256, 255])
+def test_vocabulary_is_sharded_exactly_when_the_cost_model_divides_it(vocab):
+    """The runtime shards embedding and head rows iff ``cost.vocab_shards`` says so, and the
+    partial lookups of the shards sum to the whole embedding (what the TP all-reduce does)."""
+    spec = dataclasses.replace(TINY, vocab=vocab)
+    ids = torch.randint(0, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
+    whole = whole_model(spec, seed=2)
+    want = whole.model.embed_tokens(ids)
+    ways = cost.vocab_shards(spec, 2)
+    assert ways == (2 if vocab % 2 == 0 else 1)
+    total = torch.zeros_like(want)
+    for r in range(2):
+        model = whole_model(spec, seed=2)
+        info = shard_stage_(model, spec, 2, r, None, [0, 1])
+        rows = model.model.embed_tokens.weight.shape[0]
+        assert rows == model.lm_head.weight.shape[0] == vocab // ways
+        assert ("model.embed_tokens.weight" in info.shards) == (ways == 2)
+        assert ("lm_head.weight" in info.shards) == (ways == 2)
+        model.model.embed_tokens.tp_group = None  # the local partial lookup, no all-reduce
+        total += model.model.embed_tokens(ids)
+    torch.testing.assert_close(total, want * (1 if ways == 2 else 2), rtol=0, atol=0)
+    # the planner's memory model counts the same rows: 1/ways of the table per TP rank (and,
+    # sharded, a 1-byte out-of-range mask per token)
+    train = TrainingSpec(global_batch=8, steps=1, precision="fp32", recompute="none")
+    one = cost.stage_memory(spec, train, tp=2, dp=1, micro_batch=1, in_flight=1, first=True,
+                            last=False)
+    rep = cost.stage_memory(spec, train, tp=1, dp=1, micro_batch=1, in_flight=1, first=True,
+                            last=False)
+    state = cost.state_bytes_per_param(train, 1) * cost.embedding_params(spec)
+    assert rep.fixed - one.fixed == pytest.approx(
+        state * (1 - 1 / ways) - spec.seq_len * (ways - 1), rel=1e-9, abs=1e-6)
 
 
 def test_bad_tp_degree_names_the_field():
@@ -86,8 +121,12 @@ def test_tp2_pp2_matches_reference_and_resumes_on_another_tp_layout(tmp_path):
     assert sum(s["param_elements"] for s in sums) < 2 * whole
     assert sums[0]["param_elements"] == sums[1]["param_elements"]
     # per block and microbatch 4 TP all-reduces (attn, mlp; forward and backward), plus per
-    # microbatch one all-gather of the received 1/tp slice (activation or gradient)
-    assert all(s["ops"]["intra_pool"] == (4 * 2 + 1) * 4 * steps for s in sums)
+    # microbatch one all-gather of the received 1/tp slice (activation or gradient); the
+    # vocab-parallel embedding sums its lookups (1), the head's input gradient is summed (1)
+    # and its cross-entropy reduces the max, the exponential sums and the target logit (3)
+    assert TINY.vocab % 2 == 0
+    assert [s["ops"]["intra_pool"] for s in sums] == [
+        (4 * 2 + 1 + 1) * 4 * steps] * 2 + [(4 * 2 + 1 + 1 + 3) * 4 * steps] * 2
     ref = reference_losses(first, steps)
     assert sorted(got) == list(range(steps))
     for step, want in enumerate(ref):

@@ -90,6 +90,9 @@ def test_config_reads_the_env_contract(tmp_path):
     assert (cfg.resume, cfg.master_port, cfg.checkpoint_interval, cfg.metrics_port) == (
         True, 1234, 7, 9400)
     assert cfg.plan.model == TINY
+    assert cfg.dp_bucket_bytes == 25 * 2**20  # planning.cost.DP_BUCKET_BYTES
+    assert RuntimeConfig.from_env(_env(tmp_path, HETTRAIN_DP_BUCKET_MB="0.5")
+                                  ).dp_bucket_bytes == 2**19
 
 
 @pytest.mark.parametrize("over,field", [
@@ -98,6 +101,9 @@ def test_config_reads_the_env_contract(tmp_path):
     ({"HETTRAIN_CHECKPOINT_INTERVAL": "0"}, "HETTRAIN_CHECKPOINT_INTERVAL"),
     ({"HETTRAIN_RANK_START": "5"}, "HETTRAIN_RANK_START"),
     ({"HETTRAIN_PLAN_PATH": ""}, "HETTRAIN_PLAN_PATH"),
+    ({"HETTRAIN_DP_BUCKET_MB": "big"}, "HETTRAIN_DP_BUCKET_MB"),
+    ({"HETTRAIN_DP_BUCKET_MB": "0"}, "HETTRAIN_DP_BUCKET_MB"),
+    ({"HETTRAIN_DP_BUCKET_MB": "nan"}, "HETTRAIN_DP_BUCKET_MB"),
 ])
 def test_config_errors_name_the_variable(tmp_path, over, field):
     with pytest.raises(ValueError, match=field):

@@ -342,6 +342,56 @@ class HetCommunicator:
         return choose_algorithm(nbytes, hier, self.link or link_model(self.plan, hier),
                                 self.pipeline_bytes)
 
+    def dp_all_gather_(self, parts: list[torch.Tensor], index: int) -> None:
+        """ZeRO-1's parameter all-gather over a stage DP group that spans datacenters, in
+        place: ``parts[i]`` is DP rank ``i``'s slice (equal sizes), ``parts[index]`` this
+        rank's, already filled.
+
+        Every byte crosses the DC link once per receiving datacenter, not once per receiving
+        rank: an all-gather inside each DC, the DC leaders broadcast their DC's slices to each
+        other, then each leader broadcasts the other DCs' slices inside its DC. Bytes go to
+        the comm stats by tier, counted where they are received."""
+        lvl = self._levels["cross_dc"]
+        hier = lvl.hier
+        if not hier.spans_dcs:
+            raise ValueError("dp_all_gather_ is for DP groups across datacenters; a DP group "
+                             "inside one datacenter all-gathers with dist.all_gather")
+        nbytes = parts[0].numel() * parts[0].element_size()
+        pos = {r: i for i, r in enumerate(hier.ranks)}
+        mine_b = [pos[r] for r in lvl.block]
+        remote = [i for i in range(len(parts)) if i not in set(mine_b)]
+        # 1. inside this DC: every member gets the DC's own slices
+        if len(mine_b) > 1:
+            dev = self.staging_device(lvl.intra)
+            outs = [torch.empty_like(parts[i], device=dev) for i in mine_b]
+            t0 = time.perf_counter()
+            dist.all_gather(outs, parts[index].to(dev), group=lvl.intra)
+            self.stats.add(lvl.intra_tier, (len(mine_b) - 1) * nbytes, time.perf_counter() - t0)
+            for i, o in zip(mine_b, outs, strict=True):
+                if i != index:
+                    parts[i].copy_(o)
+        # 2. the DC leaders: each DC's slices once over the link to every other DC
+        if lvl.leaders is not None:
+            t0 = time.perf_counter()
+            for b in hier.blocks:
+                idx = [pos[r] for r in b]
+                buf = torch.cat([parts[i].cpu() for i in idx])  # the leaders group is gloo
+                dist.broadcast(buf, src=b[0], group=lvl.leaders)
+                if b is not hier.blocks[hier.block_of(self.rank)]:
+                    for i, piece in zip(idx, buf.split(parts[0].numel()), strict=True):
+                        parts[i].copy_(piece)
+            self.stats.add(lvl.inter_tier, len(remote) * nbytes, time.perf_counter() - t0)
+        # 3. inside this DC: the leader passes the other DCs' slices on
+        if len(mine_b) > 1 and remote:
+            dev = self.staging_device(lvl.intra)
+            buf = torch.cat([parts[i].to(dev) for i in remote])
+            t0 = time.perf_counter()
+            dist.broadcast(buf, src=lvl.block[0], group=lvl.intra)
+            if self.rank != lvl.block[0]:
+                self.stats.add(lvl.intra_tier, len(remote) * nbytes, time.perf_counter() - t0)
+                for i, piece in zip(remote, buf.split(parts[0].numel()), strict=True):
+                    parts[i].copy_(piece)
+
     # ----------------------------------------------------------------- data parallel
 
     def dp_all_reduce_(self, tensors: list[torch.Tensor], average: bool = True,
@@ -355,6 +405,28 @@ class HetCommunicator:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         return self._all_reduce(tensors, self._levels[scope], average,
                                 compress=self.cross_dc_mode == "compress")
+
+    def dp_overlappable(self, scope: str = "global") -> bool:
+        """Whether the stage DP group of ``scope`` can all-reduce asynchronously: it lies in
+        one pool (one block: a single flat collective on the pool's backend, no host-staged
+        bridge, no compression). Across pools or datacenters the hierarchical path runs
+        synchronously after the backward."""
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        return len(self._levels[scope].hier.blocks) == 1
+
+    def dp_scope_size(self, scope: str = "global") -> int:
+        """Ranks in this rank's stage DP group of ``scope`` (``global`` or ``dc``)."""
+        return len(self._levels[scope].hier.ranks)
+
+    def dp_all_reduce_async(self, flat: torch.Tensor, scope: str = "global"):
+        """Start a SUM all-reduce of the contiguous ``flat`` in place over this rank's stage DP
+        group (``async_op=True``) and return its handle; the caller waits and divides by
+        :meth:`dp_scope_size`. Only for a group that :meth:`dp_overlappable`."""
+        if not self.dp_overlappable(scope):
+            raise ValueError("dp_all_reduce_async: the stage DP group spans pools; use "
+                             "dp_all_reduce_ (hierarchical, synchronous)")
+        return dist.all_reduce(flat, group=self._levels[scope].full, async_op=True)
 
     def cross_dc_all_reduce_(self, tensors: list[torch.Tensor], average: bool = True,
                              compress: bool = False) -> str:

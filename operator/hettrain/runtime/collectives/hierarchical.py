@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from hettrain.planning.arith import shard_bounds
 from hettrain.runtime.collectives.choice import INFLIGHT, PIPELINE_BYTES, piece_bytes
 
 InterOp = Callable[[torch.Tensor, dist.ProcessGroup], object]
@@ -38,19 +39,6 @@ def _finish(handle: object) -> None:
 def flat_all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
     """Plain ``dist.all_reduce`` (sum) over ``group``: the reference algorithm."""
     dist.all_reduce(tensor, group=group)
-
-
-def shard_bounds(n: int, shards: int) -> list[tuple[int, int]]:
-    """Split ``n`` elements into ``shards`` contiguous ranges (first ones one longer)."""
-    if shards < 1:
-        raise ValueError(f"shards must be >= 1, got {shards}")
-    base, extra = divmod(n, shards)
-    out, start = [], 0
-    for j in range(shards):
-        end = start + base + (1 if j < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
 
 
 

@@ -1,0 +1,113 @@
+"""Read the runtime's measured stage times from its metrics endpoints (operator side).
+
+The runtime exports them on every rank's Prometheus endpoint (``runtime/stage_timing.py``;
+port 9400 + the rank's index in its pod). The operator reads the first rank of every pipeline
+stage (of replica group 0 when the plan has groups): no Kubernetes permission is needed
+(plain HTTP to the pod IP on the metrics port, which the job's NetworkPolicy admits from the
+scraper namespace and from the operator's own, ``HETTRAIN_OPERATOR_NAMESPACE``, set by the
+chart), and nothing is written into the training pods. Parsing and target selection are
+plain functions; :func:`scrape` does the HTTP GETs
+(short timeouts, failures skipped).
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from hettrain.api import constants as c
+from hettrain.manifests.builders import RUNTIME_METRICS_PORT
+from hettrain.planning.calibration import StageMeasurement
+from hettrain.planning.plan import Plan
+
+SCRAPE_TIMEOUT_S = 2.0
+SCRAPE_PARALLELISM = 16
+_WANTED = {
+    "hettrain_runtime_stage_compute_seconds": "compute_s",
+    "hettrain_runtime_stage_comm_seconds": "comm_s",
+    "hettrain_runtime_stage_layers_seconds": "layers_s",
+    "hettrain_runtime_stage_measured_steps": "steps",
+    "hettrain_runtime_step": "step",
+    "hettrain_runtime_last_checkpoint_step": "checkpoint_step",
+}
+
+
+def parse_stage_metrics(text: str) -> StageMeasurement | None:
+    """The stage measurement in one rank's ``/metrics`` text, or None when it has none yet."""
+    values: dict[str, float] = {}
+    stage = None
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = _WANTED.get(sample.name)
+                if key is not None:
+                    values[key] = float(sample.value)
+                    stage = sample.labels.get("stage", stage)
+    except ValueError:
+        return None
+    if stage is None or "compute_s" not in values or not all(
+            math.isfinite(v) for v in values.values()):
+        return None
+    return StageMeasurement(int(stage), values["compute_s"], values.get("comm_s", 0.0),
+                            int(values.get("steps", 0)), int(values.get("step", 0)),
+                            int(values.get("checkpoint_step", 0)),
+                            values.get("layers_s", 0.0))
+
+
+def stage_targets(plan: Plan, pods: Sequence[Mapping[str, Any]]) -> dict[int, str]:
+    """``{stage: metrics URL}`` of every stage's first rank among the running ``pods`` (of the
+    plan's attempt): pod IP, port 9400 + the rank's index in its pod.
+
+    With replica groups only group 0's ranks are read: their stages are ``plan.stages``, the
+    ones calibration compares (``planning.calibration``); another group's rank reports a
+    stage index of its own pipeline, on other devices, and must never stand in for one."""
+    by_node: dict[str, tuple[str, int]] = {}
+    for pod in pods:
+        status = pod.get("status") or {}
+        ip = status.get("podIP")
+        if status.get("phase") != "Running" or not ip:
+            continue
+        spec = pod.get("spec") or {}
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        try:
+            first = int(labels.get(c.LABEL_RANK, ""))
+            node = plan.ranks[first].node
+        except (ValueError, IndexError):
+            continue
+        if spec.get("nodeName") in (None, node):
+            by_node[node] = (str(ip), first)
+    out: dict[int, str] = {}
+    for r in plan.group_ranks(0):
+        if r.stage in out or r.node not in by_node:
+            continue
+        ip, first = by_node[r.node]
+        host = f"[{ip}]" if ":" in ip else ip
+        out[r.stage] = f"http://{host}:{RUNTIME_METRICS_PORT + r.rank - first}/metrics"
+    return out
+
+
+def _get(stage: int, url: str, timeout: float) -> StageMeasurement | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            text = resp.read(1 << 20).decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+    m = parse_stage_metrics(text)
+    return m if m is not None and m.stage == stage else None
+
+
+def scrape(targets: Mapping[int, str], timeout: float = SCRAPE_TIMEOUT_S
+           ) -> list[StageMeasurement]:
+    """GET every target (up to :data:`SCRAPE_PARALLELISM` at once) and parse it; unreachable
+    or empty endpoints are left out."""
+    items = sorted(targets.items())
+    if not items:
+        return []
+    with ThreadPoolExecutor(max_workers=min(SCRAPE_PARALLELISM, len(items))) as pool:
+        found = list(pool.map(lambda kv: _get(kv[0], kv[1], timeout), items))
+    return [m for m in found if m is not None]

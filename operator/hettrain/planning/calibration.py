@@ -1,0 +1,250 @@
+"""Closed-loop calibration: measured stage times → refined device profiles → re-plan or not.
+
+The runtime measures, on the first rank of every pipeline stage, the forward+backward seconds
+of one microbatch spent computing (the pipeline's receives and sends excluded) and the
+seconds spent communicating per step (``runtime/stage_timing.py``). This module, pure like
+the rest of the planning core, turns those numbers into decisions:
+
+1. :func:`compare` — predicted (``plan.stages[i].time_ms``) vs measured, per stage;
+2. :func:`refine_profiles` — for every device of the plan, the factor ``r`` by which its
+   layers really are slower (or faster) than the model said: the measured time of the
+   stage's decoder layers (the runtime times them apart from the embedding, head and loss;
+   without that, the stage time less the part the model prices outside the layers) over the
+   layers' predicted time, summed over the device's stages. The device's profile
+   (``planning/profiles.py``; a catalog device gets one fitted to the catalog model first) is
+   scaled by ``r``;
+3. :func:`evaluate` — with the refined profiles, the current layout's step time
+   (:func:`~hettrain.planning.planner.step_time_for_split`) against the best new plan's; a
+   re-plan pays off when the new plan is faster by more than ``spec.calibration.replanThreshold``.
+
+Profiles are stored by the operator under :func:`store_key` (device, model shape, image: the
+image pins the software versions) and reused by every job with the same key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hettrain.api.spec import JobSpec, ModelSpec
+from hettrain.planning import context, cost
+from hettrain.planning.catalog import DeviceSpec
+from hettrain.planning.errors import PlanningError
+from hettrain.planning.plan import Plan
+from hettrain.planning.profiles import LayerProfile, Shape, fit_line, model_shape, profile_doc
+
+MIN_SCALE, MAX_SCALE = 0.02, 50.0  # a measured layer factor outside this is a broken report
+CATALOG_FIT_MICRO_BATCHES = (1, 2, 4)
+CATALOG_FORWARD_SHARE = 1.0 / 3.0  # forward = 1 of the 3 passes (backward = 2)
+
+
+@dataclass(frozen=True, slots=True)
+class StageMeasurement:
+    """What the first rank of one stage measured (medians over its recent steps)."""
+
+    stage: int
+    compute_s: float  # forward+backward of one microbatch, computing only
+    comm_s: float  # pipeline receives/sends and collectives per optimizer step
+    steps: int  # steps measured (the first, warm-up step excluded)
+    step: int = 0  # last completed optimizer step
+    checkpoint_step: int = 0  # last complete checkpoint
+    layers_s: float = 0.0  # forward+backward of the stage's decoder layers only (0: unknown)
+
+
+@dataclass(frozen=True, slots=True)
+class StageComparison:
+    """Predicted vs measured seconds of one stage's microbatch (forward + backward)."""
+
+    stage: int
+    device: str
+    predicted_s: float
+    measured_s: float
+    comm_s: float
+
+    @property
+    def ratio(self) -> float:
+        """measured / predicted (1.0: the model was right)."""
+        return self.measured_s / self.predicted_s if self.predicted_s > 0 else math.inf
+
+    def to_status(self) -> dict[str, Any]:
+        """The ``status.calibration.stages[]`` entry (milliseconds, rounded)."""
+        return {"stage": self.stage, "device": self.device,
+                "predictedMs": round(self.predicted_s * 1e3, 4),
+                "measuredMs": round(self.measured_s * 1e3, 4),
+                "commMs": round(self.comm_s * 1e3, 4), "ratio": round(self.ratio, 4)}
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The corrected model's view: the current layout's step time and the best plan's."""
+
+    current_s: float
+    best_s: float
+    best: Plan | None
+    threshold: float
+
+    @property
+    def gain(self) -> float:
+        """Fraction of the current step time the best plan saves (negative: slower)."""
+        return 1.0 - self.best_s / self.current_s if self.current_s > 0 else 0.0
+
+    @property
+    def replan(self) -> bool:
+        """True when the best plan is faster by more than the threshold."""
+        return self.best is not None and self.gain > self.threshold
+
+    def message(self) -> str:
+        """One line for the Event: predicted old vs new step time and the threshold."""
+        return (f"measured stage times corrected the device profiles: the current plan's "
+                f"step is {self.current_s:.4g} s, a new plan's {self.best_s:.4g} s "
+                f"({100 * self.gain:.1f}% faster; threshold {100 * self.threshold:.0f}%)")
+
+
+def usable(measurements: Iterable[StageMeasurement], plan: Plan, min_steps: int
+           ) -> dict[int, StageMeasurement]:
+    """The measurements of the plan's stages with at least ``min_steps`` steps and a positive
+    compute time; empty unless every stage has one (a partial picture is not acted on)."""
+    out = {m.stage: m for m in measurements
+           if 0 <= m.stage < plan.pp and m.steps >= min_steps and m.compute_s > 0
+           and math.isfinite(m.compute_s) and math.isfinite(m.comm_s)}
+    return out if len(out) == plan.pp else {}
+
+
+def compare(plan: Plan, measured: Mapping[int, StageMeasurement]) -> list[StageComparison]:
+    """Predicted vs measured per stage (only the stages measured)."""
+    return [StageComparison(s.index, s.device, s.time_ms / 1e3, measured[s.index].compute_s,
+                            measured[s.index].comm_s)
+            for s in plan.stages if s.index in measured]
+
+
+def catalog_profile(device: DeviceSpec, model: ModelSpec) -> LayerProfile:
+    """A profile reproducing the catalog model's layer time (tp 1, no recompute) on ``device``,
+    fitted as ``α + β·b`` over a few microbatch sizes: what calibration scales for a device
+    nobody profiled."""
+    plain = dataclasses.replace(device, profile=None)
+    points = [(float(b), cost.layer_compute_s(model, b, 1, plain, "none"))
+              for b in CATALOG_FIT_MICRO_BATCHES]
+    alpha, beta = fit_line(points)
+    return LayerProfile(device.name, model_shape(model), alpha, beta, CATALOG_FORWARD_SHARE,
+                        source="catalog")
+
+
+def layer_scale(spec: JobSpec, plan: Plan, measured: Mapping[int, StageMeasurement],
+                devices: Mapping[str, DeviceSpec]) -> dict[str, float]:
+    """Per device of the plan: measured / predicted time of its layers (see the module doc).
+
+    Where the runtime measured the layers alone (``layers_s``) that is compared with the
+    layers' predicted time; otherwise the part of a stage's predicted time outside its layers
+    (head, embedding, TP comm) is taken as right and what remains of the measurement is laid
+    on the layers."""
+    eb = cost.precision_bytes(spec.training)
+    num: dict[str, float] = {}
+    den: dict[str, float] = {}
+    for s in plan.stages:
+        m = measured.get(s.index)
+        dev = devices.get(s.device)
+        if m is None or dev is None:
+            continue
+        layers = s.layer_end - s.layer_start
+        # a CP stage's rank computes its s/cp tokens (planning/context.py)
+        part = layers * context.cp_layer_compute_s(spec.model, plan.micro_batch, s.tp, s.cp,
+                                                   dev, plan.training.recompute, eb)
+        if part <= 0:
+            continue
+        if m.layers_s > 0:
+            layers_measured = m.layers_s
+        else:
+            layers_measured = max(0.0, m.compute_s - max(0.0, s.time_ms / 1e3 - part))
+        num[s.device] = num.get(s.device, 0.0) + layers_measured
+        den[s.device] = den.get(s.device, 0.0) + part
+    return {d: min(MAX_SCALE, max(MIN_SCALE, num[d] / den[d])) for d in den}
+
+
+def scaled(profile: LayerProfile, factor: float, source: str = "calibration") -> LayerProfile:
+    """``profile`` with its layer seconds multiplied by ``factor``."""
+    return dataclasses.replace(profile, alpha=profile.alpha * factor, beta=profile.beta * factor,
+                               source=source)
+
+
+def refine_profiles(spec: JobSpec, plan: Plan, measured: Mapping[int, StageMeasurement],
+                    devices: Mapping[str, DeviceSpec]) -> dict[str, LayerProfile]:
+    """The refined profile of every measured device of the plan (its current profile, or the
+    catalog model's, scaled by :func:`layer_scale`)."""
+    out = {}
+    for name, r in layer_scale(spec, plan, measured, devices).items():
+        dev = devices[name]
+        base = dev.profile if dev.profile is not None and dev.profile.matches(spec.model) \
+            else catalog_profile(dev, spec.model)
+        out[name] = scaled(base, r)
+    return out
+
+
+def evaluate(spec: JobSpec, plan: Plan, corrected: Any,
+             planner: Callable[[JobSpec, Any, Plan], Plan], threshold: float) -> Verdict:
+    """The current layout's and the best plan's step times on the ``corrected`` inventory
+    (profiles refined). ``planner(spec, inventory, previous)`` plans; a planning error leaves
+    the current plan (``best`` None)."""
+    from hettrain.planning.planner import step_time_for_split
+
+    split = [s.layer_end - s.layer_start for s in plan.stages]
+    try:
+        current = step_time_for_split(spec, corrected, plan, split)
+    except (KeyError, ValueError):  # the plan's pools left the inventory: nothing to compare
+        current = None
+    if current is None:
+        return Verdict(plan.predicted.step_time_s, plan.predicted.step_time_s, None, threshold)
+    try:
+        best = planner(spec, corrected, plan)
+    except PlanningError:
+        return Verdict(current, current, None, threshold)
+    return Verdict(current, best.predicted.step_time_s, best, threshold)
+
+
+def with_profiles(inventory: Any, profiles: Mapping[str, LayerProfile], model: ModelSpec) -> Any:
+    """The inventory with the profiles of ``model``'s shape attached to their devices (by
+    name); profiles of other shapes or of devices the inventory lacks are left out."""
+    mine = {d: p for d, p in profiles.items() if p.matches(model)}
+    if not mine:
+        return inventory
+    pools = tuple(dataclasses.replace(p, device=dataclasses.replace(
+        p.device, profile=mine[p.device.name])) if p.device.name in mine else p
+        for p in inventory.pools)
+    return dataclasses.replace(inventory, pools=pools)
+
+
+def devices_of(inventory: Any) -> dict[str, DeviceSpec]:
+    """{device name: DeviceSpec} of the inventory's pools."""
+    return {p.device.name: p.device for p in inventory.pools}
+
+
+# ---------------------------------------------------------------- the profile store's keys
+
+_KEY_UNSAFE = re.compile(r"[^-._a-zA-Z0-9]")
+
+
+def store_key(device: str, shape: Shape, image: str) -> str:
+    """The profile store key (a ConfigMap data key) of a device, model shape and image."""
+    digest = hashlib.sha256(repr((shape, image)).encode()).hexdigest()[:12]
+    return f"{_KEY_UNSAFE.sub('_', device)[:200]}.{digest}.yaml"
+
+
+def profile_to_doc(profile: LayerProfile, model: ModelSpec, software: Mapping[str, str]
+                   ) -> dict[str, Any]:
+    """A ``DeviceProfile`` document that reads back as ``profile`` (exact rows of its line)."""
+    rows: list[tuple[int, float, float]] = []
+    for b in CATALOG_FIT_MICRO_BATCHES:
+        t = profile.alpha + profile.beta * b
+        rows.append((b, t * profile.forward_share, t * (1.0 - profile.forward_share)))
+    doc = profile_doc(profile.device, software, model, rows)
+    doc["source"] = profile.source.split(":")[0] or "calibration"
+    return doc
+
+
+def shapes_match(profiles: Sequence[LayerProfile], model: ModelSpec) -> list[LayerProfile]:
+    """The profiles measured for ``model``'s layer shape."""
+    return [p for p in profiles if p.matches(model)]

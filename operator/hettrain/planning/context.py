@@ -1,0 +1,120 @@
+"""Context parallelism (CP) in the cost model: time of one layer of a CP stage. Pure arithmetic.
+
+What the runtime does (``runtime/context_parallel.py``): each sequence of ``s`` tokens is cut
+into ``2·cp`` chunks of ``L = s/2cp`` tokens and CP rank ``c`` holds chunks ``c`` and
+``2cp−1−c``. Everything but attention is token-local, so a rank's GEMMs, elementwise work and
+LM head run on ``s/cp`` tokens (:func:`cost.cp_local_model`). Attention: the keys and values
+(``kv_heads``, TP-sharded) are all-gathered over the CP group, and each local query chunk ``j``
+attends to the key prefix ``[0, (j+1)·L)`` with a causal mask on its last block (computed in
+full, masked): a rank computes ``L²·(2cp+1)`` query-key pairs, ``(2cp+1)/(2cp²)`` of the
+``s²/2`` of causal attention on the whole sequence (:func:`attention_share`; ``1/cp`` plus the
+masked halves of the diagonal blocks). The backward all-reduces the gradient of the gathered
+keys and values over the CP group (gloo has no reduce-scatter) and keeps the rank's rows.
+
+Communication per layer and microbatch (:func:`cp_comm_per_layer_s`), synchronous in the
+runtime (nothing overlaps it, so all of it is exposed): forward, two all-gathers (K and V) of
+``b·s·kv/tp`` elements each in the plan precision; backward, two all-reduces of the same size;
+full recompute re-runs the forward's two all-gathers in the backward (selective recompute
+re-runs only the attention core, on the gathered tensors it kept). The CP group's link: the
+node's (``intra_node_gbps`` at ``TP_BUS_EFFICIENCY``, like TP) when the group's ``tp·cp`` GPUs
+sit in one node, else the scale-out NIC per GPU (:func:`cp_link`).
+"""
+
+from __future__ import annotations
+
+from hettrain.api.spec import ModelSpec, TrainingSpec
+from hettrain.planning import cost
+from hettrain.planning.catalog import DeviceSpec
+
+CP_NIC_LATENCY_S = cost.COLLECTIVE_LATENCY_S  # α of one ring step over the NIC
+
+
+def attention_share(cp: int) -> float:
+    """A CP rank's attention query-key pairs over those of causal attention on the whole
+    sequence: ``L²·(2cp+1) / (s²/2)`` with ``L = s/2cp``, i.e. ``(2cp+1)/(2cp²)``: ``1/cp``
+    plus the masked halves of the diagonal blocks (0.625 for cp = 2); 1 without CP."""
+    if cp <= 1:
+        return 1.0
+    return (2 * cp + 1) / (2.0 * cp * cp)
+
+
+def cp_link(device: DeviceSpec, gpus_per_node: int, nic_gbytes_per_gpu: float, tp: int,
+            cp: int) -> tuple[float, float]:
+    """(GB/s, latency s) of a CP group's ring: intra-node when the group's ``tp·cp`` GPUs fill
+    whole aligned blocks of a node (``planning/placement.py`` puts the ``cp`` replicas of a
+    ``(stage, dp)`` on consecutive ``tp``-GPU blocks), else the NIC."""
+    if gpus_per_node % (tp * cp) == 0:
+        return device.intra_node_gbps * cost.TP_BUS_EFFICIENCY, cost.TP_LATENCY_S
+    return nic_gbytes_per_gpu, CP_NIC_LATENCY_S
+
+
+def kv_bytes(model: ModelSpec, micro_batch: int, tp: int, elem_bytes: int) -> float:
+    """Bytes of the gathered keys (or values) of one layer and microbatch on one TP rank: the
+    whole sequence, ``kv_heads/tp`` heads (at least one)."""
+    kv = model.kv_heads * model.head_dim / min(tp, model.kv_heads)
+    return float(micro_batch * model.seq_len * kv * elem_bytes)
+
+
+def cp_comm_per_layer_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
+                        elem_bytes: int, recompute: str, gbytes_per_s: float,
+                        latency_s: float) -> float:
+    """Exposed CP communication of one layer and microbatch (module docstring): 2 all-gathers
+    (4 with full recompute) and 2 all-reduces of :func:`kv_bytes` over ``cp`` ranks."""
+    if cp <= 1:
+        return 0.0
+    n = kv_bytes(model, micro_batch, tp, elem_bytes)
+    gathers = 4 if recompute == "full" else 2
+    return (gathers * cost.ring_reduce_scatter_s(n, cp, gbytes_per_s, latency_s)
+            + 2 * cost.ring_all_reduce_s(n, cp, gbytes_per_s, latency_s))
+
+
+def cp_layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
+                       device: DeviceSpec, recompute: str, elem_bytes: int = 2) -> float:
+    """Compute seconds of one layer for one microbatch on one CP×TP rank (no communication):
+    :func:`cost.layer_compute_s` on the rank's ``s/cp`` tokens, with the attention term
+    raised to the rank's :func:`attention_share` of the whole sequence's causal attention
+    (on ``s/cp`` tokens the model counts ``(s/cp)²`` pairs, ``1/cp²`` of ``s²``).
+    A device profile's measured layer time (if it matches the full model) is scaled by the
+    rank's share of the FLOPs instead."""
+    if cp <= 1:
+        return cost.layer_compute_s(model, micro_batch, tp, device, recompute, elem_bytes)
+    prof = device.profile
+    if prof is not None and prof.matches(model):
+        full = cost.layer_compute_s(model, micro_batch, tp, device, recompute, elem_bytes)
+        return full * _flops_share(model, cp)
+    local = cost.cp_local_model(model, cp)
+    t = cost.layer_compute_s(local, micro_batch, tp, device, recompute, elem_bytes)
+    s_loc = local.seq_len
+    # the model's attention term is 4·tokens·s·h per pass (s² pairs counted in full); a CP
+    # rank's share of it is attention_share(cp)·s², of which (s/cp)² is already in t
+    pairs = attention_share(cp) * model.seq_len ** 2 - s_loc ** 2
+    extra = (cost.attention_passes(recompute) * 4.0 * micro_batch * pairs * model.hidden / tp)
+    peak = device.flops * device.efficiency
+    return t + extra / (peak * cost.ATTENTION_EFFICIENCY)
+
+
+def _flops_share(model: ModelSpec, cp: int) -> float:
+    """A CP rank's share of a layer's forward FLOPs (GEMMs ``1/cp``, attention
+    :func:`attention_share`)."""
+    gemm = 2.0 * cost.layer_matmul_params(model)
+    attn = 4.0 * model.seq_len * model.hidden
+    return (gemm / cp + attn * attention_share(cp)) / (gemm + attn)
+
+
+def cp_layer_time_s(model: ModelSpec, training: TrainingSpec, micro_batch: int, tp: int,
+                    cp: int, device: DeviceSpec, link: tuple[float, float]) -> float:
+    """Seconds of one layer per microbatch on a CP stage: compute, the exposed TP comm of the
+    rank's ``s/cp`` tokens and the exposed CP comm over ``link`` (:func:`cp_link`)."""
+    eb = cost.precision_bytes(training)
+    if cp <= 1:
+        return cost.layer_time_s(model, training, micro_batch, tp, device)
+    local = cost.cp_local_model(model, cp)
+    return (cp_layer_compute_s(model, micro_batch, tp, cp, device, training.recompute, eb)
+            + cost.tp_comm_per_layer_s(local, micro_batch, tp, device, eb, training.recompute)
+            + cp_comm_per_layer_s(model, micro_batch, tp, cp, eb, training.recompute, *link))
+
+
+def cp_head_time_s(model: ModelSpec, micro_batch: int, tp: int, cp: int, device: DeviceSpec,
+                   elem_bytes: int = 2) -> float:
+    """The LM head of a CP rank: :func:`cost.head_time_s` on its ``s/cp`` tokens."""
+    return cost.head_time_s(cost.cp_local_model(model, cp), micro_batch, tp, device, elem_bytes)

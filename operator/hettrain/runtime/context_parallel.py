@@ -1,0 +1,231 @@
+"""Context parallelism (CP): a stage's sequence sharded over ``cp`` ranks.
+
+Layout (``plan.stages[i].cp = n``, rank coordinate ``plan.ranks[r].cp`` in ``0..n-1``): every
+training sequence of length ``S`` is cut into ``2n`` equal chunks of ``L = S / 2n`` tokens and CP
+rank ``c`` holds chunks ``c`` and ``2n-1-c`` (the causal load-balanced layout of Llama 3 and
+Megatron-LM: under the causal mask an early chunk has little to attend to and a late chunk much,
+so pairing them gives every rank the same attention work). Everything except attention is
+token-local, so a CP rank runs embedding, norms, MLP and head on its ``2L`` tokens only; RoPE
+uses the tokens' TRUE positions (:func:`shard_positions`).
+
+Attention: all-gather of K and V over the CP group (Llama 3's choice, Dubey et al. 2024 §3.3.2),
+not ring attention. Each rank gathers the full keys/values (GQA: the few ``kv_heads`` before
+they are repeated, so the gather is ``heads/kv_heads`` times smaller than one of Q), puts them in
+sequence order and runs, per local query chunk ``j``, ordinary attention against the key prefix
+``[0, (j+1)·L)`` with a causal mask on the last block: the masked-out future is never computed.
+Why not ring attention: the gather is one collective per layer instead of ``n-1`` overlapped
+steps with an online-softmax merge, the attention kernel is the unmodified
+``scaled_dot_product_attention`` (same numerics as the reference), and for GQA models the K/V
+bytes are small next to the compute at the lengths where CP is needed; ring attention's
+advantage (overlapping the exchange, O(S/n) K/V memory) matters at very large ``n``. The
+backward sums every rank's gradient of the gathered K/V (an all-reduce over the CP group; gloo
+has no reduce-scatter) and keeps its own chunks' rows.
+
+Gradients and loss: each CP rank's loss is the mean cross-entropy of its own tokens (all ranks
+hold the same number), so the loss of the CP group is the mean of the ranks' losses and the
+gradient of a replicated parameter is the mean of the ranks' gradients: the CP ranks of a stage
+join its data-parallel gradient group (Megatron's DP×CP group). :func:`comm_view` expresses
+this for the communicator: the plan with each ``(dp, cp)`` pair renumbered as one replica
+``dp·n + cp`` (so DP groups, ZeRO-1 shards, pipeline peers, checkpoint writers and the loss
+average all follow unchanged), while the data and the CP group use the true coordinates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hettrain.planning.plan import Plan
+from hettrain.planning.support import context_parallel_degree
+
+__all__ = ["ContextParallel", "comm_view", "context_parallel_degree", "enable_",
+           "shard_positions"]
+
+
+def shard_positions(seq_len: int, cp: int, index: int) -> torch.Tensor:
+    """Token positions held by CP rank ``index`` of ``cp``: chunks ``index`` and
+    ``2·cp-1-index`` of ``2·cp`` equal chunks (int64, ascending)."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"plan.model.seq_len={seq_len} must be a multiple of 2·cp={2 * cp}")
+    chunk = seq_len // (2 * cp)
+    a, b = index, 2 * cp - 1 - index
+    return torch.cat((torch.arange(a * chunk, (a + 1) * chunk),
+                      torch.arange(b * chunk, (b + 1) * chunk)))
+
+
+def comm_view(plan: Plan) -> Plan:
+    """``plan`` as the communicator sees it: each (dp, cp) pair one replica ``dp·cp + c``
+    (``plan.dp`` becomes ``dp·cp``, every stage ``cp = 1``); ``plan`` itself when ``cp == 1``."""
+    n = context_parallel_degree(plan)
+    if n == 1:
+        return plan
+    ranks = tuple(dataclasses.replace(r, dp=r.dp * n + r.cp, cp=0) for r in plan.ranks)
+    stages = tuple(dataclasses.replace(s, cp=1) for s in plan.stages)
+    return dataclasses.replace(plan, dp=plan.dp * n, ranks=ranks, stages=stages)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather of a ``(b, heads, 2L, d)`` shard over the CP group into the full sequence in
+    position order; backward: sum the gradients of every rank, keep this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+        ctx.cp = cp
+        return cp.gather(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.cp.reduce_rows(grad), None
+
+
+class ContextParallel:
+    """One rank's CP state: its group, index, token positions and the attention over them."""
+
+    def __init__(self, cp: int, index: int, seq_len: int, group: dist.ProcessGroup | None,
+                 staging: torch.device | None = None,
+                 account: Callable[[int, float], None] | None = None) -> None:
+        self.cp, self.index, self.seq_len, self.group = cp, index, seq_len, group
+        self.chunk = seq_len // (2 * cp)
+        self.positions = shard_positions(seq_len, cp, index)
+        self.staging = staging  # where tensors for the group's collectives live (None: as is)
+        self.account = account  # (bytes, seconds) per collective, into the comm stats
+        # gathered shard k holds chunks k and 2cp-1-k: the permutation to position order
+        order = []
+        for k in range(cp):
+            order += [k, 2 * cp - 1 - k]
+        self._to_sequence = [order.index(c) for c in range(2 * cp)]
+        self._mine = (index, 2 * cp - 1 - index)
+
+    @classmethod
+    def from_plan(cls, plan: Plan, rank: int, device: torch.device,
+                  account: Callable[[int, float], None] | None = None) -> ContextParallel | None:
+        """This rank's CP state (None when the plan has ``cp == 1``). Creates every CP group
+        of the plan (``dist.new_group`` is collective: every rank calls this, in the same
+        order): the ranks sharing ``(stage, dp, tp)``, ordered by CP index. The group runs
+        gloo on a CPU rank, else the stage's backend resolved on this host."""
+        n = context_parallel_degree(plan)
+        if n == 1:
+            return None
+        from hettrain.runtime.collectives.communicator import resolve_backend
+        me = plan.ranks[rank]
+        mine = None
+        for key in sorted({(r.stage, r.dp, r.tp) for r in plan.ranks}):
+            members = sorted((r for r in plan.ranks if (r.stage, r.dp, r.tp) == key),
+                             key=lambda r: r.cp)
+            backend = ("gloo" if device.type == "cpu"
+                       else resolve_backend(plan.stages[key[0]].backend))
+            group = dist.new_group([r.rank for r in members], backend=backend)
+            if key == (me.stage, me.dp, me.tp):
+                mine = (group, backend)
+        assert mine is not None
+        group, backend = mine
+        staging = torch.device("cpu") if backend == "gloo" else None
+        return cls(n, me.cp, plan.model.seq_len, group, staging=staging, account=account)
+
+    # ------------------------------------------------------------------ data
+
+    def shard_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's tokens and targets of a ``(batch, seq_len)`` microbatch."""
+        pos = self.positions.to(x.device)
+        return x[:, pos].contiguous(), y[:, pos].contiguous()
+
+    # ------------------------------------------------------------ collectives
+
+    def _stage(self, t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous() if self.staging is None else t.to(self.staging).contiguous()
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Full-sequence tensor (dim 2) from every rank's ``2L`` rows, in position order."""
+        t0 = time.perf_counter()
+        local = self._stage(x)
+        parts = [torch.empty_like(local) for _ in range(self.cp)]
+        dist.all_gather(parts, local, group=self.group)
+        if self.account is not None:
+            self.account((self.cp - 1) * local.numel() * local.element_size(),
+                          time.perf_counter() - t0)
+        chunks = [c for p in parts for c in p.to(x.device).split(self.chunk, dim=2)]
+        return torch.cat([chunks[i] for i in self._to_sequence], dim=2)
+
+    def reduce_rows(self, grad: torch.Tensor) -> torch.Tensor:
+        """Sum ``grad`` (full sequence) over the CP group; this rank's ``2L`` rows of it."""
+        t0 = time.perf_counter()
+        buf = self._stage(grad).clone()
+        dist.all_reduce(buf, group=self.group)
+        if self.account is not None:
+            self.account(2 * (self.cp - 1) * buf.numel() * buf.element_size() // self.cp,
+                         time.perf_counter() - t0)
+        buf = buf.to(grad.device)
+        chunks = buf.split(self.chunk, dim=2)
+        return torch.cat([chunks[c] for c in self._mine], dim=2)
+
+    # --------------------------------------------------------------- attention
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  recompute: bool = False) -> torch.Tensor:
+        """Causal attention of this rank's queries (``(b, heads, 2L, d)``, RoPE applied at
+        their true positions) over the whole sequence's keys/values (gathered here);
+        ``recompute``: redo the attention core in the backward (selective recompute)."""
+        k_all = _GatherSequence.apply(k, self)
+        v_all = _GatherSequence.apply(v, self)
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
+            return checkpoint(self._core, q, k_all, v_all, use_reentrant=False)
+        return self._core(q, k_all, v_all)
+
+    def _core(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+        rep = q.shape[1] // k_all.shape[1]
+        if rep > 1:
+            k_all = k_all.repeat_interleave(rep, dim=1)
+            v_all = v_all.repeat_interleave(rep, dim=1)
+        out = []
+        L = self.chunk
+        for j, qj in zip(self._mine, q.split(L, dim=2), strict=True):
+            keys = (j + 1) * L  # the causal prefix of chunk j
+            mask = torch.ones(L, keys, dtype=torch.bool, device=q.device).tril(diagonal=j * L)
+            out.append(F.scaled_dot_product_attention(qj, k_all[:, :, :keys],
+                                                      v_all[:, :, :keys], attn_mask=mask))
+        return torch.cat(out, dim=2)
+
+
+class StandInContextParallel(ContextParallel):
+    """CP rank ``index`` of ``cp`` without a process group, for single-process measurements
+    (``runtime.memory``): the other ranks' keys/values are random stand-ins of the right shape
+    and the backward keeps this rank's rows without summing."""
+
+    def __init__(self, cp: int, index: int, seq_len: int, seed: int = 0) -> None:
+        super().__init__(cp, index, seq_len, group=None)
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [x if k == self.index else
+                 torch.randn(x.shape, generator=self._gen).to(x.dtype) for k in range(self.cp)]
+        chunks = [c for p in parts for c in p.split(self.chunk, dim=2)]
+        return torch.cat([chunks[i] for i in self._to_sequence], dim=2)
+
+    def reduce_rows(self, grad: torch.Tensor) -> torch.Tensor:
+        chunks = grad.split(self.chunk, dim=2)
+        return torch.cat([chunks[c] for c in self._mine], dim=2)
+
+
+def enable_(model: torch.nn.Module, cp: ContextParallel) -> None:
+    """Make a ``StageModel`` run on ``cp``'s shard: RoPE at the shard's true positions and
+    every attention layer gathering keys/values over the CP group."""
+    from hettrain.runtime.model import LlamaAttention
+    model.positions = cp.positions
+    model._rope.clear()
+    for mod in model.modules():
+        if isinstance(mod, LlamaAttention):
+            mod.cp = cp
+
+
+def attention_flops_share(cp: int, index: int) -> float:
+    """Fraction of the causal attention's query-key pairs computed by CP rank ``index``
+    (the load balance: ``1/cp`` for every rank up to the ``O(1/S)`` diagonal terms)."""
+    total = (2 * cp) * (2 * cp + 1) / 2
+    mine = (index + 1) + (2 * cp - index)
+    return mine / total

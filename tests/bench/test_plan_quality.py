@@ -1,0 +1,85 @@
+"""bench/plan_quality.py: the fixed case set, the ideal bound, and the quick subset end to end
+(ratio <= 1, the report's format, --json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hettrain.planning.inventory import load_cluster
+from hettrain.planning.planner import plan_job
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import plan_quality as pq  # noqa: E402
+
+
+def test_the_case_set_is_fixed_and_within_its_bounds():
+    docs = pq.clusters(40)
+    assert docs == pq.clusters(40)  # seeded: the same set every run
+    assert docs != pq.clusters(40, seed=pq.SEED + 1)
+    for doc in docs:
+        inv = load_cluster(doc)
+        assert pq.MIN_GPUS <= inv.gpus <= pq.MAX_GPUS
+        assert 2 <= len({p.device.name for p in inv.pools}) <= 4
+        assert 1 <= len(inv.datacenters) <= 3
+    assert {len(load_cluster(d).datacenters) for d in docs} == {1, 2, 3}
+    assert len(pq.MODELS) >= 3
+    assert {pq.job(m).model.seq_len for m in pq.MODELS} >= {32768, 131072}
+
+
+def test_ideal_bound_is_the_cost_model_rate_of_every_gpu():
+    doc = pq.clusters(1)[0]
+    inv = load_cluster(doc)
+    spec = pq.job("llama3-8b")
+    ideal = pq.ideal_tokens_per_s(spec, inv)
+    # brute force: one pool at a time, the sum is the cluster's
+    parts = [pq.ideal_tokens_per_s(spec, inv.__class__(pools=(p,), links=inv.links,
+                                                       devices=inv.devices)) for p in inv.pools]
+    assert ideal == pytest.approx(sum(parts))
+    plan = plan_job("q", spec, inv)
+    assert 0 < plan.predicted.tokens_per_s / ideal <= 1
+    # the asymptote is looser still: it charges attention and elementwise terms too
+    assert pq.peak_tokens_per_s(spec, inv) > ideal
+
+
+def test_percentile_is_nearest_rank():
+    assert pq.percentile([5, 1, 4, 2, 3], 10) == 1
+    assert pq.percentile([float(x) for x in range(1, 21)], 10) == 2
+    assert pq.percentile(list(range(1, 11)), 50) == 5
+
+
+@pytest.mark.slow
+def test_quick_subset_runs_and_reports(tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'operator'}{os.pathsep}{ROOT}"}
+    cmd = [sys.executable, str(ROOT / "bench" / "plan_quality.py"), "--quick", "--cap", "120"]
+    out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    cases = doc["cases"]
+    assert len(cases) == pq.QUICK_CLUSTERS * len(pq.QUICK_MODELS)
+    assert {c["model"] for c in cases} == set(pq.QUICK_MODELS)
+    ok = [c for c in cases if c["status"] == "ok"]
+    assert ok, cases
+    for c in ok:
+        assert 0 < c["ratio"] <= 1 and 0 < c["peak"] < c["ratio"]
+        assert 0 < c["used"] <= c["gpus"] and c["plan_s"] > 0
+    s = doc["summary"]["all"]
+    ratios = sorted(c["ratio"] for c in ok)
+    assert s["ratio_min"] == ratios[0] and s["ratio_min"] <= s["ratio_p10"] <= s["ratio_median"]
+    assert s["gpus_used"] == sum(c["used"] for c in ok)
+    assert s["plan_s_max"] >= s["plan_s_median"] > 0
+    # the table form: one row per case, then the summary with its columns
+    text = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert text.returncode == 0, text.stderr[-2000:]
+    lines = text.stdout.splitlines()
+    assert lines[0].split()[:6] == ["cluster", "model", "GPUs", "types", "DCs", "ratio"]
+    assert sum(1 for ln in lines if ln.strip().startswith(("c0", "c1"))) == len(cases)
+    head = next(ln for ln in lines if ln.split()[:2] == ["model", "cases"])
+    assert head.split()[3:6] == ["median", "p10", "min"]
+    assert any(ln.split()[0] == "all" for ln in lines if ln.strip())

@@ -1,0 +1,73 @@
+"""The order in which the operator applies a decision (hettrain.handlers.job._apply): a
+status that names a new plan is written only after that plan's ConfigMap exists, so no crash
+(operator SIGKILL, apiserver restart) can leave a recorded plan without its ConfigMap."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from optest_helpers import hetero_nodes, job_body
+
+from hettrain.handlers import job as handlers
+from hettrain.reconcile import Observed, reconcile
+
+
+class FakeKube:
+    """Records the API calls of _apply; creating the ConfigMap can be made to fail."""
+
+    def __init__(self, fail_configmap: bool, foreign: bool = False) -> None:
+        self.fail_configmap, self.foreign = fail_configmap, foreign
+        self.calls: list[str] = []
+
+    def create(self, _api: Any, _ns: str, obj: dict[str, Any], replace: bool = False) -> bool:
+        if obj["kind"] == "ConfigMap" and self.foreign:
+            self.calls.append("ConfigMap foreign")
+            raise handlers.kube.ForeignObjectError("taken", kind="ConfigMap")
+        if obj["kind"] == "ConfigMap" and self.fail_configmap:
+            self.calls.append("ConfigMap failed")
+            raise ConnectionError("apiserver went away")
+        self.calls.append(obj["kind"])
+        return True
+
+    def patch_status(self, _api: Any, _ns: str, _name: str, _status: dict[str, Any]) -> None:
+        self.calls.append("status")
+
+    def create_gang(self, _api: Any, _ns: str, pods: list[dict[str, Any]]) -> int:
+        self.calls.append(f"{len(pods)} pods")
+        return len(pods)
+
+
+@pytest.mark.parametrize("fail_configmap", [False, True])
+def test_the_status_naming_a_new_plan_is_written_after_its_configmap(
+        monkeypatch: pytest.MonkeyPatch, fail_configmap: bool) -> None:
+    fake = FakeKube(fail_configmap)
+    for fn in ("create", "patch_status", "create_gang"):
+        monkeypatch.setattr(handlers.kube, fn, getattr(fake, fn))
+    d = reconcile(job_body(), Observed([], hetero_nodes(), None, now=1.0))
+    assert d.plan is not None and d.status["plan"]["configMap"]
+    if fail_configmap:
+        with pytest.raises(ConnectionError):
+            handlers._apply("ns", "job1", d, None, "u-1")
+        assert "status" not in fake.calls and not any("pods" in x for x in fake.calls)
+    else:
+        handlers._apply("ns", "job1", d, None, "u-1")
+        assert fake.calls.index("status") > fake.calls.index("ConfigMap")
+        assert fake.calls[-1] == f"{len(d.plan.nodes())} pods"
+    handlers._plans.pop(("ns", "job1"), None)
+    handlers._expected.pop(("ns", "job1"), None)
+
+
+def test_a_foreign_configmap_taking_the_plans_name_burns_the_attempt(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The new attempt's ConfigMap name is taken by an object the job does not own: the
+    attempt is recorded (so the next pass plans attempt+1 under a fresh name), no pod is
+    created, and the error goes up (ForeignObject Warning)."""
+    fake = FakeKube(False, foreign=True)
+    for fn in ("create", "patch_status", "create_gang"):
+        monkeypatch.setattr(handlers.kube, fn, getattr(fake, fn))
+    d = reconcile(job_body(), Observed([], hetero_nodes(), None, now=1.0))
+    with pytest.raises(handlers.kube.ForeignObjectError):
+        handlers._apply("ns", "job1", d, None, "u-1")
+    assert fake.calls[-1] == "status" and not any("pods" in x for x in fake.calls)
+    handlers._plans.pop(("ns", "job1"), None)

@@ -1,0 +1,200 @@
+"""Closed-loop calibration, pure part: the layer factor recovered from synthetic measurements,
+the refined profile against the true one, the re-plan verdict against planning with the true
+profile directly (brute force reference), the threshold, and the profile store documents."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hettrain.api.spec import SpecError, parse_job_spec
+from hettrain.planning import calibration as cal
+from hettrain.planning import cost
+from hettrain.planning.inventory import load_cluster
+from hettrain.planning.planner import plan_job, step_time_for_split
+from hettrain.planning.profiles import LayerProfile, model_shape, profile_from_doc
+
+JOB = {"model": {"layers": 12, "hidden": 64, "heads": 4, "seqLen": 64, "vocab": 256},
+       "training": {"globalBatch": 8, "microBatch": 2, "steps": 10, "recompute": "none",
+                    "precision": "fp32"},
+       "parallelism": {"pp": 2, "dp": 1}}
+DEV = {"vendor": "cpu", "bf16Tflops": 0.5, "hbmGiB": 16, "hbmTBps": 0.05, "intraNodeGBps": 5,
+       "backend": "gloo"}
+
+
+def _inventory():
+    return load_cluster({
+        "apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "t"},
+        "datacenters": [{"name": "a"}],
+        "devices": [{"name": "CPU-A", **DEV}, {"name": "CPU-B", **DEV}],
+        "pools": [{"name": "pa", "datacenter": "a", "device": "CPU-A", "nodes": 1,
+                   "gpusPerNode": 1, "nicGbps": 10},
+                  {"name": "pb", "datacenter": "a", "device": "CPU-B", "nodes": 1,
+                   "gpusPerNode": 1, "nicGbps": 10}]})
+
+
+def _true_profile(spec, device: str) -> LayerProfile:
+    return LayerProfile(device, model_shape(spec.model), 2e-3, 3e-3, 1 / 3, source="true")
+
+
+def _measure(spec, plan, inv_true) -> dict[int, cal.StageMeasurement]:
+    """What a runtime on the TRUE devices measures for ``plan``'s stages: the true model's
+    stage time of the same layout (the planner's own stage costing of the true inventory)."""
+    devices = cal.devices_of(inv_true)
+    out = {}
+    for s in plan.stages:
+        dev = devices[s.device]
+        layers = s.layer_end - s.layer_start
+        eb = cost.precision_bytes(spec.training)
+        # the true layers' part, plus what the plan prices outside its layers
+        wrong = cal.devices_of(_planned_inventory(spec))[s.device]
+        part_wrong = layers * cost.layer_compute_s(spec.model, plan.micro_batch, s.tp, wrong,
+                                                   "none", eb)
+        other = s.time_ms / 1e3 - part_wrong
+        true = other + layers * cost.layer_compute_s(spec.model, plan.micro_batch, s.tp, dev,
+                                                     "none", eb)
+        out[s.index] = cal.StageMeasurement(s.index, true, 1e-4, steps=5, step=6)
+    return out
+
+
+def _planned_inventory(spec):
+    """The inventory the job was planned on: CPU-A's profile claims it 3x too fast."""
+    a = _true_profile(spec, "CPU-A")
+    wrong = dataclasses.replace(a, alpha=a.alpha / 3, beta=a.beta / 3, source="wrong")
+    return cal.with_profiles(_inventory(), {"CPU-A": wrong,
+                                            "CPU-B": _true_profile(spec, "CPU-B")}, spec.model)
+
+
+def _true_inventory(spec):
+    return cal.with_profiles(_inventory(), {d: _true_profile(spec, d)
+                                            for d in ("CPU-A", "CPU-B")}, spec.model)
+
+
+def _planner(spec, inv, prev):
+    return plan_job("j", spec, inv, previous=prev)
+
+
+def test_wrong_profile_is_corrected_and_the_job_replanned() -> None:
+    spec = parse_job_spec(JOB)
+    planned = _planned_inventory(spec)
+    plan = plan_job("j", spec, planned)
+    split = [s.layer_end - s.layer_start for s in plan.stages]
+    by_device = {s.device: s.layer_end - s.layer_start for s in plan.stages}
+    assert by_device["CPU-A"] > by_device["CPU-B"]  # the wrong profile overloads CPU-A
+    measured = _measure(spec, plan, _true_inventory(spec))
+    rows = cal.compare(plan, measured)
+    ratios = {r.device: r.ratio for r in rows}
+    assert ratios["CPU-A"] > 1.5 and ratios["CPU-B"] == pytest.approx(1.0)
+    scale = cal.layer_scale(spec, plan, measured, cal.devices_of(planned))
+    assert scale == pytest.approx({"CPU-A": 3.0, "CPU-B": 1.0})
+    refined = cal.refine_profiles(spec, plan, measured, cal.devices_of(planned))
+    assert (refined["CPU-A"].alpha, refined["CPU-A"].beta) == pytest.approx((2e-3, 3e-3))
+    corrected = cal.with_profiles(_inventory(), refined, spec.model)
+    verdict = cal.evaluate(spec, plan, corrected, _planner, 0.10)
+    # reference: the same layout and the best plan priced on the TRUE inventory
+    true_inv = _true_inventory(spec)
+    reference_best = plan_job("j", spec, true_inv)
+    assert verdict.current_s == pytest.approx(step_time_for_split(spec, true_inv, plan, split))
+    assert verdict.best_s == pytest.approx(reference_best.predicted.step_time_s)
+    assert verdict.best is not None
+    assert [s.layer_end - s.layer_start for s in verdict.best.stages] == [
+        s.layer_end - s.layer_start for s in reference_best.stages]
+    assert verdict.gain > 0.10 and verdict.replan
+    assert "faster; threshold 10%" in verdict.message()
+
+
+def test_right_profile_keeps_the_plan() -> None:
+    spec = parse_job_spec(JOB)
+    true_inv = _true_inventory(spec)
+    plan = plan_job("j", spec, true_inv)
+    devices = cal.devices_of(true_inv)
+    measured = {s.index: cal.StageMeasurement(s.index, s.time_ms / 1e3, 0.0, 5)
+                for s in plan.stages}
+    assert cal.layer_scale(spec, plan, measured, devices) == pytest.approx(
+        {"CPU-A": 1.0, "CPU-B": 1.0})
+    refined = cal.refine_profiles(spec, plan, measured, devices)
+    verdict = cal.evaluate(spec, plan, cal.with_profiles(_inventory(), refined, spec.model),
+                           _planner, 0.10)
+    assert verdict.gain == pytest.approx(0.0, abs=1e-9)
+    assert not verdict.replan
+
+
+@pytest.mark.parametrize("threshold,expect", [(0.0, True), (0.2, True), (0.6, False)])
+def test_threshold(threshold: float, expect: bool) -> None:
+    v = cal.Verdict(current_s=1.0, best_s=0.5, best=object(), threshold=threshold)  # type: ignore[arg-type]
+    assert v.gain == pytest.approx(0.5)
+    assert v.replan is expect
+    assert not cal.Verdict(1.0, 0.5, None, 0.0).replan  # no plan: nothing to switch to
+
+
+def test_catalog_device_gets_a_profile_fitted_to_the_model() -> None:
+    spec = parse_job_spec(JOB)
+    inv = _inventory()  # no profiles: the catalog model prices the layers
+    plan = plan_job("j", spec, inv)
+    devices = cal.devices_of(inv)
+    measured = {}
+    for s in plan.stages:  # every layer measured 2x slower than the catalog says
+        layers = s.layer_end - s.layer_start
+        part = layers * cost.layer_compute_s(spec.model, plan.micro_batch, s.tp,
+                                             devices[s.device], "none", 4)
+        measured[s.index] = cal.StageMeasurement(s.index, s.time_ms / 1e3 + part, 0.0, 5)
+    refined = cal.refine_profiles(spec, plan, measured, devices)
+    for name, prof in refined.items():
+        for b in (1, 2, 4):  # the fitted line reproduces the catalog model, doubled
+            assert prof.layer_s(b, 1, "none") == pytest.approx(
+                2 * cost.layer_compute_s(spec.model, b, 1, devices[name], "none"), rel=0.02)
+
+
+def test_usable_needs_every_stage_and_enough_steps() -> None:
+    spec = parse_job_spec(JOB)
+    plan = plan_job("j", spec, _inventory())
+    full = [cal.StageMeasurement(i, 0.01, 0.0, 5) for i in range(plan.pp)]
+    assert set(cal.usable(full, plan, 3)) == set(range(plan.pp))
+    assert cal.usable(full[:1], plan, 3) == {}
+    assert cal.usable(full, plan, 6) == {}
+    bad = [dataclasses.replace(full[0], compute_s=float("nan")), full[1]]
+    assert cal.usable(bad, plan, 3) == {}
+
+
+def test_profile_document_round_trip_and_store_key() -> None:
+    spec = parse_job_spec(JOB)
+    prof = cal.scaled(_true_profile(spec, "CPU-A"), 1.5)
+    doc = cal.profile_to_doc(prof, spec.model, {"image": "img:1"})
+    back = profile_from_doc(doc, "store")
+    assert (back.alpha, back.beta, back.forward_share) == pytest.approx(
+        (prof.alpha, prof.beta, prof.forward_share))
+    assert back.matches(spec.model) and doc["source"] == "calibration"
+    k1 = cal.store_key("CPU-A", model_shape(spec.model), "img:1")
+    assert k1 == cal.store_key("CPU-A", model_shape(spec.model), "img:1")
+    assert k1 != cal.store_key("CPU-A", model_shape(spec.model), "img:2")
+    assert k1 != cal.store_key("CPU-B", model_shape(spec.model), "img:1")
+    assert cal.store_key("H100 SXM/x", model_shape(spec.model), "i").startswith("H100_SXM_x.")
+
+
+def test_spec_calibration_block() -> None:
+    spec = parse_job_spec({**JOB, "calibration": {"enabled": True, "replanThreshold": 0.25,
+                                                  "maxReplans": 1, "profile": True}})
+    assert spec.calibration.enabled and spec.calibration.profile
+    assert spec.calibration.replan_threshold == 0.25 and spec.calibration.max_replans == 1
+    assert parse_job_spec(JOB).calibration.replan_threshold == 0.10
+    with pytest.raises(SpecError, match=r"spec\.calibration\.replanThreshold"):
+        parse_job_spec({**JOB, "calibration": {"replanThreshold": 1.0}})
+    with pytest.raises(SpecError, match=r"spec\.calibration\.bogus"):
+        parse_job_spec({**JOB, "calibration": {"bogus": 1}})
+
+
+def test_measured_layer_time_is_compared_with_the_layers_alone() -> None:
+    spec = parse_job_spec(JOB)
+    planned = _planned_inventory(spec)
+    plan = plan_job("j", spec, planned)
+    devices = cal.devices_of(planned)
+    measured = {}
+    for s in plan.stages:  # layers 3x (CPU-A) / 1x (CPU-B) their prediction; the rest 10x
+        part = (s.layer_end - s.layer_start) * cost.layer_compute_s(
+            spec.model, plan.micro_batch, s.tp, devices[s.device], "none", 4)
+        k = 3.0 if s.device == "CPU-A" else 1.0
+        measured[s.index] = cal.StageMeasurement(
+            s.index, k * part + 10 * (s.time_ms / 1e3 - part), 0.0, 5, layers_s=k * part)
+    assert cal.layer_scale(spec, plan, measured, devices) == pytest.approx(
+        {"CPU-A": 3.0, "CPU-B": 1.0})

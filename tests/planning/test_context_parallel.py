@@ -1,0 +1,181 @@
+"""Context parallelism in the planner: long sequences where CP wins, checked against brute force.
+
+Two ways CP wins in the cost model (planning/context.py, cost.stage_memory): over PCIe (L40S:
+32 GB/s between GPUs) the TP all-reduces of every layer cost more than CP's K/V exchange, and
+at long sequences the activations of a full sequence do not fit an 80 GB GPU without
+recomputation while a CP rank holds ``1/cp`` of them."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import pytest
+
+from hettrain.api.spec import parse_job_spec
+from hettrain.planning import context, cost
+from hettrain.planning.errors import PlanningError
+from hettrain.planning.inventory import load_cluster
+from hettrain.planning.planner import plan_job
+from hettrain.planning.support import context_parallel_errors
+
+
+def _cluster(device: str, nodes: int, gpus: int = 8, nic: float = 400) -> dict:
+    return {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "h"},
+            "datacenters": [{"name": "a"}],
+            "pools": [{"name": "p", "datacenter": "a", "device": device, "nodes": nodes,
+                       "gpusPerNode": gpus, "nicGbps": nic}]}
+
+
+def _job(seq: int, layers: int, gb: int, recompute: str, overlap: bool = True,
+         **parallelism) -> dict:
+    return {"model": {"preset": "llama3-8b", "seqLen": seq, "layers": layers},
+            "training": {"globalBatch": gb, "steps": 1, "recompute": recompute,
+                         "optimizerSharding": True, "overlapGradReduce": overlap},
+            "parallelism": parallelism}
+
+
+def _brute_force_one_stage(spec, inv) -> tuple[float, int, int, int]:
+    """(step seconds, cp, tp, micro_batch) of the fastest single-stage layout of one replica
+    (global batch 1: dp = 1) on one node, by enumerating the cost model directly: every
+    ``tp·cp ≤`` GPUs per node, the step is ``layers·layer + head`` (one stage, one microbatch:
+    no bubble, no pipeline boundary) plus the gradient sync of the ``cp`` ranks, and the stage
+    must fit ``MEMORY_HEADROOM`` of its HBM."""
+    pool = inv.pools[0]
+    dev, model, training = pool.device, spec.model, spec.training
+    best = (float("inf"), 0, 0, 0)
+    for cp, tp in itertools.product((1, 2, 4, 8), repeat=2):
+        if tp * cp > pool.gpus_per_node or model.seq_len % (2 * cp):
+            continue
+        link = context.cp_link(dev, pool.gpus_per_node, pool.nic_gbytes_per_gpu, tp, cp)
+        layer = context.cp_layer_time_s(model, training, 1, tp, cp, dev, link)
+        head = context.cp_head_time_s(model, 1, tp, cp, dev)
+        mem = cost.stage_memory(model, training, tp=tp, dp=1, cp=cp, micro_batch=1,
+                                first=True, last=True,
+                                **cost.schedule_memory_args(0, 1, 1, "1f1b"))
+        if mem.bytes_for(model.layers) > dev.hbm_bytes * cost.MEMORY_HEADROOM:
+            continue
+        # the DP×CP gradient all-reduce (dp = 1: the cp ranks), after the backward
+        # (overlapGradReduce: false), ZeRO-1's parameter all-gather adding eb/8 of its bytes
+        grads = 4.0 * (cost.layer_params(model) * model.layers / tp
+                       + 2 * cost.embedding_params(model) / cost.vocab_shards(model, tp))
+        bw = (dev.intra_node_gbps if cp * tp <= pool.gpus_per_node
+              else pool.nic_gbytes_per_gpu)
+        factor = 1 + cost.precision_bytes(training) / 8
+        sync = cost.ring_all_reduce_s(grads * factor, cp, bw) if cp > 1 else 0.0
+        best = min(best, (model.layers * layer + head + sync, cp, tp, 1))
+    return best
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_pcie_long_sequence_planner_picks_the_brute_force_cp(recompute):
+    """llama3-8b (8 of its layers) at 32k tokens on 8 L40S (PCIe), one sequence per step: the
+    planner's best single-stage layout is the brute-force optimum of the cost model, and it
+    uses CP (TP=8 over PCIe is slower)."""
+    inv = load_cluster(_cluster("L40S", 1))
+    spec = parse_job_spec(_job(32768, 8, 1, recompute, overlap=False, pp=1))
+    want, cp, tp, _ = _brute_force_one_stage(spec, inv)
+    plan = plan_job("j", spec, inv)
+    assert plan.predicted.step_time_s == pytest.approx(want, rel=1e-9)
+    assert (plan.stages[0].cp, plan.stages[0].tp) == (cp, tp)
+    if recompute != "selective":
+        # selective recompute re-runs the attention core, where CP's masked diagonal blocks
+        # (context.attention_share) cost most: there tp = 8 stays (narrowly) faster
+        assert cp > 1
+    assert context_parallel_errors(plan) == []
+
+
+def test_pcie_long_sequence_cp_beats_every_cp1_layout_exhaustively():
+    """Unpinned pipeline depth and recompute: the fast plan equals the exhaustive one, is the
+    best of the exhaustive plans at each pinned CP degree, has cp > 1, and beats cp = 1."""
+    inv = load_cluster(_cluster("L40S", 1))
+    job = _job(32768, 8, 1, "auto")
+    fast = plan_job("j", parse_job_spec(job), inv)
+    full = plan_job("j", parse_job_spec(job), inv, exhaustive=True)
+    assert fast.predicted.step_time_s == pytest.approx(full.predicted.step_time_s, rel=1e-9)
+    pinned = {cp: plan_job("j", parse_job_spec(_job(32768, 8, 1, "auto", cp=cp)), inv,
+                           exhaustive=True).predicted.step_time_s for cp in (1, 2, 4, 8)}
+    assert full.predicted.step_time_s == pytest.approx(min(pinned.values()), rel=1e-9)
+    assert fast.stages[0].cp > 1
+    assert pinned[1] > fast.predicted.step_time_s * 1.05
+
+
+def test_memory_forces_cp_at_32k_on_80gb_gpus():
+    """llama3-8b (all 32 layers) at 32k tokens on 2 x 8 H100-SXM (80 GB), two pipeline
+    stages, no recomputation: no cp = 1 layout fits (a full sequence's activations), CP ones
+    do; the fast search equals the exhaustive one and the best pinned CP degree."""
+    inv = load_cluster(_cluster("H100-SXM", 2))
+    with pytest.raises(PlanningError, match="does not fit"):
+        plan_job("j", parse_job_spec(_job(32768, 32, 16, "none", pp=2, cp=1)), inv)
+    job = _job(32768, 32, 16, "none", pp=2)
+    fast = plan_job("j", parse_job_spec(job), inv)
+    full = plan_job("j", parse_job_spec(job), inv, exhaustive=True)
+    assert fast.predicted.step_time_s == pytest.approx(full.predicted.step_time_s, rel=1e-9)
+    times = []
+    for cp in (2, 4, 8):
+        with contextlib.suppress(PlanningError):  # a degree may not fit either
+            times.append(plan_job("j", parse_job_spec(_job(32768, 32, 16, "none", pp=2, cp=cp)),
+                                  inv, exhaustive=True).predicted.step_time_s)
+    assert full.predicted.step_time_s == pytest.approx(min(times), rel=1e-9)
+    assert fast.stages[0].cp > 1
+    assert all(s.memory_gib <= s.capacity_gib * cost.MEMORY_HEADROOM for s in fast.stages)
+    assert fast.world_size == fast.dp * sum(s.tp * s.cp for s in fast.stages) <= 16
+    assert context_parallel_errors(fast) == []
+
+
+def test_no_cp_searched_for_short_sequences():
+    """Below ``CP_MIN_SEQ_LEN`` tokens only cp = 1 is searched: plans as before."""
+    inv = load_cluster(_cluster("L40S", 1))
+    plan = plan_job("j", parse_job_spec(_job(8192, 8, 1, "none")), inv)
+    assert [s.cp for s in plan.stages] == [1] * plan.pp
+    assert "cp" not in plan.to_json()
+
+
+def test_cp_ranks_sync_gradients_even_at_dp_1():
+    """The DP×CP group: with dp = 1 and cp = 2 the two CP ranks still all-reduce their
+    gradients (``_dp_exposed`` and the sync see ``dp·cp`` ranks); overlapped with the backward
+    it is never more exposed than after it."""
+    inv = load_cluster(_cluster("L40S", 1))
+    times = {}
+    for ov in (True, False):
+        plan = plan_job("j", parse_job_spec(_job(32768, 8, 1, "none", overlap=ov, cp=2, pp=1)),
+                        inv)
+        assert (plan.dp, plan.stages[0].cp) == (1, 2)
+        times[ov] = plan.predicted.dp_comm_s
+    assert times[True] > 0 and times[False] > 0
+    assert times[True] <= times[False]
+
+
+def test_step_time_for_split_prices_a_cp_plan_like_the_search():
+    """``planner.step_time_for_split`` (bench/plan_scale.py) re-prices a CP plan's own split
+    to its predicted step time (it rebuilds the DP×CP group from ``plan.dp`` and the stages'
+    ``cp``)."""
+    from hettrain.planning.planner import step_time_for_split
+    inv = load_cluster(_cluster("H100-SXM", 2))
+    spec = parse_job_spec(_job(32768, 32, 16, "none", pp=2))
+    plan = plan_job("j", spec, inv)
+    assert plan.stages[0].cp > 1
+    split = [s.layers for s in plan.stages]
+    assert step_time_for_split(spec, inv, plan, split) == pytest.approx(
+        plan.predicted.step_time_s, rel=1e-9)
+
+
+def test_calibration_prices_a_cp_stage_on_its_own_tokens():
+    """Closed-loop calibration (``calibration.layer_scale``) compares a CP stage's measured
+    layers with the CP rank's predicted compute: measured = predicted gives scale 1, twice
+    it gives 2 (with the whole sequence's compute it would read the device as cp× faster)."""
+    from hettrain.planning import calibration as cal
+    inv = load_cluster(_cluster("H100-SXM", 2))
+    spec = parse_job_spec(_job(32768, 32, 16, "none", pp=2))
+    plan = plan_job("j", spec, inv)
+    assert plan.stages[0].cp > 1
+    devices = cal.devices_of(inv)
+    for k in (1.0, 2.0):
+        measured = {}
+        for s in plan.stages:
+            part = s.layers * context.cp_layer_compute_s(
+                spec.model, plan.micro_batch, s.tp, s.cp, devices[s.device], "none",
+                cost.precision_bytes(spec.training))
+            measured[s.index] = cal.StageMeasurement(s.index, s.time_ms / 1e3, 0.0, 5,
+                                                     layers_s=k * part)
+        assert cal.layer_scale(spec, plan, measured, devices) == pytest.approx({"H100-SXM": k})

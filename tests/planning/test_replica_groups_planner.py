@@ -1,0 +1,216 @@
+"""planning/replica_groups.py: the extra replica group on idle nodes vs brute force."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from tests.operator.optest_helpers import hetero_nodes, job_body, make_node
+
+from hettrain.api.spec import parse_job_spec
+from hettrain.planning.inventory import inventory_from_nodes, load_cluster
+from hettrain.planning.plan import Plan
+from hettrain.planning.planner import plan_job
+from hettrain.planning.replica_groups import (
+    add_replica_group,
+    affine,
+    best_split,
+    cross_dc_sync_s,
+    evaluate,
+    feasible_progression,
+    feasible_splits,
+    group_options,
+    split_time,
+    tp_runs,
+)
+from hettrain.planning.support import replica_group_errors, unsupported
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import plan_quality as pq
+
+
+def test_best_split_equals_brute_force_on_random_lines():
+    rng = random.Random(7)
+    for _ in range(2000):
+        lines = ((rng.uniform(0, 2), rng.uniform(0.01, 1)), (rng.uniform(0, 2),
+                                                            rng.uniform(0.01, 1)))
+        dp0, dp1 = rng.randint(1, 6), rng.randint(1, 6)
+        total = rng.randint(2, 80)
+        every = feasible_splits(total, dp0, dp1)
+        got = best_split(lines, total, dp0, dp1)
+        if not every:
+            assert got is None
+            continue
+        assert all(dp0 * a + dp1 * b == total and a >= 1 and b >= 1 for a, b in every)
+        want = min(split_time(lines, *s) for s in every)
+        assert got is not None and split_time(lines, *got) == pytest.approx(want, rel=1e-12)
+
+
+def _plans(n_amd: int, dc: str = "dc-b"):
+    """The search's plan on the H100 pool alone, and the cluster with ``n_amd`` idle MI300X
+    nodes in ``dc`` (the H100s are in dc-a)."""
+    spec = parse_job_spec(job_body()["spec"])
+    uniform = plan_job("job1", spec, inventory_from_nodes(hetero_nodes(2, 0)))
+    amd = [make_node(f"mi300-{i:03d}", "mi300", "MI300X", "amd", 8, dc) for i in range(n_amd)]
+    return uniform, inventory_from_nodes(hetero_nodes(2, 0) + amd)
+
+
+@pytest.mark.parametrize(("n_amd", "dc", "expect_group"), [(1, "dc-a", True), (2, "dc-a", True),
+                                                      (2, "dc-b", False)])
+def test_extra_group_is_the_brute_force_best_and_a_valid_plan(n_amd, dc, expect_group):
+    uniform, inv = _plans(n_amd, dc)
+    options = group_options(uniform, inv)
+    assert options and all(o.pool.name == "mi300" for o in options)
+    # brute force: every option, every feasible split of the step's microbatches
+    total = uniform.dp * uniform.num_microbatches
+    brute = []
+    for o in options:
+        got = evaluate(uniform, o, inv)
+        times = [_time(uniform, inv, o, s) for s in feasible_splits(total, uniform.dp, o.dp)]
+        assert (got is None) == (not times)  # too many replicas for the step's microbatches
+        if times:
+            assert got is not None and got[0] == pytest.approx(min(times), rel=1e-12)
+        brute += times
+    grouped = add_replica_group(uniform, inv)
+    best = min(brute)
+    # same DC: the idle MI300Xs speed the step up; across the DC link the gradient sum of a
+    # 1.3B model costs more than they save
+    assert (best < uniform.predicted.step_time_s) == expect_group
+    if expect_group:
+        assert grouped.groups and grouped.predicted.step_time_s == pytest.approx(best, rel=1e-12)
+        assert unsupported(grouped) == []
+        assert Plan.from_json(grouped.to_json()) == grouped
+        assert grouped.global_batch == uniform.global_batch
+        assert {r.node for r in grouped.group_ranks(1)} <= {
+            n for p in inv.pools if p.name == "mi300" for n in p.nodes}
+        g0, g1 = grouped.groups
+        # the faster group per replica gets more microbatches per replica (shares by speed)
+        speed = [g.dp / max(s.time_ms for s in g.stages) for g in (g0, g1)]
+        share = [g.microbatches for g in (g0, g1)]
+        assert (speed[1] > speed[0]) == (share[1] > share[0]) or abs(share[0] - share[1]) <= 1
+    else:
+        assert grouped is uniform
+
+
+def _time(uniform, inv, option, split):
+    """The modelled step time of one option and split, computed independently."""
+    lines = (affine([s.time_ms / 1000 for s in uniform.stages], uniform.schedule),
+             affine(option.stage_s, uniform.schedule))
+    a0, b0 = lines[0]
+    return (uniform.predicted.step_time_s - (a0 + b0 * uniform.num_microbatches)
+            + cross_dc_sync_s(uniform, inv, option) + split_time(lines, *split))
+
+
+def test_no_idle_pool_keeps_the_plan():
+    uniform, _ = _plans(0)
+    assert group_options(uniform, inventory_from_nodes(hetero_nodes(2, 0))) == []
+    assert add_replica_group(uniform, inventory_from_nodes(hetero_nodes(2, 0))) is uniform
+
+
+def test_replan_after_a_failure_from_a_grouped_plan():
+    uniform, inv = _plans(2, "dc-a")
+    grouped = add_replica_group(uniform, inv)
+    assert grouped.groups
+    failed = grouped.group_ranks(0)[0].node  # an H100 node of group 0 dies
+    survivors = inv.without_nodes([failed])
+    spec = parse_job_spec(job_body()["spec"])
+    h100 = survivors.__class__(pools=tuple(p for p in survivors.pools if p.name != "mi300"),
+                               links=survivors.links, devices=survivors.devices)
+    again = plan_job("job1", spec, h100, previous=grouped)
+    assert again.global_batch == grouped.global_batch and failed not in again.nodes()
+    regrouped = add_replica_group(again, survivors)
+    assert unsupported(regrouped) == []
+    assert regrouped.global_batch == grouped.global_batch
+    assert regrouped.predicted.step_time_s <= again.predicted.step_time_s
+
+
+def test_feasible_progression_equals_the_enumeration():
+    for total in range(1, 90):
+        for dp0 in range(1, 9):
+            for dp1 in range(1, 9):
+                every = [m1 for _, m1 in feasible_splits(total, dp0, dp1)]
+                prog = feasible_progression(total, dp0, dp1)
+                if not every:
+                    assert prog is None, (total, dp0, dp1)
+                    continue
+                first, step, last = prog
+                assert every == list(range(first, last + 1, step)), (total, dp0, dp1)
+
+
+def test_best_split_of_a_huge_batch_is_arithmetic():
+    # a hostile global batch (issue #16): 10^12 microbatches split without enumerating them
+    lines = ((0.5, 0.002), (0.1, 0.003))
+    total, dp0, dp1 = 10**12 + 6, 4, 6
+    m0, m1 = best_split(lines, total, dp0, dp1)
+    assert dp0 * m0 + dp1 * m1 == total and m0 >= 1 and m1 >= 1
+    # convexity: the neighbours in the progression are no faster
+    _, step, _ = feasible_progression(total, dp0, dp1)
+    for d in (-step, step):
+        other = (total - dp1 * (m1 + d)) // dp0
+        assert split_time(lines, m0, m1) <= split_time(lines, other, m1 + d)
+
+
+def _pinned(n_amd: int, dc: str, **extra) -> tuple[Plan, Plan, object]:
+    """``plan_job`` without and with ``spec.parallelism.replicaGroups`` on 2 H100 nodes +
+    ``n_amd`` MI300X nodes, the layout pinned to dp 8 x pp 2 (so whole nodes stay idle);
+    ``extra`` goes into spec.placement."""
+    body = job_body()["spec"]
+    body["parallelism"] = {"tp": 1, "pp": 2, "dp": 8}
+    if extra:
+        body["placement"] = extra
+    amd = [make_node(f"mi300-{i:03d}", "mi300", "MI300X", "amd", 8, dc) for i in range(n_amd)]
+    inv = inventory_from_nodes(hetero_nodes(2, 0) + amd)
+    plain = plan_job("job1", parse_job_spec(body), inv)
+    body["parallelism"]["replicaGroups"] = True
+    return plain, plan_job("job1", parse_job_spec(body), inv), inv
+
+
+def test_plan_job_adds_the_group_only_when_the_spec_asks():
+    plain, grouped, inv = _pinned(2, "dc-a")
+    assert plain.groups == () and plain.pools == ("mi300",)  # the H100 nodes sit idle
+    assert len(grouped.groups) == 2 and unsupported(grouped) == []
+    want = add_replica_group(plain, inv)
+    assert grouped.groups == want.groups and grouped.ranks == want.ranks
+    assert grouped.predicted.step_time_s == pytest.approx(want.predicted.step_time_s)
+    assert grouped.predicted.step_time_s < plain.predicted.step_time_s
+    assert grouped.groups[0].dp == 8 and grouped.groups[0].pp == 2  # the pins hold for group 0
+
+
+def test_plan_job_notes_why_idle_nodes_stay_idle():
+    # maxGPUs 16: the faster grouped plan would need 32
+    _, capped, _ = _pinned(2, "dc-a", maxGPUs=16)
+    assert capped.groups == () and capped.world_size == 16
+    assert "stay idle" in capped.notes[-1] and "maxGPUs 16" in capped.notes[-1], capped.notes
+    # the H100s in another datacenter: the cross-DC gradient sum costs more than it saves
+    _, far, _ = _pinned(2, "dc-b")
+    assert far.groups == () and "stay idle" in far.notes[-1], far.notes
+    # placement allows only the MI300X pool: nothing idle that the job may use, no note
+    plain, allowed, _ = _pinned(2, "dc-a", pools=["mi300"])
+    assert allowed.groups == () and allowed.notes == plain.notes
+
+
+@pytest.mark.parametrize("cluster", [25, 36])
+def test_mixed_tp_plans_get_groups_that_follow_their_tp_runs(cluster):
+    # bench/plan_quality's fixed clusters 25 (TP runs 1/2/1) and 36 (8/4), llama3-8b
+    inv = load_cluster(pq.clusters(40)[cluster])
+    plain = plan_job("q", pq.job("llama3-8b"), inv)
+    grouped = plan_job("q", pq.job("llama3-8b", replica_groups=True), inv)
+    assert len({s.tp for s in plain.stages}) > 1 and len(grouped.groups) == 2
+    assert grouped.predicted.step_time_s < plain.predicted.step_time_s
+    assert replica_group_errors(grouped) == []
+    g1 = grouped.groups[1]
+    # every layer has the same TP in both groups, and each group-1 stage lies in one TP run
+    tp_at = {layer: s.tp for s in plain.stages for layer in range(s.layer_start, s.layer_end)}
+    for s in g1.stages:
+        assert {tp_at[layer] for layer in range(s.layer_start, s.layer_end)} == {s.tp}
+    assert len(g1.stages) >= len(tp_runs(plain))
+    # each stage's TP group sits on one node; no GPU holds two ranks
+    ranks = grouped.group_ranks(1)
+    blocks: dict[tuple[int, int], set[str]] = {}
+    for r in ranks:
+        blocks.setdefault((r.dp, r.stage), set()).add(r.node)
+    assert all(len(nodes) == 1 for nodes in blocks.values())
+    gpus = [(r.node, r.local_rank) for r in ranks]
+    assert len(set(gpus)) == len(gpus) == g1.dp * sum(s.tp for s in g1.stages)

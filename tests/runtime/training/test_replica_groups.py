@@ -1,0 +1,170 @@
+"""Heterogeneous replica groups (plan.groups) on real gloo processes: losses and updated
+parameters equal the single-process reference on the same global batch; a checkpoint written by
+a 2-group plan resumes on a plain plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tests.runtime.checkpoints import rewind
+from tests.runtime.training.plans import grouped_plan, tiny_plan
+
+from hettrain.api.spec import MODEL_PRESETS, ModelSpec
+from hettrain.runtime import checkpoint as ckpt
+from hettrain.runtime.launch import launch_local, wait_all
+from hettrain.runtime.model import whole_model
+from hettrain.runtime.replica_sync import holder_sets, unit_of
+from hettrain.runtime.trainer import reference_losses
+
+pytestmark = pytest.mark.slow
+
+RTOL = 1e-5  # fp32 on CPU: only summation orders differ (as the other parallel runtime tests)
+# the parameter checks run plain SGD (HETTRAIN_OPTIMIZER=sgd, "exactness checks"): AdamW's
+# normalisation turns summation-order noise in near-zero gradients into update-sized noise
+SGD_LR = 0.1
+LLAMA = ModelSpec(name="llama-tiny", **{**MODEL_PRESETS["llama-tiny"], "seq_len": 32})
+
+
+def _losses(path: Path) -> dict[int, float]:
+    return {d["step"]: d["loss"] for d in map(json.loads, path.read_text().splitlines())}
+
+
+def _logs(workdir: Path) -> str:
+    return "\n".join(p.read_text()[-3000:] for p in sorted(workdir.glob("rank-*.log")))
+
+
+def _run(plan, workdir: Path, env: dict[str, str] | None = None) -> dict[int, float]:
+    env = {"HETTRAIN_LOSS_LOG": str(workdir / "loss.jsonl"), "HETTRAIN_METRICS_PORT": "0",
+           "HETTRAIN_SUMMARY_DIR": str(workdir / "summary"), **(env or {})}
+    codes = wait_all(launch_local(plan, workdir, env), 240)
+    assert codes == [0] * plan.world_size, _logs(workdir)
+    return _losses(workdir / "loss.jsonl")
+
+
+def _checkpoint_params(root: Path, spec: ModelSpec, step: int) -> dict[str, torch.Tensor]:
+    """The whole model's parameters from checkpoint ``step`` (any layout)."""
+    model = whole_model(spec, seed=0)
+    targets = ckpt.job_state(model, None, for_save=False)
+    ckpt.load(ckpt.CheckpointStore.open(f"file://{root}"), step, targets,
+              model=ckpt.model_meta(spec))
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+CASES = {
+    # pp 2 (1+3 layers) beside pp 1: different stage counts and splits, shares 8 : 4
+    "pp2-vs-pp1": [{"splits": [(0, 1, "a"), (1, 4, "b")], "dp": 1, "num_microbatches": 4},
+                   {"splits": [(0, 4, "c")], "dp": 1, "num_microbatches": 2}],
+    # 2 replicas of a 3+1 pipeline + 1 replica of a 2+2 pipeline, unequal microbatches
+    "2x-plus-1x": [{"splits": [(0, 3, "a"), (3, 4, "b")], "dp": 2, "num_microbatches": 3},
+                   {"splits": [(0, 2, "c"), (2, 4, "d")], "dp": 1, "num_microbatches": 2}],
+    # TP 2 in both groups, pp 2 vs pp 1
+    "tp2-both": [{"splits": [(0, 2, "a"), (2, 4, "b")], "tp": 2, "num_microbatches": 3},
+                 {"splits": [(0, 4, "c")], "tp": 2, "num_microbatches": 1}],
+    # mixed TP along the pipeline, as the planner's extra groups follow the plan's TP runs
+    # (planning/replica_groups.tp_runs): layers 0-1 at TP 1 and 2-3 at TP 2 in both groups,
+    # cut into 2 stages in group 0 and 3 in group 1
+    "mixed-tp-runs": [{"splits": [(0, 2, "a"), (2, 4, "b")], "tp": [1, 2],
+                       "num_microbatches": 3},
+                      {"splits": [(0, 1, "c"), (1, 2, "d"), (2, 4, "e")], "tp": [1, 1, 2],
+                       "num_microbatches": 1}],
+    # groups in two datacenters (2 replicas in dc1, 1 in dc2): the hierarchical sum, and the
+    # unsharded optimizer
+    "two-dcs-no-zero": [{"splits": [(0, 2, "a"), (2, 4, "b")], "dp": 2, "dc": "dc1"},
+                        {"splits": [(0, 4, "c")], "dp": 1, "num_microbatches": 4, "dc": "dc2"}],
+}
+# a clip far below the gradient norm: every step is clipped by the global norm, so a norm that
+# counted a parameter twice (or missed one) would change the update
+TRAINING = {"two-dcs-no-zero": {"optimizer_sharding": False}, "2x-plus-1x": {"grad_clip": 0.05},
+            "tp2-both": {"grad_clip": 0.05}, "mixed-tp-runs": {"grad_clip": 0.05},
+            "pp2-vs-pp1": {"validation_interval": 2, "validation_batches": 2}}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_groups_match_the_single_process_reference(tmp_path, case):
+    plan = grouped_plan(CASES[case], steps=4, model=LLAMA, lr=SGD_LR, **TRAINING.get(case, {}))
+    ck = tmp_path / "ckpt"
+    got = _run(plan, tmp_path, {"HETTRAIN_CHECKPOINT_URI": f"file://{ck}",
+                                "HETTRAIN_CHECKPOINT_INTERVAL": "100",
+                                "HETTRAIN_OPTIMIZER": "sgd"})
+    final: dict[str, torch.Tensor] = {}
+    validation: dict[int, float] = {}
+    ref = reference_losses(plan, plan.training.steps, optimizer="sgd", final=final,
+                           validation=validation)
+    assert sorted(got) == list(range(plan.training.steps))
+    assert "grad_clip" in TRAINING.get(case, {}) or ref[-1] < ref[0]  # it learns (unclipped)
+    for step, want in enumerate(ref):
+        assert got[step] == pytest.approx(want, rel=RTOL), (step, got, ref)
+    if plan.training.validation_interval:  # the groups' validation losses, combined
+        last = plan.world_size - 1  # a rank of the last group: every rank has the job's value
+        rec = json.loads((tmp_path / "summary" / f"rank-{last}.json").read_text())
+        assert sorted(validation) == [2, 4]
+        for done, want in validation.items():
+            assert rec["validation"][str(done)] == pytest.approx(want, rel=RTOL), done
+    norms = [json.loads(line)["grad_norm"]
+             for line in (tmp_path / "loss.jsonl").read_text().splitlines()]
+    if "grad_clip" in TRAINING.get(case, {}):
+        assert min(norms) > plan.training.grad_clip  # every step was clipped
+    # the updated parameters: group 0 wrote the checkpoint ...
+    params = _checkpoint_params(ck, LLAMA, plan.training.steps)
+    assert set(params) == set(final)
+    for name, want in final.items():
+        torch.testing.assert_close(params[name], want, rtol=1e-5, atol=1e-6, msg=name)
+    # ... and every rank of every group holds the same weights (checksums of its stage)
+    if any(s.tp > 1 for g in plan.groups for s in g.stages):
+        return
+    units = {n: unit_of(n) for n in final}
+    for r in plan.ranks:
+        rec = json.loads((tmp_path / "summary" / f"rank-{r.rank}.json").read_text())
+        st = plan.stage_of(r)
+        held = {f"layer {i}" for i in range(st.layer_start, st.layer_end)}
+        held |= {u for u, on in (("embedding", st.index == 0), ("head", st.has_head)) if on}
+        want = sum(float(p.double().sum()) for n, p in final.items() if units[n] in held)
+        assert rec["group"] == r.group
+        assert rec["param_checksum"] == pytest.approx(want, rel=1e-5, abs=1e-4), r
+    if case == "two-dcs-no-zero":  # only the DC leaders' sums crossed the DC link
+        crossed = {r.rank for r in plan.ranks if json.loads(
+            (tmp_path / "summary" / f"rank-{r.rank}.json").read_text())["bytes"]["cross_dc"]}
+        leaders = {0, 2, 4}  # replica 0 of group 0 (ranks are stage-major) + group 1
+        assert crossed == leaders
+
+
+def test_two_group_checkpoint_resumes_on_a_plain_plan(tmp_path):
+    steps = 6
+    first = grouped_plan(CASES["2x-plus-1x"], steps=steps, model=LLAMA)
+    ck = tmp_path / "ckpt"
+    env = {"HETTRAIN_CHECKPOINT_URI": f"file://{ck}", "HETTRAIN_CHECKPOINT_INTERVAL": "3"}
+    before = _run(first, tmp_path / "run1", env)
+    rewind(ck, 3)  # as if the 2-group job had died after checkpoint 3
+    # the same global batch (16 sequences) on one plain 2-stage replica
+    second = tiny_plan([(0, 2, "a"), (2, 4, "b")], dp=1, steps=steps, num_microbatches=8,
+                       model=LLAMA)
+    assert second.global_batch == first.global_batch
+    after = _run(second, tmp_path / "run2", {**env, "HETTRAIN_RESUME": "1"})
+    ref = reference_losses(first, steps)
+    assert sorted(after) == [3, 4, 5]
+    for step in range(steps):
+        got = after.get(step, before[step])
+        assert got == pytest.approx(ref[step], rel=RTOL), step
+
+
+def test_holder_sets_group_the_same_shard_across_groups():
+    plan = grouped_plan(CASES["tp2-both"])
+    sets = holder_sets(plan)
+    # group 0: stage 0 (layers 0-1) ranks 0, 1; stage 1 (layers 2-3) ranks 2, 3; group 1: 4, 5
+    assert sets[("embedding", 0)] == (0, 4) and sets[("embedding", 1)] == (1, 5)
+    assert sets[("layer 1", 1)] == (1, 5) and sets[("layer 2", 0)] == (2, 4)
+    assert sets[("head", 1)] == (3, 5)
+    assert {unit_of("model.layers.12.mlp.up_proj.weight"), unit_of("lm_head.weight"),
+            unit_of("model.norm.weight")} == {"layer 12", "head"}
+
+
+def test_runtime_refuses_groups_with_different_tp_per_layer(tmp_path):
+    plan = grouped_plan([{"splits": [(0, 2, "a"), (2, 4, "b")], "tp": [2, 1]},
+                         {"splits": [(0, 4, "c")], "tp": 2}], steps=1)
+    procs = launch_local(plan, tmp_path)
+    assert wait_all(procs, 60) == [2] * plan.world_size
+    assert "error: plan.groups: layer 2 has tp {0: 1, 1: 2} by group" in \
+        (tmp_path / "rank-0.log").read_text()
