@@ -140,7 +140,8 @@ def _time_only(name: str, spec: JobSpec, cluster: Path, metric: str, gpus: int) 
         big.append({"name": dev.name, "vendor": dev.vendor, "bf16Tflops": dev.bf16_tflops,
                     "hbmGiB": dev.hbm_gib * 100, "hbmTBps": dev.hbm_tbps,
                     "intraNodeGBps": dev.intra_node_gbps, "backend": dev.backend,
-                    "efficiency": dev.efficiency, "pcieGBps": dev.pcie_gbps})
+                    "efficiency": dev.efficiency, "pcieGBps": dev.pcie_gbps,
+                    **({"fp32Tflops": dev.fp32_tflops} if dev.fp32_tflops else {})})
     doc = {**doc, "devices": list({d["name"]: d for d in big}.values())}
     try:
         plan = plan_job(name, spec, load_cluster(doc))

@@ -137,7 +137,7 @@ def ideal_tokens_per_s(spec: JobSpec, inv: ClusterInventory) -> float:
     total = 0.0
     for p in inv.pools:
         seconds = (m.layers * layer_compute_s(m, b, 1, p.device, mode, eb)
-                   + head_time_s(m, b, 1, p.device))
+                   + head_time_s(m, b, 1, p.device, eb))
         total += p.gpus * b * m.seq_len / seconds
     return total
 

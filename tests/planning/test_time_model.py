@@ -341,3 +341,53 @@ def test_cross_dc_bytes_count_zero1s_uncompressed_all_gather(mode: str, codec: f
     assert out[True][2] == pytest.approx(codec + 2 / 8)  # bf16 parameters: eb = 2
     link = 10 / 8 * 1e9  # bytes/s; dp 2 = one GPU per DC: no intra-DC term
     assert out[True][1] == pytest.approx((codec + 2 / 8) / link)
+
+
+def _llama_layer_s(device: DeviceSpec, elem_bytes: int) -> float:
+    model = parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": 8192},
+                            "training": {"globalBatch": 1, "steps": 1}}).model
+    return cost.layer_compute_s(model, 1, 1, device, "none", elem_bytes)
+
+
+def test_fp32_layers_run_at_the_fp32_matrix_rate_not_the_bf16_one() -> None:
+    """An fp32 plan's GEMMs and attention run at fp32_tflops·fp32_efficiency (the runtime
+    leaves TF32 off): on an H200 the two-layer 8B stage of bench/gpu_check.py measured 7.9x
+    its bf16 time; the model's layer ratio sits near the peak ratio, minus the HBM-bound part."""
+    from hettrain.planning.catalog import CATALOG, FP32_FALLBACK_RATIO
+
+    h200 = CATALOG["H200"]
+    assert h200.matmul_flops(2) == h200.effective_flops
+    assert h200.matmul_flops(4) == pytest.approx(67e12 * h200.fp32_efficiency)
+    ratio = _llama_layer_s(h200, 4) / _llama_layer_s(h200, 2)
+    assert 7.0 < ratio < (989 * h200.efficiency) / (67 * h200.fp32_efficiency)
+    # no published FP32 rate (Gaudi, Ascend): bf16 / FP32_FALLBACK_RATIO
+    gaudi = CATALOG["Gaudi2"]
+    assert gaudi.fp32_tflops == 0.0
+    assert gaudi.matmul_flops(4) == pytest.approx(
+        432e12 / FP32_FALLBACK_RATIO * gaudi.fp32_efficiency)
+    # the CPU pseudo-device runs fp32 and bf16 matmuls at one rate (the demo's calibration)
+    assert CATALOG["CPU"].matmul_flops(4) == CATALOG["CPU"].matmul_flops(2)
+
+
+def test_a_declared_device_takes_its_fp32_rate_and_an_fp32_plan_is_slower() -> None:
+    base = {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "x"},
+            "datacenters": [{"name": "a"}],
+            "devices": [{"name": "X1", "vendor": "amd", "bf16Tflops": 500, "hbmGiB": 192,
+                         "hbmTBps": 4, "intraNodeGBps": 400, "backend": "nccl",
+                         "fp32Tflops": 100}],
+            "pools": [{"name": "p", "datacenter": "a", "device": "X1", "nodes": 1,
+                       "gpusPerNode": 8, "nicGbps": 400}]}
+    inv = load_cluster(base)
+    assert inv.pools[0].device.fp32_tflops == 100
+    times = {}
+    for precision in ("bf16", "fp32"):
+        spec = parse_job_spec({"model": {"preset": "llama3-8b", "layers": 8},
+                               "training": {"globalBatch": 8, "steps": 1,
+                                            "precision": precision},
+                               "parallelism": {"tp": 1, "pp": 1, "dp": 8}})
+        times[precision] = plan_job("j", spec, inv).predicted.step_time_s
+    # the GEMMs alone: 500·0.45 / (100·0.85) = 2.65x; the rest (HBM, DP) grows less
+    assert 2.0 < times["fp32"] / times["bf16"] <= 2.65
+    bad = {**base, "devices": [{**base["devices"][0], "fp32Tflops": 0}]}
+    with pytest.raises(PlanningError, match="fp32Tflops"):
+        load_cluster(bad)

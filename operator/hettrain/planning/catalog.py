@@ -30,6 +30,13 @@ from hettrain.api.constants import VENDORS
 from hettrain.planning import fields
 from hettrain.planning.errors import PlanningInputError
 
+# fraction of the FP32 peak an fp32 layer reaches: fitted to an H200's fp32 forward+backward of
+# a two-layer Llama-3-8B stage at 8k tokens (1.06 s; bench/gpu_check.py, docs/planning.md)
+FP32_EFFICIENCY = 0.85
+# bf16 / fp32 matrix rate assumed where the datasheet gives no FP32 number (Gaudi, Ascend):
+# the TF32-class ratio of matrix units; an assumption, not a measurement
+FP32_FALLBACK_RATIO = 4.0
+
 
 @dataclass(frozen=True, slots=True)
 class DeviceSpec:
@@ -45,6 +52,10 @@ class DeviceSpec:
     efficiency: float = 0.45  # fraction of peak a large GEMM reaches (time-model asymptote)
     pcie_gbps: float = 25.0  # GB/s device<->host for host-staged transfers
     profile: Any = None  # planning.profiles.LayerProfile: measured layer costs (hettrain profile)
+    # FP32 matrix rate for fp32 plans (the runtime leaves TF32 off): the datasheet's FP32
+    # (NVIDIA: CUDA cores; AMD: FP32 matrix); 0 = unpublished, bf16 / FP32_FALLBACK_RATIO
+    fp32_tflops: float = 0.0
+    fp32_efficiency: float = FP32_EFFICIENCY
 
     @property
     def flops(self) -> float:
@@ -55,6 +66,16 @@ class DeviceSpec:
     def effective_flops(self) -> float:
         """FLOP/s the cost model assumes (peak times efficiency)."""
         return self.flops * self.efficiency
+
+    def matmul_flops(self, elem_bytes: int = 2) -> float:
+        """FLOP/s the cost model assumes for matrix work in a precision of ``elem_bytes``:
+        bf16/fp16 (2) the dense BF16 peak times ``efficiency``; fp32 (4) the FP32 peak times
+        ``fp32_efficiency`` (an fp32 plan is 7.9x slower than bf16 on an H200, measured by
+        ``bench/gpu_check.py``, not the same speed)."""
+        if elem_bytes != 4:
+            return self.effective_flops
+        fp32 = self.fp32_tflops or self.bf16_tflops / FP32_FALLBACK_RATIO
+        return fp32 * 1e12 * self.fp32_efficiency
 
     @property
     def hbm_bytes(self) -> float:
@@ -67,17 +88,21 @@ _GB = 1000**3 / 2**30  # GB (datasheet) -> GiB
 CATALOG: dict[str, DeviceSpec] = {
     d.name: d
     for d in (
-        DeviceSpec("H100-SXM", "nvidia", 989, 80 * _GB, 3.35, 450, "nccl", 0.45, 55),
-        DeviceSpec("H200", "nvidia", 989, 141 * _GB, 4.8, 450, "nccl", 0.47, 55),
-        DeviceSpec("A100-80GB", "nvidia", 312, 80 * _GB, 2.04, 300, "nccl", 0.63, 25),
-        DeviceSpec("L40S", "nvidia", 362, 48 * _GB, 0.864, 32, "nccl", 0.40, 25),
-        DeviceSpec("MI300X", "amd", 1307, 192 * _GB, 5.3, 448, "nccl", 0.35, 55),
-        DeviceSpec("MI250X", "amd", 383, 128 * _GB, 3.2, 400, "nccl", 0.35, 25),
+        DeviceSpec("H100-SXM", "nvidia", 989, 80 * _GB, 3.35, 450, "nccl", 0.45, 55,
+                   fp32_tflops=67),
+        DeviceSpec("H200", "nvidia", 989, 141 * _GB, 4.8, 450, "nccl", 0.47, 55, fp32_tflops=67),
+        DeviceSpec("A100-80GB", "nvidia", 312, 80 * _GB, 2.04, 300, "nccl", 0.63, 25,
+                   fp32_tflops=19.5),
+        DeviceSpec("L40S", "nvidia", 362, 48 * _GB, 0.864, 32, "nccl", 0.40, 25, fp32_tflops=91.6),
+        DeviceSpec("MI300X", "amd", 1307, 192 * _GB, 5.3, 448, "nccl", 0.35, 55,
+                   fp32_tflops=163.4),
+        DeviceSpec("MI250X", "amd", 383, 128 * _GB, 3.2, 400, "nccl", 0.35, 25, fp32_tflops=95.7),
         DeviceSpec("Gaudi2", "intel", 432, 96 * _GB, 2.46, 262, "hccl", 0.40, 25),
         DeviceSpec("Gaudi3", "intel", 1835, 128 * _GB, 3.7, 525, "hccl", 0.35, 55),
         DeviceSpec("Ascend-910B", "huawei", 320, 64 * _GB, 1.6, 392, "hccl", 0.40, 25),
         # A pseudo-device for CPU demos and tests (gloo); tiny numbers, never a real plan target.
-        DeviceSpec("CPU", "cpu", 1.0, 16, 0.05, 5, "gloo", 0.5, 5),
+        DeviceSpec("CPU", "cpu", 1.0, 16, 0.05, 5, "gloo", 0.5, 5, fp32_tflops=1.0,
+                   fp32_efficiency=0.5),
     )
 }
 
@@ -101,7 +126,7 @@ def device_from_yaml(doc: Mapping[str, Any], where: str) -> DeviceSpec:
         raise PlanningInputError(
             f"{where}.{missing[0]}", f"is required for device {name!r}; give {', '.join(_REQUIRED)}"
         )
-    known = {*_REQUIRED, "name", "efficiency", "pcieGBps"}
+    known = {*_REQUIRED, "name", "efficiency", "pcieGBps", "fp32Tflops"}
     unknown = sorted(str(k) for k in doc if k not in known)
     if unknown:
         raise PlanningInputError(f"{where}.{unknown[0]}",
@@ -120,6 +145,8 @@ def device_from_yaml(doc: Mapping[str, Any], where: str) -> DeviceSpec:
                                  fields.EFFICIENCY),
         pcie_gbps=fields.number(doc.get("pcieGBps", 25.0), f"{where}.pcieGBps",
                                 fields.PCIE_GBPS, "GB/s"),
+        fp32_tflops=(fields.number(doc["fp32Tflops"], f"{where}.fp32Tflops", fields.TFLOPS,
+                                   "TFLOP/s") if "fp32Tflops" in doc else 0.0),
     )
 
 

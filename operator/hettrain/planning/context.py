@@ -89,8 +89,7 @@ def cp_layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
     # rank's share of it is attention_share(cp)·s², of which (s/cp)² is already in t
     pairs = attention_share(cp) * model.seq_len ** 2 - s_loc ** 2
     extra = (cost.attention_passes(recompute) * 4.0 * micro_batch * pairs * model.hidden / tp)
-    peak = device.flops * device.efficiency
-    return t + extra / (peak * cost.ATTENTION_EFFICIENCY)
+    return t + extra / (device.matmul_flops(elem_bytes) * cost.ATTENTION_EFFICIENCY)
 
 
 def _flops_share(model: ModelSpec, cp: int) -> float:

@@ -158,12 +158,12 @@ def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceS
         t = prof.layer_s(micro_batch, tp, recompute)
         if recompute == "selective":
             t += (4.0 * tokens * model.seq_len * model.hidden / tp
-                  / (device.flops * device.efficiency * ATTENTION_EFFICIENCY))
+                  / (device.matmul_flops(elem_bytes) * ATTENTION_EFFICIENCY))
         return t
     passes = compute_passes(recompute)
     gemm = passes * 2.0 * tokens * layer_matmul_params(model) / tp
     attn = attention_passes(recompute) * 4.0 * tokens * model.seq_len * model.hidden / tp
-    peak = device.flops * device.efficiency
+    peak = device.matmul_flops(elem_bytes)
     elementwise = (passes * tokens * (ELEMENTWISE_BYTES_PER_HIDDEN * model.hidden
                                       + ELEMENTWISE_BYTES_PER_FFN * model.ffn_hidden)
                    / tp * elem_bytes / 2)
@@ -188,7 +188,7 @@ def head_time_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
     cross-entropy's three ``s·b``-float all-reduces are left out: latency only)."""
     shards = vocab_shards(model, tp)
     flops = 3 * head_forward_flops(model, micro_batch * model.seq_len) / shards
-    t = flops / (device.flops * device.efficiency) + 3 * KERNEL_FIXED_S
+    t = flops / device.matmul_flops(elem_bytes) + 3 * KERNEL_FIXED_S
     if shards > 1:
         nbytes = model.seq_len * micro_batch * model.hidden * elem_bytes
         t += ring_all_reduce_s(nbytes, tp, device.intra_node_gbps * TP_BUS_EFFICIENCY,

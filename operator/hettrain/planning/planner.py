@@ -200,7 +200,8 @@ def _layer_s(spec: JobSpec, unit: Unit, mb: int, tp: int) -> float:
 
 def _head_s(spec: JobSpec, unit: Unit, mb: int, tp: int) -> float:
     """Seconds of the LM head per microbatch on ``unit`` at ``tp`` (and the spec's CP)."""
-    return context.cp_head_time_s(spec.model, mb, tp, _cp(spec), unit.device)
+    return context.cp_head_time_s(spec.model, mb, tp, _cp(spec), unit.device,
+                                  cost.precision_bytes(spec.training))
 
 
 def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,

@@ -61,6 +61,7 @@ def _entry(rank, world, port, fn, args, queue) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         queue.put((rank, fn(rank, world, *args), None))
+        dist.barrier()  # rank 0 serves the TCP store: no rank tears down while another works
         dist.destroy_process_group()
     except BaseException:
         queue.put((rank, None, traceback.format_exc()))

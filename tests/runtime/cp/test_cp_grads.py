@@ -70,6 +70,7 @@ def _worker(rank, world, port, cases, out):
         got = {case: _cp_grads(_spec(), world, rank, *case) for case in cases}
         if rank == 0:
             torch.save(got, out)
+        dist.barrier()  # rank 0 serves the TCP store: no rank tears down while another works
     finally:
         dist.destroy_process_group()
 
