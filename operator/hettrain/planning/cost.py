@@ -320,9 +320,14 @@ def recompute_working_set_bytes(model: ModelSpec, micro_batch: int, tp: int, rec
     forward (everything the layer keeps without recompute, one microbatch); 0 otherwise."""
     if recompute != "full":
         return 0.0
-    # + the cached fp32 cos and sin (s x head_dim each) the checkpoints keep as inputs, once
-    rope_tables = 2 * FP32_BYTES * model.seq_len * model.head_dim
-    return activation_bytes_per_layer(model, micro_batch, tp, "none", elem_bytes) + rope_tables
+    return (activation_bytes_per_layer(model, micro_batch, tp, "none", elem_bytes)
+            + recompute_rope_table_bytes(model, recompute))
+
+
+def recompute_rope_table_bytes(model: ModelSpec, recompute: str) -> float:
+    """Full recompute: the cached fp32 cos and sin (``s × head_dim`` each) the checkpoints keep
+    as inputs, once per stage for the whole step (part of the working set's count); 0 else."""
+    return 2 * FP32_BYTES * model.seq_len * model.head_dim if recompute == "full" else 0.0
 
 
 # The runtime's GPT block (runtime/model.py) embeds positions with a learned table of seq_len
@@ -453,9 +458,12 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     params = layer_matmul_params(model) / tp + (2 + NORM_BIAS_PARAMS_H) * h
     per_layer = params * per_param + act + stash
     fixed = float(FRAMEWORK_OVERHEAD_BYTES)
-    fixed += recompute_working_set_bytes(model, micro_batch, tp, training.recompute, eb)
+    # full recompute: the RoPE tables stay for the step; the re-run layer is a transient
+    tables = recompute_rope_table_bytes(model, training.recompute)
+    fixed += tables
+    working = recompute_working_set_bytes(model, micro_batch, tp, training.recompute, eb) - tables
     if training.recompute == "full" and cp > 1:  # the re-run layer's gathered keys/values
-        fixed += cp_attention_extra_bytes_per_layer(full, micro_batch, tp, cp, "none", eb)
+        working += cp_attention_extra_bytes_per_layer(full, micro_batch, tp, cp, "none", eb)
     chunks_in_flight = in_flight * virtual_stages
     vs = vocab_shards(model, tp)
     # vocab-parallel: the embedding keeps its local int64 ids and a bool out-of-range mask; the
@@ -467,6 +475,7 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
         fixed += table * per_param + ids * (in_flight if ids_in_flight is None
                                             else ids_in_flight)
     if not last:
+        fixed += working
         fixed += s * b * h * eb * chunks_in_flight  # stage output kept for backward
     else:
         if virtual_stages > 1:  # the last stage's earlier chunks feed stage 0
@@ -478,7 +487,11 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
         # log-softmax (vocab-parallel: softmax); the int64 targets
         fixed += head_in_flight * (s * b * rms_norm_saved_bytes_per_token(h, eb)
                                    + logits * 4.0 + s * b * (8.0 + mask) + LOSS_SCALAR_BYTES)
-        fixed += logits * (eb + (4.0 if eb != 4 else 0.0))  # logits + fp32 copy, transient
+        # transient while the loss runs: the logits, their gradient and, below fp32, the fp32
+        # copy the loss computes in (8 bytes a logit in bf16 and fp32, measured on an H200:
+        # docs/runtime.md §GPU readiness check); never alive with full recompute's re-run
+        # layer (the loss's backward ends before the first layer is re-run): the larger counts
+        fixed += max(working, logits * (2 * eb + (4.0 if eb != 4 else 0.0)))
         fixed += pending_w * (s * b * h + logits) * eb  # ZB-H1: the head's stashed W inputs
     return StageMemory(fixed, per_layer)
 

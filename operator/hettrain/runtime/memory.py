@@ -14,8 +14,10 @@ activations and gradients standing in for its pipeline peers. It reports:
   the runner itself keeps alive per in-flight microbatch (the stage output it will
   call ``backward`` on) and, for ZB-H1, the ``(input, grad_output)`` stash of deferred weight
   gradients;
-- ``loss_buffers`` (last stage): the logits and their fp32 copy alive while the loss is
-  computed (the saved log-softmax is part of ``activations``).
+- ``loss_buffers`` (last stage): the logits, their gradient and (below fp32) their fp32 copy,
+  alive together while the loss and its backward run (the saved log-softmax is part of
+  ``activations``): counted from the logits' size, as the CPU has no allocator peak; the CUDA
+  peak of ``bench/gpu_check.py`` on an H200 showed this sum.
 
 TP is measured on the local shard without the TP collectives (their buffers are transient and
 their saved tensors are the same as without them). Context parallelism (``stages[s].cp > 1``)
@@ -52,11 +54,15 @@ class StageBytes:
     optimizer: int
     activations: int
     loss_buffers: int
+    working: int = 0  # full recompute's re-run layer, included in ``activations``
 
     @property
     def total(self) -> int:
-        """Everything measured (what the plan's prediction minus its fixed overhead covers)."""
-        return self.params + self.grads + self.optimizer + self.activations + self.loss_buffers
+        """Everything measured (what the plan's prediction minus its fixed overhead covers).
+        The loss buffers and full recompute's re-run layer are never alive together (the
+        loss's backward ends before the first layer is re-run): the larger of the two counts."""
+        return (self.params + self.grads + self.optimizer + self.activations - self.working
+                + max(self.working, self.loss_buffers))
 
 
 class _Tracker:
@@ -163,7 +169,7 @@ def measure_stage(plan: Plan, stage: int) -> StageBytes:
     tracker = _Tracker({opt.params_flat.untyped_storage().data_ptr()})
     loss_buffers = _run_schedule(plan, stage, model, opt, tracker)
     working = _recompute_working_set(plan, model, opt.params_flat)
-    return StageBytes(params, grads, optim, tracker.peak + working, loss_buffers)
+    return StageBytes(params, grads, optim, tracker.peak + working, loss_buffers, working)
 
 
 def _recompute_working_set(plan: Plan, model: StageModel, params_flat: torch.Tensor) -> int:
@@ -212,7 +218,8 @@ def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer
                 out = model.forward_chunk(c, x) if chunked else model(x)
                 if last and c == v - 1:
                     extra = 0 if out.dtype == torch.float32 else out.numel() * 4
-                    loss_buffers = max(loss_buffers, out.numel() * out.element_size() + extra)
+                    loss_buffers = max(loss_buffers,
+                                       2 * out.numel() * out.element_size() + extra)
                     y = torch.randint(0, spec.vocab, (b, seq), generator=gen)
                     out = model.loss(out, y)
             held[(i, c)] = (out, tracker.hold(out))  # the runner keeps it for backward
