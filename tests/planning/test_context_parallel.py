@@ -39,7 +39,8 @@ def _brute_force_one_stage(spec, inv) -> tuple[float, int, int, int]:
     """(step seconds, cp, tp, micro_batch) of the fastest single-stage layout of one replica
     (global batch 1: dp = 1) on one node, by enumerating the cost model directly: every
     ``tp·cp ≤`` GPUs per node, the step is ``layers·layer + head`` (one stage, one microbatch:
-    no bubble, no pipeline boundary) plus the gradient sync of the ``cp`` ranks, and the stage
+    no bubble, no pipeline boundary) plus the gradient sync of the ``cp`` ranks and the
+    optimizer step, and the stage
     must fit ``MEMORY_HEADROOM`` of its HBM."""
     pool = inv.pools[0]
     dev, model, training = pool.device, spec.model, spec.training
@@ -63,7 +64,9 @@ def _brute_force_one_stage(spec, inv) -> tuple[float, int, int, int]:
               else pool.nic_gbytes_per_gpu)
         factor = 1 + cost.precision_bytes(training) / 8
         sync = cost.ring_all_reduce_s(grads * factor, cp, bw) if cp > 1 else 0.0
-        best = min(best, (model.layers * layer + head + sync, cp, tp, 1))
+        # then the optimizer step over the rank's parameters (ZeRO-1 over the cp ranks)
+        opt = cost.optimizer_step_s(grads / 4.0, training, cp, dev)
+        best = min(best, (model.layers * layer + head + sync + opt, cp, tp, 1))
     return best
 
 

@@ -391,3 +391,55 @@ def test_a_declared_device_takes_its_fp32_rate_and_an_fp32_plan_is_slower() -> N
     bad = {**base, "devices": [{**base["devices"][0], "fp32Tflops": 0}]}
     with pytest.raises(PlanningError, match="fp32Tflops"):
         load_cluster(bad)
+
+
+# ---------------------------------------------------------------- the optimizer step
+
+
+def _one_stage_plan(precision: str, sharding: bool, dp: int, profile=None):
+    inv = load_cluster(_cluster([_pool("h", "H100-SXM", 1, 8)]))
+    if profile is not None:
+        from hettrain.planning.profiles import apply_profiles
+        inv = apply_profiles(inv, [profile])
+    spec = parse_job_spec({"model": {"preset": "llama3-8b", "layers": 4},
+                           "training": {"globalBatch": dp, "steps": 1, "precision": precision,
+                                        "optimizerSharding": sharding},
+                           "parallelism": {"tp": 1, "pp": 1, "dp": dp}})
+    return spec, plan_job("j", spec, inv)
+
+
+@pytest.mark.parametrize("precision,sharding,dp", [("bf16", False, 1), ("bf16", True, 4),
+                                                   ("fp32", True, 2)])
+def test_the_step_adds_the_optimizer_step_at_the_hbm_bandwidth(precision, sharding, dp):
+    """runtime/optim.py's step after the gradient sync: 84 bytes per owned parameter (+6 for
+    the cast below fp32) and 4 per held one (zeroing the main grads), ZeRO-1 owning 1/dp, at
+    OPTIMIZER_HBM_EFFICIENCY of the HBM bandwidth; counted in the step, not in dp_comm_s."""
+    spec, plan = _one_stage_plan(precision, sharding, dp)
+    model = spec.model
+    params = cost.layer_params(model) * model.layers + 2 * cost.embedding_params(model)
+    owned = params / dp if sharding else params
+    per = 84.0 + (6.0 if precision != "fp32" else 0.0)
+    want = (owned * per + params * 4.0) / (3.35e12 * 0.8)
+    p = plan.predicted
+    assert p.optimizer_s == pytest.approx(want, rel=1e-9)
+    # one stage, one replica's pipeline: the step is its pipeline, the sync and the optimizer
+    assert p.step_time_s == pytest.approx(p.compute_s + p.bubble_s + p.dp_comm_s + want,
+                                          rel=1e-9)
+
+
+def test_a_profiles_measured_optimizer_bandwidth_replaces_the_hbm_one() -> None:
+    from hettrain.planning.profiles import profile_doc, profile_from_doc
+
+    spec, plain = _one_stage_plan("bf16", False, 1)
+    rows = [(1, 0.010, 0.020), (2, 0.018, 0.036)]
+    doc = profile_doc("H100-SXM", {}, spec.model, rows, optimizer_bytes_per_s=1e12)
+    prof = profile_from_doc(doc, "p")
+    assert prof.optimizer_bytes_per_s == 1e12
+    _, profiled = _one_stage_plan("bf16", False, 1, prof)
+    assert profiled.predicted.optimizer_s == pytest.approx(
+        plain.predicted.optimizer_s * 3.35e12 * 0.8 / 1e12, rel=1e-9)
+    for bad in (0, -1.0, "fast", float("nan"), True):
+        with pytest.raises(PlanningError, match="optimizerBytesPerS"):
+            profile_from_doc({**doc, "optimizerBytesPerS": bad}, "p")
+    assert profile_from_doc({k: v for k, v in doc.items() if k != "optimizerBytesPerS"},
+                            "p").optimizer_bytes_per_s == 0.0

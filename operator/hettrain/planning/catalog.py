@@ -74,8 +74,14 @@ class DeviceSpec:
         ``bench/gpu_check.py``, not the same speed)."""
         if elem_bytes != 4:
             return self.effective_flops
-        fp32 = self.fp32_tflops or self.bf16_tflops / FP32_FALLBACK_RATIO
-        return fp32 * 1e12 * self.fp32_efficiency
+        return self.peak_matmul_flops(4) * self.fp32_efficiency
+
+    def peak_matmul_flops(self, elem_bytes: int = 2) -> float:
+        """Peak matrix FLOP/s in a precision of ``elem_bytes`` (MFU's denominator): the dense
+        BF16 peak, or for fp32 the FP32 one (``bf16 / FP32_FALLBACK_RATIO`` if unpublished)."""
+        if elem_bytes != 4:
+            return self.flops
+        return (self.fp32_tflops or self.bf16_tflops / FP32_FALLBACK_RATIO) * 1e12
 
     @property
     def hbm_bytes(self) -> float:

@@ -196,11 +196,12 @@ def head_time_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
     return t
 
 
-def min_seconds_per_flop(device: DeviceSpec, model: ModelSpec | None = None) -> float:
-    """A lower bound on seconds per model FLOP (fwd + bwd, no recompute) on ``device``: every
-    term of the model only adds to ``F/(peak·e)``; a matching profile's layer takes at least
-    ``β·b/tp`` for ``3·F(b)/tp`` FLOPs."""
-    bound = 1.0 / (device.flops * device.efficiency)
+def min_seconds_per_flop(device: DeviceSpec, model: ModelSpec | None = None,
+                         elem_bytes: int = 2) -> float:
+    """A lower bound on seconds per model FLOP (fwd + bwd, no recompute) on ``device`` in a
+    precision of ``elem_bytes``: every term of the model only adds to ``F/(peak·e)``; a
+    matching profile's layer takes at least ``β·b/tp`` for ``3·F(b)/tp`` FLOPs."""
+    bound = 1.0 / device.matmul_flops(elem_bytes)
     prof = device.profile
     if model is not None and prof is not None and prof.matches(model):
         bound = min(bound, prof.beta / (3.0 * layer_forward_flops(model, model.seq_len)))
@@ -222,6 +223,31 @@ def state_bytes_per_param(training: TrainingSpec, dp: int) -> float:
     if training.optimizer_sharding:
         optim /= dp
     return weights + grads + optim
+
+
+# The optimizer step (runtime/optim.py) is elementwise and HBM-bound. Bytes it moves per
+# parameter a rank OWNS (its ZeRO-1 slice): AdamW reads the gradient for the global norm (4),
+# decays the master (r/w 8), updates exp_avg (lerp_: 12) and exp_avg_sq (mul_, addcmul_: 20),
+# builds the denominator in chunks (sqrt, div_, add_: 24) and updates the master (addcdiv_: 16);
+# below fp32 it casts the master into the parameters (4 + 2). Per parameter it HOLDS: zeroing
+# the fp32 main grads (4).
+OPTIMIZER_BYTES_OWNED = 84.0
+OPTIMIZER_CAST_BYTES = 6.0
+OPTIMIZER_BYTES_HELD = 4.0
+OPTIMIZER_HBM_EFFICIENCY = 0.8  # of the datasheet bandwidth, for streaming elementwise kernels
+
+
+def optimizer_step_s(params: float, training: TrainingSpec, dp: int,
+                     device: DeviceSpec) -> float:
+    """Seconds of the optimizer step over ``params`` parameters one rank holds (ZeRO-1: it
+    updates its ``1/dp`` slice, ``dp`` the gradient group), at the device profile's measured
+    optimizer bandwidth (``hettrain profile``) or ``OPTIMIZER_HBM_EFFICIENCY`` of the HBM's."""
+    owned = params / dp if training.optimizer_sharding and dp > 1 else params
+    per = OPTIMIZER_BYTES_OWNED + (OPTIMIZER_CAST_BYTES if training.precision != "fp32" else 0.0)
+    prof = device.profile
+    rate = (prof.optimizer_bytes_per_s if prof is not None and prof.optimizer_bytes_per_s
+            else device.hbm_tbps * 1e12 * OPTIMIZER_HBM_EFFICIENCY)
+    return (owned * per + params * OPTIMIZER_BYTES_HELD) / rate
 
 
 # Bytes the runtime keeps for the backward of one layer, as counted by ``runtime.memory``

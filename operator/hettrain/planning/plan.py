@@ -105,9 +105,10 @@ class Prediction:
     bubble_s: float = 0.0
     tp_comm_s: float = 0.0
     pp_comm_s: float = 0.0
-    dp_comm_s: float = 0.0
+    dp_comm_s: float = 0.0  # the exposed DP gradient sync (and ZeRO-1 all-gather)
     cross_dc_bytes_per_step: float = 0.0
     pp_bytes_per_step: float = 0.0  # pipeline p2p, all replicas: cost.pipeline_bytes_per_step
+    optimizer_s: float = 0.0  # the slowest stage's optimizer step (cost.optimizer_step_s)
 
 
 @dataclass(frozen=True, slots=True)

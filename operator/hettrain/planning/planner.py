@@ -272,6 +272,19 @@ def _dp_exposed(unit: Unit, dp: int, tp: int, spec: JobSpec, c: float, e: float,
     return cc + c_gather, ee + e_gather
 
 
+def _optimizer_coeffs(unit: Unit, tp: int, dp: int, spec: JobSpec, first: bool,
+                      last: bool) -> tuple[float, float]:
+    """``(per layer, fixed)`` seconds of a stage's optimizer step (:func:`cost.
+    optimizer_step_s`): its layers' parameters, and the embedding (first) and head (last)."""
+    model = spec.model
+    per_layer = cost.optimizer_step_s(cost.layer_params(model) / tp, spec.training, dp,
+                                      unit.device)
+    embed = cost.embedding_params(model) / cost.vocab_shards(model, tp)
+    fixed = (cost.optimizer_step_s(embed * (int(first) + int(last)), spec.training, dp,
+                                   unit.device) if first or last else 0.0)
+    return per_layer, fixed
+
+
 def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_batch: int,
                 inv: ClusterInventory, spec: JobSpec) -> float:
     """Forward + backward transfer time of one microbatch across a stage boundary."""
@@ -413,6 +426,9 @@ def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int
         c = grad_layer / tp * per_byte
         e = (lat + fixed_grad * per_byte) if dp > 1 else 0.0
         c, e = _dp_exposed(u, dp, tp, spec, c, e, lat, per_byte, a, b, first)
+        # the optimizer step follows the gradient sync on every stage: per layer and fixed
+        opt_c, opt_e = _optimizer_coeffs(u, tp, dp, spec, first, last)
+        c, e = c + opt_c, e + opt_e
         mem = cost.stage_memory(model, training, tp=tp, dp=dp // _cp(spec), cp=_cp(spec),
                                 micro_batch=mb, first=first, last=last,
                                 **cost.schedule_memory_args(i, pp, m, schedule, v))
@@ -501,6 +517,7 @@ def _candidates_outer(units: Sequence[Unit], spec: JobSpec, dp_values: Sequence[
     model, gb = spec.model, spec.training.global_batch
     layer_state = cost.layer_params(model) * model.layers
     work = cost.model_flops_per_step(model, gb)
+    eb = cost.precision_bytes(spec.training)
     pinned_pp = spec.parallelism.pp
     out = []
     tp_opts = [_tp_options(u, spec) or [0] for u in units]
@@ -522,7 +539,7 @@ def _candidates_outer(units: Sequence[Unit], spec: JobSpec, dp_values: Sequence[
                         gpus = sum(k * tp for k, tp in zip(ks, tps, strict=True))
                         dropped.append(need / gpus / cost.MEMORY_HEADROOM / cost.GIB)
                     continue
-                rate = sum(k * tp / cost.min_seconds_per_flop(u.device, model)
+                rate = sum(k * tp / cost.min_seconds_per_flop(u.device, model, eb)
                            for k, tp, u in zip(ks, tps, units, strict=True))
                 out.append((work / dp / rate, dp, tps, ks))
     out.sort()
@@ -626,6 +643,7 @@ def _unit_stats(unit: Unit, tp: int, dp: int, mb: int, inv: ClusterInventory,
     dp_e = lat if dp > 1 else 0.0
     # a middle stage's exposed DP time: no stage's is lower (the bounds stay valid)
     dp_c, dp_e = _dp_exposed(unit, dp, tp, spec, dp_c, dp_e, lat, per_byte, a, 0.0, False)
+    dp_c += _optimizer_coeffs(unit, tp, dp, spec, False, False)[0]  # a middle stage's too
     cp = _cp(spec)
     mem = cost.stage_memory(model, training, tp=tp, dp=dp // cp, cp=cp, micro_batch=mb,
                             in_flight=1, first=False, last=False)
@@ -1584,12 +1602,18 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
             has_head=i == len(c.units) - 1, cp=c.cp,
         ))
         start += n
-    peak = sum(u.device.flops * tp * c.dp for u, tp in zip(c.units, c.tps, strict=True))
+    eb = cost.precision_bytes(spec.training)
+    peak = sum(u.device.peak_matmul_flops(eb) * tp * c.dp
+               for u, tp in zip(c.units, c.tps, strict=True))
     tokens = gb * model.seq_len
     cross_bytes = 0.0
     for i, (u, tp) in enumerate(zip(c.units, c.tps, strict=True)):
         _, _, cross_per_byte = _dp_time_per_byte(u, c.dp, tp, inv, spec)
         cross_bytes += cross_per_byte * (cost.layer_params(model) * c.split[i] / tp * 4.0)
+    opt_s = []  # each stage's optimizer step (part of its stage_dp_s)
+    for i, (u, tp) in enumerate(zip(c.units, c.tps, strict=True)):
+        oc, oe = _optimizer_coeffs(u, tp, c.dp, spec, i == 0, i == c.pp - 1)
+        opt_s.append(oc * c.split[i] + oe)
     pred = Prediction(
         step_time_s=c.step_time_s,
         tokens_per_s=tokens / c.step_time_s,
@@ -1598,7 +1622,8 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         bubble_s=c.bubble_s,
         tp_comm_s=m * _tp_comm_s(c, spec, c.stage_s.index(max(c.stage_s))),
         pp_comm_s=m * sum(c.boundary_s),
-        dp_comm_s=max(c.stage_dp_s),
+        dp_comm_s=max(d - o for d, o in zip(c.stage_dp_s, opt_s, strict=True)),
+        optimizer_s=max(opt_s),
         cross_dc_bytes_per_step=cross_bytes,
         pp_bytes_per_step=c.dp * cost.pipeline_bytes_per_step(
             cost.cp_local_model(model, c.cp), c.micro_batch,

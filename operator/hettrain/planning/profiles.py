@@ -25,6 +25,7 @@ Pure: no torch here (the runtime writes the document, this module reads it).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,9 @@ class LayerProfile:
     forward_share: float  # forward / (forward + backward), for full recompute
     software: tuple[tuple[str, str], ...] = ()
     source: str = ""
+    # measured optimizer-step bandwidth (cost.optimizer_step_s's bytes / measured seconds);
+    # 0: not measured, the catalog's HBM bandwidth is used
+    optimizer_bytes_per_s: float = 0.0
 
     def matches(self, model: ModelSpec) -> bool:
         """True when the profile measured this model's layer shape."""
@@ -126,7 +130,12 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
     sw = doc.get("software") or {}
     software = tuple(sorted((str(k), str(v)) for k, v in sw.items())) if isinstance(
         sw, Mapping) else ()
-    return LayerProfile(device, shape, alpha, beta, fwd / total, software, where)
+    opt = doc.get("optimizerBytesPerS", 0.0)
+    if "optimizerBytesPerS" in doc and (isinstance(opt, bool) or not isinstance(opt, (int, float))
+                                        or not math.isfinite(opt) or opt <= 0):
+        raise PlanningInputError(f"{where}.optimizerBytesPerS",
+                                 "must be a positive number of bytes per second (or left out)")
+    return LayerProfile(device, shape, alpha, beta, fwd / total, software, where, float(opt))
 
 
 def load_profile(path: str | Path) -> LayerProfile:
@@ -155,8 +164,11 @@ def apply_profiles(inventory: Any, profiles: Iterable[LayerProfile]) -> Any:
 
 
 def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
-                rows: Sequence[tuple[int, float, float]]) -> dict[str, Any]:
-    """The YAML document for measured ``(microBatch, forwardS, backwardS)`` rows."""
+                rows: Sequence[tuple[int, float, float]],
+                optimizer_bytes_per_s: float = 0.0) -> dict[str, Any]:
+    """The YAML document for measured ``(microBatch, forwardS, backwardS)`` rows (and the
+    measured optimizer bandwidth, when given)."""
+    extra = {"optimizerBytesPerS": optimizer_bytes_per_s} if optimizer_bytes_per_s else {}
     return {
         "apiVersion": "hettrain.dev/v1alpha1", "kind": PROFILE_KIND, "version": PROFILE_VERSION,
         "device": device, "software": dict(software),
@@ -164,4 +176,5 @@ def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
                   "ffnHidden": model.ffn_hidden, "seqLen": model.seq_len,
                   "gatedMlp": model.gated_mlp},
         "layer": [{"microBatch": b, "forwardS": f, "backwardS": bw} for b, f, bw in rows],
+        **extra,
     }

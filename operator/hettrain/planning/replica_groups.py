@@ -285,7 +285,8 @@ def with_group(plan: Plan, inv: ClusterInventory, option: GroupOption,
             f"microbatches per replica "
             f"{m0} (group 0, {plan.dp} replicas) / {m1} (group 1); predicted step "
             f"{plan.predicted.step_time_s:.3f}s -> {step_time_s:.3f}s")
-    peak = sum(inv.pool(r.pool).device.flops for r in ranks)
+    eb = cost.precision_bytes(plan.training)
+    peak = sum(inv.pool(r.pool).device.peak_matmul_flops(eb) for r in ranks)
     mfu = cost.model_flops_per_step(plan.model, plan.global_batch) / (step_time_s * peak)
     # compute and bubble of the group whose pipeline ends last (the step waits for it)
     timed = [(cost.pipeline_time_s(stage_s, [], m, plan.schedule), m, stage_s)

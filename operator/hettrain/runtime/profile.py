@@ -3,8 +3,9 @@
 For one model shape (a job's ``spec.model``) and a few microbatch sizes, times one
 :class:`hettrain.runtime.model.LlamaDecoderLayer` forward and backward (tp 1, no recompute;
 the median of
-``repeats`` runs after two warm-up runs) and writes the versioned ``DeviceProfile`` YAML that
-``planning/profiles.py`` reads (``hettrain plan --profile FILE``).
+``repeats`` runs after two warm-up runs), and the optimizer step over that block's parameters
+in the job's precision (``optimizerBytesPerS``), and writes the versioned ``DeviceProfile``
+YAML that ``planning/profiles.py`` reads (``hettrain plan --profile FILE``).
 
 Usage: python -m hettrain.runtime.profile JOB.yaml --device-name CPU --out profile.yaml
        [--micro-batches 1,2,4] [--repeats 5]
@@ -13,6 +14,7 @@ Usage: python -m hettrain.runtime.profile JOB.yaml --device-name CPU --out profi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import statistics
 import sys
@@ -23,12 +25,18 @@ from pathlib import Path
 import torch
 import yaml
 
-from hettrain.api.spec import ModelSpec, SpecError, parse_job_manifest
+from hettrain.api.spec import ModelSpec, SpecError, TrainingSpec, parse_job_manifest
+from hettrain.planning import cost
+from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.profiles import profile_doc
 from hettrain.profile_cli import add_arguments
 from hettrain.runtime.model import LlamaDecoderLayer, rope_cos_sin
+from hettrain.runtime.optim import StageOptimizer
 
 WARMUP = 2  # untimed runs before the timed ones
+# a device moving 1 byte/s: cost.optimizer_step_s on it returns the step's byte count
+_UNIT_RATE = DeviceSpec("unit", "cpu", 1.0, 1.0, 1e-12 / cost.OPTIMIZER_HBM_EFFICIENCY, 1.0,
+                        "gloo")
 
 
 def _sync(device: torch.device) -> None:
@@ -62,12 +70,37 @@ def measure_layer(model: ModelSpec, micro_batch: int, repeats: int,
     return statistics.median(fwd), statistics.median(bwd)
 
 
+def measure_optimizer(model: ModelSpec, training: TrainingSpec, repeats: int,
+                      device: torch.device) -> float:
+    """Bytes per second of the runtime's optimizer step (``StageOptimizer.step`` over one
+    block's parameters, no ZeRO): :func:`cost.optimizer_step_s`'s byte count over the median
+    measured seconds, so the planner's time for the same parameters is the measured one."""
+    torch.manual_seed(0)
+    block = LlamaDecoderLayer(model).to(device)
+    opt = StageOptimizer(block, dataclasses.replace(training, optimizer_sharding=False,
+                                                    grad_clip=0.0))
+    n = opt.main_grad.numel()
+    times = []
+    for i in range(repeats + WARMUP):
+        opt.main_grad.normal_(std=1e-3)  # step() zeroes it
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.step(i)
+        _sync(device)
+        if i >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    per_s = cost.optimizer_step_s(n, opt.t, 1, _UNIT_RATE)
+    return per_s / statistics.median(times)
+
+
 def profile(model: ModelSpec, device_name: str, micro_batches: Sequence[int], repeats: int,
-            device: torch.device) -> dict:
-    """The ``DeviceProfile`` document of ``model``'s layer on ``device``."""
+            device: torch.device, training: TrainingSpec | None = None) -> dict:
+    """The ``DeviceProfile`` document of ``model``'s layer (and, with ``training``, its
+    optimizer step in that precision) on ``device``."""
     rows = [(b, *measure_layer(model, b, repeats, device)) for b in micro_batches]
     software = {"torch": str(torch.__version__), "python": platform.python_version()}
-    return profile_doc(device_name, software, model, rows)
+    opt = measure_optimizer(model, training, repeats, device) if training is not None else 0.0
+    return profile_doc(device_name, software, model, rows, opt)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {args.job}: {exc}", file=sys.stderr)
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    out = profile(spec.model, args.device_name, args.micro_batches, args.repeats, device)
+    out = profile(spec.model, args.device_name, args.micro_batches, args.repeats, device,
+                  spec.training)
     try:
         Path(args.out).write_text(yaml.safe_dump(out, sort_keys=False))
     except OSError as exc:

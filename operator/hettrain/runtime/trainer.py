@@ -71,11 +71,13 @@ def step_flops(plan: Plan) -> float:
 
 
 def peak_flops(plan: Plan) -> float:
-    """Sum of the catalog peak FLOP/s of every planned device (0 when unknown)."""
+    """Sum of the catalog peak FLOP/s of every planned device in the plan's precision (0
+    when unknown)."""
     total = 0.0
+    eb = 4 if plan.training.precision == "fp32" else 2
     for r in plan.ranks:
         dev = CATALOG.get(plan.stage_of(r).device)
-        total += dev.flops if dev is not None else 0.0
+        total += dev.peak_matmul_flops(eb) if dev is not None else 0.0
     return total
 
 
