@@ -159,11 +159,13 @@ def test_usable_needs_every_stage_and_enough_steps() -> None:
 
 def test_profile_document_round_trip_and_store_key() -> None:
     spec = parse_job_spec(JOB)
-    prof = cal.scaled(_true_profile(spec, "CPU-A"), 1.5)
+    prof = cal.scaled(dataclasses.replace(_true_profile(spec, "CPU-A"),
+                                          optimizer_bytes_per_s=3e10), 1.5)
     doc = cal.profile_to_doc(prof, spec.model, {"image": "img:1"})
     back = profile_from_doc(doc, "store")
     assert (back.alpha, back.beta, back.forward_share) == pytest.approx(
         (prof.alpha, prof.beta, prof.forward_share))
+    assert back.optimizer_bytes_per_s == 3e10  # the measured optimizer bandwidth is kept
     assert back.matches(spec.model) and doc["source"] == "calibration"
     k1 = cal.store_key("CPU-A", model_shape(spec.model), "img:1")
     assert k1 == cal.store_key("CPU-A", model_shape(spec.model), "img:1")

@@ -240,7 +240,7 @@ def profile_to_doc(profile: LayerProfile, model: ModelSpec, software: Mapping[st
     for b in CATALOG_FIT_MICRO_BATCHES:
         t = profile.alpha + profile.beta * b
         rows.append((b, t * profile.forward_share, t * (1.0 - profile.forward_share)))
-    doc = profile_doc(profile.device, software, model, rows)
+    doc = profile_doc(profile.device, software, model, rows, profile.optimizer_bytes_per_s)
     doc["source"] = profile.source.split(":")[0] or "calibration"
     return doc
 
