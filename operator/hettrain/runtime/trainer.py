@@ -552,7 +552,9 @@ def run_rank(cfg: RuntimeConfig, rank: int) -> list[float]:
                             rank=rank, world_size=cfg.world_size,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        return Trainer(cfg, rank).train()
+        losses = Trainer(cfg, rank).train()
+        dist.barrier()  # rank 0 serves the TCP store: no rank tears down while another works
+        return losses
     finally:
         dist.destroy_process_group()
 
