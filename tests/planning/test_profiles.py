@@ -73,7 +73,8 @@ def test_time_model_uses_the_profile_for_its_device_and_shape_only() -> None:
     assert cost.layer_compute_s(model, 2, 2, h100, "none") == pytest.approx(4.5e-3 / 2)
     assert cost.layer_compute_s(model, 2, 1, h100, "full") == pytest.approx(
         4.5e-3 * (1 + 1 / 3))
-    attn = 4.0 * 1024 * 512 * 1024 / (h100.flops * h100.efficiency * cost.ATTENTION_EFFICIENCY)
+    attn = 4.0 * 1024 * 512 * 1024 / (h100.flops * h100.efficiency
+                                      * cost.attention_efficiency(h100))
     assert cost.layer_compute_s(model, 2, 1, h100, "selective") == pytest.approx(4.5e-3 + attn)
     other = dataclasses.replace(model, hidden=2048)  # another shape: the catalog model
     plain = dataclasses.replace(h100, profile=None)

@@ -33,6 +33,11 @@ from hettrain.planning.errors import PlanningInputError
 # fraction of the FP32 peak an fp32 layer reaches: fitted to an H200's fp32 forward+backward of
 # a two-layer Llama-3-8B stage at 8k tokens (1.06 s; bench/gpu_check.py, docs/planning.md)
 FP32_EFFICIENCY = 0.85
+# Hopper runs the runtime's SDPA as causal flash attention: half the pairs the cost model
+# counts, at about the GEMMs' efficiency, so 2x their rate on the full count. Fitted to an
+# H200's two-layer Llama-3-8B stage at 4k and 8k tokens (bench/gpu_check.py, docs/runtime.md);
+# the H100 has the same SMs and clocks
+HOPPER_FLASH_ATTENTION_EFFICIENCY = 2.0
 # bf16 / fp32 matrix rate assumed where the datasheet gives no FP32 number (Gaudi, Ascend):
 # the TF32-class ratio of matrix units; an assumption, not a measurement
 FP32_FALLBACK_RATIO = 4.0
@@ -56,6 +61,9 @@ class DeviceSpec:
     # (NVIDIA: CUDA cores; AMD: FP32 matrix); 0 = unpublished, bf16 / FP32_FALLBACK_RATIO
     fp32_tflops: float = 0.0
     fp32_efficiency: float = FP32_EFFICIENCY
+    # the attention core's rate relative to the GEMMs', on the cost model's full s² pair count;
+    # 0: cost.ATTENTION_EFFICIENCY (fitted to Megatron's 2021 kernels, which score every pair)
+    attention_efficiency: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -95,8 +103,9 @@ CATALOG: dict[str, DeviceSpec] = {
     d.name: d
     for d in (
         DeviceSpec("H100-SXM", "nvidia", 989, 80 * _GB, 3.35, 450, "nccl", 0.45, 55,
-                   fp32_tflops=67),
-        DeviceSpec("H200", "nvidia", 989, 141 * _GB, 4.8, 450, "nccl", 0.47, 55, fp32_tflops=67),
+                   fp32_tflops=67, attention_efficiency=HOPPER_FLASH_ATTENTION_EFFICIENCY),
+        DeviceSpec("H200", "nvidia", 989, 141 * _GB, 4.8, 450, "nccl", 0.47, 55, fp32_tflops=67,
+                   attention_efficiency=HOPPER_FLASH_ATTENTION_EFFICIENCY),
         DeviceSpec("A100-80GB", "nvidia", 312, 80 * _GB, 2.04, 300, "nccl", 0.63, 25,
                    fp32_tflops=19.5),
         DeviceSpec("L40S", "nvidia", 362, 48 * _GB, 0.864, 32, "nccl", 0.40, 25, fp32_tflops=91.6),

@@ -89,7 +89,8 @@ def cp_layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
     # rank's share of it is attention_share(cp)·s², of which (s/cp)² is already in t
     pairs = attention_share(cp) * model.seq_len ** 2 - s_loc ** 2
     extra = (cost.attention_passes(recompute) * 4.0 * micro_batch * pairs * model.hidden / tp)
-    return t + extra / (device.matmul_flops(elem_bytes) * cost.ATTENTION_EFFICIENCY)
+    rate = device.matmul_flops(elem_bytes) * cost.attention_efficiency(device, elem_bytes)
+    return t + extra / rate
 
 
 def _flops_share(model: ModelSpec, cp: int) -> float:

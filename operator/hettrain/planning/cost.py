@@ -138,6 +138,15 @@ def attention_passes(recompute: str) -> int:
     return 3 + (1 if recompute in ("full", "selective") else 0)
 
 
+def attention_efficiency(device: DeviceSpec, elem_bytes: int = 2) -> float:
+    """The attention core's rate relative to the GEMMs' (on the full ``s²`` pair count): the
+    device's own (causal flash on Hopper; bf16/fp16 only, flash has no fp32 kernel) or the
+    fitted ``ATTENTION_EFFICIENCY``."""
+    if elem_bytes == 4:
+        return ATTENTION_EFFICIENCY
+    return device.attention_efficiency or ATTENTION_EFFICIENCY
+
+
 def gemm_efficiency(device: DeviceSpec, gemm_flops: float) -> float:
     """Achieved fraction of peak of one GEMM of ``gemm_flops`` FLOPs: the saturating curve
     ``e·x / (x + peak·e·KERNEL_FIXED_S)`` implied by a fixed time per kernel."""
@@ -158,7 +167,8 @@ def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceS
         t = prof.layer_s(micro_batch, tp, recompute)
         if recompute == "selective":
             t += (4.0 * tokens * model.seq_len * model.hidden / tp
-                  / (device.matmul_flops(elem_bytes) * ATTENTION_EFFICIENCY))
+                  / (device.matmul_flops(elem_bytes)
+                     * attention_efficiency(device, elem_bytes)))
         return t
     passes = compute_passes(recompute)
     gemm = passes * 2.0 * tokens * layer_matmul_params(model) / tp
@@ -167,7 +177,7 @@ def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceS
     elementwise = (passes * tokens * (ELEMENTWISE_BYTES_PER_HIDDEN * model.hidden
                                       + ELEMENTWISE_BYTES_PER_FFN * model.ffn_hidden)
                    / tp * elem_bytes / 2)
-    return (gemm / peak + attn / (peak * ATTENTION_EFFICIENCY)
+    return (gemm / peak + attn / (peak * attention_efficiency(device, elem_bytes))
             + elementwise / (device.hbm_tbps * 1e12)
             + passes * KERNELS_PER_PASS * KERNEL_FIXED_S)
 
@@ -199,9 +209,11 @@ def head_time_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
 def min_seconds_per_flop(device: DeviceSpec, model: ModelSpec | None = None,
                          elem_bytes: int = 2) -> float:
     """A lower bound on seconds per model FLOP (fwd + bwd, no recompute) on ``device`` in a
-    precision of ``elem_bytes``: every term of the model only adds to ``F/(peak·e)``; a
-    matching profile's layer takes at least ``β·b/tp`` for ``3·F(b)/tp`` FLOPs."""
-    bound = 1.0 / device.matmul_flops(elem_bytes)
+    precision of ``elem_bytes``: every term of the model only adds to ``F/(peak·e)``, the
+    attention core's FLOPs at up to ``attention_efficiency`` times that rate; a matching
+    profile's layer takes at least ``β·b/tp`` for ``3·F(b)/tp`` FLOPs."""
+    attn = attention_efficiency(device, elem_bytes)
+    bound = 1.0 / (device.matmul_flops(elem_bytes) * max(1.0, attn))
     prof = device.profile
     if model is not None and prof is not None and prof.matches(model):
         bound = min(bound, prof.beta / (3.0 * layer_forward_flops(model, model.seq_len)))
