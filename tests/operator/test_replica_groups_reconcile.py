@@ -1,10 +1,11 @@
 """The operator's reconcile path with a grouped plan (``spec.parallelism.replicaGroups``).
 
-Cluster: 2 idle-able H100 nodes + 2 MI300X nodes in one datacenter; the job pins dp 8 x pp 2
-x tp 1, so the search fills the MI300X pool (group 0) and leaves the H100 nodes idle, which
-``plan_with_replica_group`` turns into group 1 (tests/planning/test_replica_groups_planner.py
-``_pinned``). Launch, capacity accounting and repairs (a node of either group lost) are driven
-through :func:`reconcile` like the other pure operator tests.
+Cluster: 2 H100 nodes + 2 MI300X nodes in one datacenter; the job pins dp 8 x pp 2 x tp 1,
+so the search fills the H100 pool (group 0: its bf16 attention runs at the causal flash rate)
+and leaves the MI300X nodes idle, which ``plan_with_replica_group`` turns into group 1
+(tests/planning/test_replica_groups_planner.py ``_pinned``). Launch, capacity accounting and
+repairs (a node of either group lost) are driven through :func:`reconcile` like the other pure
+operator tests.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ def test_launch_creates_the_grouped_plan_and_pods_on_both_groups():
     plan = d.plan
     assert plan is not None and len(plan.groups) == 2 and unsupported(plan) == []
     g1_nodes = {r.node for r in plan.group_ranks(1)}
-    assert {r.node for r in plan.group_ranks(0)} == {"mi300-000", "mi300-001"}
-    assert g1_nodes == {"h100-000", "h100-001"}  # the idle pool became group 1
+    assert {r.node for r in plan.group_ranks(0)} == {"h100-000", "h100-001"}
+    assert g1_nodes == {"mi300-000", "mi300-001"}  # the idle pool became group 1
     cms = [o for o in d.create if o["kind"] == "ConfigMap"]
     assert [cm["metadata"]["name"] for cm in cms] == [configmap_name("job1", 1)]
     stored = Plan.from_json(cms[0]["data"][c.PLAN_CONFIGMAP_KEY])
@@ -130,7 +131,7 @@ def test_launch_creates_the_grouped_plan_and_pods_on_both_groups():
          "pools": list(dict.fromkeys(p for s in g.stages for p in s.pools))}
         for g in plan.groups]
     msg = get_condition(status, c.COND_PLANNED)["message"]
-    assert "group 1" in msg and "h100" in msg, msg
+    assert "group 1" in msg and "mi300" in msg, msg
 
 
 def test_the_grouped_plan_holds_group_1_nodes_against_other_jobs():
@@ -202,9 +203,9 @@ def test_a_lost_node_of_either_group_replans_from_the_grouped_plan(group, delete
     assert status["repairs"]["history"][-1] == {
         **status["repairs"]["history"][-1], "nodes": [lost], "fromWorldSize": 32,
         "toWorldSize": new.world_size}
-    if group == 1:  # the other H100 node still forms a (smaller) extra group
+    if group == 1:  # the other MI300X node still forms a (smaller) extra group
         assert len(new.groups) == 2 and {r.node for r in new.group_ranks(1)} == {
-            n for n in ("h100-000", "h100-001") if n != lost}
+            n for n in ("mi300-000", "mi300-001") if n != lost}
 
 
 def test_repairs_of_a_grouped_job_count_against_max_repairs():
@@ -270,7 +271,7 @@ def test_calibration_of_a_grouped_plan_compares_group_0_stages(slower):
     assert [(r["stage"], r["device"]) for r in cal["stages"]] == [
         (s.index, s.device) for s in plan.groups[0].stages]
     assert [r["ratio"] for r in cal["stages"]] == [pytest.approx(slower)] * plan.pp
-    assert [r["device"] for r in cal["refined"]] == ["MI300X"]
+    assert [r["device"] for r in cal["refined"]] == ["H100-SXM"]
     assert cal["pendingReplan"] is (slower > 1.0)
     if slower == 1.0:
         assert cal["currentStepSeconds"] == pytest.approx(cal["bestStepSeconds"], rel=1e-6)
