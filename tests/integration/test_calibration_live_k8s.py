@@ -115,6 +115,15 @@ class Live:
     def store(self) -> dict[str, str]:
         return dict(self.core.read_namespaced_config_map(PROFILE_STORE, self.ns).data or {})
 
+    def calibration(self, attempt: int, ranks: Ranks) -> dict[str, Any]:
+        """``status.calibration`` once it compares ``attempt``'s stages (its ranks kept alive)."""
+        def compared() -> dict[str, Any] | None:
+            ranks.alive()
+            cal = self.status().get("calibration") or {}
+            return cal if cal.get("attempt") == attempt and cal.get("stages") else None
+
+        return self.wait(compared, f"status.calibration of attempt {attempt}")
+
 
 def _job_series(text: str, ns: str) -> dict[tuple[str, str], float]:
     """{(sample name, stage label): value} of the job's samples in the operator's metrics."""
@@ -232,12 +241,7 @@ def test_live_operator_calibrates_and_replans(live: tuple[Live, str], tmp_path: 
     run1 = Ranks(first, ips, tmp_path / "a1", ckpt, resume=False)
     try:
         # the operator scrapes podIP:9400 and compares (status.calibration, Calibrated Event)
-        def calibrated() -> dict[str, Any] | None:
-            run1.alive()
-            cal = lv.status().get("calibration") or {}
-            return cal if cal.get("attempt") == 1 and cal.get("stages") else None
-
-        cal = lv.wait(calibrated, "status.calibration of attempt 1")
+        cal = lv.calibration(1, run1)
         ratios = {r["device"]: r["ratio"] for r in cal["stages"]}
         assert {r["device"] for r in cal["stages"]} == {"CPU-A", "CPU-B"}
         assert all(r["measuredMs"] > 0 and r["predictedMs"] > 0 for r in cal["stages"]), cal
@@ -286,12 +290,7 @@ def test_live_operator_calibrates_and_replans(live: tuple[Live, str], tmp_path: 
     ips2 = lv.wait(lambda: lv.pod_ips(2), "attempt 2 pod IPs")
     run2 = Ranks(second, ips2, tmp_path / "a2", ckpt, resume=True)
     try:
-        def measured_again() -> dict[str, Any] | None:
-            run2.alive()
-            cal = lv.status().get("calibration") or {}
-            return cal if cal.get("attempt") == 2 and cal.get("stages") else None
-
-        cal2 = lv.wait(measured_again, "status.calibration of attempt 2")
+        cal2 = lv.calibration(2, run2)
         assert cal2["replans"] == 1 and cal2["pendingReplan"] is False, cal2
         assert int(lv.status()["attempt"]) == 2  # maxReplans 1: the plan is kept
         second_verdict = lv.wait(lambda: len(lv.events().get(c.REASON_CALIBRATED, [])) >= 2

@@ -249,17 +249,22 @@ OPTIMIZER_BYTES_HELD = 4.0
 OPTIMIZER_HBM_EFFICIENCY = 0.8  # of the datasheet bandwidth, for streaming elementwise kernels
 
 
-def optimizer_step_s(params: float, training: TrainingSpec, dp: int,
-                     device: DeviceSpec) -> float:
-    """Seconds of the optimizer step over ``params`` parameters one rank holds (ZeRO-1: it
-    updates its ``1/dp`` slice, ``dp`` the gradient group), at the device profile's measured
-    optimizer bandwidth (``hettrain profile``) or ``OPTIMIZER_HBM_EFFICIENCY`` of the HBM's."""
+def optimizer_step_bytes(params: float, training: TrainingSpec, dp: int) -> float:
+    """Bytes the optimizer step streams over ``params`` parameters one rank holds (ZeRO-1: it
+    updates its ``1/dp`` slice, ``dp`` the gradient group)."""
     owned = params / dp if training.optimizer_sharding and dp > 1 else params
     per = OPTIMIZER_BYTES_OWNED + (OPTIMIZER_CAST_BYTES if training.precision != "fp32" else 0.0)
+    return owned * per + params * OPTIMIZER_BYTES_HELD
+
+
+def optimizer_step_s(params: float, training: TrainingSpec, dp: int,
+                     device: DeviceSpec) -> float:
+    """Seconds of :func:`optimizer_step_bytes` at the device profile's measured optimizer
+    bandwidth (``hettrain profile``) or ``OPTIMIZER_HBM_EFFICIENCY`` of the HBM's."""
     prof = device.profile
     rate = (prof.optimizer_bytes_per_s if prof is not None and prof.optimizer_bytes_per_s
             else device.hbm_tbps * 1e12 * OPTIMIZER_HBM_EFFICIENCY)
-    return (owned * per + params * OPTIMIZER_BYTES_HELD) / rate
+    return optimizer_step_bytes(params, training, dp) / rate
 
 
 # Bytes the runtime keeps for the backward of one layer, as counted by ``runtime.memory``

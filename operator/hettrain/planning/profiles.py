@@ -77,7 +77,7 @@ class LayerProfile:
     forward_share: float  # forward / (forward + backward), for full recompute
     software: tuple[tuple[str, str], ...] = ()
     source: str = ""
-    # measured optimizer-step bandwidth (cost.optimizer_step_s's bytes / measured seconds);
+    # measured optimizer-step bandwidth (cost.optimizer_step_bytes / measured seconds);
     # 0: not measured, the catalog's HBM bandwidth is used
     optimizer_bytes_per_s: float = 0.0
 

@@ -27,16 +27,12 @@ import yaml
 
 from hettrain.api.spec import ModelSpec, SpecError, TrainingSpec, parse_job_manifest
 from hettrain.planning import cost
-from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.profiles import profile_doc
 from hettrain.profile_cli import add_arguments
 from hettrain.runtime.model import LlamaDecoderLayer, rope_cos_sin
 from hettrain.runtime.optim import StageOptimizer
 
 WARMUP = 2  # untimed runs before the timed ones
-# a device moving 1 byte/s: cost.optimizer_step_s on it returns the step's byte count
-_UNIT_RATE = DeviceSpec("unit", "cpu", 1.0, 1.0, 1e-12 / cost.OPTIMIZER_HBM_EFFICIENCY, 1.0,
-                        "gloo")
 
 
 def _sync(device: torch.device) -> None:
@@ -73,7 +69,7 @@ def measure_layer(model: ModelSpec, micro_batch: int, repeats: int,
 def measure_optimizer(model: ModelSpec, training: TrainingSpec, repeats: int,
                       device: torch.device) -> float:
     """Bytes per second of the runtime's optimizer step (``StageOptimizer.step`` over one
-    block's parameters, no ZeRO): :func:`cost.optimizer_step_s`'s byte count over the median
+    block's parameters, no ZeRO): :func:`cost.optimizer_step_bytes` over the median
     measured seconds, so the planner's time for the same parameters is the measured one."""
     torch.manual_seed(0)
     block = LlamaDecoderLayer(model).to(device)
@@ -89,8 +85,7 @@ def measure_optimizer(model: ModelSpec, training: TrainingSpec, repeats: int,
         _sync(device)
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)
-    per_s = cost.optimizer_step_s(n, opt.t, 1, _UNIT_RATE)
-    return per_s / statistics.median(times)
+    return cost.optimizer_step_bytes(n, opt.t, 1) / statistics.median(times)
 
 
 def profile(model: ModelSpec, device_name: str, micro_batches: Sequence[int], repeats: int,

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hettrain.planning import cost
 from hettrain.planning.catalog import CATALOG
 from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan
@@ -74,7 +75,7 @@ def peak_flops(plan: Plan) -> float:
     """Sum of the catalog peak FLOP/s of every planned device in the plan's precision (0
     when unknown)."""
     total = 0.0
-    eb = 4 if plan.training.precision == "fp32" else 2
+    eb = cost.precision_bytes(plan.training)
     for r in plan.ranks:
         dev = CATALOG.get(plan.stage_of(r).device)
         total += dev.peak_matmul_flops(eb) if dev is not None else 0.0
