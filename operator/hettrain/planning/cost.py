@@ -501,10 +501,11 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     params = layer_matmul_params(model) / tp + (2 + NORM_BIAS_PARAMS_H) * h
     per_layer = params * per_param + act + stash
     fixed = float(FRAMEWORK_OVERHEAD_BYTES)
-    # full recompute: the RoPE tables stay for the step; the re-run layer is a transient
-    tables = recompute_rope_table_bytes(model, training.recompute)
-    fixed += tables
-    working = recompute_working_set_bytes(model, micro_batch, tp, training.recompute, eb) - tables
+    # full recompute: the RoPE tables stay for the step; the re-run layer (its ``none`` bytes,
+    # recompute_working_set_bytes without the tables) is a transient
+    fixed += recompute_rope_table_bytes(model, training.recompute)
+    working = (activation_bytes_per_layer(model, micro_batch, tp, "none", eb)
+               if training.recompute == "full" else 0.0)
     if training.recompute == "full" and cp > 1:  # the re-run layer's gathered keys/values
         working += cp_attention_extra_bytes_per_layer(full, micro_batch, tp, cp, "none", eb)
     chunks_in_flight = in_flight * virtual_stages
