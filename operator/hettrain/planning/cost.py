@@ -210,10 +210,15 @@ def min_seconds_per_flop(device: DeviceSpec, model: ModelSpec | None = None,
                          elem_bytes: int = 2) -> float:
     """A lower bound on seconds per model FLOP (fwd + bwd, no recompute) on ``device`` in a
     precision of ``elem_bytes``: every term of the model only adds to ``F/(peak·e)``, the
-    attention core's FLOPs at up to ``attention_efficiency`` times that rate; a matching
-    profile's layer takes at least ``β·b/tp`` for ``3·F(b)/tp`` FLOPs."""
-    attn = attention_efficiency(device, elem_bytes)
-    bound = 1.0 / (device.matmul_flops(elem_bytes) * max(1.0, attn))
+    attention core's FLOPs at up to ``attention_efficiency`` times that rate. Given the model,
+    the attention core's share of a layer's FLOPs bounds that speed-up (the LM head's GEMMs
+    only run at the GEMM rate); a matching profile's layer takes at least ``β·b/tp`` for
+    ``3·F(b)/tp`` FLOPs."""
+    speedup = max(1.0, attention_efficiency(device, elem_bytes))
+    attn_share = 1.0
+    if model is not None:
+        attn_share = 4.0 * model.seq_len * model.hidden / layer_forward_flops(model, 1)
+    bound = (1.0 - attn_share + attn_share / speedup) / device.matmul_flops(elem_bytes)
     prof = device.profile
     if model is not None and prof is not None and prof.matches(model):
         bound = min(bound, prof.beta / (3.0 * layer_forward_flops(model, model.seq_len)))
