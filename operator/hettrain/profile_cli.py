@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Run the runtime's transformer block of a job's model on this machine's device (CUDA "
         "when available, else CPU) for a few microbatch sizes and write a versioned "
-        "DeviceProfile YAML (median forward and backward seconds per layer). "
+        "DeviceProfile YAML (median forward and backward seconds per layer, the optimizer "
+        "step's bandwidth, and two local ranks' p2p and all-reduce times). "
         "`hettrain plan --profile FILE` then uses the measured layer times for that device and "
         "model shape, and the plan notes say so.")
     parser.add_argument("job", metavar="JOB.yaml", help="HetTrainingJob whose spec.model to run")
@@ -48,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="B,B,...", help="microbatch sizes to measure (default 1,2,4)")
     parser.add_argument("--repeats", type=_repeats, default=5, metavar="N",
                         help="timed runs per size; the median is kept (default 5)")
+    parser.add_argument("--no-comm", dest="comm", action="store_false",
+                        help="skip the communication measurement (two local ranks' pipeline "
+                             "transfers and all-reduce; skipped anyway where this node has "
+                             "one accelerator)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,5 +60,5 @@ def run(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "hettrain.runtime.profile", args.job,
            "--device-name", args.device_name, "--out", args.out,
            "--micro-batches", ",".join(map(str, args.micro_batches)),
-           "--repeats", str(args.repeats)]
+           "--repeats", str(args.repeats), *([] if args.comm else ["--no-comm"])]
     return subprocess.run(cmd, check=False).returncode

@@ -1,7 +1,10 @@
-"""``hettrain profile`` for real: the runtime's block runs on this machine's device, the profile
-it writes parses, and ``hettrain plan --profile`` uses it; bad input exits 2 with one line."""
+"""``hettrain profile`` for real: the runtime's block runs on this machine's device and two local
+ranks time their transfers, the profile it writes parses, and ``hettrain plan --profile`` uses
+it; bad input exits 2 with one line."""
 
 from __future__ import annotations
+
+import json
 
 import yaml
 
@@ -17,6 +20,12 @@ spec:
   data: {synthetic: true}
 """
 CLUSTER = "examples/clusters/local-cpu.yaml"
+CPU_CLUSTER = """apiVersion: hettrain.dev/v1alpha1
+kind: Cluster
+metadata: {name: one-host}
+datacenters: [{name: dc}]
+pools: [{name: cpu, datacenter: dc, device: CPU, nodes: 1, gpusPerNode: 2, nicGbps: 10}]
+"""
 
 
 def test_profile_writes_a_profile_the_planner_uses(tmp_path, capsys) -> None:
@@ -30,13 +39,38 @@ def test_profile_writes_a_profile_the_planner_uses(tmp_path, capsys) -> None:
     assert [r["microBatch"] for r in doc["layer"]] == [1, 2]
     assert all(r["forwardS"] > 0 and r["backwardS"] > 0 for r in doc["layer"])
     assert doc["software"]["torch"]
+    # two local ranks timed the runtime's p2p and gloo's all-reduce, small to large messages
+    comm = doc["comm"]
+    assert comm["ranks"] == 2 and comm["backend"] == "gloo"
+    for kind in ("p2p", "allReduce"):
+        sizes = [r["bytes"] for r in comm[kind]]
+        assert sizes == sorted(sizes) and sizes[0] == 4096 and len(sizes) >= 3
+        assert all(r["seconds"] > 0 for r in comm[kind])
     prof = load_profile(out)
     assert prof.beta > 0 and prof.alpha >= 0
-    # the planner takes it (the CPU pool's layer times are now the measured ones)
+    assert prof.comm is not None and prof.comm.p2p_bytes_per_s > 0
+    assert prof.comm.bus_bytes_per_s > 0 and prof.comm.ring_step_latency_s >= 0
+    # the planner takes it (the CPU pool's layer times and links are now the measured ones)
     plan_json = tmp_path / "plan.json"
     assert main(["plan", str(job), "--cluster", CLUSTER, "--profile", str(out), "--json",
                  "--out", str(plan_json)]) == 0
     assert plan_json.read_text().startswith("{")
+    cpu_only = tmp_path / "cpu-cluster.yaml"
+    cpu_only.write_text(CPU_CLUSTER)
+    assert main(["plan", str(job), "--cluster", str(cpu_only), "--profile", str(out), "--json",
+                 "--out", str(plan_json)]) == 0
+    notes = json.loads(plan_json.read_text())["notes"]
+    assert any("collectives inside a node of CPU from device profiles" in n for n in notes)
+
+
+def test_profile_without_comm(tmp_path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    out = tmp_path / "cpu.yaml"
+    assert main(["profile", str(job), "--device-name", "CPU", "--out", str(out),
+                 "--micro-batches", "1", "--repeats", "1", "--no-comm"]) == 0
+    assert "comm" not in yaml.safe_load(out.read_text())
+    assert load_profile(out).comm is None
 
 
 def test_profile_bad_input_exits_2(tmp_path, capsys) -> None:

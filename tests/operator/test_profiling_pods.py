@@ -76,6 +76,8 @@ def test_profiling_pods_then_the_first_plan_uses_their_profiles(tmp_path: Path) 
     assert {n for k, n in d3.delete if k == "Pod"} == {p["metadata"]["name"] for p in pods}
     assert ("ConfigMap", cms[0]["metadata"]["name"]) in d3.delete
     assert any("from device profiles (measured)" in n for n in d3.plan.notes), d3.plan.notes
+    # each pod also timed two local ranks' transfers: the plan's links are the measured ones
+    assert any("collectives inside a node of" in n for n in d3.plan.notes), d3.plan.notes
     assert d3.status["calibration"]["profiling"]["state"] == "Done"
 
 

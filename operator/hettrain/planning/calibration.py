@@ -36,7 +36,14 @@ from hettrain.planning import context, cost
 from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.errors import PlanningError
 from hettrain.planning.plan import Plan
-from hettrain.planning.profiles import LayerProfile, Shape, fit_line, model_shape, profile_doc
+from hettrain.planning.profiles import (
+    LayerProfile,
+    Shape,
+    comm_doc,
+    fit_line,
+    model_shape,
+    profile_doc,
+)
 
 MIN_SCALE, MAX_SCALE = 0.02, 50.0  # a measured layer factor outside this is a broken report
 CATALOG_FIT_MICRO_BATCHES = (1, 2, 4)
@@ -240,7 +247,8 @@ def profile_to_doc(profile: LayerProfile, model: ModelSpec, software: Mapping[st
     for b in CATALOG_FIT_MICRO_BATCHES:
         t = profile.alpha + profile.beta * b
         rows.append((b, t * profile.forward_share, t * (1.0 - profile.forward_share)))
-    doc = profile_doc(profile.device, software, model, rows, profile.optimizer_bytes_per_s)
+    doc = profile_doc(profile.device, software, model, rows, profile.optimizer_bytes_per_s,
+                      comm_doc(profile.comm) if profile.comm is not None else None)
     doc["source"] = profile.source.split(":")[0] or "calibration"
     return doc
 

@@ -42,9 +42,10 @@ def cp_link(device: DeviceSpec, gpus_per_node: int, nic_gbytes_per_gpu: float, t
             cp: int) -> tuple[float, float]:
     """(GB/s, latency s) of a CP group's ring: intra-node when the group's ``tp·cp`` GPUs fill
     whole aligned blocks of a node (``planning/placement.py`` puts the ``cp`` replicas of a
-    ``(stage, dp)`` on consecutive ``tp``-GPU blocks), else the NIC."""
+    ``(stage, dp)`` on consecutive ``tp``-GPU blocks; :func:`cost.node_ring_link`), else the
+    NIC."""
     if gpus_per_node % (tp * cp) == 0:
-        return device.intra_node_gbps * cost.TP_BUS_EFFICIENCY, cost.TP_LATENCY_S
+        return cost.node_ring_link(device)
     return nic_gbytes_per_gpu, CP_NIC_LATENCY_S
 
 

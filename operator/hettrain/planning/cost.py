@@ -201,8 +201,7 @@ def head_time_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
     t = flops / device.matmul_flops(elem_bytes) + 3 * KERNEL_FIXED_S
     if shards > 1:
         nbytes = model.seq_len * micro_batch * model.hidden * elem_bytes
-        t += ring_all_reduce_s(nbytes, tp, device.intra_node_gbps * TP_BUS_EFFICIENCY,
-                               TP_LATENCY_S)
+        t += ring_all_reduce_s(nbytes, tp, *node_ring_link(device))
     return t
 
 
@@ -631,16 +630,36 @@ def tp_all_reduces_per_layer(recompute: str) -> int:
     return 4 + (2 if recompute == "full" else 0)
 
 
+def node_ring_link(device: DeviceSpec) -> tuple[float, float]:
+    """(bus GB/s, latency of one ring step) of a collective inside one node of ``device``: the
+    device profile's measured all-reduce (``hettrain profile``) where it has one, else
+    ``TP_BUS_EFFICIENCY`` of the catalog's intra-node link at ``TP_LATENCY_S``."""
+    comm = device.profile.comm if device.profile is not None else None
+    if comm is not None:
+        return comm.bus_bytes_per_s / 1e9, comm.ring_step_latency_s
+    return device.intra_node_gbps * TP_BUS_EFFICIENCY, TP_LATENCY_S
+
+
+def p2p_link(device: DeviceSpec, gbytes_per_s: float, latency_s: float) -> tuple[float, float]:
+    """(GB/s, latency) of a pipeline transfer sent or received by ``device`` over a path of
+    ``gbytes_per_s`` and ``latency_s``: where the device profile measured its p2p transfers,
+    no path is faster than the measured bandwidth nor quicker than the measured latency (the
+    same library sends on every path)."""
+    comm = device.profile.comm if device.profile is not None else None
+    if comm is None:
+        return gbytes_per_s, latency_s
+    return (min(gbytes_per_s, comm.p2p_bytes_per_s / 1e9), max(latency_s, comm.p2p_latency_s))
+
+
 def tp_comm_per_layer_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
                         elem_bytes: int = 2, recompute: str = "none") -> float:
     """Exposed TP comm of one layer and microbatch (the runtime's TP collectives are
-    synchronous: nothing overlaps them), at ``TP_BUS_EFFICIENCY`` of the intra-node link."""
+    synchronous: nothing overlaps them), over :func:`node_ring_link`."""
     if tp <= 1:
         return 0.0
     nbytes = model.seq_len * micro_batch * model.hidden * elem_bytes
-    bw = device.intra_node_gbps * TP_BUS_EFFICIENCY
-    return tp_all_reduces_per_layer(recompute) * ring_all_reduce_s(nbytes, tp, bw,
-                                                                    TP_LATENCY_S)
+    bw, lat = node_ring_link(device)
+    return tp_all_reduces_per_layer(recompute) * ring_all_reduce_s(nbytes, tp, bw, lat)
 
 
 def activation_bytes(model: ModelSpec, micro_batch: int, elem_bytes: int = 2) -> float:

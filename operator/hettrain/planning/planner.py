@@ -218,8 +218,14 @@ def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
     # precision: eb bytes vs the all-reduce's 2·4 per element, so 1 + eb/8 all-reduces
     eb = cost.precision_bytes(spec.training)
     factor = 1.0 + eb / 8.0 if spec.training.optimizer_sharding else 1.0
+    step_lat = cost.COLLECTIVE_LATENCY_S
+    if unit.device.profile is not None and unit.device.profile.comm is not None:
+        # measured inside a node (hettrain profile); no path between nodes beats it
+        node_bw, node_lat = cost.node_ring_link(unit.device)
+        bw, step_lat = (node_bw, node_lat) if same_node else (min(bw, node_bw),
+                                                              max(step_lat, node_lat))
     if len(dcs) == 1:
-        lat = 2 * (dp - 1) * cost.COLLECTIVE_LATENCY_S
+        lat = 2 * (dp - 1) * step_lat
         return lat, factor * 2 * (dp - 1) / dp / (bw * 1e9), 0.0
     # hierarchical: intra-DC reduce-scatter, inter-DC all-reduce of shards, intra-DC all-gather
     k = len(dcs)
@@ -237,7 +243,7 @@ def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
     gather = eb / 8.0 if spec.training.optimizer_sharding else 0.0
     # every TP rank's shard owners share the link: tp·(1/tp of the grads) = the whole stage
     per_byte_inter = cross * (shrink + gather) * tp / (link.gbytes * 1e9)
-    lat = 2 * (local - 1) * cost.COLLECTIVE_LATENCY_S + 2 * (k - 1) * link.latency_ms / 1e3
+    lat = 2 * (local - 1) * step_lat + 2 * (k - 1) * link.latency_ms / 1e3
     return lat, factor * intra + per_byte_inter, cross * (shrink + gather) * tp
 
 
@@ -304,6 +310,7 @@ def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_b
         lat += cost.HOST_STAGING_LATENCY_S
     else:
         bw = nic
+    bw, lat = cost.p2p_link(dst.device, *cost.p2p_link(src.device, bw, lat))
     return 2 * cost.transfer_s(nbytes, bw, lat)
 
 
@@ -1331,9 +1338,16 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
         )
     measured = sorted({u.device.name for u in best.units
                        if u.device.profile is not None and u.device.profile.matches(spec.model)})
+    comm = sorted({u.device.name for u in best.units
+                   if u.device.profile is not None and u.device.profile.comm is not None})
     if measured:
         notes.append(f"layer times of {', '.join(measured)} from device profiles (measured); "
-                     "other devices, the LM head and communication from the catalog model")
+                     "other devices, the LM head" + ("" if comm else " and communication")
+                     + " from the catalog model")
+    if comm:
+        notes.append(f"collectives inside a node of {', '.join(comm)} from device profiles "
+                     "(measured all-reduce and p2p); links between nodes from the catalog "
+                     "model, no faster than measured")
     used = best.dp * sum(best.tps)
     total = sum(u.gpus for u in set(best.units))
     if used < total:

@@ -13,13 +13,25 @@ document::
     layer:                            # one layer, tp 1, no recompute; medians of repeats
       - {microBatch: 1, forwardS: 0.0011, backwardS: 0.0023}
       - {microBatch: 2, forwardS: 0.0019, backwardS: 0.0041}
+    optimizerBytesPerS: 2.1e+09       # optional: the optimizer step's measured bandwidth
+    comm:                             # optional: two ranks on one node (runtime/comm_profile.py)
+      ranks: 2
+      backend: gloo
+      p2p: [{bytes: 4096, seconds: 0.00012}, {bytes: 1048576, seconds: 0.00067}]
+      allReduce: [{bytes: 4096, seconds: 0.00015}, {bytes: 1048576, seconds: 0.0012}]
 
 The planner (``hettrain plan --profile FILE``) fits ``t(b) = α + β·b`` (least squares over the
 measured microbatch sizes, ``α ≥ 0``) to forward+backward seconds and uses it, divided by ``tp``,
 for every layer of a device and model shape the profile matches; full recompute adds the
-measured forward share. Everything else (TP/DP/PP communication, the LM head, other devices and
-shapes) stays on the catalog model, and the plan notes say which devices were measured.
-Pure: no torch here (the runtime writes the document, this module reads it).
+measured forward share. ``comm`` is fitted the same way against bytes: a p2p transfer's latency
+and bandwidth, and a ring all-reduce's per-step latency and bus bandwidth (its ``2(n − 1)``
+steps and ``2(n − 1)/n`` bytes per byte at the measured ``n`` ranks). They do not depend on the
+model: the device's collectives inside a node (TP, CP, a DP group within a node) run at the
+measured all-reduce, and every pipeline transfer of the device takes at least the measured p2p
+latency and at most its bandwidth (the same library on every path). Everything else (the LM
+head, other devices and shapes, links between nodes) stays on the catalog model, and the plan
+notes say which devices were measured. Pure: no torch here (the runtime writes the document,
+this module reads it).
 """
 
 from __future__ import annotations
@@ -66,6 +78,52 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return 0.0, sxy / sxx  # through the origin
 
 
+def fit_line_relative(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``y = α + β·x`` minimising the RELATIVE errors (weights ``1/y²``), ``α ≥ 0``, ``β > 0``:
+    message sizes span orders of magnitude, and a plain least-squares intercept would be set
+    by the largest message's noise rather than by the small messages' latency."""
+    w = [1.0 / (y * y) for _, y in points]
+    sw = sum(w)
+    sx = sum(wi * x for wi, (x, _) in zip(w, points, strict=True))
+    sy = sum(wi * y for wi, (_, y) in zip(w, points, strict=True))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points, strict=True))
+    sxy = sum(wi * x * y for wi, (x, y) in zip(w, points, strict=True))
+    den = sw * sxx - sx * sx
+    if den > 0:
+        beta = (sw * sxy - sx * sy) / den
+        alpha = (sy - beta * sx) / sw
+        if alpha >= 0 and beta > 0:
+            return alpha, beta
+        if beta > 0:  # a negative intercept: refit through the origin
+            return 0.0, sxy / sxx
+    # no positive slope in the noise: the smallest time as latency, the largest message's rest
+    x_top, y_top = max(points)
+    alpha = min(y for _, y in points)
+    if y_top > alpha:
+        return alpha, (y_top - alpha) / x_top
+    return 0.0, y_top / x_top
+
+
+@dataclass(frozen=True, slots=True)
+class CommProfile:
+    """Measured transfers between two ranks of one node, fitted as latency + bytes/bandwidth."""
+
+    p2p_latency_s: float
+    p2p_bytes_per_s: float
+    ring_step_latency_s: float  # α of one ring all-reduce step
+    bus_bytes_per_s: float  # ring all-reduce bus bandwidth (2(n − 1)/n bytes per byte)
+    ranks: int = 2
+    backend: str = ""
+    rows: tuple[tuple[str, int, float], ...] = ()  # (kind, bytes, seconds) as measured
+
+    def all_reduce_s(self, nbytes: float, ranks: int) -> float:
+        """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` ranks of this node."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        return (2 * (ranks - 1) * self.ring_step_latency_s
+                + 2 * (ranks - 1) / ranks * nbytes / self.bus_bytes_per_s)
+
+
 @dataclass(frozen=True, slots=True)
 class LayerProfile:
     """Measured seconds of one layer (forward + backward, tp 1) as ``α + β·microbatch``."""
@@ -80,6 +138,7 @@ class LayerProfile:
     # measured optimizer-step bandwidth (cost.optimizer_step_bytes / measured seconds);
     # 0: not measured, the catalog's HBM bandwidth is used
     optimizer_bytes_per_s: float = 0.0
+    comm: CommProfile | None = None  # measured transfers inside a node (None: catalog links)
 
     def matches(self, model: ModelSpec) -> bool:
         """True when the profile measured this model's layer shape."""
@@ -135,7 +194,54 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
                                         or not math.isfinite(opt) or opt <= 0):
         raise PlanningInputError(f"{where}.optimizerBytesPerS",
                                  "must be a positive number of bytes per second (or left out)")
-    return LayerProfile(device, shape, alpha, beta, fwd / total, software, where, float(opt))
+    comm = comm_from_doc(doc["comm"], f"{where}.comm") if "comm" in doc else None
+    return LayerProfile(device, shape, alpha, beta, fwd / total, software, where, float(opt),
+                        comm)
+
+
+def _comm_rows(doc: Mapping, kind: str, where: str) -> list[tuple[float, float]]:
+    rows = doc.get(kind)
+    if not isinstance(rows, list) or len(rows) < 2:
+        raise PlanningInputError(f"{where}.{kind}", "needs at least two measured sizes "
+                                 "(re-run hettrain profile)")
+    points = []
+    for i, r in enumerate(rows):
+        try:
+            nbytes, secs = float(r["bytes"]), float(r["seconds"])
+        except (KeyError, TypeError, ValueError):
+            raise PlanningInputError(f"{where}.{kind}[{i}]", "needs bytes and seconds") from None
+        if not (nbytes >= 1 and math.isfinite(nbytes) and secs > 0 and math.isfinite(secs)):
+            raise PlanningInputError(f"{where}.{kind}[{i}]",
+                                     "bytes >= 1 and positive, finite seconds required")
+        points.append((nbytes, secs))
+    if len({b for b, _ in points}) < 2:
+        raise PlanningInputError(f"{where}.{kind}", "needs at least two different sizes")
+    return points
+
+
+def comm_from_doc(doc: Any, where: str) -> CommProfile:
+    """Parse a profile's ``comm`` section (module docstring); errors name the field."""
+    if not isinstance(doc, Mapping):
+        raise PlanningInputError(where, "must be a mapping with ranks, p2p and allReduce")
+    ranks = doc.get("ranks")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+        raise PlanningInputError(f"{where}.ranks", "must be an integer >= 2 (the ranks measured)")
+    p2p = _comm_rows(doc, "p2p", where)
+    ring = _comm_rows(doc, "allReduce", where)
+    p2p_lat, p2p_slope = fit_line_relative(p2p)
+    ar_lat, ar_slope = fit_line_relative(ring)
+    steps = 2 * (ranks - 1)
+    rows = tuple((kind, int(b), t) for kind, pts in (("p2p", p2p), ("allReduce", ring))
+                 for b, t in pts)
+    return CommProfile(p2p_lat, 1.0 / p2p_slope, ar_lat / steps,
+                       steps / ranks / ar_slope, ranks, str(doc.get("backend", "")), rows)
+
+
+def comm_doc(comm: CommProfile) -> dict[str, Any]:
+    """The ``comm`` section that reads back as ``comm`` (its measured rows)."""
+    return {"ranks": comm.ranks, "backend": comm.backend,
+            **{kind: [{"bytes": b, "seconds": t} for k, b, t in comm.rows if k == kind]
+               for kind in ("p2p", "allReduce")}}
 
 
 def load_profile(path: str | Path) -> LayerProfile:
@@ -165,10 +271,15 @@ def apply_profiles(inventory: Any, profiles: Iterable[LayerProfile]) -> Any:
 
 def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
                 rows: Sequence[tuple[int, float, float]],
-                optimizer_bytes_per_s: float = 0.0) -> dict[str, Any]:
+                optimizer_bytes_per_s: float = 0.0,
+                comm: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The YAML document for measured ``(microBatch, forwardS, backwardS)`` rows (and the
-    measured optimizer bandwidth, when given)."""
-    extra = {"optimizerBytesPerS": optimizer_bytes_per_s} if optimizer_bytes_per_s else {}
+    measured optimizer bandwidth and ``comm`` section, when given)."""
+    extra: dict[str, Any] = {}
+    if optimizer_bytes_per_s:
+        extra["optimizerBytesPerS"] = optimizer_bytes_per_s
+    if comm:
+        extra["comm"] = dict(comm)
     return {
         "apiVersion": "hettrain.dev/v1alpha1", "kind": PROFILE_KIND, "version": PROFILE_VERSION,
         "device": device, "software": dict(software),

@@ -4,11 +4,13 @@ For one model shape (a job's ``spec.model``) and a few microbatch sizes, times o
 :class:`hettrain.runtime.model.LlamaDecoderLayer` forward and backward (tp 1, no recompute;
 the median of
 ``repeats`` runs after two warm-up runs), and the optimizer step over that block's parameters
-in the job's precision (``optimizerBytesPerS``), and writes the versioned ``DeviceProfile``
-YAML that ``planning/profiles.py`` reads (``hettrain plan --profile FILE``).
+in the job's precision (``optimizerBytesPerS``), and, unless ``--no-comm``, two local ranks'
+pipeline transfers and all-reduce (``comm``: ``runtime/comm_profile.py``; skipped on a node
+with one accelerator), and writes the versioned ``DeviceProfile`` YAML that
+``planning/profiles.py`` reads (``hettrain plan --profile FILE``).
 
 Usage: python -m hettrain.runtime.profile JOB.yaml --device-name CPU --out profile.yaml
-       [--micro-batches 1,2,4] [--repeats 5]
+       [--micro-batches 1,2,4] [--repeats 5] [--no-comm]
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ from hettrain.api.spec import ModelSpec, SpecError, TrainingSpec, parse_job_mani
 from hettrain.planning import cost
 from hettrain.planning.profiles import profile_doc
 from hettrain.profile_cli import add_arguments
+from hettrain.runtime.comm_profile import measure_comm
 from hettrain.runtime.model import LlamaDecoderLayer, rope_cos_sin
 from hettrain.runtime.optim import StageOptimizer
 
 WARMUP = 2  # untimed runs before the timed ones
+COMM_SMALL_BYTES = 4096  # the latency point of the communication measurement
+COMM_MAX_BYTES = 32 << 20
+COMM_REPEATS = 15  # transfers are cheap and noisier than layers: more runs per size
 
 
 def _sync(device: torch.device) -> None:
@@ -88,14 +94,29 @@ def measure_optimizer(model: ModelSpec, training: TrainingSpec, repeats: int,
     return cost.optimizer_step_bytes(n, opt.t, 1) / statistics.median(times)
 
 
+def comm_sizes(model: ModelSpec, micro_batches: Sequence[int], elem_bytes: int) -> list[int]:
+    """Message bytes :func:`measure_comm` times: a small one (latency), the model's pipeline
+    boundary tensor at each microbatch size, and one layer's fp32 gradient (DP; at most
+    ``COMM_MAX_BYTES``)."""
+    sizes = {COMM_SMALL_BYTES, min(COMM_MAX_BYTES, 4 * cost.layer_params(model))}
+    sizes.update(int(cost.activation_bytes(model, b, elem_bytes)) for b in micro_batches)
+    return sorted(s for s in sizes if s <= COMM_MAX_BYTES)
+
+
 def profile(model: ModelSpec, device_name: str, micro_batches: Sequence[int], repeats: int,
-            device: torch.device, training: TrainingSpec | None = None) -> dict:
+            device: torch.device, training: TrainingSpec | None = None,
+            comm: bool = False) -> dict:
     """The ``DeviceProfile`` document of ``model``'s layer (and, with ``training``, its
-    optimizer step in that precision) on ``device``."""
+    optimizer step in that precision; with ``comm``, two local ranks' p2p and all-reduce:
+    ``runtime/comm_profile.py``) on ``device``."""
     rows = [(b, *measure_layer(model, b, repeats, device)) for b in micro_batches]
     software = {"torch": str(torch.__version__), "python": platform.python_version()}
     opt = measure_optimizer(model, training, repeats, device) if training is not None else 0.0
-    return profile_doc(device_name, software, model, rows, opt)
+    links = None
+    if comm:
+        eb = cost.precision_bytes(training) if training is not None else 4
+        links = measure_comm(comm_sizes(model, micro_batches, eb), max(COMM_REPEATS, repeats))
+    return profile_doc(device_name, software, model, rows, opt, links)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -113,8 +134,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {args.job}: {exc}", file=sys.stderr)
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    out = profile(spec.model, args.device_name, args.micro_batches, args.repeats, device,
-                  spec.training)
+    try:
+        out = profile(spec.model, args.device_name, args.micro_batches, args.repeats, device,
+                      spec.training, comm=args.comm)
+    except RuntimeError as exc:  # the communication ranks failed: say so, write nothing
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     try:
         Path(args.out).write_text(yaml.safe_dump(out, sort_keys=False))
     except OSError as exc:

@@ -1,0 +1,157 @@
+"""``hettrain profile``'s communication side: two local ranks time the runtime's own transfers.
+
+Two processes on this node (``python -m hettrain.runtime.comm_profile --rank R``), joined by a
+file store, time for each message size (median of ``repeats`` after ``WARMUP`` untimed runs,
+every run started together at a barrier):
+
+- **p2p**: one pipeline-boundary transfer, the runtime's own ``send_tensor`` / ``recv_tensor``
+  (``runtime/collectives/p2p.py``: through host memory, over gloo): half a ping-pong round
+  trip;
+- **allReduce**: ``dist.all_reduce`` of the size in the pool's backend (gloo on the CPU, nccl
+  on CUDA), as the TP and DP groups inside a node run it.
+
+The rows go into the profile's ``comm`` section (``planning/profiles.py`` fits
+``latency + bytes / bandwidth`` to them). On CUDA it needs two visible devices; with fewer
+(a profiling pod holds one GPU) :func:`measure_comm` returns ``None`` and the planner keeps the
+catalog's link model for that device.
+
+Usage (what :func:`measure_comm` runs, once per rank):
+    python -m hettrain.runtime.comm_profile --rank 0 --store DIR/store --sizes 4096,65536
+           --repeats 5 --out DIR/rank-0.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+WARMUP = 2
+RANKS = 2
+TIMEOUT_S = 300
+
+
+def _devices_available() -> int:
+    """This node's devices the ranks would use: its CUDA devices, else any number of CPU
+    processes (:data:`RANKS`)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else RANKS
+
+
+def measure_comm(sizes: Sequence[int], repeats: int) -> dict | None:
+    """The ``comm`` section of a profile: medians of p2p and all-reduce seconds per size,
+    measured by :data:`RANKS` local processes; ``None`` where the node has one device only."""
+    if _devices_available() < RANKS:
+        return None
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # as launch_local runs every rank
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [Path(tmp) / f"rank-{r}.json" for r in range(RANKS)]
+        logs = [Path(tmp) / f"rank-{r}.log" for r in range(RANKS)]
+        procs = []
+        for r in range(RANKS):
+            with logs[r].open("wb") as log:  # the backends' chatter; shown only on failure
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "hettrain.runtime.comm_profile", "--rank", str(r),
+                     "--store", str(Path(tmp) / "store"), "--sizes", ",".join(map(str, sizes)),
+                     "--repeats", str(repeats), "--out", str(outs[r])],
+                    env=env, stdout=log, stderr=subprocess.STDOUT))
+        try:
+            codes = [p.wait(TIMEOUT_S) for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+                p.wait()
+            raise RuntimeError(f"the communication measurement took over {TIMEOUT_S} s") from None
+        if any(codes):
+            tail = logs[codes.index(next(c for c in codes if c))].read_text(errors="replace")
+            raise RuntimeError(f"the communication measurement failed (exit codes {codes}): "
+                               f"{tail.strip().splitlines()[-1] if tail.strip() else 'no output'}")
+        doc = json.loads(outs[0].read_text())
+    return {"ranks": RANKS, "backend": doc["backend"], "p2p": doc["p2p"],
+            "allReduce": doc["allReduce"]}
+
+
+def _timed(fn, repeats: int, sync) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs after ``WARMUP``, each from a barrier."""
+    import torch.distributed as dist
+
+    times = []
+    for i in range(repeats + WARMUP):
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_rank(rank: int, store: str, sizes: Sequence[int], repeats: int) -> dict:
+    """One rank's measurements (rank 0's are reported)."""
+    import torch
+    import torch.distributed as dist
+
+    from hettrain.runtime.collectives.p2p import recv_tensor, send_tensor
+
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
+                            world_size=RANKS)
+    host_group = dist.new_group(backend="gloo") if cuda else None  # p2p goes through the host
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    peer = 1 - rank
+    out: dict = {"backend": backend, "p2p": [], "allReduce": []}
+    for nbytes in sizes:
+        t = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+
+        def ping_pong(t: torch.Tensor = t) -> None:
+            if rank == 0:
+                send_tensor(t, peer, host_group)
+                recv_tensor(t.shape, t.dtype, peer, device, host_group)
+            else:
+                got = recv_tensor(t.shape, t.dtype, peer, device, host_group)
+                send_tensor(got, peer, host_group)
+
+        def all_reduce(t: torch.Tensor = t) -> None:
+            dist.all_reduce(t)
+
+        real = t.numel() * 4
+        out["p2p"].append({"bytes": real, "seconds": _timed(ping_pong, repeats, sync) / 2})
+        out["allReduce"].append({"bytes": real, "seconds": _timed(all_reduce, repeats, sync)})
+    dist.barrier()  # rank 0 serves the store: nobody tears down while a peer still uses it
+    dist.destroy_process_group()
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """One rank of :func:`measure_comm`."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--sizes", required=True)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    doc = run_rank(args.rank, args.store, [int(s) for s in args.sizes.split(",")], args.repeats)
+    Path(args.out).write_text(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
