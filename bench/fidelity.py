@@ -17,7 +17,8 @@ Table 1, the calibration set). A refusal (PlanningError) of a published layout i
 
 With ``--cpu``: predicted vs measured step time of small pipeline runs on this machine's CPU
 (:func:`cpu_rows`). ``hettrain profile``'s runtime side measures the model's block on the CPU
-(one thread, as every local rank runs), each layout is planned with that profile
+(one thread, as every local rank runs) and two local ranks time their transfers (the profile's
+``comm`` section), each layout is planned with that profile
 (``hettrain plan --profile``) and the layout pinned, then trained by real processes
 (``runtime.launch.launch_local``, gloo); the measured step time is rank 0's median over the
 steps after warm-up, and the median over ``--repeats`` rounds (each round profiles afresh and
@@ -213,8 +214,10 @@ CPU_LAYOUTS = (
 CPU_CLUSTER = {
     "apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "local-cpu"},
     "datacenters": [{"name": "dc"}],
-    "pools": [{"name": "cpu", "datacenter": "dc", "device": "CPU", "nodes": 2,
-               "gpusPerNode": 1, "nicGbps": 10}],
+    # every rank runs on this one host (launch_local): one node, its ranks' links measured by
+    # the profile's comm section
+    "pools": [{"name": "cpu", "datacenter": "dc", "device": "CPU", "nodes": 1,
+               "gpusPerNode": 2, "nicGbps": 10}],
 }
 
 

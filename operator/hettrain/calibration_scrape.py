@@ -2,7 +2,7 @@
 
 The runtime exports them on every rank's Prometheus endpoint (``runtime/stage_timing.py``;
 port 9400 + the rank's index in its pod). The operator reads the first rank of every pipeline
-stage (of replica group 0 when the plan has groups): no Kubernetes permission is needed
+stage (of every replica group when the plan has groups): no Kubernetes permission is needed
 (plain HTTP to the pod IP on the metrics port, which the job's NetworkPolicy admits from the
 scraper namespace and from the operator's own, ``HETTRAIN_OPERATOR_NAMESPACE``, set by the
 chart), and nothing is written into the training pods. Parsing and target selection are
@@ -16,6 +16,7 @@ import math
 import urllib.request
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -59,13 +60,13 @@ def parse_stage_metrics(text: str) -> StageMeasurement | None:
                             values.get("layers_s", 0.0))
 
 
-def stage_targets(plan: Plan, pods: Sequence[Mapping[str, Any]]) -> dict[int, str]:
-    """``{stage: metrics URL}`` of every stage's first rank among the running ``pods`` (of the
-    plan's attempt): pod IP, port 9400 + the rank's index in its pod.
-
-    With replica groups only group 0's ranks are read: their stages are ``plan.stages``, the
-    ones calibration compares (``planning.calibration``); another group's rank reports a
-    stage index of its own pipeline, on other devices, and must never stand in for one."""
+def stage_targets(plan: Plan, pods: Sequence[Mapping[str, Any]]
+                  ) -> dict[tuple[int, int], str]:
+    """``{(group, stage): metrics URL}`` of the first rank of every stage of every replica
+    group (group 0 only without ``Plan.groups``) among the running ``pods`` (of the plan's
+    attempt): pod IP, port 9400 + the rank's index in its pod. A rank reports the stage index
+    of its own group's pipeline, so the key carries the group: a rank of one group never
+    stands in for the same stage index of another."""
     by_node: dict[str, tuple[str, int]] = {}
     for pod in pods:
         status = pod.get("status") or {}
@@ -81,30 +82,33 @@ def stage_targets(plan: Plan, pods: Sequence[Mapping[str, Any]]) -> dict[int, st
             continue
         if spec.get("nodeName") in (None, node):
             by_node[node] = (str(ip), first)
-    out: dict[int, str] = {}
-    for r in plan.group_ranks(0):
-        if r.stage in out or r.node not in by_node:
+    out: dict[tuple[int, int], str] = {}
+    for r in plan.ranks:
+        key = (r.group, r.stage)
+        if key in out or r.node not in by_node:
             continue
         ip, first = by_node[r.node]
         host = f"[{ip}]" if ":" in ip else ip
-        out[r.stage] = f"http://{host}:{RUNTIME_METRICS_PORT + r.rank - first}/metrics"
+        out[key] = f"http://{host}:{RUNTIME_METRICS_PORT + r.rank - first}/metrics"
     return out
 
 
-def _get(stage: int, url: str, timeout: float) -> StageMeasurement | None:
+def _get(key: tuple[int, int], url: str, timeout: float) -> StageMeasurement | None:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             text = resp.read(1 << 20).decode("utf-8", "replace")
     except (OSError, ValueError):
         return None
     m = parse_stage_metrics(text)
-    return m if m is not None and m.stage == stage else None
+    group, stage = key
+    return replace(m, group=group) if m is not None and m.stage == stage else None
 
 
-def scrape(targets: Mapping[int, str], timeout: float = SCRAPE_TIMEOUT_S
+def scrape(targets: Mapping[tuple[int, int], str], timeout: float = SCRAPE_TIMEOUT_S
            ) -> list[StageMeasurement]:
-    """GET every target (up to :data:`SCRAPE_PARALLELISM` at once) and parse it; unreachable
-    or empty endpoints are left out."""
+    """GET every target (up to :data:`SCRAPE_PARALLELISM` at once) and parse it, each
+    measurement tagged with its target's replica group; unreachable or empty endpoints are
+    left out."""
     items = sorted(targets.items())
     if not items:
         return []

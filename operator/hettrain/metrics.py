@@ -23,10 +23,10 @@ PLAN_FAILURES = Counter("hettrain_plan_failures_total", "Plans that failed",
 RECONCILE_ERRORS = Counter("hettrain_reconcile_errors_total", "Errors in handlers", ["handler"])
 STAGE_PREDICTED = Gauge("hettrain_job_stage_predicted_seconds",
                         "Predicted forward+backward seconds of one microbatch per stage",
-                        ["namespace", "job", "stage", "device"])
+                        ["namespace", "job", "group", "stage", "device"])
 STAGE_MEASURED = Gauge("hettrain_job_stage_measured_seconds",
                        "Measured (runtime) forward+backward compute seconds of one microbatch "
-                       "per stage", ["namespace", "job", "stage", "device"])
+                       "per stage", ["namespace", "job", "group", "stage", "device"])
 CALIBRATION_REPLANS = Counter("hettrain_calibration_replans_total",
                               "Re-plans after calibration found a faster plan",
                               ["namespace", "job"])
@@ -35,7 +35,7 @@ for _handler in RECONCILE_HANDLERS:  # exported at 0 from the start, so rate() w
     RECONCILE_ERRORS.labels(_handler)
 
 _phases: dict[tuple[str, str], str] = {}
-_stage_labels: dict[tuple[str, str], set[tuple[str, str]]] = {}
+_stage_labels: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
 
 
 def serve(port: int = 8080, addr: str = "0.0.0.0") -> None:
@@ -77,14 +77,15 @@ def set_calibration(namespace: str, job: str, rows: list) -> None:
     """Record predicted vs measured seconds per stage (``planning.calibration.StageComparison``
     rows); an empty list removes the job's series."""
     key = (namespace, job)
-    fresh = {(str(r.stage), r.device) for r in rows}
-    for stage, device in _stage_labels.get(key, set()) - fresh:
+    fresh = {(str(r.group or 0), str(r.stage), r.device) for r in rows}
+    for group, stage, device in _stage_labels.get(key, set()) - fresh:
         for g in (STAGE_PREDICTED, STAGE_MEASURED):
             with contextlib.suppress(KeyError):
-                g.remove(namespace, job, stage, device)
+                g.remove(namespace, job, group, stage, device)
     for r in rows:
-        STAGE_PREDICTED.labels(namespace, job, str(r.stage), r.device).set(r.predicted_s)
-        STAGE_MEASURED.labels(namespace, job, str(r.stage), r.device).set(r.measured_s)
+        lab = (namespace, job, str(r.group or 0), str(r.stage), r.device)
+        STAGE_PREDICTED.labels(*lab).set(r.predicted_s)
+        STAGE_MEASURED.labels(*lab).set(r.measured_s)
     if fresh:
         _stage_labels[key] = fresh
     else:

@@ -774,7 +774,7 @@ def _calibrate(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observ
 
 def _calibration_verdict(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
                          planner: Planner, plan: Plan, attempt: int,
-                         measured: Mapping[int, cal.StageMeasurement], replans: int
+                         measured: Mapping[cal.StageKey, cal.StageMeasurement], replans: int
                          ) -> Decision:
     """The attempt's first usable measurements: status rows, refined profiles (stored), the
     verdict, and an Event saying what was measured and what follows."""
@@ -793,7 +793,7 @@ def _calibration_verdict(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, o
                                                                                software))
         for dev, p in refined.items()}
     step = max(m.step for m in measured.values())
-    rows = ", ".join(f"stage {r.stage} ({r.device}) {r.measured_s * 1e3:.3g} ms measured vs "
+    rows = ", ".join(f"{r.label} ({r.device}) {r.measured_s * 1e3:.3g} ms measured vs "
                      f"{r.predicted_s * 1e3:.3g} ms predicted" for r in d.calibration)
     status: dict[str, Any] = {
         "attempt": attempt, "step": step, "stages": [r.to_status() for r in d.calibration],

@@ -62,7 +62,8 @@ def test_a_running_job_reads_its_stage_first_ranks(monkeypatch: pytest.MonkeyPat
     status = {**d.status, "phase": c.PHASE_RUNNING}
     obs = handlers._with_calibration_inputs("ns", _body(SPEC_ON, status),
                                             Observed(pods=pods, nodes=_nodes(), plan=d.plan))
-    assert seen == [{0: "http://10.1.0.9:9400/metrics", 1: "http://10.1.0.9:9400/metrics"}]
+    assert seen == [{(0, 0): "http://10.1.0.9:9400/metrics",
+                     (0, 1): "http://10.1.0.9:9400/metrics"}]
     assert obs.stage_reports == (report,)
     # decided for this attempt (no re-plan pending): the runtime is not read again
     decided = {**status, "calibration": {"attempt": status["attempt"], "pendingReplan": False}}
@@ -89,11 +90,11 @@ def test_stage_metrics_are_set_and_removed() -> None:
     rows = [cal.StageComparison(0, "CPU-A", 0.010, 0.030, 0.001),
             cal.StageComparison(1, "CPU-B", 0.020, 0.021, 0.001)]
     metrics.set_calibration("ns", "m1", rows)
-    lab = {"namespace": "ns", "job": "m1", "stage": "0", "device": "CPU-A"}
+    lab = {"namespace": "ns", "job": "m1", "group": "0", "stage": "0", "device": "CPU-A"}
     assert _value("hettrain_job_stage_predicted_seconds", **lab) == pytest.approx(0.010)
     assert _value("hettrain_job_stage_measured_seconds", **lab) == pytest.approx(0.030)
     metrics.set_calibration("ns", "m1", rows[1:])  # stage 0 gone from the new plan
     assert _value("hettrain_job_stage_measured_seconds", **lab) is None
     metrics.set_phase("ns", "m1", None)  # the job is deleted: its series go
-    assert _value("hettrain_job_stage_measured_seconds", namespace="ns", job="m1", stage="1",
-                  device="CPU-B") is None
+    assert _value("hettrain_job_stage_measured_seconds", namespace="ns", job="m1", group="0",
+                  stage="1", device="CPU-B") is None

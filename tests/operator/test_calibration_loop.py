@@ -97,11 +97,11 @@ class Attempt:
             "HETTRAIN_LOSS_LOG": str(self.loss_log), "HETTRAIN_DEVICE": "cpu",
             "HETTRAIN_OPTIMIZER": "sgd", "HETTRAIN_CHECKPOINT_ASYNC": "0"})
 
-    def targets(self) -> dict[int, str]:
-        """Every stage's first rank (rank r serves on port + r here)."""
-        out: dict[int, str] = {}
+    def targets(self) -> dict[tuple[int, int], str]:
+        """Every stage's first rank (rank r serves on port + r here), by (group, stage)."""
+        out: dict[tuple[int, int], str] = {}
         for r in self.plan.ranks:
-            out.setdefault(r.stage, f"http://127.0.0.1:{self.port + r.rank}/metrics")
+            out.setdefault((r.group, r.stage), f"http://127.0.0.1:{self.port + r.rank}/metrics")
         return out
 
     def wait_reports(self, ok) -> list[StageMeasurement]:
@@ -253,6 +253,7 @@ def test_stage_targets(phase: str, ip: str | None, expect: bool) -> None:
             if p["kind"] == "Pod"]
     targets = stage_targets(d.plan, pods)
     if expect:
-        assert targets == {0: "http://10.0.0.7:9400/metrics", 1: "http://10.0.0.7:9400/metrics"}
+        assert targets == {(0, 0): "http://10.0.0.7:9400/metrics",
+                           (0, 1): "http://10.0.0.7:9400/metrics"}
     else:
         assert targets == {}

@@ -232,46 +232,60 @@ def test_repairs_of_a_grouped_job_count_against_max_repairs():
     assert get_condition(body["status"], c.COND_FAILED)["reason"] == c.REASON_MAX_REPAIRS
 
 
-def test_calibration_scrapes_group_0_stage_ranks_only():
-    """Calibration compares ``plan.stages`` (group 0's): a group-1 rank, whose stage index is
-    one of its own pipeline on other devices, never stands in for a group-0 stage whose pod
-    has no IP yet (before: the first rank with that stage index in rank order)."""
+def test_calibration_scrapes_every_groups_stage_ranks():
+    """Calibration reads the first rank of every stage of both groups, keyed by (group,
+    stage): a group-1 rank, whose stage index is one of its own pipeline on other devices,
+    never stands in for a group-0 stage whose pod has no IP yet."""
     _, d, pods = _launch()
     plan = d.plan
     ips = {_pinned_node(p): f"10.0.0.{i + 1}" for i, p in enumerate(pods)}
     for p in pods:
         p["status"] = {"phase": "Running", "podIP": ips[_pinned_node(p)]}
     want = {}
-    for r in plan.group_ranks(0):  # reference: every group-0 stage's first rank
-        if r.stage not in want:
+    for r in plan.ranks:  # reference: every (group, stage)'s first rank
+        if (r.group, r.stage) not in want:
             first = plan.ranks_on(r.node)[0].rank
-            want[r.stage] = f"http://{ips[r.node]}:{9400 + r.rank - first}/metrics"
-    assert stage_targets(plan, pods) == want and sorted(want) == list(range(plan.pp))
+            want[(r.group, r.stage)] = f"http://{ips[r.node]}:{9400 + r.rank - first}/metrics"
+    assert stage_targets(plan, pods) == want
+    assert sorted(want) == [(g.index, s) for g in plan.groups for s in range(g.pp)]
     stage0 = plan.group_ranks(0)[0].node
-    assert any(r.group == 1 and r.stage == 0 for r in plan.ranks)  # a would-be stand-in
+    assert (1, 0) in want  # a would-be stand-in
     no_ip = [{**p, "status": {"phase": "Running"}} if _pinned_node(p) == stage0 else p
              for p in pods]
     got = stage_targets(plan, no_ip)
-    assert 0 not in got and got == {s: u for s, u in want.items() if s != 0}
+    assert (0, 0) not in got and got == {k: u for k, u in want.items() if k != (0, 0)}
 
 
-@pytest.mark.parametrize("slower", [1.0, 2.0])
-def test_calibration_of_a_grouped_plan_compares_group_0_stages(slower):
-    """Group 0's stages (``plan.stages``) are measured and compared; measurements equal to
-    the prediction keep the plan, group 0 twice as slow as modelled re-plans (the corrected
-    model shifts the step's microbatches towards group 1)."""
+@pytest.mark.parametrize("slow_group", [None, 0, 1])
+def test_calibration_of_a_grouped_plan_compares_every_stage(slow_group):
+    """Every stage of both groups is measured and compared, and both devices refined.
+    Measurements equal to the prediction keep the plan (the current step under the corrected
+    model is the predicted one); a group measured twice as slow as modelled makes the current
+    layout slower (same batch split, ``replica_groups.grouped_step_s``), and re-plans when
+    the corrected model finds a plan faster by more than the threshold."""
     body, d, pods = _launch()
     plan = d.plan
     body["spec"]["calibration"] = {"enabled": True, "minSteps": 3}
     body["status"]["phase"] = c.PHASE_RUNNING
-    reports = [StageMeasurement(s.index, s.time_ms / 1e3 * slower, 0.001, 5, 10, 5)
-               for s in plan.stages]
+    reports = [StageMeasurement(s.index, s.time_ms / 1e3 * (2.0 if g.index == slow_group
+                                                            else 1.0), 0.001, 5, 10, 5,
+                                group=g.index)
+               for g in plan.groups for s in g.stages]
     out = reconcile(body, Observed(pods, _nodes(), plan, now=1100.0, stage_reports=reports))
     cal = out.status["calibration"]
-    assert [(r["stage"], r["device"]) for r in cal["stages"]] == [
-        (s.index, s.device) for s in plan.groups[0].stages]
-    assert [r["ratio"] for r in cal["stages"]] == [pytest.approx(slower)] * plan.pp
-    assert [r["device"] for r in cal["refined"]] == ["H100-SXM"]
-    assert cal["pendingReplan"] is (slower > 1.0)
-    if slower == 1.0:
-        assert cal["currentStepSeconds"] == pytest.approx(cal["bestStepSeconds"], rel=1e-6)
+    assert [(r["group"], r["stage"], r["device"]) for r in cal["stages"]] == [
+        (g.index, s.index, s.device) for g in plan.groups for s in g.stages]
+    assert [r["ratio"] for r in cal["stages"]] == [
+        pytest.approx(2.0 if g.index == slow_group else 1.0) for g in plan.groups
+        for _ in g.stages]
+    assert [r["device"] for r in cal["refined"]] == ["H100-SXM", "MI300X"]
+    calibrated = next(e.message for e in out.events if e.reason == c.REASON_CALIBRATED)
+    assert "group 1 stage 0 (MI300X)" in calibrated, calibrated
+    current, best = cal["currentStepSeconds"], cal["bestStepSeconds"]
+    if slow_group is None:
+        assert current == pytest.approx(plan.predicted.step_time_s, rel=1e-6)
+        assert current == pytest.approx(best, rel=1e-6) and not cal["pendingReplan"]
+    else:
+        assert current > plan.predicted.step_time_s * 1.05
+        # the corrected model moves microbatches (or layers) off the slow group: > 10% faster
+        assert best < current * 0.9 and cal["pendingReplan"]

@@ -38,7 +38,7 @@ def _true_profile(spec, device: str) -> LayerProfile:
     return LayerProfile(device, model_shape(spec.model), 2e-3, 3e-3, 1 / 3, source="true")
 
 
-def _measure(spec, plan, inv_true) -> dict[int, cal.StageMeasurement]:
+def _measure(spec, plan, inv_true) -> dict[cal.StageKey, cal.StageMeasurement]:
     """What a runtime on the TRUE devices measures for ``plan``'s stages: the true model's
     stage time of the same layout (the planner's own stage costing of the true inventory)."""
     devices = cal.devices_of(inv_true)
@@ -54,7 +54,7 @@ def _measure(spec, plan, inv_true) -> dict[int, cal.StageMeasurement]:
         other = s.time_ms / 1e3 - part_wrong
         true = other + layers * cost.layer_compute_s(spec.model, plan.micro_batch, s.tp, dev,
                                                      "none", eb)
-        out[s.index] = cal.StageMeasurement(s.index, true, 1e-4, steps=5, step=6)
+        out[(0, s.index)] = cal.StageMeasurement(s.index, true, 1e-4, steps=5, step=6)
     return out
 
 
@@ -109,7 +109,7 @@ def test_right_profile_keeps_the_plan() -> None:
     true_inv = _true_inventory(spec)
     plan = plan_job("j", spec, true_inv)
     devices = cal.devices_of(true_inv)
-    measured = {s.index: cal.StageMeasurement(s.index, s.time_ms / 1e3, 0.0, 5)
+    measured = {(0, s.index): cal.StageMeasurement(s.index, s.time_ms / 1e3, 0.0, 5)
                 for s in plan.stages}
     assert cal.layer_scale(spec, plan, measured, devices) == pytest.approx(
         {"CPU-A": 1.0, "CPU-B": 1.0})
@@ -138,7 +138,7 @@ def test_catalog_device_gets_a_profile_fitted_to_the_model() -> None:
         layers = s.layer_end - s.layer_start
         part = layers * cost.layer_compute_s(spec.model, plan.micro_batch, s.tp,
                                              devices[s.device], "none", 4)
-        measured[s.index] = cal.StageMeasurement(s.index, s.time_ms / 1e3 + part, 0.0, 5)
+        measured[(0, s.index)] = cal.StageMeasurement(s.index, s.time_ms / 1e3 + part, 0.0, 5)
     refined = cal.refine_profiles(spec, plan, measured, devices)
     for name, prof in refined.items():
         for b in (1, 2, 4):  # the fitted line reproduces the catalog model, doubled
@@ -150,7 +150,9 @@ def test_usable_needs_every_stage_and_enough_steps() -> None:
     spec = parse_job_spec(JOB)
     plan = plan_job("j", spec, _inventory())
     full = [cal.StageMeasurement(i, 0.01, 0.0, 5) for i in range(plan.pp)]
-    assert set(cal.usable(full, plan, 3)) == set(range(plan.pp))
+    assert set(cal.usable(full, plan, 3)) == {(0, i) for i in range(plan.pp)}
+    # a measurement of another replica group's stage never stands in for group 0's
+    assert cal.usable([dataclasses.replace(full[0], group=1), *full[1:]], plan, 3) == {}
     assert cal.usable(full[:1], plan, 3) == {}
     assert cal.usable(full, plan, 6) == {}
     bad = [dataclasses.replace(full[0], compute_s=float("nan")), full[1]]
@@ -196,7 +198,7 @@ def test_measured_layer_time_is_compared_with_the_layers_alone() -> None:
         part = (s.layer_end - s.layer_start) * cost.layer_compute_s(
             spec.model, plan.micro_batch, s.tp, devices[s.device], "none", 4)
         k = 3.0 if s.device == "CPU-A" else 1.0
-        measured[s.index] = cal.StageMeasurement(
+        measured[(0, s.index)] = cal.StageMeasurement(
             s.index, k * part + 10 * (s.time_ms / 1e3 - part), 0.0, 5, layers_s=k * part)
     assert cal.layer_scale(spec, plan, measured, devices) == pytest.approx(
         {"CPU-A": 3.0, "CPU-B": 1.0})

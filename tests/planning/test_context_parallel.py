@@ -179,6 +179,6 @@ def test_calibration_prices_a_cp_stage_on_its_own_tokens():
             part = s.layers * context.cp_layer_compute_s(
                 spec.model, plan.micro_batch, s.tp, s.cp, devices[s.device], "none",
                 cost.precision_bytes(spec.training))
-            measured[s.index] = cal.StageMeasurement(s.index, s.time_ms / 1e3, 0.0, 5,
+            measured[(0, s.index)] = cal.StageMeasurement(s.index, s.time_ms / 1e3, 0.0, 5,
                                                      layers_s=k * part)
         assert cal.layer_scale(spec, plan, measured, devices) == pytest.approx({"H100-SXM": k})

@@ -22,6 +22,7 @@ from hettrain.planning.replica_groups import (
     feasible_progression,
     feasible_splits,
     group_options,
+    grouped_step_s,
     split_time,
     tp_runs,
 )
@@ -101,6 +102,48 @@ def _time(uniform, inv, option, split):
     a0, b0 = lines[0]
     return (uniform.predicted.step_time_s - (a0 + b0 * uniform.num_microbatches)
             + cross_dc_sync_s(uniform, inv, option) + split_time(lines, *split))
+
+
+@pytest.mark.parametrize("n_amd", [1, 2])
+def test_grouped_step_re_times_every_stage_of_both_groups(n_amd):
+    """``grouped_step_s`` on the planning inventory reproduces the grouped plan's predicted
+    step; with one device's layers twice as slow (a scaled profile, as calibration refines
+    it) it equals the step computed independently from re-timed stages, same split."""
+    from hettrain.planning import cost
+    from hettrain.planning.calibration import catalog_profile, scaled, with_profiles
+
+    uniform, inv = _plans(n_amd, "dc-a")
+    grouped = add_replica_group(uniform, inv)
+    assert grouped.groups
+    spec = parse_job_spec(job_body()["spec"])
+    assert grouped_step_s(spec, inv, grouped) == pytest.approx(
+        grouped.predicted.step_time_s, rel=1e-8)  # time_ms is rounded to 1 ns
+    g0, g1 = grouped.groups
+    for device in ("H100-SXM", "MI300X"):
+        dev = next(p.device for p in inv.pools if p.device.name == device)
+        slow = with_profiles(inv, {device: scaled(catalog_profile(dev, spec.model), 2.0)},
+                             spec.model)
+        got = grouped_step_s(spec, slow, grouped)
+        # independently: every stage's layers re-timed on the slowed device
+        def stage_s(st, pool_dev, last):
+            t = ((st.layer_end - st.layer_start)
+                 * cost.layer_time_s(spec.model, spec.training, grouped.micro_batch, st.tp,
+                                     pool_dev))
+            return t + (cost.head_time_s(spec.model, grouped.micro_batch, st.tp, pool_dev)
+                        if last else 0.0)
+        devs = {p.device.name: p.device for p in slow.pools}
+        new1 = [stage_s(st, devs[st.device], i == g1.pp - 1) for i, st in enumerate(g1.stages)]
+        old1 = [st.time_ms / 1e3 for st in g1.stages]
+        old0 = [st.time_ms / 1e3 for st in g0.stages]
+        if device == "MI300X":  # group 0 unchanged: only group 1's line moves
+            lines_old = (affine(old0, grouped.schedule), affine(old1, grouped.schedule))
+            lines_new = (lines_old[0], affine(new1, grouped.schedule))
+            want = (grouped.predicted.step_time_s
+                    - split_time(lines_old, g0.num_microbatches, g1.num_microbatches)
+                    + split_time(lines_new, g0.num_microbatches, g1.num_microbatches))
+            assert got == pytest.approx(want, rel=1e-8)
+        else:  # group 0's layers slower: its stages take longer, the step too
+            assert got > grouped.predicted.step_time_s * 1.2
 
 
 def test_no_idle_pool_keeps_the_plan():

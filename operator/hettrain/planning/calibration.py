@@ -5,7 +5,8 @@ of one microbatch spent computing (the pipeline's receives and sends excluded) a
 seconds spent communicating per step (``runtime/stage_timing.py``). This module, pure like
 the rest of the planning core, turns those numbers into decisions:
 
-1. :func:`compare` — predicted (``plan.stages[i].time_ms``) vs measured, per stage;
+1. :func:`compare` — predicted (``time_ms``) vs measured, per stage of every replica group
+   (keyed ``(group, stage)``; group 0 alone without ``Plan.groups``);
 2. :func:`refine_profiles` — for every device of the plan, the factor ``r`` by which its
    layers really are slower (or faster) than the model said: the measured time of the
    stage's decoder layers (the runtime times them apart from the embedding, head and loss;
@@ -14,7 +15,9 @@ the rest of the planning core, turns those numbers into decisions:
    (``planning/profiles.py``; a catalog device gets one fitted to the catalog model first) is
    scaled by ``r``;
 3. :func:`evaluate` — with the refined profiles, the current layout's step time
-   (:func:`~hettrain.planning.planner.step_time_for_split`) against the best new plan's; a
+   (:func:`~hettrain.planning.planner.step_time_for_split`; with replica groups
+   :func:`~hettrain.planning.replica_groups.grouped_step_s`, the batch split kept) against the
+   best new plan's; a
    re-plan pays off when the new plan is faster by more than ``spec.calibration.replanThreshold``.
 
 Profiles are stored by the operator under :func:`store_key` (device, model shape, image: the
@@ -35,7 +38,7 @@ from hettrain.api.spec import JobSpec, ModelSpec
 from hettrain.planning import context, cost
 from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.errors import PlanningError
-from hettrain.planning.plan import Plan
+from hettrain.planning.plan import Plan, StagePlan
 from hettrain.planning.profiles import (
     LayerProfile,
     Shape,
@@ -61,6 +64,7 @@ class StageMeasurement:
     step: int = 0  # last completed optimizer step
     checkpoint_step: int = 0  # last complete checkpoint
     layers_s: float = 0.0  # forward+backward of the stage's decoder layers only (0: unknown)
+    group: int = 0  # the replica group whose pipeline ``stage`` indexes (Plan.groups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,15 +76,23 @@ class StageComparison:
     predicted_s: float
     measured_s: float
     comm_s: float
+    group: int | None = None  # the replica group (None: the plan has no groups)
 
     @property
     def ratio(self) -> float:
         """measured / predicted (1.0: the model was right)."""
         return self.measured_s / self.predicted_s if self.predicted_s > 0 else math.inf
 
+    @property
+    def label(self) -> str:
+        """``stage N``, or ``group G stage N`` in a plan with replica groups."""
+        return f"stage {self.stage}" if self.group is None else \
+            f"group {self.group} stage {self.stage}"
+
     def to_status(self) -> dict[str, Any]:
         """The ``status.calibration.stages[]`` entry (milliseconds, rounded)."""
-        return {"stage": self.stage, "device": self.device,
+        group = {} if self.group is None else {"group": self.group}
+        return {**group, "stage": self.stage, "device": self.device,
                 "predictedMs": round(self.predicted_s * 1e3, 4),
                 "measuredMs": round(self.measured_s * 1e3, 4),
                 "commMs": round(self.comm_s * 1e3, 4), "ratio": round(self.ratio, 4)}
@@ -112,21 +124,34 @@ class Verdict:
                 f"({100 * self.gain:.1f}% faster; threshold {100 * self.threshold:.0f}%)")
 
 
+StageKey = tuple[int, int]  # (replica group, stage index in its pipeline)
+
+
+def plan_stages(plan: Plan) -> list[tuple[StageKey, StagePlan]]:
+    """Every stage of every replica group (``plan.stages`` as group 0 without groups), keyed
+    by ``(group, stage)``."""
+    groups = [g.stages for g in plan.groups] if plan.groups else [plan.stages]
+    return [((g, s.index), s) for g, stages in enumerate(groups) for s in stages]
+
+
 def usable(measurements: Iterable[StageMeasurement], plan: Plan, min_steps: int
-           ) -> dict[int, StageMeasurement]:
-    """The measurements of the plan's stages with at least ``min_steps`` steps and a positive
-    compute time; empty unless every stage has one (a partial picture is not acted on)."""
-    out = {m.stage: m for m in measurements
-           if 0 <= m.stage < plan.pp and m.steps >= min_steps and m.compute_s > 0
+           ) -> dict[StageKey, StageMeasurement]:
+    """The measurements of the plan's stages (of every replica group) with at least
+    ``min_steps`` steps and a positive compute time, by ``(group, stage)``; empty unless every
+    stage has one (a partial picture is not acted on)."""
+    stages = dict(plan_stages(plan))
+    out = {(m.group, m.stage): m for m in measurements
+           if (m.group, m.stage) in stages and m.steps >= min_steps and m.compute_s > 0
            and math.isfinite(m.compute_s) and math.isfinite(m.comm_s)}
-    return out if len(out) == plan.pp else {}
+    return out if len(out) == len(stages) else {}
 
 
-def compare(plan: Plan, measured: Mapping[int, StageMeasurement]) -> list[StageComparison]:
-    """Predicted vs measured per stage (only the stages measured)."""
-    return [StageComparison(s.index, s.device, s.time_ms / 1e3, measured[s.index].compute_s,
-                            measured[s.index].comm_s)
-            for s in plan.stages if s.index in measured]
+def compare(plan: Plan, measured: Mapping[StageKey, StageMeasurement]
+            ) -> list[StageComparison]:
+    """Predicted vs measured per stage of every replica group (only the stages measured)."""
+    return [StageComparison(s.index, s.device, s.time_ms / 1e3, measured[key].compute_s,
+                            measured[key].comm_s, key[0] if plan.groups else None)
+            for key, s in plan_stages(plan) if key in measured]
 
 
 def catalog_profile(device: DeviceSpec, model: ModelSpec) -> LayerProfile:
@@ -141,7 +166,7 @@ def catalog_profile(device: DeviceSpec, model: ModelSpec) -> LayerProfile:
                         source="catalog")
 
 
-def layer_scale(spec: JobSpec, plan: Plan, measured: Mapping[int, StageMeasurement],
+def layer_scale(spec: JobSpec, plan: Plan, measured: Mapping[StageKey, StageMeasurement],
                 devices: Mapping[str, DeviceSpec]) -> dict[str, float]:
     """Per device of the plan: measured / predicted time of its layers (see the module doc).
 
@@ -152,8 +177,8 @@ def layer_scale(spec: JobSpec, plan: Plan, measured: Mapping[int, StageMeasureme
     eb = cost.precision_bytes(spec.training)
     num: dict[str, float] = {}
     den: dict[str, float] = {}
-    for s in plan.stages:
-        m = measured.get(s.index)
+    for key, s in plan_stages(plan):
+        m = measured.get(key)
         dev = devices.get(s.device)
         if m is None or dev is None:
             continue
@@ -178,7 +203,7 @@ def scaled(profile: LayerProfile, factor: float, source: str = "calibration") ->
                                source=source)
 
 
-def refine_profiles(spec: JobSpec, plan: Plan, measured: Mapping[int, StageMeasurement],
+def refine_profiles(spec: JobSpec, plan: Plan, measured: Mapping[StageKey, StageMeasurement],
                     devices: Mapping[str, DeviceSpec]) -> dict[str, LayerProfile]:
     """The refined profile of every measured device of the plan (its current profile, or the
     catalog model's, scaled by :func:`layer_scale`)."""
@@ -197,10 +222,12 @@ def evaluate(spec: JobSpec, plan: Plan, corrected: Any,
     (profiles refined). ``planner(spec, inventory, previous)`` plans; a planning error leaves
     the current plan (``best`` None)."""
     from hettrain.planning.planner import step_time_for_split
+    from hettrain.planning.replica_groups import grouped_step_s
 
     split = [s.layer_end - s.layer_start for s in plan.stages]
     try:
-        current = step_time_for_split(spec, corrected, plan, split)
+        current = (grouped_step_s(spec, corrected, plan) if plan.groups
+                   else step_time_for_split(spec, corrected, plan, split))
     except (KeyError, ValueError):  # the plan's pools left the inventory: nothing to compare
         current = None
     if current is None:

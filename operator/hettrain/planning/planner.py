@@ -1517,6 +1517,20 @@ def step_time_for_split(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
 
     Used by ``bench/plan_scale.py`` to price the uniform split of the same layout.
     """
+    costs = split_costs(spec, inventory, plan, split)
+    if costs is None:
+        return None
+    stage_s, boundaries, dp_s = costs
+    pipe, _ = cost.pipeline_time_s(stage_s, boundaries, plan.num_microbatches, plan.schedule,
+                                   plan.virtual_stages)
+    return pipe + dp_s
+
+
+def split_costs(spec: JobSpec, inventory: ClusterInventory, plan: Plan, split: Sequence[int]
+                ) -> tuple[list[float], list[float], float] | None:
+    """``(stage seconds per microbatch, boundary seconds, slowest DP sync)`` of ``plan``'s
+    layout (its ``plan.stages``: group 0's with replica groups) with the layer counts ``split``
+    on ``inventory``; None when a stage would exceed its memory or hold no layer."""
     if len(split) != plan.pp or sum(split) != spec.model.layers:
         raise ValueError(f"split must have {plan.pp} parts summing to {spec.model.layers}")
     pools = filter_pools(inventory, spec.placement)
@@ -1535,8 +1549,7 @@ def step_time_for_split(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
     boundaries = [_boundary_s(stage_units[i], stage_units[i + 1], tps[i], tps[i + 1], dp,
                               plan.micro_batch, inventory, spec) for i in range(plan.pp - 1)]
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
-    pipe, _ = cost.pipeline_time_s(stage_s, boundaries, m, plan.schedule, v)
-    return pipe + max(s.dp(n) for s, n in zip(stages, split, strict=True))
+    return stage_s, boundaries, max(s.dp(n) for s, n in zip(stages, split, strict=True))
 
 
 def _explain_failure(spec: JobSpec, pools: Sequence, searches: Sequence[_Search]) -> PlanningError:

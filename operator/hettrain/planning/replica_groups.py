@@ -24,11 +24,13 @@ times come from ``cost.layer_time_s`` / ``cost.head_time_s`` on its device.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hettrain.api.spec import JobSpec
 from hettrain.planning import cost
 from hettrain.planning.arith import shard_bounds
+from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.inventory import ClusterInventory, Pool
 from hettrain.planning.plan import Plan, RankPlan, ReplicaGroup, StagePlan
 from hettrain.planning.support import replica_group_errors
@@ -172,22 +174,32 @@ def group_options(plan: Plan, inv: ClusterInventory) -> list[GroupOption]:
             dp = gpus // sum(tps)
             if dp < 1 or pp > MAX_GROUP_STAGES:
                 break
-            times, mems = [], []
+            times, mems = group_stage_s(plan, splits, tps, pool.device), []
             for s, ((a, b), tp) in enumerate(zip(splits, tps, strict=True)):
-                sec = (b - a) * cost.layer_time_s(model, t, plan.micro_batch, tp, pool.device)
-                if s == pp - 1:
-                    sec += cost.head_time_s(model, plan.micro_batch, tp, pool.device,
-                                            cost.precision_bytes(t))
                 mem = cost.stage_memory(model, t, tp=tp, dp=dp, micro_batch=plan.micro_batch,
                                         first=s == 0, last=s == pp - 1,
                                         **cost.schedule_memory_args(
                                             s, pp, plan.num_microbatches, plan.schedule))
-                times.append(sec)
                 mems.append(mem.bytes_for(b - a))
             if max(mems) > pool.device.hbm_bytes * cost.MEMORY_HEADROOM:
                 continue
             out.append(GroupOption(pool, idle, tps, dp, splits, tuple(times),
                                    tuple(m / cost.GIB for m in mems)))
+    return out
+
+
+def group_stage_s(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequence[int],
+                  device: DeviceSpec) -> list[float]:
+    """Forward+backward seconds of one microbatch on each stage of an extra group on
+    ``device``: its layers (``cost.layer_time_s``), the last stage also the LM head."""
+    model, t = plan.model, plan.training
+    out = []
+    for s, ((a, b), tp) in enumerate(zip(splits, tps, strict=True)):
+        sec = (b - a) * cost.layer_time_s(model, t, plan.micro_batch, tp, device)
+        if s == len(splits) - 1:
+            sec += cost.head_time_s(model, plan.micro_batch, tp, device,
+                                    cost.precision_bytes(t))
+        out.append(sec)
     return out
 
 
@@ -197,7 +209,11 @@ def cross_dc_sync_s(plan: Plan, inv: ClusterInventory, option: GroupOption) -> f
     each way between the two DCs' leaders (runtime/replica_sync.py's hierarchical sum), on the
     slowest link from the plan's datacenters; 0 inside the plan's datacenters (the plan's own
     DP sync time stands for it)."""
-    dc = option.pool.datacenter
+    return _sync_to(plan, inv, option.pool.datacenter)
+
+
+def _sync_to(plan: Plan, inv: ClusterInventory, dc: str) -> float:
+    """:func:`cross_dc_sync_s` for an extra group in datacenter ``dc``."""
     if dc in plan.datacenters:
         return 0.0
     link = min((inv.link(d, dc) for d in plan.datacenters), key=lambda k: k.gbytes)
@@ -219,6 +235,37 @@ def evaluate(plan: Plan, option: GroupOption, inv: ClusterInventory | None = Non
     rest = plan.predicted.step_time_s - (a0 + b0 * plan.num_microbatches)
     sync = cross_dc_sync_s(plan, inv, option) if inv is not None else 0.0
     return rest + sync + split_time(lines, *split), split
+
+
+def grouped_step_s(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> float | None:
+    """The predicted step time of the grouped ``plan`` (its layouts and batch split unchanged)
+    on ``inv``, e.g. with refined device profiles: what :func:`with_group` predicted, every
+    stage re-timed. Group 0 is priced as the search priced the plan before the group was
+    added (its stages, boundaries and DP sync at ``M = (dp_0·M_0 + dp_1·M_1)/dp_0``
+    microbatches: ``planner.split_costs``), group 1 by :func:`group_stage_s`; the step is
+    group 0's time outside its pipelined stages, the gradient sum over a datacenter link, and
+    the later of the two groups' pipelines. None when group 0's stages no longer fit."""
+    from hettrain.planning.planner import split_costs  # the planner imports this module
+
+    g0, g1 = plan.groups
+    m_orig, rem = divmod(g0.microbatches + g1.microbatches, g0.dp)
+    if rem:
+        return None
+    base = replace(plan, groups=(), num_microbatches=m_orig,
+                   ranks=tuple(r for r in plan.ranks if r.group == 0))
+    costs = split_costs(spec, inv, base, [s.layer_end - s.layer_start for s in g0.stages])
+    if costs is None:
+        return None
+    stage_s0, boundaries, dp_s = costs
+    pipe, _ = cost.pipeline_time_s(stage_s0, boundaries, m_orig, plan.schedule,
+                                   plan.virtual_stages)
+    line0 = affine(stage_s0, plan.schedule)
+    device = inv.pool(g1.stages[0].pools[0]).device
+    line1 = affine(group_stage_s(plan, [(s.layer_start, s.layer_end) for s in g1.stages],
+                                 [s.tp for s in g1.stages], device), plan.schedule)
+    rest = pipe + dp_s - (line0[0] + line0[1] * m_orig)
+    sync = _sync_to(base, inv, g1.stages[0].datacenters[0])
+    return rest + sync + split_time((line0, line1), g0.num_microbatches, g1.num_microbatches)
 
 
 def add_replica_group(plan: Plan, inv: ClusterInventory) -> Plan:
