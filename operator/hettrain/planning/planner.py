@@ -1069,9 +1069,17 @@ def _refine_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Choic
     """A tighter bound of one stage order (``-inf``: no tighter than the one it was queued
     with; inf: no layout). Stage 0: inf when its stages cannot hold the layers
     (:func:`_memory_fits`), else its bound with the largest bubble divisor among the schedules
-    its caps admit (:func:`_blocks_bubble_divisor`). Stage 1: also with every stage's exact
-    1F1B layer cap at its position (:func:`bounds.order_caps_bound`; 1F1B's caps are the
-    largest, so it holds for every schedule)."""
+    its caps admit (:func:`_blocks_bubble_divisor`). Stage 1: the smallest, over the schedules
+    that can run the order (:func:`_schedule_fits`) and whose caps let it hold the layers
+    (``CapsRows.fits``), of that schedule's own bound: the larger of the leaf's bound with the
+    schedule's bubble divisor and :func:`bounds.order_caps_bound` with every stage's exact
+    layer cap under that schedule at its position and its divisor (interleaved's ``v`` layers
+    per stage and ``v``-fold boundaries relaxed to 1 and 1×, which only lowers it). Admissible:
+    every layout of the order runs one of those schedules, and both terms bound its step time
+    under that schedule (a schedule that cannot hold the layers has no layout at all); the
+    one-schedule version with 1F1B's caps (the largest) and the largest divisor is at most
+    this. A schedule whose leaf bound already reaches the best so far (or the incumbent) skips
+    its caps bound: its term is then at least that value anyway."""
     by_unit = {c.unit: c for c in choices}
     blocks = _blocks(by_unit, order)
     rows = _caps_rows(search, units, dp, mb, inv)
@@ -1087,8 +1095,25 @@ def _refine_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Choic
                           search.bound())
     layers = search.spec.model.layers
     pp = sum(c.k for c in choices)
-    top = layers - (pp - 1)
-    caps = rows.caps(blocks, "1f1b", 1)
+    boundaries = ordered_boundaries(ordered, boundary_cost)
+    cutoff = search.bound()
+    best = math.inf
+    for schedule, v in _schedule_options(search.spec, pp, layers, exhaustive=False):
+        if not (_schedule_fits(schedule, v, pp, m, layers) and rows.fits(blocks, schedule, v)):
+            continue
+        div = _bubble_divisor(schedule, v)
+        lb = leaf.bound(boundaries, ordered[-1], div, min(best, cutoff))
+        if lb < best and lb < cutoff:
+            groups = _caps_groups(ordered, rows.caps(blocks, schedule, v), layers - (pp - 1))
+            lb = max(lb, order_caps_bound(groups, layers, m, div, boundaries, leaf.dp_bound()))
+        best = min(best, lb)
+    return best
+
+
+def _caps_groups(ordered: Sequence[Choice], caps: Sequence[int], top: int
+                 ) -> list[tuple[float, float, list[int]]]:
+    """The stages of an order as :func:`bounds.order_caps_bound`'s groups ``(a, b, caps)``
+    (one per unit, the last stage on its own for its LM head), caps clamped at ``top``."""
     groups, start = [], 0
     for c in ordered:
         block = [x if x < top else top for x in caps[start:start + c.k]]
@@ -1099,8 +1124,7 @@ def _refine_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Choic
             groups.append((c.a, c.stats.head, block[-1:]))
         else:
             groups.append((c.a, 0.0, block))
-    return order_caps_bound(groups, layers, m, div, ordered_boundaries(ordered, boundary_cost),
-                            leaf.dp_bound())
+    return groups
 
 
 def _leaf_bound(search: _Search, choices: tuple[Choice, ...], m: int) -> LeafBound:
