@@ -66,7 +66,7 @@ K_FULL_WINDOW = 1
 MAX_PERMUTED_UNITS = 4
 EXACT_LEAF_BUDGET = 20_000  # above this many (tp, k) combinations the k window applies
 MAX_MICRO_BATCH = 16
-ORDER_REFINEMENTS = 2  # _refine_order's stages: memory caps and divisor, then exact caps
+ORDER_REFINEMENTS = 1  # _refine_order: an order's bound from its memory caps
 SEED_EVALUATIONS = 4  # greedy layouts evaluated per (dp, mb) pair before its branch and bound
 MAX_INTERLEAVE_CHUNKS = 4  # schedule: interleaved: model chunks per stage searched in 2..4
 AUTO_MAX_CHUNKS = 3  # schedule: auto: interleaved with 2..3 chunks (all dominated by ZB-H1)
@@ -829,9 +829,9 @@ def _run_pair(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory, g
             _leaf(search, (choice,), layers, m, pinned_pp, leaves, boundary_cost, units)
     # one best-first queue over leaves and, once a leaf reaches the front, its stage orders:
     # an order is evaluated only if its own bound still beats the incumbent when it comes up.
-    # Orders enter with a bound that ignores memory (the search's largest bubble divisor);
-    # when one comes up its memory caps are checked and its divisor set from the schedules
-    # they admit (:func:`_refine_order`), and it goes back in if that raised its bound
+    # Orders enter with a bound that ignores memory (the leaf's bubble divisor); when one
+    # comes up it is bounded schedule by schedule under its memory caps (:func:`_refine_order`)
+    # and goes back in if that raised its bound
     heap = [(lb, i, choices, None, 0) for i, (lb, choices) in enumerate(
         sorted(leaves, key=lambda x: (x[0], tuple((c.unit, c.tp, c.k) for c in x[1]))))]
     heapq.heapify(heap)
@@ -843,7 +843,7 @@ def _run_pair(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory, g
         if order is not None:
             while stage < ORDER_REFINEMENTS:
                 order_lb = _refine_order(search, units, choices, order, m, boundary_cost, dp,
-                                         mb, inv, stage)
+                                         mb, inv)
                 stage += 1
                 if order_lb > lb:  # back in the queue with the tighter bound (or dropped)
                     if order_lb < search.bound():
@@ -1065,34 +1065,26 @@ def _order_bounds(search: _Search, units: tuple[Unit, ...], choices: tuple[Choic
 def _refine_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Choice, ...],
                   order: tuple[int, ...], m: int,
                   boundary_cost: Callable[[Choice, Choice], float], dp: int, mb: int,
-                  inv: ClusterInventory, stage: int) -> float:
-    """A tighter bound of one stage order (``-inf``: no tighter than the one it was queued
-    with; inf: no layout). Stage 0: inf when its stages cannot hold the layers
-    (:func:`_memory_fits`), else its bound with the largest bubble divisor among the schedules
-    its caps admit (:func:`_blocks_bubble_divisor`). Stage 1: the smallest, over the schedules
-    that can run the order (:func:`_schedule_fits`) and whose caps let it hold the layers
-    (``CapsRows.fits``), of that schedule's own bound: the larger of the leaf's bound with the
-    schedule's bubble divisor and :func:`bounds.order_caps_bound` with every stage's exact
-    layer cap under that schedule at its position and its divisor (interleaved's ``v`` layers
-    per stage and ``v``-fold boundaries relaxed to 1 and 1×, which only lowers it). Admissible:
-    every layout of the order runs one of those schedules, and both terms bound its step time
-    under that schedule (a schedule that cannot hold the layers has no layout at all); the
-    one-schedule version with 1F1B's caps (the largest) and the largest divisor is at most
-    this. A schedule whose leaf bound already reaches the best so far (or the incumbent) skips
-    its caps bound: its term is then at least that value anyway."""
+                  inv: ClusterInventory) -> float:
+    """A tighter bound of one stage order, from its memory caps (inf: no layout).
+
+    The smallest, over the schedules that can run the order (:func:`_schedule_fits`) and
+    whose caps let it hold the layers (``CapsRows.fits``), of that schedule's own bound: the
+    larger of the leaf's bound with the schedule's bubble divisor and
+    :func:`bounds.order_caps_bound` with every stage's exact layer cap under that schedule at
+    its position and its divisor (interleaved's ``v`` layers per stage and ``v``-fold
+    boundaries relaxed to 1 and 1×, which only lowers it). Admissible: every layout of the
+    order runs one of those schedules, and both terms bound its step time under that schedule
+    (a schedule that cannot hold the layers has no layout at all). A schedule whose leaf bound
+    already reaches the best so far (or the incumbent) skips its caps bound: its term is then
+    at least that value anyway. While nothing has been found, an order whose 1F1B caps hold
+    the layers but whose schedules' do not is still evaluated (``-inf``: its queued bound
+    stands), so a refusal names the closest miss as before."""
     by_unit = {c.unit: c for c in choices}
     blocks = _blocks(by_unit, order)
     rows = _caps_rows(search, units, dp, mb, inv)
-    if stage == 0 and not _memory_fits(rows, blocks):
-        return math.inf
-    div = _blocks_bubble_divisor(search, rows, blocks, m)
     ordered = [by_unit[i] for i in order]
     leaf = _leaf_bound(search, choices, m)
-    if stage == 0:
-        if div == leaf.div:
-            return -math.inf  # the bound it was queued with stands
-        return leaf.bound(ordered_boundaries(ordered, boundary_cost), ordered[-1], div,
-                          search.bound())
     layers = search.spec.model.layers
     pp = sum(c.k for c in choices)
     boundaries = ordered_boundaries(ordered, boundary_cost)
@@ -1107,6 +1099,8 @@ def _refine_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Choic
             groups = _caps_groups(ordered, rows.caps(blocks, schedule, v), layers - (pp - 1))
             lb = max(lb, order_caps_bound(groups, layers, m, div, boundaries, leaf.dp_bound()))
         best = min(best, lb)
+    if best == math.inf and search.best is None and _memory_fits(rows, blocks):
+        return -math.inf
     return best
 
 
