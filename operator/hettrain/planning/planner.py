@@ -873,10 +873,12 @@ def _seed_incumbent(search: _Search, units: tuple[Unit, ...], inv: ClusterInvent
                     boundary_cost: Callable[[Choice, Choice], float]) -> None:
     """Evaluate a few greedy layouts of one (dp, mb) pair before its branch and bound, so the
     bounds prune from the start instead of after every leaf is collected: each unit alone
-    (every choice, best bound first) and every unit at its fastest choice together (units
-    added fastest first while ``spec.placement.maxGPUs`` allows), best stage order. Up to
-    ``SEED_EVALUATIONS`` of them, best bound first, each only while its bound beats the
-    incumbent. Only adds evaluations, so the search stays exact."""
+    (every choice, best bound first), every unit at its fastest choice together (units
+    added fastest first while ``spec.placement.maxGPUs`` allows) and, while nothing has been
+    found yet, that layout improved unit by unit (:func:`_descend`); each in its stage order
+    with the best memory-aware bound. Up to ``SEED_EVALUATIONS`` of them, best bound first,
+    each only while its bound beats the incumbent. Only adds evaluations, so the search stays
+    exact."""
     _, dp, mb, m, opts, _rest, singles = pair
     layers = search.spec.model.layers
     seeds: list[tuple[float, tuple[Choice, ...]]] = []
@@ -890,19 +892,64 @@ def _seed_incumbent(search: _Search, units: tuple[Unit, ...], inv: ClusterInvent
         gpus = dp * (c.tp * c.k + sum(x.tp * x.k for x in together))
         if search.max_gpus is None or gpus <= search.max_gpus:
             together.append(c)
+    together_leaf = tuple(sorted(together, key=lambda c: c.unit))
     if len(together) > 1:
-        _leaf(search, tuple(sorted(together, key=lambda c: c.unit)), layers, m, pinned_pp,
-              seeds, boundary_cost, units)
+        _leaf(search, together_leaf, layers, m, pinned_pp, seeds, boundary_cost, units)
+    if search.best is None:  # the first layout found bounds the whole first pair's walk
+        descended = _descend(search, opts, together, dp, m, units, boundary_cost)
+        if len(descended) > 1 and descended != together_leaf:
+            _leaf(search, descended, layers, m, pinned_pp, seeds, boundary_cost, units)
     seeds.sort(key=lambda x: (x[0], tuple((c.unit, c.tp, c.k) for c in x[1])))
     for lb, choices in seeds[:SEED_EVALUATIONS]:
         if lb >= search.bound():
             break
-        bounds = _order_bounds(search, units, choices, m, boundary_cost, dp, mb, inv)
+        # its stage order with the best memory-aware bound (:func:`_refine_order`)
+        bounds = [(max(order_lb, _refine_order(search, units, choices, order, m,
+                                               boundary_cost, dp, mb, inv)), order)
+                  for order_lb, order in _order_bounds(search, units, choices, m, boundary_cost,
+                                                       dp, mb, inv, memory=False)
+                  if order_lb < search.bound()]
         if not bounds:
             continue
         order_lb, order = min(bounds)
         if order_lb < search.bound():
             _evaluate_order(search, units, choices, order, dp, mb, inv, grouping)
+
+
+def _descend(search: _Search, opts: list[list[Choice]], start: Sequence[Choice], dp: int,
+             m: int, units: tuple[Unit, ...], boundary_cost: Callable[[Choice, Choice], float]
+             ) -> tuple[Choice, ...]:
+    """A seed layout (:func:`_seed_incumbent`): from ``start``, each unit in turn takes the
+    choice (or none) that gives the lowest leaf bound with the others kept, until a pass
+    changes nothing. The bound sees memory capacity and boundary costs, which the fastest
+    choices alone ignore. Only picks a layout to evaluate: exactness does not depend on it."""
+    current: dict[int, Choice] = {c.unit: c for c in start}
+
+    def bound_of(chosen: dict[int, Choice]) -> float:
+        leaf = tuple(chosen[u] for u in sorted(chosen))
+        if not leaf or (search.max_gpus is not None
+                        and dp * sum(c.tp * c.k for c in leaf) > search.max_gpus):
+            return math.inf
+        bounds, last = _leaf_boundaries(search, leaf, units, boundary_cost)
+        return LeafBound(leaf, search.spec.model.layers, m).bound(bounds, last,
+                                                                   search.bubble_div)
+
+    best = bound_of(current)
+    for _ in range(len(opts)):
+        changed = False
+        for i, unit_opts in enumerate(opts):
+            for choice in (None, *unit_opts):
+                trial = dict(current)
+                if choice is None:
+                    trial.pop(i, None)
+                else:
+                    trial[i] = choice
+                lb = bound_of(trial)
+                if lb < best:
+                    best, current, changed = lb, trial, True
+        if not changed:
+            break
+    return tuple(current[u] for u in sorted(current))
 
 
 NO_CHOICES = PartialSums()
