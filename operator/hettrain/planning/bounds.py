@@ -112,6 +112,9 @@ class Choice:
     tp: int
     k: int
     stats: UnitStats
+    # a further limit on the layers the k stages hold together (a schedule's memory caps at
+    # the block's best position; None: only stage_capacity's)
+    limit: int | None = None
     # derived once (the bounds run on every leaf of the search)
     a: float = field(init=False)
     cap: int = field(init=False)
@@ -120,8 +123,10 @@ class Choice:
     ka: float = field(init=False)  # k · a
 
     def __post_init__(self) -> None:
-        for name, value in (("a", self.stats.a), ("cap", self.stats.cap),
-                            ("kcap", stage_capacity(self.stats, self.k)),
+        kcap = stage_capacity(self.stats, self.k)
+        if self.limit is not None and self.limit < kcap:
+            kcap = self.limit
+        for name, value in (("a", self.stats.a), ("cap", self.stats.cap), ("kcap", kcap),
                             ("rate", self.k / self.stats.a),
                             ("ka", self.k * self.stats.a)):
             object.__setattr__(self, name, value)
@@ -132,14 +137,18 @@ def _stage_caps(choices: Sequence[Choice], x: float) -> list[int]:
     return [n if (n := int(x / ch.a + 1e-9)) < ch.cap else ch.cap for ch in choices]
 
 
-def bottleneck_lower_bound(choices: Sequence[Choice], layers: int, whole: bool = True) -> float:
+def bottleneck_lower_bound(choices: Sequence[Choice], layers: int, whole: bool = True,
+                           start: float | None = None) -> float:
     """Smallest ``X`` with ``Σ k·min(cap, ⌊X/a⌋) ≥ layers`` (inf when the caps cannot hold them).
 
     Starts at the continuous relaxation ``Σ k·min(cap, X/a) = layers`` (returned when not
-    ``whole``) and steps to the next value where some unit's stages fit one more whole layer.
+    ``whole``; ``start``: that value, already computed by a call with ``whole=False``) and
+    steps to the next value where some unit's stages fit one more whole layer.
     """
     if sum(ch.kcap for ch in choices) < layers:
         return math.inf
+    if start is not None:
+        return _whole_bottleneck(choices, layers, start)
     # a unit's k stages hold at most min(kcap, k·X/a) layers: it saturates at X = kcap·a/k
     items = sorted(((ch.kcap * ch.a / ch.k, ch) for ch in choices), key=lambda x: x[0])
     rate = sum(ch.rate for ch in choices)
@@ -152,8 +161,11 @@ def bottleneck_lower_bound(choices: Sequence[Choice], layers: int, whole: bool =
         held += ch.kcap
         rate -= ch.rate
     x = min(x, items[-1][0])
-    if not whole:
-        return x
+    return _whole_bottleneck(choices, layers, x) if whole else x
+
+
+def _whole_bottleneck(choices: Sequence[Choice], layers: int, x: float) -> float:
+    """:func:`bottleneck_lower_bound` from its continuous relaxation ``x``."""
     for _ in range(4 * layers):
         # one pass per step: Σ k·min(cap, ⌊x/a⌋) (capped by kcap), and the next x at which
         # some unsaturated unit's stages fit one more layer (as _stage_caps rounds)
@@ -177,18 +189,22 @@ def bottleneck_lower_bound(choices: Sequence[Choice], layers: int, whole: bool =
     return x
 
 
-def sum_lower_bound(choices: Sequence[Choice], layers: int, x: float = math.inf) -> float:
+def sum_lower_bound(choices: Sequence[Choice], layers: int, x: float = math.inf,
+                    by_a: Sequence[Choice] | None = None) -> float:
     """Minimum of ``Σ a_i·n_i`` with ``1 ≤ n_i ≤ cap``, ``a_i·n_i ≤ x`` per stage and
-    ``Σ n_i = layers`` (cheapest stages filled first); inf when infeasible."""
+    ``Σ n_i = layers`` (cheapest stages filled first); inf when infeasible. ``by_a``: the
+    choices sorted by ``a`` (stable), when the caller keeps them."""
     pp = sum(ch.k for ch in choices)
     left = layers - pp
     if left < 0:
         return math.inf
-    caps = _stage_caps(choices, x) if x < math.inf else [ch.cap for ch in choices]
+    if by_a is None:
+        by_a = sorted(choices, key=lambda ch: ch.a)
+    caps = _stage_caps(by_a, x) if x < math.inf else [ch.cap for ch in by_a]
     if min(caps) < 1:
         return math.inf
     total = sum(ch.ka for ch in choices)
-    for ch, n in sorted(zip(choices, caps, strict=True), key=lambda t: t[0].a):
+    for ch, n in zip(by_a, caps, strict=True):
         take = min(left, ch.k * (n - 1), ch.kcap - ch.k)
         total += take * ch.a
         left -= take
@@ -282,12 +298,14 @@ class LeafBound:
     bottleneck, ``Σt``, DP and grid terms are computed once, on first use, and kept. Every
     value equals :func:`step_lower_bound`'s with the same arguments (same arithmetic)."""
 
-    __slots__ = ("_base", "_grids", "_tails", "_whole", "choices", "div", "layers", "m")
+    __slots__ = ("_base", "_by_a", "_grids", "_tails", "_whole", "choices", "div", "layers",
+                 "m")
 
     def __init__(self, choices: Sequence[Choice], layers: int, m: int) -> None:
         self.choices = choices
         self.layers = layers
         self.m = m
+        self._by_a = sorted(choices, key=lambda ch: ch.a)  # sum_lower_bound's fill order
         self.div = math.inf  # the largest bubble divisor a caller found its orders may use
         # (xc, σ∞, d, max a), or None when infinite
         self._base: tuple[float, float, float, float] | bool | None = False
@@ -304,7 +322,7 @@ class LeafBound:
             if choices and sum(ch.k for ch in choices) <= layers:
                 xc = bottleneck_lower_bound(choices, layers, whole=False)
                 if xc != math.inf:
-                    sigma_inf = sum_lower_bound(choices, layers)
+                    sigma_inf = sum_lower_bound(choices, layers, by_a=self._by_a)
                     if sigma_inf != math.inf:
                         base = (xc, sigma_inf, dp_lower_bound(choices, layers),
                                 max(ch.a for ch in choices))
@@ -316,8 +334,10 @@ class LeafBound:
         out = self._whole
         if out is None:
             choices = self.choices
-            out = self._whole = (bottleneck_lower_bound(choices, self.layers),
-                                 max(ch.a * ch.cap for ch in choices))
+            base = self._order_free()
+            out = self._whole = (bottleneck_lower_bound(
+                choices, self.layers, start=None if base is None else base[0]),
+                max(ch.a * ch.cap for ch in choices))
         return out
 
     def _tail(self, last: Choice | None, max_a: float) -> tuple[float, float]:
@@ -344,7 +364,7 @@ class LeafBound:
             x = x0
             for _ in range(len(grid) + 1):
                 x = x * GRID_RATIO
-            grid.append(sum_lower_bound(self.choices, self.layers, x))
+            grid.append(sum_lower_bound(self.choices, self.layers, x, self._by_a))
         return grid[j]
 
     def dp_bound(self) -> float:

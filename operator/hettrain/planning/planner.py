@@ -1042,35 +1042,43 @@ def _leaf_boundaries(search: _Search, chosen: tuple[Choice, ...], units: tuple[U
 
 def _refine_leaf(search: _Search, chosen: tuple[Choice, ...], m: int, units: tuple[Unit, ...],
                  boundary_cost: Callable[[Choice, Choice], float]) -> float:
-    """The leaf's bound with the largest bubble divisor its memory caps may admit
-    (:func:`_leaf_bubble_divisor`, kept as the leaf's ``div`` for its orders' bounds); inf
-    when no order of its stages holds the layers; ``-inf`` when no tighter."""
+    """The leaf's bound from its memory caps (inf: no order of its stages holds the layers).
+
+    The smallest, over the schedules that can run its stages (:func:`_schedule_fits`) and
+    that some stage order may run within memory (:meth:`CapsRows.may_fit`: each unit's block
+    at its own best offset), of the leaf's bound with that schedule's bubble divisor and each
+    unit's stages holding at most what its block holds at that best offset (``Choice.limit``).
+    Admissible: every layout runs one of those schedules, and in every order each unit's
+    block sits at some offset, where it holds at most its best offset's layers, so that
+    schedule's layouts are among those the limited choices bound. The largest of those
+    divisors is kept as the leaf's ``div`` (its orders' first bounds). While nothing has
+    been found, a leaf whose 1F1B caps may hold the layers but whose schedules' may not is
+    still expanded (``-inf``: its queued bound stands), so a refusal names the closest miss."""
     leaf = _leaf_bound(search, chosen, m)
-    div = _leaf_bubble_divisor(search, chosen, m)
-    if not div:
-        return math.inf
-    leaf.div = div
-    if div == search.bubble_div:
-        return -math.inf
-    bounds, last = _leaf_boundaries(search, chosen, units, boundary_cost)
-    return leaf.bound(bounds, last, div, search.bound())
-
-
-def _leaf_bubble_divisor(search: _Search, chosen: tuple[Choice, ...], m: int) -> float:
-    """The largest bubble divisor among the schedules that some stage order of ``chosen`` may
-    run within memory (:meth:`CapsRows.may_fit`, a relaxation over the orders): every order's
-    own divisor (:func:`_blocks_bubble_divisor`) is at most this, so a bound with it holds
-    for all of them; 0 when not even 1F1B's caps may hold the layers."""
     rows = search.pair_rows
     if rows is None:
-        return search.bubble_div
-    blocks = [(c.unit, c.tp, c.k) for c in chosen]
-    if not rows.may_fit(blocks, "1f1b", 1):  # 1F1B's caps are the largest (_memory_fits)
-        return 0.0
-    if search.spec.parallelism.schedule != "auto" or search.bubble_div <= 1.0:
-        return search.bubble_div
-    return _largest_divisor(search, sum(c.k for c in chosen), m,
-                            lambda schedule, v: rows.may_fit(blocks, schedule, v))
+        return -math.inf
+    layers = search.spec.model.layers
+    pp = sum(c.k for c in chosen)
+    bounds, last = _leaf_boundaries(search, chosen, units, boundary_cost)
+    best, top = math.inf, 0.0
+    for schedule, v in _schedule_options(search.spec, pp, layers, exhaustive=False):
+        if not _schedule_fits(schedule, v, pp, m, layers):
+            continue
+        held = [rows.best_offset(c.unit, c.tp, c.k, pp, schedule, v) for c in chosen]
+        if min(held) < 0 or sum(held) < layers:  # not rows.may_fit
+            continue
+        div = _bubble_divisor(schedule, v)
+        top = max(top, div)
+        limited = tuple(c if h >= c.kcap else replace(c, limit=h)
+                        for c, h in zip(chosen, held, strict=True))
+        bound = leaf if limited == chosen else LeafBound(limited, layers, m)
+        best = min(best, bound.bound(bounds, last, div, min(best, search.bound())))
+    if best == math.inf:
+        blocks = [(c.unit, c.tp, c.k) for c in chosen]
+        return -math.inf if search.best is None and rows.may_fit(blocks, "1f1b", 1) else best
+    leaf.div = top
+    return best
 
 
 def _order_bounds(search: _Search, units: tuple[Unit, ...], choices: tuple[Choice, ...], m: int,
