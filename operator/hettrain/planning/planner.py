@@ -1050,8 +1050,11 @@ def _refine_leaf(search: _Search, chosen: tuple[Choice, ...], m: int, units: tup
     unit's stages holding at most what its block holds at that best offset (``Choice.limit``).
     Admissible: every layout runs one of those schedules, and in every order each unit's
     block sits at some offset, where it holds at most its best offset's layers, so that
-    schedule's layouts are among those the limited choices bound. The largest of those
-    divisors is kept as the leaf's ``div`` (its orders' first bounds). While nothing has
+    schedule's layouts are among those the limited choices bound. A schedule whose unlimited
+    bound already reaches the best so far (or the incumbent) counts with that bound, fitting
+    or not (a lower term only loosens the minimum), and its caps are not built. The largest
+    divisor among the schedules counted is kept as the leaf's ``div`` (its orders' first
+    bounds: each order runs one of them). While nothing has
     been found, a leaf whose 1F1B caps may hold the layers but whose schedules' may not is
     still expanded (``-inf``: its queued bound stands), so a refusal names the closest miss."""
     leaf = _leaf_bound(search, chosen, m)
@@ -1065,15 +1068,19 @@ def _refine_leaf(search: _Search, chosen: tuple[Choice, ...], m: int, units: tup
     for schedule, v in _schedule_options(search.spec, pp, layers, exhaustive=False):
         if not _schedule_fits(schedule, v, pp, m, layers):
             continue
-        held = [rows.best_offset(c.unit, c.tp, c.k, pp, schedule, v) for c in chosen]
-        if min(held) < 0 or sum(held) < layers:  # not rows.may_fit
-            continue
         div = _bubble_divisor(schedule, v)
+        cutoff = min(best, search.bound())
+        lb = leaf.bound(bounds, last, div, cutoff)
+        if lb < cutoff:  # else its term is at least lb whether it fits or not: skip the caps
+            held = [rows.best_offset(c.unit, c.tp, c.k, pp, schedule, v) for c in chosen]
+            if min(held) < 0 or sum(held) < layers:  # not rows.may_fit
+                continue
+            limited = tuple(c if h >= c.kcap else Choice(c.unit, c.tp, c.k, c.stats, h)
+                            for c, h in zip(chosen, held, strict=True))
+            if limited != chosen:
+                lb = LeafBound(limited, layers, m).bound(bounds, last, div, cutoff)
         top = max(top, div)
-        limited = tuple(c if h >= c.kcap else replace(c, limit=h)
-                        for c, h in zip(chosen, held, strict=True))
-        bound = leaf if limited == chosen else LeafBound(limited, layers, m)
-        best = min(best, bound.bound(bounds, last, div, min(best, search.bound())))
+        best = min(best, lb)
     if best == math.inf:
         blocks = [(c.unit, c.tp, c.k) for c in chosen]
         return -math.inf if search.best is None and rows.may_fit(blocks, "1f1b", 1) else best
