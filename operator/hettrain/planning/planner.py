@@ -1219,48 +1219,40 @@ def _caps_rows(search: _Search, units: tuple[Unit, ...], dp: int, mb: int,
         model, training = spec.model, spec.training
         m = _replica_batch(spec, dp) // mb  # dp counts the dp·cp replicas
         cp = _cp(spec)
-        memo = search.stage_memo
-        # 1F1B's and ZB-H1's memory arguments depend on the position only through the
-        # microbatches in flight (and ZB-H1's pending W passes), interleaved's through the
-        # chunk-forwards in flight (and the first stage's token ids): caps keyed by those skip
-        # building the arguments (cost.schedule_memory_args) for every position of every row
-        simple: dict[tuple, int] = {}
+        usable = [u.device.hbm_bytes * cost.MEMORY_HEADROOM for u in units]
+        caps: dict[tuple, int] = {}  # (unit, tp, position key): layer cap
+        mems: dict[tuple, cost.StageMemory] = {}  # (tp, position key): device-independent
 
-        def stage_cap(unit: int, tp: int, i: int, pp: int, schedule: str, v: int) -> int:
+        def position_key(i: int, pp: int, schedule: str, v: int) -> tuple:
+            """What the memory of the stage at ``i`` of ``pp`` depends on besides its unit
+            and TP degree (the arguments of ``cost.schedule_memory_args``, without building
+            them): 1F1B's and ZB-H1's through the microbatches in flight (and ZB-H1's pending
+            W passes), interleaved's through the chunk-forwards in flight (and the first
+            stage's token ids), so rows of different depths share their entries."""
             if schedule == "1f1b" or schedule == "zb-h1":
                 depth = pp - i
-                fast_key = (schedule, unit, tp, i == 0, depth == 1, depth if depth < m else m,
-                            cost.zb_pending_weight_grads(i, pp, m) if schedule == "zb-h1"
-                            else 0)
-                cap = simple.get(fast_key)
-                if cap is None:
-                    cap = simple[fast_key] = general_cap(unit, tp, i, pp, schedule, v)
-                return cap
-            if schedule == "interleaved" and v > 1:  # chunk-forwards in flight (and ids)
+                return (schedule, i == 0, depth == 1, depth if depth < m else m,
+                        cost.zb_pending_weight_grads(i, pp, m) if schedule == "zb-h1" else 0)
+            if schedule == "interleaved" and v > 1:
                 chunks = 2 * (pp - i - 1) + (v - 1) * pp + 1
-                fast_key = (schedule, unit, tp, v, i == pp - 1,
-                            chunks if chunks < m * v else m * v,
-                            min(pp * v, m) if i == 0 else -1)
-                cap = simple.get(fast_key)
-                if cap is None:
-                    cap = simple[fast_key] = general_cap(unit, tp, i, pp, schedule, v)
-                return cap
-            return general_cap(unit, tp, i, pp, schedule, v)
+                return (schedule, v, i == pp - 1, chunks if chunks < m * v else m * v,
+                        min(pp * v, m) if i == 0 else -1)
+            return (schedule, i == 0, i == pp - 1,
+                    *cost.schedule_memory_args(i, pp, m, schedule, v).values())
 
-        def general_cap(unit: int, tp: int, i: int, pp: int, schedule: str, v: int) -> int:
-            args = cost.schedule_memory_args(i, pp, m, schedule, v)
-            key = ("cap", unit, tp, dp, mb, i == 0, i == pp - 1, *args.values())
-            cap = memo.get(key)
+        def stage_cap(unit: int, tp: int, i: int, pp: int, schedule: str, v: int) -> int:
+            pos = position_key(i, pp, schedule, v)
+            cap = caps.get((unit, tp, pos))
             if cap is None:
-                mem_key = ("mem", tp, dp, mb, i == 0, i == pp - 1, *args.values())
-                mem = memo.get(mem_key)  # the same for every unit (device-independent)
+                mem = mems.get((tp, pos))
                 if mem is None:
-                    mem = memo[mem_key] = cost.stage_memory(
+                    mem = mems[(tp, pos)] = cost.stage_memory(
                         model, training, tp=tp, dp=dp // cp, cp=cp, micro_batch=mb,
-                        first=i == 0, last=i == pp - 1, **args)
-                usable = units[unit].device.hbm_bytes * cost.MEMORY_HEADROOM
-                cap = memo[key] = (int((usable - mem.fixed) // mem.per_layer)
-                                   if usable > mem.fixed else 0)
+                        first=i == 0, last=i == pp - 1,
+                        **cost.schedule_memory_args(i, pp, m, schedule, v))
+                room = usable[unit]
+                cap = caps[(unit, tp, pos)] = (int((room - mem.fixed) // mem.per_layer)
+                                               if room > mem.fixed else 0)
             return cap
 
         rows = search.caps_rows[(dp, mb)] = CapsRows(spec.model.layers, stage_cap)
