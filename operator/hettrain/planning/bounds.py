@@ -408,20 +408,30 @@ class LeafBound:
 
 def partial_lower_bound(chosen: Sequence[Choice], rest_rate: float, rest_cap: int,
                         rest_min_a: float, layers: int, m: int, bubble_div: float = 3.0,
-                        inside: tuple[float, float] = (0.0, 0.0)) -> float:
+                        inside: tuple[float, float] = (0.0, 0.0),
+                        rest_min_head: float = math.inf,
+                        rest_min_a_head: float = math.inf) -> float:
     """Bound over every completion of ``chosen`` by units that add at most ``rest_rate`` layers
     per second of bottleneck, ``rest_cap`` layers of memory, and no layer cheaper than
     ``rest_min_a``. ``inside``: the slowest and the sum of the boundaries inside the chosen
-    units (``k − 1`` each, between a unit's consecutive stages; every completion keeps them)."""
+    units (``k − 1`` each, between a unit's consecutive stages; every completion keeps them).
+    ``rest_min_head``, ``rest_min_a_head``: the smallest LM head time ``head`` and ``a + head``
+    among the units that may be added (inf: none).
+
+    The last stage runs the LM head on one layer at least, so ``Σt`` gains the smallest
+    ``head`` and the bottleneck is at least the smallest ``a + head`` over the chosen units
+    and those that may be added (the last stage is one of them), and at least every chosen
+    unit's ``a`` (each of its stages holds a layer), as in :meth:`LeafBound.bound`."""
     return partial_bound_of_sums(PartialSums.of(chosen), rest_rate, rest_cap, rest_min_a,
-                                 layers, m, bubble_div, inside)
+                                 layers, m, bubble_div, inside, rest_min_head, rest_min_a_head)
 
 
 class PartialSums(NamedTuple):
     """What :func:`partial_lower_bound` needs of the chosen units, kept as the search adds one
     choice at a time (:meth:`add`; the same left-to-right sums as over the whole list, so the
     bound is bit-identical): stages, their layer capacity, layers per second of bottleneck,
-    ``Σ k·a``, the cheapest layer, the slowest DP sync, GPUs per replica."""
+    ``Σ k·a``, the cheapest layer, the slowest DP sync, GPUs per replica, the slowest layer,
+    the smallest LM head ``head`` and ``a + head``."""
 
     pp: int = 0
     kcap: int = 0
@@ -430,13 +440,21 @@ class PartialSums(NamedTuple):
     min_a: float = math.inf
     d: float = 0.0
     gpus: int = 0
+    max_a: float = 0.0
+    min_head: float = math.inf
+    min_a_head: float = math.inf
 
     def add(self, ch: Choice) -> PartialSums:
         """These sums with ``ch`` chosen too."""
         d = ch.stats.dp_c + ch.stats.dp_e
+        head = ch.stats.head
+        a_head = ch.a + head
         return PartialSums(self.pp + ch.k, self.kcap + ch.kcap, self.rate + ch.rate,
                            self.ka + ch.ka, ch.a if ch.a < self.min_a else self.min_a,
-                           d if d > self.d else self.d, self.gpus + ch.tp * ch.k)
+                           d if d > self.d else self.d, self.gpus + ch.tp * ch.k,
+                           ch.a if ch.a > self.max_a else self.max_a,
+                           head if head < self.min_head else self.min_head,
+                           a_head if a_head < self.min_a_head else self.min_a_head)
 
     @staticmethod
     def of(chosen: Sequence[Choice]) -> PartialSums:
@@ -449,7 +467,9 @@ class PartialSums(NamedTuple):
 
 def partial_bound_of_sums(sums: PartialSums, rest_rate: float, rest_cap: int,
                           rest_min_a: float, layers: int, m: int, bubble_div: float = 3.0,
-                          inside: tuple[float, float] = (0.0, 0.0)) -> float:
+                          inside: tuple[float, float] = (0.0, 0.0),
+                          rest_min_head: float = math.inf,
+                          rest_min_a_head: float = math.inf) -> float:
     """:func:`partial_lower_bound` from the chosen units' :class:`PartialSums`."""
     pp = sums.pp
     if pp > layers:
@@ -462,8 +482,13 @@ def partial_bound_of_sums(sums: PartialSums, rest_rate: float, rest_cap: int,
     x = layers / rate
     min_a = rest_min_a if rest_min_a < sums.min_a else sums.min_a
     sigma = sums.ka + (layers - pp) * min_a
-    return ((m - 1.0 / bubble_div) * max(x, inside[0]) + (sigma + inside[1]) / bubble_div
-            + sums.d)
+    head = rest_min_head if rest_min_head < sums.min_head else sums.min_head
+    a_head = rest_min_a_head if rest_min_a_head < sums.min_a_head else sums.min_a_head
+    if head < math.inf:  # the last stage's LM head (module doc of partial_lower_bound)
+        sigma += head
+        x = max(x, a_head)
+    return ((m - 1.0 / bubble_div) * max(x, inside[0], sums.max_a)
+            + (sigma + inside[1]) / bubble_div + sums.d)
 
 
 def memory_need_gib(choices: Sequence[Choice], layers: int, gib: float, headroom: float) -> float:

@@ -791,14 +791,17 @@ def _pair(search: _Search, units: tuple[Unit, ...], tp_opts: Sequence[Sequence[i
     layers = search.spec.model.layers
     opts, singles = _unit_choices(units, tp_opts, dp, mb, inv, search.spec, window, search)
     rest_rate, rest_cap, rest_a = [0.0], [0], [math.inf]
+    rest_head, rest_a_head = [math.inf], [math.inf]
     for unit_opts in reversed(opts):
         rest_rate.append(rest_rate[-1] + max((c.k / c.stats.a for c in unit_opts),
                                              default=0.0))
         rest_cap.append(rest_cap[-1] + max((c.kcap for c in unit_opts), default=0))
         rest_a.append(min([rest_a[-1], *(c.stats.a for c in unit_opts)]))
-    rest = (rest_rate[::-1], rest_cap[::-1], rest_a[::-1])
+        rest_head.append(min([rest_head[-1], *(c.stats.head for c in unit_opts)]))
+        rest_a_head.append(min([rest_a_head[-1], *(c.a + c.stats.head for c in unit_opts)]))
+    rest = (rest_rate[::-1], rest_cap[::-1], rest_a[::-1], rest_head[::-1], rest_a_head[::-1])
     root = partial_lower_bound((), rest[0][0], rest[1][0], rest[2][0], layers, m,
-                               search.bubble_div)
+                               search.bubble_div, (0.0, 0.0), rest[3][0], rest[4][0])
     return (root, dp, mb, m, opts, rest, singles)
 
 
@@ -994,7 +997,8 @@ def _collect(search: _Search, opts: list[list[Choice]], rest: tuple, i: int,
         # also at a complete leaf (nothing left to add: its own stages' rate and capacity,
         # cheaper than its full bound), and inf (no layout) prunes before any incumbent
         lb = partial_bound_of_sums(nxt_sums, rest[0][i + 1], rest[1][i + 1], rest[2][i + 1],
-                                   layers, m, search.bubble_div, nxt_inside)
+                                   layers, m, search.bubble_div, nxt_inside, rest[3][i + 1],
+                                   rest[4][i + 1])
         if lb >= search.bound() or lb == math.inf:
             continue
         _collect(search, opts, rest, i + 1, nxt, layers, m, dp, pinned_pp, out, boundary_cost,
