@@ -112,6 +112,9 @@ class Choice:
     tp: int
     k: int
     stats: UnitStats
+    # a further limit on the layers the k stages hold together (a schedule's memory caps at
+    # the block's best position; None: only stage_capacity's)
+    limit: int | None = None
     # derived once (the bounds run on every leaf of the search)
     a: float = field(init=False)
     cap: int = field(init=False)
@@ -120,8 +123,10 @@ class Choice:
     ka: float = field(init=False)  # k · a
 
     def __post_init__(self) -> None:
-        for name, value in (("a", self.stats.a), ("cap", self.stats.cap),
-                            ("kcap", stage_capacity(self.stats, self.k)),
+        kcap = stage_capacity(self.stats, self.k)
+        if self.limit is not None and self.limit < kcap:
+            kcap = self.limit
+        for name, value in (("a", self.stats.a), ("cap", self.stats.cap), ("kcap", kcap),
                             ("rate", self.k / self.stats.a),
                             ("ka", self.k * self.stats.a)):
             object.__setattr__(self, name, value)
@@ -132,14 +137,18 @@ def _stage_caps(choices: Sequence[Choice], x: float) -> list[int]:
     return [n if (n := int(x / ch.a + 1e-9)) < ch.cap else ch.cap for ch in choices]
 
 
-def bottleneck_lower_bound(choices: Sequence[Choice], layers: int, whole: bool = True) -> float:
+def bottleneck_lower_bound(choices: Sequence[Choice], layers: int, whole: bool = True,
+                           start: float | None = None) -> float:
     """Smallest ``X`` with ``Σ k·min(cap, ⌊X/a⌋) ≥ layers`` (inf when the caps cannot hold them).
 
     Starts at the continuous relaxation ``Σ k·min(cap, X/a) = layers`` (returned when not
-    ``whole``) and steps to the next value where some unit's stages fit one more whole layer.
+    ``whole``; ``start``: that value, already computed by a call with ``whole=False``) and
+    steps to the next value where some unit's stages fit one more whole layer.
     """
     if sum(ch.kcap for ch in choices) < layers:
         return math.inf
+    if start is not None:
+        return _whole_bottleneck(choices, layers, start)
     # a unit's k stages hold at most min(kcap, k·X/a) layers: it saturates at X = kcap·a/k
     items = sorted(((ch.kcap * ch.a / ch.k, ch) for ch in choices), key=lambda x: x[0])
     rate = sum(ch.rate for ch in choices)
@@ -152,8 +161,11 @@ def bottleneck_lower_bound(choices: Sequence[Choice], layers: int, whole: bool =
         held += ch.kcap
         rate -= ch.rate
     x = min(x, items[-1][0])
-    if not whole:
-        return x
+    return _whole_bottleneck(choices, layers, x) if whole else x
+
+
+def _whole_bottleneck(choices: Sequence[Choice], layers: int, x: float) -> float:
+    """:func:`bottleneck_lower_bound` from its continuous relaxation ``x``."""
     for _ in range(4 * layers):
         # one pass per step: Σ k·min(cap, ⌊x/a⌋) (capped by kcap), and the next x at which
         # some unsaturated unit's stages fit one more layer (as _stage_caps rounds)
@@ -177,18 +189,22 @@ def bottleneck_lower_bound(choices: Sequence[Choice], layers: int, whole: bool =
     return x
 
 
-def sum_lower_bound(choices: Sequence[Choice], layers: int, x: float = math.inf) -> float:
+def sum_lower_bound(choices: Sequence[Choice], layers: int, x: float = math.inf,
+                    by_a: Sequence[Choice] | None = None) -> float:
     """Minimum of ``Σ a_i·n_i`` with ``1 ≤ n_i ≤ cap``, ``a_i·n_i ≤ x`` per stage and
-    ``Σ n_i = layers`` (cheapest stages filled first); inf when infeasible."""
+    ``Σ n_i = layers`` (cheapest stages filled first); inf when infeasible. ``by_a``: the
+    choices sorted by ``a`` (stable), when the caller keeps them."""
     pp = sum(ch.k for ch in choices)
     left = layers - pp
     if left < 0:
         return math.inf
-    caps = _stage_caps(choices, x) if x < math.inf else [ch.cap for ch in choices]
+    if by_a is None:
+        by_a = sorted(choices, key=lambda ch: ch.a)
+    caps = _stage_caps(by_a, x) if x < math.inf else [ch.cap for ch in by_a]
     if min(caps) < 1:
         return math.inf
     total = sum(ch.ka for ch in choices)
-    for ch, n in sorted(zip(choices, caps, strict=True), key=lambda t: t[0].a):
+    for ch, n in zip(by_a, caps, strict=True):
         take = min(left, ch.k * (n - 1), ch.kcap - ch.k)
         total += take * ch.a
         left -= take
@@ -282,12 +298,14 @@ class LeafBound:
     bottleneck, ``Σt``, DP and grid terms are computed once, on first use, and kept. Every
     value equals :func:`step_lower_bound`'s with the same arguments (same arithmetic)."""
 
-    __slots__ = ("_base", "_grids", "_tails", "_whole", "choices", "div", "layers", "m")
+    __slots__ = ("_base", "_by_a", "_grids", "_tails", "_whole", "choices", "div", "layers",
+                 "m")
 
     def __init__(self, choices: Sequence[Choice], layers: int, m: int) -> None:
         self.choices = choices
         self.layers = layers
         self.m = m
+        self._by_a = sorted(choices, key=lambda ch: ch.a)  # sum_lower_bound's fill order
         self.div = math.inf  # the largest bubble divisor a caller found its orders may use
         # (xc, σ∞, d, max a), or None when infinite
         self._base: tuple[float, float, float, float] | bool | None = False
@@ -304,7 +322,7 @@ class LeafBound:
             if choices and sum(ch.k for ch in choices) <= layers:
                 xc = bottleneck_lower_bound(choices, layers, whole=False)
                 if xc != math.inf:
-                    sigma_inf = sum_lower_bound(choices, layers)
+                    sigma_inf = sum_lower_bound(choices, layers, by_a=self._by_a)
                     if sigma_inf != math.inf:
                         base = (xc, sigma_inf, dp_lower_bound(choices, layers),
                                 max(ch.a for ch in choices))
@@ -316,8 +334,10 @@ class LeafBound:
         out = self._whole
         if out is None:
             choices = self.choices
-            out = self._whole = (bottleneck_lower_bound(choices, self.layers),
-                                 max(ch.a * ch.cap for ch in choices))
+            base = self._order_free()
+            out = self._whole = (bottleneck_lower_bound(
+                choices, self.layers, start=None if base is None else base[0]),
+                max(ch.a * ch.cap for ch in choices))
         return out
 
     def _tail(self, last: Choice | None, max_a: float) -> tuple[float, float]:
@@ -344,7 +364,7 @@ class LeafBound:
             x = x0
             for _ in range(len(grid) + 1):
                 x = x * GRID_RATIO
-            grid.append(sum_lower_bound(self.choices, self.layers, x))
+            grid.append(sum_lower_bound(self.choices, self.layers, x, self._by_a))
         return grid[j]
 
     def dp_bound(self) -> float:
@@ -388,20 +408,30 @@ class LeafBound:
 
 def partial_lower_bound(chosen: Sequence[Choice], rest_rate: float, rest_cap: int,
                         rest_min_a: float, layers: int, m: int, bubble_div: float = 3.0,
-                        inside: tuple[float, float] = (0.0, 0.0)) -> float:
+                        inside: tuple[float, float] = (0.0, 0.0),
+                        rest_min_head: float = math.inf,
+                        rest_min_a_head: float = math.inf) -> float:
     """Bound over every completion of ``chosen`` by units that add at most ``rest_rate`` layers
     per second of bottleneck, ``rest_cap`` layers of memory, and no layer cheaper than
     ``rest_min_a``. ``inside``: the slowest and the sum of the boundaries inside the chosen
-    units (``k − 1`` each, between a unit's consecutive stages; every completion keeps them)."""
+    units (``k − 1`` each, between a unit's consecutive stages; every completion keeps them).
+    ``rest_min_head``, ``rest_min_a_head``: the smallest LM head time ``head`` and ``a + head``
+    among the units that may be added (inf: none).
+
+    The last stage runs the LM head on one layer at least, so ``Σt`` gains the smallest
+    ``head`` and the bottleneck is at least the smallest ``a + head`` over the chosen units
+    and those that may be added (the last stage is one of them), and at least every chosen
+    unit's ``a`` (each of its stages holds a layer), as in :meth:`LeafBound.bound`."""
     return partial_bound_of_sums(PartialSums.of(chosen), rest_rate, rest_cap, rest_min_a,
-                                 layers, m, bubble_div, inside)
+                                 layers, m, bubble_div, inside, rest_min_head, rest_min_a_head)
 
 
 class PartialSums(NamedTuple):
     """What :func:`partial_lower_bound` needs of the chosen units, kept as the search adds one
     choice at a time (:meth:`add`; the same left-to-right sums as over the whole list, so the
     bound is bit-identical): stages, their layer capacity, layers per second of bottleneck,
-    ``Σ k·a``, the cheapest layer, the slowest DP sync, GPUs per replica."""
+    ``Σ k·a``, the cheapest layer, the slowest DP sync, GPUs per replica, the slowest layer,
+    the smallest LM head ``head`` and ``a + head``."""
 
     pp: int = 0
     kcap: int = 0
@@ -410,13 +440,21 @@ class PartialSums(NamedTuple):
     min_a: float = math.inf
     d: float = 0.0
     gpus: int = 0
+    max_a: float = 0.0
+    min_head: float = math.inf
+    min_a_head: float = math.inf
 
     def add(self, ch: Choice) -> PartialSums:
         """These sums with ``ch`` chosen too."""
         d = ch.stats.dp_c + ch.stats.dp_e
+        head = ch.stats.head
+        a_head = ch.a + head
         return PartialSums(self.pp + ch.k, self.kcap + ch.kcap, self.rate + ch.rate,
                            self.ka + ch.ka, ch.a if ch.a < self.min_a else self.min_a,
-                           d if d > self.d else self.d, self.gpus + ch.tp * ch.k)
+                           d if d > self.d else self.d, self.gpus + ch.tp * ch.k,
+                           ch.a if ch.a > self.max_a else self.max_a,
+                           head if head < self.min_head else self.min_head,
+                           a_head if a_head < self.min_a_head else self.min_a_head)
 
     @staticmethod
     def of(chosen: Sequence[Choice]) -> PartialSums:
@@ -429,7 +467,9 @@ class PartialSums(NamedTuple):
 
 def partial_bound_of_sums(sums: PartialSums, rest_rate: float, rest_cap: int,
                           rest_min_a: float, layers: int, m: int, bubble_div: float = 3.0,
-                          inside: tuple[float, float] = (0.0, 0.0)) -> float:
+                          inside: tuple[float, float] = (0.0, 0.0),
+                          rest_min_head: float = math.inf,
+                          rest_min_a_head: float = math.inf) -> float:
     """:func:`partial_lower_bound` from the chosen units' :class:`PartialSums`."""
     pp = sums.pp
     if pp > layers:
@@ -442,8 +482,13 @@ def partial_bound_of_sums(sums: PartialSums, rest_rate: float, rest_cap: int,
     x = layers / rate
     min_a = rest_min_a if rest_min_a < sums.min_a else sums.min_a
     sigma = sums.ka + (layers - pp) * min_a
-    return ((m - 1.0 / bubble_div) * max(x, inside[0]) + (sigma + inside[1]) / bubble_div
-            + sums.d)
+    head = rest_min_head if rest_min_head < sums.min_head else sums.min_head
+    a_head = rest_min_a_head if rest_min_a_head < sums.min_a_head else sums.min_a_head
+    if head < math.inf:  # the last stage's LM head (module doc of partial_lower_bound)
+        sigma += head
+        x = max(x, a_head)
+    return ((m - 1.0 / bubble_div) * max(x, inside[0], sums.max_a)
+            + (sigma + inside[1]) / bubble_div + sums.d)
 
 
 def memory_need_gib(choices: Sequence[Choice], layers: int, gib: float, headroom: float) -> float:

@@ -66,7 +66,7 @@ K_FULL_WINDOW = 1
 MAX_PERMUTED_UNITS = 4
 EXACT_LEAF_BUDGET = 20_000  # above this many (tp, k) combinations the k window applies
 MAX_MICRO_BATCH = 16
-ORDER_REFINEMENTS = 2  # _refine_order's stages: memory caps and divisor, then exact caps
+ORDER_REFINEMENTS = 1  # _refine_order: an order's bound from its memory caps
 SEED_EVALUATIONS = 4  # greedy layouts evaluated per (dp, mb) pair before its branch and bound
 MAX_INTERLEAVE_CHUNKS = 4  # schedule: interleaved: model chunks per stage searched in 2..4
 AUTO_MAX_CHUNKS = 3  # schedule: auto: interleaved with 2..3 chunks (all dominated by ZB-H1)
@@ -798,14 +798,17 @@ def _pair(search: _Search, units: tuple[Unit, ...], tp_opts: Sequence[Sequence[i
     layers = search.spec.model.layers
     opts, singles = _unit_choices(units, tp_opts, dp, mb, inv, search.spec, window, search)
     rest_rate, rest_cap, rest_a = [0.0], [0], [math.inf]
+    rest_head, rest_a_head = [math.inf], [math.inf]
     for unit_opts in reversed(opts):
         rest_rate.append(rest_rate[-1] + max((c.k / c.stats.a for c in unit_opts),
                                              default=0.0))
         rest_cap.append(rest_cap[-1] + max((c.kcap for c in unit_opts), default=0))
         rest_a.append(min([rest_a[-1], *(c.stats.a for c in unit_opts)]))
-    rest = (rest_rate[::-1], rest_cap[::-1], rest_a[::-1])
+        rest_head.append(min([rest_head[-1], *(c.stats.head for c in unit_opts)]))
+        rest_a_head.append(min([rest_a_head[-1], *(c.a + c.stats.head for c in unit_opts)]))
+    rest = (rest_rate[::-1], rest_cap[::-1], rest_a[::-1], rest_head[::-1], rest_a_head[::-1])
     root = partial_lower_bound((), rest[0][0], rest[1][0], rest[2][0], layers, m,
-                               search.bubble_div)
+                               search.bubble_div, (0.0, 0.0), rest[3][0], rest[4][0])
     return (root, dp, mb, m, opts, rest, singles)
 
 
@@ -836,9 +839,9 @@ def _run_pair(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory, g
             _leaf(search, (choice,), layers, m, pinned_pp, leaves, boundary_cost, units)
     # one best-first queue over leaves and, once a leaf reaches the front, its stage orders:
     # an order is evaluated only if its own bound still beats the incumbent when it comes up.
-    # Orders enter with a bound that ignores memory (the search's largest bubble divisor);
-    # when one comes up its memory caps are checked and its divisor set from the schedules
-    # they admit (:func:`_refine_order`), and it goes back in if that raised its bound
+    # Orders enter with a bound that ignores memory (the leaf's bubble divisor); when one
+    # comes up it is bounded schedule by schedule under its memory caps (:func:`_refine_order`)
+    # and goes back in if that raised its bound
     heap = [(lb, i, choices, None, 0) for i, (lb, choices) in enumerate(
         sorted(leaves, key=lambda x: (x[0], tuple((c.unit, c.tp, c.k) for c in x[1]))))]
     heapq.heapify(heap)
@@ -850,7 +853,7 @@ def _run_pair(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory, g
         if order is not None:
             while stage < ORDER_REFINEMENTS:
                 order_lb = _refine_order(search, units, choices, order, m, boundary_cost, dp,
-                                         mb, inv, stage)
+                                         mb, inv)
                 stage += 1
                 if order_lb > lb:  # back in the queue with the tighter bound (or dropped)
                     if order_lb < search.bound():
@@ -880,10 +883,12 @@ def _seed_incumbent(search: _Search, units: tuple[Unit, ...], inv: ClusterInvent
                     boundary_cost: Callable[[Choice, Choice], float]) -> None:
     """Evaluate a few greedy layouts of one (dp, mb) pair before its branch and bound, so the
     bounds prune from the start instead of after every leaf is collected: each unit alone
-    (every choice, best bound first) and every unit at its fastest choice together (units
-    added fastest first while ``spec.placement.maxGPUs`` allows), best stage order. Up to
-    ``SEED_EVALUATIONS`` of them, best bound first, each only while its bound beats the
-    incumbent. Only adds evaluations, so the search stays exact."""
+    (every choice, best bound first), every unit at its fastest choice together (units
+    added fastest first while ``spec.placement.maxGPUs`` allows) and, while nothing has been
+    found yet, that layout improved unit by unit (:func:`_descend`); each in its stage order
+    with the best memory-aware bound. Up to ``SEED_EVALUATIONS`` of them, best bound first,
+    each only while its bound beats the incumbent. Only adds evaluations, so the search stays
+    exact."""
     _, dp, mb, m, opts, _rest, singles = pair
     layers = search.spec.model.layers
     seeds: list[tuple[float, tuple[Choice, ...]]] = []
@@ -897,19 +902,64 @@ def _seed_incumbent(search: _Search, units: tuple[Unit, ...], inv: ClusterInvent
         gpus = dp * (c.tp * c.k + sum(x.tp * x.k for x in together))
         if search.max_gpus is None or gpus <= search.max_gpus:
             together.append(c)
+    together_leaf = tuple(sorted(together, key=lambda c: c.unit))
     if len(together) > 1:
-        _leaf(search, tuple(sorted(together, key=lambda c: c.unit)), layers, m, pinned_pp,
-              seeds, boundary_cost, units)
+        _leaf(search, together_leaf, layers, m, pinned_pp, seeds, boundary_cost, units)
+    if search.best is None:  # the first layout found bounds the whole first pair's walk
+        descended = _descend(search, opts, together, dp, m, units, boundary_cost)
+        if len(descended) > 1 and descended != together_leaf:
+            _leaf(search, descended, layers, m, pinned_pp, seeds, boundary_cost, units)
     seeds.sort(key=lambda x: (x[0], tuple((c.unit, c.tp, c.k) for c in x[1])))
     for lb, choices in seeds[:SEED_EVALUATIONS]:
         if lb >= search.bound():
             break
-        bounds = _order_bounds(search, units, choices, m, boundary_cost, dp, mb, inv)
+        # its stage order with the best memory-aware bound (:func:`_refine_order`)
+        bounds = [(max(order_lb, _refine_order(search, units, choices, order, m,
+                                               boundary_cost, dp, mb, inv)), order)
+                  for order_lb, order in _order_bounds(search, units, choices, m, boundary_cost,
+                                                       dp, mb, inv, memory=False)
+                  if order_lb < search.bound()]
         if not bounds:
             continue
         order_lb, order = min(bounds)
         if order_lb < search.bound():
             _evaluate_order(search, units, choices, order, dp, mb, inv, grouping)
+
+
+def _descend(search: _Search, opts: list[list[Choice]], start: Sequence[Choice], dp: int,
+             m: int, units: tuple[Unit, ...], boundary_cost: Callable[[Choice, Choice], float]
+             ) -> tuple[Choice, ...]:
+    """A seed layout (:func:`_seed_incumbent`): from ``start``, each unit in turn takes the
+    choice (or none) that gives the lowest leaf bound with the others kept, until a pass
+    changes nothing. The bound sees memory capacity and boundary costs, which the fastest
+    choices alone ignore. Only picks a layout to evaluate: exactness does not depend on it."""
+    current: dict[int, Choice] = {c.unit: c for c in start}
+
+    def bound_of(chosen: dict[int, Choice]) -> float:
+        leaf = tuple(chosen[u] for u in sorted(chosen))
+        if not leaf or (search.max_gpus is not None
+                        and dp * sum(c.tp * c.k for c in leaf) > search.max_gpus):
+            return math.inf
+        bounds, last = _leaf_boundaries(search, leaf, units, boundary_cost)
+        return LeafBound(leaf, search.spec.model.layers, m).bound(bounds, last,
+                                                                   search.bubble_div)
+
+    best = bound_of(current)
+    for _ in range(len(opts)):
+        changed = False
+        for i, unit_opts in enumerate(opts):
+            for choice in (None, *unit_opts):
+                trial = dict(current)
+                if choice is None:
+                    trial.pop(i, None)
+                else:
+                    trial[i] = choice
+                lb = bound_of(trial)
+                if lb < best:
+                    best, current, changed = lb, trial, True
+        if not changed:
+            break
+    return tuple(current[u] for u in sorted(current))
 
 
 NO_CHOICES = PartialSums()
@@ -954,7 +1004,8 @@ def _collect(search: _Search, opts: list[list[Choice]], rest: tuple, i: int,
         # also at a complete leaf (nothing left to add: its own stages' rate and capacity,
         # cheaper than its full bound), and inf (no layout) prunes before any incumbent
         lb = partial_bound_of_sums(nxt_sums, rest[0][i + 1], rest[1][i + 1], rest[2][i + 1],
-                                   layers, m, search.bubble_div, nxt_inside)
+                                   layers, m, search.bubble_div, nxt_inside, rest[3][i + 1],
+                                   rest[4][i + 1])
         if lb >= search.bound() or lb == math.inf:
             continue
         _collect(search, opts, rest, i + 1, nxt, layers, m, dp, pinned_pp, out, boundary_cost,
@@ -1002,35 +1053,50 @@ def _leaf_boundaries(search: _Search, chosen: tuple[Choice, ...], units: tuple[U
 
 def _refine_leaf(search: _Search, chosen: tuple[Choice, ...], m: int, units: tuple[Unit, ...],
                  boundary_cost: Callable[[Choice, Choice], float]) -> float:
-    """The leaf's bound with the largest bubble divisor its memory caps may admit
-    (:func:`_leaf_bubble_divisor`, kept as the leaf's ``div`` for its orders' bounds); inf
-    when no order of its stages holds the layers; ``-inf`` when no tighter."""
+    """The leaf's bound from its memory caps (inf: no order of its stages holds the layers).
+
+    The smallest, over the schedules that can run its stages (:func:`_schedule_fits`) and
+    that some stage order may run within memory (:meth:`CapsRows.may_fit`: each unit's block
+    at its own best offset), of the leaf's bound with that schedule's bubble divisor and each
+    unit's stages holding at most what its block holds at that best offset (``Choice.limit``).
+    Admissible: every layout runs one of those schedules, and in every order each unit's
+    block sits at some offset, where it holds at most its best offset's layers, so that
+    schedule's layouts are among those the limited choices bound. A schedule whose unlimited
+    bound already reaches the best so far (or the incumbent) counts with that bound, fitting
+    or not (a lower term only loosens the minimum), and its caps are not built. The largest
+    divisor among the schedules counted is kept as the leaf's ``div`` (its orders' first
+    bounds: each order runs one of them). While nothing has
+    been found, a leaf whose 1F1B caps may hold the layers but whose schedules' may not is
+    still expanded (``-inf``: its queued bound stands), so a refusal names the closest miss."""
     leaf = _leaf_bound(search, chosen, m)
-    div = _leaf_bubble_divisor(search, chosen, m)
-    if not div:
-        return math.inf
-    leaf.div = div
-    if div == search.bubble_div:
-        return -math.inf
-    bounds, last = _leaf_boundaries(search, chosen, units, boundary_cost)
-    return leaf.bound(bounds, last, div, search.bound())
-
-
-def _leaf_bubble_divisor(search: _Search, chosen: tuple[Choice, ...], m: int) -> float:
-    """The largest bubble divisor among the schedules that some stage order of ``chosen`` may
-    run within memory (:meth:`CapsRows.may_fit`, a relaxation over the orders): every order's
-    own divisor (:func:`_blocks_bubble_divisor`) is at most this, so a bound with it holds
-    for all of them; 0 when not even 1F1B's caps may hold the layers."""
     rows = search.pair_rows
     if rows is None:
-        return search.bubble_div
-    blocks = [(c.unit, c.tp, c.k) for c in chosen]
-    if not rows.may_fit(blocks, "1f1b", 1):  # 1F1B's caps are the largest (_memory_fits)
-        return 0.0
-    if search.spec.parallelism.schedule != "auto" or search.bubble_div <= 1.0:
-        return search.bubble_div
-    return _largest_divisor(search, sum(c.k for c in chosen), m,
-                            lambda schedule, v: rows.may_fit(blocks, schedule, v))
+        return -math.inf
+    layers = search.spec.model.layers
+    pp = sum(c.k for c in chosen)
+    bounds, last = _leaf_boundaries(search, chosen, units, boundary_cost)
+    best, top = math.inf, 0.0
+    for schedule, v in _schedule_options(search.spec, pp, layers, exhaustive=False):
+        if not _schedule_fits(schedule, v, pp, m, layers):
+            continue
+        div = _bubble_divisor(schedule, v)
+        cutoff = min(best, search.bound())
+        lb = leaf.bound(bounds, last, div, cutoff)
+        if lb < cutoff:  # else its term is at least lb whether it fits or not: skip the caps
+            held = [rows.best_offset(c.unit, c.tp, c.k, pp, schedule, v) for c in chosen]
+            if min(held) < 0 or sum(held) < layers:  # not rows.may_fit
+                continue
+            limited = tuple(c if h >= c.kcap else Choice(c.unit, c.tp, c.k, c.stats, h)
+                            for c, h in zip(chosen, held, strict=True))
+            if limited != chosen:
+                lb = LeafBound(limited, layers, m).bound(bounds, last, div, cutoff)
+        top = max(top, div)
+        best = min(best, lb)
+    if best == math.inf:
+        blocks = [(c.unit, c.tp, c.k) for c in chosen]
+        return -math.inf if search.best is None and rows.may_fit(blocks, "1f1b", 1) else best
+    leaf.div = top
+    return best
 
 
 def _order_bounds(search: _Search, units: tuple[Unit, ...], choices: tuple[Choice, ...], m: int,
@@ -1072,30 +1138,49 @@ def _order_bounds(search: _Search, units: tuple[Unit, ...], choices: tuple[Choic
 def _refine_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Choice, ...],
                   order: tuple[int, ...], m: int,
                   boundary_cost: Callable[[Choice, Choice], float], dp: int, mb: int,
-                  inv: ClusterInventory, stage: int) -> float:
-    """A tighter bound of one stage order (``-inf``: no tighter than the one it was queued
-    with; inf: no layout). Stage 0: inf when its stages cannot hold the layers
-    (:func:`_memory_fits`), else its bound with the largest bubble divisor among the schedules
-    its caps admit (:func:`_blocks_bubble_divisor`). Stage 1: also with every stage's exact
-    1F1B layer cap at its position (:func:`bounds.order_caps_bound`; 1F1B's caps are the
-    largest, so it holds for every schedule)."""
+                  inv: ClusterInventory) -> float:
+    """A tighter bound of one stage order, from its memory caps (inf: no layout).
+
+    The smallest, over the schedules that can run the order (:func:`_schedule_fits`) and
+    whose caps let it hold the layers (``CapsRows.fits``), of that schedule's own bound: the
+    larger of the leaf's bound with the schedule's bubble divisor and
+    :func:`bounds.order_caps_bound` with every stage's exact layer cap under that schedule at
+    its position and its divisor (interleaved's ``v`` layers per stage and ``v``-fold
+    boundaries relaxed to 1 and 1×, which only lowers it). Admissible: every layout of the
+    order runs one of those schedules, and both terms bound its step time under that schedule
+    (a schedule that cannot hold the layers has no layout at all). A schedule whose leaf bound
+    already reaches the best so far (or the incumbent) skips its caps bound: its term is then
+    at least that value anyway. While nothing has been found, an order whose 1F1B caps hold
+    the layers but whose schedules' do not is still evaluated (``-inf``: its queued bound
+    stands), so a refusal names the closest miss as before."""
     by_unit = {c.unit: c for c in choices}
     blocks = _blocks(by_unit, order)
     rows = _caps_rows(search, units, dp, mb, inv)
-    if stage == 0 and not _memory_fits(rows, blocks):
-        return math.inf
-    div = _blocks_bubble_divisor(search, rows, blocks, m)
     ordered = [by_unit[i] for i in order]
     leaf = _leaf_bound(search, choices, m)
-    if stage == 0:
-        if div == leaf.div:
-            return -math.inf  # the bound it was queued with stands
-        return leaf.bound(ordered_boundaries(ordered, boundary_cost), ordered[-1], div,
-                          search.bound())
     layers = search.spec.model.layers
     pp = sum(c.k for c in choices)
-    top = layers - (pp - 1)
-    caps = rows.caps(blocks, "1f1b", 1)
+    boundaries = ordered_boundaries(ordered, boundary_cost)
+    cutoff = search.bound()
+    best = math.inf
+    for schedule, v in _schedule_options(search.spec, pp, layers, exhaustive=False):
+        if not (_schedule_fits(schedule, v, pp, m, layers) and rows.fits(blocks, schedule, v)):
+            continue
+        div = _bubble_divisor(schedule, v)
+        lb = leaf.bound(boundaries, ordered[-1], div, min(best, cutoff))
+        if lb < best and lb < cutoff:
+            groups = _caps_groups(ordered, rows.caps(blocks, schedule, v), layers - (pp - 1))
+            lb = max(lb, order_caps_bound(groups, layers, m, div, boundaries, leaf.dp_bound()))
+        best = min(best, lb)
+    if best == math.inf and search.best is None and _memory_fits(rows, blocks):
+        return -math.inf
+    return best
+
+
+def _caps_groups(ordered: Sequence[Choice], caps: Sequence[int], top: int
+                 ) -> list[tuple[float, float, list[int]]]:
+    """The stages of an order as :func:`bounds.order_caps_bound`'s groups ``(a, b, caps)``
+    (one per unit, the last stage on its own for its LM head), caps clamped at ``top``."""
     groups, start = [], 0
     for c in ordered:
         block = [x if x < top else top for x in caps[start:start + c.k]]
@@ -1106,8 +1191,7 @@ def _refine_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Choic
             groups.append((c.a, c.stats.head, block[-1:]))
         else:
             groups.append((c.a, 0.0, block))
-    return order_caps_bound(groups, layers, m, div, ordered_boundaries(ordered, boundary_cost),
-                            leaf.dp_bound())
+    return groups
 
 
 def _leaf_bound(search: _Search, choices: tuple[Choice, ...], m: int) -> LeafBound:
@@ -1146,48 +1230,40 @@ def _caps_rows(search: _Search, units: tuple[Unit, ...], dp: int, mb: int,
         model, training = spec.model, spec.training
         m = _replica_batch(spec, dp) // mb  # dp counts the dp·cp replicas
         cp = _cp(spec)
-        memo = search.stage_memo
-        # 1F1B's and ZB-H1's memory arguments depend on the position only through the
-        # microbatches in flight (and ZB-H1's pending W passes), interleaved's through the
-        # chunk-forwards in flight (and the first stage's token ids): caps keyed by those skip
-        # building the arguments (cost.schedule_memory_args) for every position of every row
-        simple: dict[tuple, int] = {}
+        usable = [u.device.hbm_bytes * cost.MEMORY_HEADROOM for u in units]
+        caps: dict[tuple, int] = {}  # (unit, tp, position key): layer cap
+        mems: dict[tuple, cost.StageMemory] = {}  # (tp, position key): device-independent
 
-        def stage_cap(unit: int, tp: int, i: int, pp: int, schedule: str, v: int) -> int:
+        def position_key(i: int, pp: int, schedule: str, v: int) -> tuple:
+            """What the memory of the stage at ``i`` of ``pp`` depends on besides its unit
+            and TP degree (the arguments of ``cost.schedule_memory_args``, without building
+            them): 1F1B's and ZB-H1's through the microbatches in flight (and ZB-H1's pending
+            W passes), interleaved's through the chunk-forwards in flight (and the first
+            stage's token ids), so rows of different depths share their entries."""
             if schedule == "1f1b" or schedule == "zb-h1":
                 depth = pp - i
-                fast_key = (schedule, unit, tp, i == 0, depth == 1, depth if depth < m else m,
-                            cost.zb_pending_weight_grads(i, pp, m) if schedule == "zb-h1"
-                            else 0)
-                cap = simple.get(fast_key)
-                if cap is None:
-                    cap = simple[fast_key] = general_cap(unit, tp, i, pp, schedule, v)
-                return cap
-            if schedule == "interleaved" and v > 1:  # chunk-forwards in flight (and ids)
+                return (schedule, i == 0, depth == 1, depth if depth < m else m,
+                        cost.zb_pending_weight_grads(i, pp, m) if schedule == "zb-h1" else 0)
+            if schedule == "interleaved" and v > 1:
                 chunks = 2 * (pp - i - 1) + (v - 1) * pp + 1
-                fast_key = (schedule, unit, tp, v, i == pp - 1,
-                            chunks if chunks < m * v else m * v,
-                            min(pp * v, m) if i == 0 else -1)
-                cap = simple.get(fast_key)
-                if cap is None:
-                    cap = simple[fast_key] = general_cap(unit, tp, i, pp, schedule, v)
-                return cap
-            return general_cap(unit, tp, i, pp, schedule, v)
+                return (schedule, v, i == pp - 1, chunks if chunks < m * v else m * v,
+                        min(pp * v, m) if i == 0 else -1)
+            return (schedule, i == 0, i == pp - 1,
+                    *cost.schedule_memory_args(i, pp, m, schedule, v).values())
 
-        def general_cap(unit: int, tp: int, i: int, pp: int, schedule: str, v: int) -> int:
-            args = cost.schedule_memory_args(i, pp, m, schedule, v)
-            key = ("cap", unit, tp, dp, mb, i == 0, i == pp - 1, *args.values())
-            cap = memo.get(key)
+        def stage_cap(unit: int, tp: int, i: int, pp: int, schedule: str, v: int) -> int:
+            pos = position_key(i, pp, schedule, v)
+            cap = caps.get((unit, tp, pos))
             if cap is None:
-                mem_key = ("mem", tp, dp, mb, i == 0, i == pp - 1, *args.values())
-                mem = memo.get(mem_key)  # the same for every unit (device-independent)
+                mem = mems.get((tp, pos))
                 if mem is None:
-                    mem = memo[mem_key] = cost.stage_memory(
+                    mem = mems[(tp, pos)] = cost.stage_memory(
                         model, training, tp=tp, dp=dp // cp, cp=cp, micro_batch=mb,
-                        first=i == 0, last=i == pp - 1, **args)
-                usable = units[unit].device.hbm_bytes * cost.MEMORY_HEADROOM
-                cap = memo[key] = (int((usable - mem.fixed) // mem.per_layer)
-                                   if usable > mem.fixed else 0)
+                        first=i == 0, last=i == pp - 1,
+                        **cost.schedule_memory_args(i, pp, m, schedule, v))
+                room = usable[unit]
+                cap = caps[(unit, tp, pos)] = (int((room - mem.fixed) // mem.per_layer)
+                                               if room > mem.fixed else 0)
             return cap
 
         rows = search.caps_rows[(dp, mb)] = CapsRows(spec.model.layers, stage_cap)
