@@ -80,8 +80,10 @@ def test_comm_section_fits_the_p2p_line_and_the_ring(ranks: int) -> None:
     assert (comm.p2p_latency_s, comm.p2p_bytes_per_s) == pytest.approx((P2P_LAT, P2P_BW))
     assert (comm.ring_step_latency_s, comm.bus_bytes_per_s) == pytest.approx((STEP_LAT, BUS_BW))
     # the ring at another size: 2(n−1) steps, 2(n−1)/n bytes per byte
-    assert comm.all_reduce_s(1e6, 8) == pytest.approx(14 * STEP_LAT + 14 / 8 * 1e6 / BUS_BW)
-    assert comm.all_reduce_s(1e6, 1) == 0.0
+    bw, lat = cost.node_ring_link(dataclasses.replace(
+        load_cluster(_cluster()).pools[0].device, profile=_profile(_comm(ranks))))
+    assert cost.ring_all_reduce_s(1e6, 8, bw, lat) == pytest.approx(
+        14 * STEP_LAT + 14 / 8 * 1e6 / BUS_BW)
     # the document round-trips (what calibration writes back to the store)
     again = profile_from_doc(profile_doc("H100-SXM", {}, parse_job_spec(JOB).model,
                                          [(1, 1e-3, 2e-3)], 0.0, comm_doc(comm)), "q.yaml").comm

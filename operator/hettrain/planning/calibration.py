@@ -212,6 +212,10 @@ def refine_profiles(spec: JobSpec, plan: Plan, measured: Mapping[StageKey, Stage
         dev = devices[name]
         base = dev.profile if dev.profile is not None and dev.profile.matches(spec.model) \
             else catalog_profile(dev, spec.model)
+        if dev.profile is not None and base is not dev.profile:  # what does not depend on the
+            base = dataclasses.replace(  # model's shape stays measured
+                base, comm=dev.profile.comm,
+                optimizer_bytes_per_s=dev.profile.optimizer_bytes_per_s)
         out[name] = scaled(base, r)
     return out
 

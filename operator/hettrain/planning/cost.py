@@ -641,10 +641,11 @@ def node_ring_link(device: DeviceSpec) -> tuple[float, float]:
 
 
 def p2p_link(device: DeviceSpec, gbytes_per_s: float, latency_s: float) -> tuple[float, float]:
-    """(GB/s, latency) of a pipeline transfer sent or received by ``device`` over a path of
-    ``gbytes_per_s`` and ``latency_s``: where the device profile measured its p2p transfers,
-    no path is faster than the measured bandwidth nor quicker than the measured latency (the
-    same library sends on every path)."""
+    """(GB/s, latency) of a pipeline transfer between two stages of ``device``'s vendor sent or
+    received by ``device`` over a path of ``gbytes_per_s`` and ``latency_s``: where the device
+    profile measured its p2p transfers (device tensors over the pool backend, as the runtime's
+    same-vendor stream groups send them), no path is faster than the measured bandwidth nor
+    quicker than the measured latency (the same library sends on every path)."""
     comm = device.profile.comm if device.profile is not None else None
     if comm is None:
         return gbytes_per_s, latency_s

@@ -308,9 +308,8 @@ def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_b
     if src.device.vendor != dst.device.vendor:
         bw = cost.host_staged_gbytes(src.device, dst.device, nic)
         lat += cost.HOST_STAGING_LATENCY_S
-    else:
-        bw = nic
-    bw, lat = cost.p2p_link(dst.device, *cost.p2p_link(src.device, bw, lat))
+    else:  # the pair's own stream group (nccl/hccl, or gloo on a CPU host), as profiled
+        bw, lat = cost.p2p_link(dst.device, *cost.p2p_link(src.device, nic, lat))
     return 2 * cost.transfer_s(nbytes, bw, lat)
 
 
@@ -797,6 +796,18 @@ def _pair(search: _Search, units: tuple[Unit, ...], tp_opts: Sequence[Sequence[i
     one can add at best, single-unit extras)."""
     layers = search.spec.model.layers
     opts, singles = _unit_choices(units, tp_opts, dp, mb, inv, search.spec, window, search)
+    rest = _rest_sums(opts)
+    # the root bounds every layout of the pair: the single-unit extras too (window mode)
+    top = rest if not singles else _rest_sums(
+        [[*o, *(c for c in singles if c.unit == i)] for i, o in enumerate(opts)])
+    root = partial_lower_bound((), top[0][0], top[1][0], top[2][0], layers, m,
+                               search.bubble_div, (0.0, 0.0), top[3][0], top[4][0])
+    return (root, dp, mb, m, opts, rest, singles)
+
+
+def _rest_sums(opts: Sequence[Sequence[Choice]]) -> tuple[list, ...]:
+    """What the units from each index on can add at best (:func:`_pair`): layers per second,
+    layer capacity, and the cheapest layer, LM head and layer + head, as suffix lists."""
     rest_rate, rest_cap, rest_a = [0.0], [0], [math.inf]
     rest_head, rest_a_head = [math.inf], [math.inf]
     for unit_opts in reversed(opts):
@@ -806,10 +817,7 @@ def _pair(search: _Search, units: tuple[Unit, ...], tp_opts: Sequence[Sequence[i
         rest_a.append(min([rest_a[-1], *(c.stats.a for c in unit_opts)]))
         rest_head.append(min([rest_head[-1], *(c.stats.head for c in unit_opts)]))
         rest_a_head.append(min([rest_a_head[-1], *(c.a + c.stats.head for c in unit_opts)]))
-    rest = (rest_rate[::-1], rest_cap[::-1], rest_a[::-1], rest_head[::-1], rest_a_head[::-1])
-    root = partial_lower_bound((), rest[0][0], rest[1][0], rest[2][0], layers, m,
-                               search.bubble_div, (0.0, 0.0), rest[3][0], rest[4][0])
-    return (root, dp, mb, m, opts, rest, singles)
+    return (rest_rate[::-1], rest_cap[::-1], rest_a[::-1], rest_head[::-1], rest_a_head[::-1])
 
 
 def _run_pair(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory, grouping: str,
@@ -871,8 +879,7 @@ def _run_pair(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory, g
                     heapq.heappush(heap, (leaf_lb, seq, choices, None, stage))
                     seq += 1
                 continue
-        for order_lb, o in sorted(_order_bounds(search, units, choices, m, boundary_cost, dp,
-                                                mb, inv, memory=False)):
+        for order_lb, o in sorted(_order_bounds(search, units, choices, m, boundary_cost)):
             if order_lb < search.bound():
                 heapq.heappush(heap, (max(lb, order_lb), seq, choices, o, 0))
                 seq += 1
@@ -916,8 +923,7 @@ def _seed_incumbent(search: _Search, units: tuple[Unit, ...], inv: ClusterInvent
         # its stage order with the best memory-aware bound (:func:`_refine_order`)
         bounds = [(max(order_lb, _refine_order(search, units, choices, order, m,
                                                boundary_cost, dp, mb, inv)), order)
-                  for order_lb, order in _order_bounds(search, units, choices, m, boundary_cost,
-                                                       dp, mb, inv, memory=False)
+                  for order_lb, order in _order_bounds(search, units, choices, m, boundary_cost)
                   if order_lb < search.bound()]
         if not bounds:
             continue
@@ -1100,38 +1106,22 @@ def _refine_leaf(search: _Search, chosen: tuple[Choice, ...], m: int, units: tup
 
 
 def _order_bounds(search: _Search, units: tuple[Unit, ...], choices: tuple[Choice, ...], m: int,
-                  boundary_cost: Callable[[Choice, Choice], float], dp: int, mb: int,
-                  inv: ClusterInventory, memory: bool = True
+                  boundary_cost: Callable[[Choice, Choice], float]
                   ) -> list[tuple[float, tuple[int, ...]]]:
-    """Every stage order of ``choices`` whose stages can hold the layers
-    (:func:`_memory_fits`), with its own bound (exact boundaries, known last unit).
-    ``memory=False``: every order, bounded with the leaf's divisor (:func:`_refine_leaf`;
-    valid for all its orders; :func:`_refine_order` adds each order's memory caps)."""
+    """Every stage order of ``choices`` with its own bound (exact boundaries, known last unit)
+    at the leaf's divisor (:func:`_refine_leaf`; valid for all its orders):
+    :func:`_refine_order` adds each order's memory caps."""
     ks = [0] * len(units)
     for c in choices:
         ks[c.unit] = c.k
     by_unit = {c.unit: c for c in choices}
-    orders = list(_orders(units, ks, False))
-    if memory:
-        rows = _caps_rows(search, units, dp, mb, inv)
-        orders = [o for o in orders if _memory_fits(rows, _blocks(by_unit, o))]
-        if len(orders) == 1:
-            return [(-math.inf, orders[0])]
     leaf = _leaf_bound(search, choices, m)
     out = []
     cutoff = search.bound()
-    for order in orders:
+    for order in _orders(units, ks, False):
         ordered = [by_unit[i] for i in order]
         boundaries = _lazy(lambda ordered=ordered: ordered_boundaries(ordered, boundary_cost))
-        # the search's largest bubble divisor first: a bound for every schedule, so an order
-        # it already puts past the incumbent is dropped without looking at memory caps
-        lb = leaf.bound(boundaries, ordered[-1], search.bubble_div if memory else leaf.div,
-                        cutoff)
-        if memory and lb < cutoff:
-            div = _blocks_bubble_divisor(search, rows, _blocks(by_unit, order), m)
-            if div != search.bubble_div:
-                lb = leaf.bound(boundaries, ordered[-1], div, cutoff)
-        out.append((lb, order))
+        out.append((leaf.bound(boundaries, ordered[-1], leaf.div, cutoff), order))
     return out
 
 
@@ -1268,32 +1258,6 @@ def _caps_rows(search: _Search, units: tuple[Unit, ...], dp: int, mb: int,
 
         rows = search.caps_rows[(dp, mb)] = CapsRows(spec.model.layers, stage_cap)
     return rows
-
-
-def _blocks_bubble_divisor(search: _Search, rows: CapsRows, blocks: Sequence[tuple[int, int, int]],
-                           m: int) -> float:
-    """The largest bubble divisor among the schedules whose memory caps let this order
-    (given as blocks ``(unit, tp, k)``) hold the layers (a smaller divisor only raises the
-    bound, so it stays valid): where ZB-H1's stash fits nowhere the order is bounded as 1F1B
-    (or interleaved), not ZB-H1."""
-    if search.bubble_div <= 1.0 or search.spec.parallelism.schedule != "auto":
-        return search.bubble_div
-    return _largest_divisor(search, sum(b[2] for b in blocks), m,
-                            lambda schedule, v: rows.fits(blocks, schedule, v))
-
-
-def _largest_divisor(search: _Search, pp: int, m: int,
-                     fits: Callable[[str, int], bool]) -> float:
-    """The largest bubble divisor (at least 1) among the schedules ``(schedule, v)`` that can
-    run ``pp`` stages and ``m`` microbatches and for which ``fits`` holds (checked only for
-    divisors above the best so far: ``fits`` is the costly part)."""
-    layers = search.spec.model.layers
-    best = 1.0
-    for schedule, v in _schedule_options(search.spec, pp, layers, exhaustive=False):
-        div = _bubble_divisor(schedule, v)
-        if div > best and _schedule_fits(schedule, v, pp, m, layers) and fits(schedule, v):
-            best = div
-    return best
 
 
 def _memory_fits(rows: CapsRows, blocks: Sequence[tuple[int, int, int]]) -> bool:
@@ -1609,6 +1573,10 @@ def split_costs(spec: JobSpec, inventory: ClusterInventory, plan: Plan, split: S
     on ``inventory``; None when a stage would exceed its memory or hold no layer."""
     if len(split) != plan.pp or sum(split) != spec.model.layers:
         raise ValueError(f"split must have {plan.pp} parts summing to {spec.model.layers}")
+    # the plan's own settings, not the job's (``recompute: auto``, ``crossDC.mode: auto``)
+    modes = {k: v for k, v in (plan.cross_dc or {}).items()
+             if k in ("mode", "compression", "outer_steps", "outer_lr", "outer_momentum")}
+    spec = replace(spec, training=plan.training, cross_dc=replace(spec.cross_dc, **modes))
     pools = filter_pools(inventory, spec.placement)
     units = build_units(pools, merged=plan.cross_dc.get("grouping") == "merged")
     by_pool = {p.name: u for u in units for p in u.pools}

@@ -116,13 +116,6 @@ class CommProfile:
     backend: str = ""
     rows: tuple[tuple[str, int, float], ...] = ()  # (kind, bytes, seconds) as measured
 
-    def all_reduce_s(self, nbytes: float, ranks: int) -> float:
-        """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` ranks of this node."""
-        if ranks <= 1 or nbytes <= 0:
-            return 0.0
-        return (2 * (ranks - 1) * self.ring_step_latency_s
-                + 2 * (ranks - 1) / ranks * nbytes / self.bus_bytes_per_s)
-
 
 @dataclass(frozen=True, slots=True)
 class LayerProfile:

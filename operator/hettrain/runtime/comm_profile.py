@@ -4,9 +4,9 @@ Two processes on this node (``python -m hettrain.runtime.comm_profile --rank R``
 file store, time for each message size (median of ``repeats`` after ``WARMUP`` untimed runs,
 every run started together at a barrier):
 
-- **p2p**: one pipeline-boundary transfer, the runtime's own ``send_tensor`` / ``recv_tensor``
-  (``runtime/collectives/p2p.py``: through host memory, over gloo): half a ping-pong round
-  trip;
+- **p2p**: one pipeline-boundary transfer as the runtime sends it between stages of one
+  vendor (``runtime/pipeline.py``: device tensors over the pool backend's stream group, nccl
+  on CUDA, gloo on a CPU host): half a ping-pong round trip;
 - **allReduce**: ``dist.all_reduce`` of the size in the pool's backend (gloo on the CPU, nccl
   on CUDA), as the TP and DP groups inside a node run it.
 
@@ -51,6 +51,7 @@ def measure_comm(sizes: Sequence[int], repeats: int) -> dict | None:
     measured by :data:`RANKS` local processes; ``None`` where the node has one device only."""
     if _devices_available() < RANKS:
         return None
+    _release_device_memory()
     env = dict(os.environ, OMP_NUM_THREADS="1")  # as launch_local runs every rank
     with tempfile.TemporaryDirectory() as tmp:
         outs = [Path(tmp) / f"rank-{r}.json" for r in range(RANKS)]
@@ -63,20 +64,49 @@ def measure_comm(sizes: Sequence[int], repeats: int) -> dict | None:
                      "--store", str(Path(tmp) / "store"), "--sizes", ",".join(map(str, sizes)),
                      "--repeats", str(repeats), "--out", str(outs[r])],
                     env=env, stdout=log, stderr=subprocess.STDOUT))
-        try:
-            codes = [p.wait(TIMEOUT_S) for p in procs]
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-                p.wait()
-            raise RuntimeError(f"the communication measurement took over {TIMEOUT_S} s") from None
-        if any(codes):
-            tail = logs[codes.index(next(c for c in codes if c))].read_text(errors="replace")
-            raise RuntimeError(f"the communication measurement failed (exit codes {codes}): "
-                               f"{tail.strip().splitlines()[-1] if tail.strip() else 'no output'}")
+        failed = _wait_all(procs, TIMEOUT_S)
+        if failed is not None:
+            rank, why = failed
+            tail = logs[rank].read_text(errors="replace").strip()
+            raise RuntimeError(f"the communication measurement failed: rank {rank} {why}"
+                               + (f": {tail.splitlines()[-1]}" if tail else ""))
         doc = json.loads(outs[0].read_text())
     return {"ranks": RANKS, "backend": doc["backend"], "p2p": doc["p2p"],
             "allReduce": doc["allReduce"]}
+
+
+def _release_device_memory() -> None:
+    """Return this process's cached accelerator memory (the layer timing's) before the
+    ranks start: rank 0 shares the device with it."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _wait_all(procs: Sequence[subprocess.Popen], timeout: float) -> tuple[int, str] | None:
+    """Wait for every rank against one deadline; on the first failure (or the deadline) kill
+    the others, which would wait on it forever. ``(rank, why)`` of the failure, or None."""
+    deadline = time.monotonic() + timeout
+    failed: tuple[int, str] | None = None
+    while failed is None and any(p.poll() is None for p in procs):
+        for r, p in enumerate(procs):
+            if p.poll() not in (None, 0):
+                failed = (r, f"exited with code {p.returncode}")
+                break
+        else:
+            if time.monotonic() > deadline:
+                failed = (0, f"took over {timeout:.0f} s")
+            else:
+                time.sleep(0.05)
+    if failed is None:
+        bad = [r for r, p in enumerate(procs) if p.returncode]
+        return (bad[0], f"exited with code {procs[bad[0]].returncode}") if bad else None
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    return failed
 
 
 def _timed(fn, repeats: int, sync) -> float:
@@ -100,16 +130,13 @@ def run_rank(rank: int, store: str, sizes: Sequence[int], repeats: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hettrain.runtime.collectives.p2p import recv_tensor, send_tensor
-
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     if cuda:
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
-                            world_size=RANKS)
-    host_group = dist.new_group(backend="gloo") if cuda else None  # p2p goes through the host
+                            world_size=RANKS, device_id=device if cuda else None)
 
     def sync() -> None:
         if cuda:
@@ -122,11 +149,11 @@ def run_rank(rank: int, store: str, sizes: Sequence[int], repeats: int) -> dict:
 
         def ping_pong(t: torch.Tensor = t) -> None:
             if rank == 0:
-                send_tensor(t, peer, host_group)
-                recv_tensor(t.shape, t.dtype, peer, device, host_group)
+                dist.send(t, peer)
+                dist.recv(t, peer)
             else:
-                got = recv_tensor(t.shape, t.dtype, peer, device, host_group)
-                send_tensor(got, peer, host_group)
+                dist.recv(t, peer)
+                dist.send(t, peer)
 
         def all_reduce(t: torch.Tensor = t) -> None:
             dist.all_reduce(t)
