@@ -40,10 +40,11 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hettrain.api.spec import JobSpec, parse_job_spec
 from hettrain.planguard import Budget, PlanBudgetError, PlanWorkers
@@ -58,6 +59,7 @@ from hettrain.planning.cost import (
 from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import ClusterInventory, load_cluster
 from hettrain.planning.plan import Plan
+from plan_losses import PARTS, breakdown
 
 SEED = 17
 TOKENS_PER_STEP = 4 * 2**20  # ~4M tokens per optimizer step (Llama 3 8B/70B pre-training)
@@ -179,6 +181,7 @@ class Case:
     plan_cpu_s: float = math.nan
     layout: str = ""
     detail: str = ""
+    losses: dict[str, float] = field(default_factory=dict)  # plan_losses.breakdown
 
 
 def run_case(workers: PlanWorkers, doc: dict, model: str, replica_groups: bool = False
@@ -205,6 +208,7 @@ def run_case(workers: PlanWorkers, doc: dict, model: str, replica_groups: bool =
     case.ratio = plan.predicted.tokens_per_s / ideal_tokens_per_s(spec, inv)
     case.peak = plan.predicted.tokens_per_s / peak_tokens_per_s(spec, inv)
     case.used = plan.world_size
+    case.losses = breakdown(spec, inv, plan)
     per_pool: dict[str, int] = {}
     for r in plan.ranks:
         per_pool[r.pool] = per_pool.get(r.pool, 0) + 1
@@ -249,7 +253,40 @@ def summarise(cases: list[Case]) -> dict:
             "plans_with_partly_idle_pool": sum(c.partly_idle_pools > 0 for c in ok),
             "plan_s_median": statistics.median(times) if times else math.nan,
             "plan_s_max": max(times, default=math.nan),
-            "plan_cpu_s_median": statistics.median(c.plan_cpu_s for c in ok) if ok else math.nan}
+            "plan_cpu_s_median": statistics.median(c.plan_cpu_s for c in ok) if ok else math.nan,
+            "loss_median": {k: statistics.median(c.losses[k] for c in ok) for k in LOSS_KEYS}
+            if ok else {},
+            "loss_mean": {k: statistics.fmean(c.losses[k] for c in ok) for k in LOSS_KEYS}
+            if ok else {}}
+
+
+# plan_losses.breakdown: the gap, its parts (ratio units) and, not a part, the share of the
+# ideal's own time it spends on the job's recompute (the ideal pays it, so 'recompute' is the
+# plan's recompute beyond the job's mode)
+LOSS_KEYS = ("gap", *PARTS, "recompute in ideal")
+
+
+def print_breakdown(cases: list[Case], summary: dict[str, dict], per_case: bool) -> None:
+    """The gap to the ideal split into its parts (``bench/plan_losses.py``), in points of the
+    ideal: per model and overall the median of each part over the plans and (``mean``) the
+    mean, whose parts add up to the mean gap; with ``per_case`` one line per plan too."""
+    head = " ".join(f"{k[:9]:>9}" for k in LOSS_KEYS)
+    print()
+    print("gap = 1 - ratio, split into parts (points of the ideal; bench/plan_losses.py); "
+          "'rest' = gap - sum of parts; 'recompute' = beyond the job's mode, which the ideal "
+          "pays too ('recompute in ideal', not a part)")
+    if per_case:
+        print(f"{'cluster':>7} {'model':>15} {head}")
+        for c in cases:
+            if c.status == "ok":
+                print(f"{c.cluster:>7} {c.model:>15} "
+                      + " ".join(f"{c.losses[k]:>9.4f}" for k in LOSS_KEYS))
+    print(f"{'model':>15} {'stat':>6} {head}")
+    for name, s in summary.items():
+        for stat in ("median", "mean"):
+            row = s[f"loss_{stat}"]
+            if row:
+                print(f"{name:>15} {stat:>6} " + " ".join(f"{row[k]:>9.4f}" for k in LOSS_KEYS))
 
 
 def _fmt(x: float, spec: str) -> str:
@@ -302,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="planning worker processes run side by side (default 1; more skews "
                          "the planning times on a host with fewer free cores)")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print each plan's gap to the ideal split into its parts "
+                         "(the per-model medians are always printed)")
     ap.add_argument("--replica-groups", action="store_true",
                     help="plan with spec.parallelism.replicaGroups: true (an extra replica "
                          "group on idle nodes of another pool)")
@@ -341,6 +381,14 @@ def main(argv: list[str] | None = None) -> int:
                          allow_nan=False))
     else:
         print_table(cases, summary, args.cap)
+        print_breakdown(cases, summary, args.breakdown)
+    off = [c for c in cases if c.status == "ok"
+           and max(abs(c.losses["rest"]), abs(c.losses["step_err"])) > 1e-9]
+    if off:
+        print(f"error: {len(off)} breakdowns do not add up to the gap: "
+              + ", ".join(f"{c.cluster}/{c.model} rest {c.losses['rest']:.2e} step "
+                          f"{c.losses['step_err']:.2e}" for c in off), file=sys.stderr)
+        return 1
     if over:
         print(f"error: {len(over)} plans exceed the ideal bound (cost model inconsistency): "
               + ", ".join(f"{c.cluster}/{c.model} {c.ratio:.4f}" for c in over), file=sys.stderr)
