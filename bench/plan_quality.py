@@ -39,6 +39,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,6 +177,8 @@ class Case:
     peak: float = math.nan  # predicted tokens/s / efficiency asymptote
     used: int = 0
     idle_pools: int = 0
+    idle_unexplained: int = 0  # wholly idle pools no plan note names with "idle"
+    idle_reasons: tuple[str, ...] = ()  # the kind of each idle-pool note (idle_reason_kind)
     partly_idle_pools: int = 0
     plan_s: float = math.nan
     plan_cpu_s: float = math.nan
@@ -212,7 +215,10 @@ def run_case(workers: PlanWorkers, doc: dict, model: str, replica_groups: bool =
     per_pool: dict[str, int] = {}
     for r in plan.ranks:
         per_pool[r.pool] = per_pool.get(r.pool, 0) + 1
-    case.idle_pools = sum(1 for p in inv.pools if p.name not in per_pool)
+    idle = [p.name for p in inv.pools if p.name not in per_pool]
+    case.idle_pools = len(idle)
+    case.idle_unexplained = sum(1 for name in idle if not explained(name, plan.notes))
+    case.idle_reasons = tuple(idle_reason_kind(n) for n in plan.notes if " idle: " in n)
     case.partly_idle_pools = sum(1 for p in inv.pools if 0 < per_pool.get(p.name, 0) < p.gpus)
     tps = "/".join(str(s.tp) for s in plan.stages)
     cp = plan.stages[0].cp
@@ -223,6 +229,23 @@ def run_case(workers: PlanWorkers, doc: dict, model: str, replica_groups: bool =
         case.layout += (f" + group {g.index}: dp={g.dp} pp={g.pp} tp={g.stages[0].tp} "
                         f"m={g.num_microbatches}")
     return case
+
+
+def explained(pool: str, notes: tuple[str, ...]) -> bool:
+    """Whether some plan note says why ``pool`` is idle: it names the pool and says "idle"
+    (the planner's ``pool NAME idle: WHY``, replicaGroups' "idle nodes of pool(s) ...")."""
+    return any(pool in n and "idle" in n for n in notes)
+
+
+IDLE_KINDS = (("excluded by spec.placement", "placement"), ("device group", "group used"),
+              ("does not fit its memory", "memory"), ("maxGPUs", "maxGPUs"),
+              ("cannot host one stage", "few GPUs"), ("slowest pipeline step", "link"),
+              ("adding it is slower", "slower"), ("is faster", "faster"))
+
+
+def idle_reason_kind(note: str) -> str:
+    """The kind of one ``pool NAME idle: WHY`` note (``planning/idle_pools.py``)."""
+    return next((kind for text, kind in IDLE_KINDS if text in note), "other")
 
 
 # ---------------------------------------------------------------- summary
@@ -250,6 +273,9 @@ def summarise(cases: list[Case]) -> dict:
             "peak_median": statistics.median(c.peak for c in ok) if ok else math.nan,
             "gpus_used": sum(c.used for c in ok), "gpus_available": sum(c.gpus for c in ok),
             "plans_with_idle_pool": sum(c.idle_pools > 0 for c in ok),
+            "plans_with_unexplained_idle_pool": sum(c.idle_unexplained > 0 for c in ok),
+            "idle_reasons": dict(sorted(Counter(k for c in ok for k in c.idle_reasons)
+                                        .items())),
             "plans_with_partly_idle_pool": sum(c.partly_idle_pools > 0 for c in ok),
             "plan_s_median": statistics.median(times) if times else math.nan,
             "plan_s_max": max(times, default=math.nan),
@@ -296,12 +322,13 @@ def _fmt(x: float, spec: str) -> str:
 def print_table(cases: list[Case], summary: dict[str, dict], cap: float) -> None:
     """The human-readable report."""
     print(f"{'cluster':>7} {'model':>15} {'GPUs':>5} {'types':>5} {'DCs':>3} {'ratio':>6} "
-          f"{'peak':>5} {'used':>5} {'idle':>4} {'part':>4} {'plan s':>7}  layout / status")
+          f"{'peak':>5} {'used':>5} {'idle':>4} {'nowhy':>5} {'part':>4} {'plan s':>7}  "
+          "layout / status")
     for c in cases:
         tail = c.layout if c.status == "ok" else f"{c.status}: {c.detail[:90]}"
         print(f"{c.cluster:>7} {c.model:>15} {c.gpus:>5} {c.device_types:>5} "
               f"{c.datacenters:>3} {_fmt(c.ratio, '.3f'):>6} {_fmt(c.peak, '.2f'):>5} "
-              f"{c.used:>5} {c.idle_pools:>4} {c.partly_idle_pools:>4} "
+              f"{c.used:>5} {c.idle_pools:>4} {c.idle_unexplained:>5} {c.partly_idle_pools:>4} "
               f"{_fmt(c.plan_s, '.2f'):>7}  {tail}")
     print()
     print(f"ratio = predicted tokens/s / ideal (every GPU computing at the cost model's best "
@@ -309,7 +336,8 @@ def print_table(cases: list[Case], summary: dict[str, dict], cap: float) -> None
           f"{cap:g}s; load average {', '.join(f'{x:.1f}' for x in os.getloadavg())} on "
           f"{os.cpu_count()} CPUs")
     print(f"{'model':>15} {'cases':>5} {'ok':>4} {'median':>7} {'p10':>6} {'min':>6} "
-          f"{'peak':>5} {'GPUs used':>13} {'idle':>5} {'part':>5} {'plan s med':>10} {'max':>7} "
+          f"{'peak':>5} {'GPUs used':>13} {'idle':>5} {'nowhy':>5} {'part':>5} "
+          f"{'plan s med':>10} {'max':>7} "
           f"{'cpu med':>7} "
           f"{'no plan':>7} {'timeout':>7}")
     for name, s in summary.items():
@@ -317,10 +345,15 @@ def print_table(cases: list[Case], summary: dict[str, dict], cap: float) -> None
         print(f"{name:>15} {s['cases']:>5} {s['planned']:>4} {_fmt(s['ratio_median'], '.3f'):>7} "
               f"{_fmt(s['ratio_p10'], '.3f'):>6} {_fmt(s['ratio_min'], '.3f'):>6} "
               f"{_fmt(s['peak_median'], '.2f'):>5} {used:>13} "
-              f"{s['plans_with_idle_pool']:>5} {s['plans_with_partly_idle_pool']:>5} "
+              f"{s['plans_with_idle_pool']:>5} {s['plans_with_unexplained_idle_pool']:>5} "
+              f"{s['plans_with_partly_idle_pool']:>5} "
               f"{_fmt(s['plan_s_median'], '.2f'):>10} {_fmt(s['plan_s_max'], '.2f'):>7} "
               f"{_fmt(s['plan_cpu_s_median'], '.2f'):>7} "
               f"{s['no_plan']:>7} {s['timeout']:>7}")
+    print("idle = plans leaving a pool wholly idle, nowhy = of those, with a pool no plan note "
+          "explains; part = plans using a pool partly. Idle-pool notes by kind: "
+          + "; ".join(f"{name}: " + (", ".join(f"{k} {n}" for k, n in s["idle_reasons"].items())
+                                     or "none") for name, s in summary.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
