@@ -178,7 +178,7 @@ class Case:
     used: int = 0
     idle_pools: int = 0
     idle_unexplained: int = 0  # wholly idle pools no plan note names with "idle"
-    idle_reasons: tuple[str, ...] = ()  # the kind of each idle-pool note (idle_reason_kind)
+    idle_notes: tuple[str, ...] = ()  # the plan's "pool NAME idle: WHY" notes
     partly_idle_pools: int = 0
     plan_s: float = math.nan
     plan_cpu_s: float = math.nan
@@ -218,7 +218,7 @@ def run_case(workers: PlanWorkers, doc: dict, model: str, replica_groups: bool =
     idle = [p.name for p in inv.pools if p.name not in per_pool]
     case.idle_pools = len(idle)
     case.idle_unexplained = sum(1 for name in idle if not explained(name, plan.notes))
-    case.idle_reasons = tuple(idle_reason_kind(n) for n in plan.notes if " idle: " in n)
+    case.idle_notes = tuple(n for n in plan.notes if n.startswith("pool ") and " idle: " in n)
     case.partly_idle_pools = sum(1 for p in inv.pools if 0 < per_pool.get(p.name, 0) < p.gpus)
     tps = "/".join(str(s.tp) for s in plan.stages)
     cp = plan.stages[0].cp
@@ -238,9 +238,9 @@ def explained(pool: str, notes: tuple[str, ...]) -> bool:
 
 
 IDLE_KINDS = (("excluded by spec.placement", "placement"), ("device group", "group used"),
-              ("does not fit its memory", "memory"), ("maxGPUs", "maxGPUs"),
-              ("cannot host one stage", "few GPUs"), ("slowest pipeline step", "link"),
-              ("adding it is slower", "slower"), ("is faster", "faster"))
+              ("does not fit", "memory"), ("maxGPUs", "maxGPUs"),
+              ("cannot host a stage", "few GPUs"), ("is the slowest step", "link"),
+              ("slower with it", "slower"), ("faster with it", "faster"))
 
 
 def idle_reason_kind(note: str) -> str:
@@ -274,8 +274,8 @@ def summarise(cases: list[Case]) -> dict:
             "gpus_used": sum(c.used for c in ok), "gpus_available": sum(c.gpus for c in ok),
             "plans_with_idle_pool": sum(c.idle_pools > 0 for c in ok),
             "plans_with_unexplained_idle_pool": sum(c.idle_unexplained > 0 for c in ok),
-            "idle_reasons": dict(sorted(Counter(k for c in ok for k in c.idle_reasons)
-                                        .items())),
+            "idle_reasons": dict(sorted(Counter(idle_reason_kind(n) for c in ok
+                                                for n in c.idle_notes).items())),
             "plans_with_partly_idle_pool": sum(c.partly_idle_pools > 0 for c in ok),
             "plan_s_median": statistics.median(times) if times else math.nan,
             "plan_s_max": max(times, default=math.nan),

@@ -14,8 +14,9 @@ search's own ``planner._evaluate``: exact layer split, memory caps, ``maxGPUs``)
   memory (the closest miss), ``spec.placement.maxGPUs`` excludes every such layout, its GPUs
   cannot host one stage's ``dp`` replicas, or it is slower (the best one's step time vs the
   plan's, and when the slowest pipeline step is the transfer over its datacenter link, that
-  link). Should one be faster (the search's large-instance heuristics, or a re-plan keeping
-  its structure), the note says so.
+  link). Should one be faster, the note says so and why the plan is not it: a re-plan keeps
+  its structure, or which large-instance heuristic of the search leaves it out (the fixed
+  stage order, the stage-count window), else that the search did not reach it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 
 from hettrain.api.spec import JobSpec
 from hettrain.planning import cost, planner
-from hettrain.planning.inventory import ClusterInventory, Pool
+from hettrain.planning.inventory import ClusterInventory
 from hettrain.planning.plan import Plan
 from hettrain.planning.units import Unit, build_units, filter_pools
 
@@ -51,13 +52,13 @@ def idle_pool_notes(plan: Plan, chosen: planner.Candidate, spec: JobSpec,
             continue
         unit = next(u for u in units if pool in u.pools)
         notes.append(f"pool {pool.name} idle: "
-                     + _reason(pool, unit, chosen, spec, inventory, replan))
+                     + _reason(unit, units, chosen, spec, inventory, replan))
     return notes
 
 
-def _reason(pool: Pool, unit: Unit, chosen: planner.Candidate, spec: JobSpec,
+def _reason(unit: Unit, units: Sequence[Unit], chosen: planner.Candidate, spec: JobSpec,
             inventory: ClusterInventory, replan: bool) -> str:
-    """Why ``pool`` (of device group ``unit``) has no rank in ``chosen``."""
+    """Why a pool of device group ``unit`` (one of ``units``) has no rank in ``chosen``."""
     if unit.key in {u.key for u in chosen.units}:
         need = chosen.dp * sum(tp for u, tp in zip(chosen.units, chosen.tps, strict=True)
                                if u.key == unit.key)
@@ -78,7 +79,7 @@ def _reason(pool: Pool, unit: Unit, chosen: planner.Candidate, spec: JobSpec,
     search = planner._Search(spec, exhaustive=False)
     best, tried = _try_additions(search, unit, chosen, inventory)
     if best is not None:
-        return _compare(best, tried, unit, chosen, inventory, replan)
+        return _compare(best, tried, unit, chosen, inventory, replan, units, spec)
     if search.memory_shortfall is not None:
         return f"does not fit: {search.memory_shortfall[1]}"
     if search.over_max_gpus:
@@ -139,21 +140,45 @@ def _block_starts(units: Sequence[Unit]) -> list[int]:
 
 
 def _compare(best: planner.Candidate, tried: int, unit: Unit, chosen: planner.Candidate,
-             inventory: ClusterInventory, replan: bool) -> str:
+             inventory: ClusterInventory, replan: bool, units: Sequence[Unit],
+             spec: JobSpec) -> str:
     """The note for a pool some layout could use: slower (and, where the slowest pipeline
     step is its link, that link) or faster (and why the plan does not take it)."""
     ks = sum(1 for u in best.units if u.key == unit.key)
     tp = next(t for u, t in zip(best.units, best.tps, strict=True) if u.key == unit.key)
     times = f"{best.step_time_s:.3f}s vs {chosen.step_time_s:.3f}s per step"
+    stages = f"+{ks} stage{'s' if ks > 1 else ''} at tp={tp}"
     if best.step_time_s < chosen.step_time_s:
-        why = ("the re-plan keeps its structure" if replan
-               else "the search's large-instance heuristics skipped it")
-        return f"faster with it: {times} (+{ks} stage at tp={tp}); {why}"
+        why = "the re-plan keeps its structure" if replan else _missed_by(best, units, spec)
+        return f"faster with it: {times} ({stages}); {why}"
     link = _slow_link(best, unit, inventory)
     if link:
         return f"{link}: {times} with it ({tried} layouts tried)"
-    return (f"slower with it: {times} (best of {tried} layouts tried, "
-            f"+{ks} stage{'s' if ks > 1 else ''} at tp={tp})")
+    return f"slower with it: {times} (best of {tried} layouts tried, {stages})"
+
+
+def _missed_by(c: planner.Candidate, units: Sequence[Unit], spec: JobSpec) -> str:
+    """Which of the search's large-instance heuristics (``planner`` module docstring) leave
+    out layout ``c``: the fixed stage order past ``MAX_PERMUTED_UNITS`` device groups, the
+    stage-count window; or, if neither, that the search did not reach it."""
+    keys = list(dict.fromkeys(u.key for u in c.units))
+    index = {u.key: i for i, u in enumerate(units)}
+    used = [index[k] for k in keys]
+    out = []
+    if (len(used) > planner.MAX_PERMUTED_UNITS
+            and list(planner._fixed_order(units, used)) != used):
+        out.append("fixed stage order")
+    if planner._windowed(units, spec, [planner._tp_options(u, spec) for u in units]):
+        for k in keys:
+            unit = units[index[k]]
+            tp = next(t for u, t in zip(c.units, c.tps, strict=True) if u.key == k)
+            most = planner._max_stages(unit, tp, c.dp, spec)
+            if sum(1 for u in c.units if u.key == k) not in planner._k_options(most, False):
+                out.append("stage-count window")
+                break
+    if not out:
+        return "the search did not reach it"
+    return "the search's large-instance heuristics skip it (" + ", ".join(out) + ")"
 
 
 def _slow_link(c: planner.Candidate, unit: Unit, inventory: ClusterInventory) -> str:
