@@ -44,6 +44,7 @@ def idle_pool_notes(plan: Plan, chosen: planner.Candidate, spec: JobSpec,
     allowed = filter_pools(inventory, spec.placement)
     units = build_units(allowed, merged=chosen.grouping == "merged")
     notes = []
+    reasons: dict[str, str] = {}  # per device group: its idle pools share the reason
     for pool in sorted(inventory.pools, key=lambda p: p.name):  # independent of file order
         if pool.name in used:
             continue
@@ -51,8 +52,9 @@ def idle_pool_notes(plan: Plan, chosen: planner.Candidate, spec: JobSpec,
             notes.append(f"pool {pool.name} idle: excluded by spec.placement")
             continue
         unit = next(u for u in units if pool in u.pools)
-        notes.append(f"pool {pool.name} idle: "
-                     + _reason(unit, units, chosen, spec, inventory, replan))
+        if unit.key not in reasons:
+            reasons[unit.key] = _reason(unit, units, chosen, spec, inventory, replan)
+        notes.append(f"pool {pool.name} idle: {reasons[unit.key]}")
     return notes
 
 
@@ -105,13 +107,13 @@ def _least_stage_bytes(unit: Unit, spec: JobSpec, tps: Sequence[int]) -> float:
 def _try_additions(search: planner._Search, unit: Unit, chosen: planner.Candidate,
                    inventory: ClusterInventory) -> tuple[planner.Candidate | None, int]:
     """The fastest of the chosen layout with ``unit`` inserted as ``k`` more stages (module
-    docstring) and how many layouts were evaluated."""
+    docstring) and how many layouts were tried. The fastest so far is the search's incumbent,
+    so ``planner._evaluate``'s bounds skip what cannot beat it (exact)."""
     spec = search.spec
     blocks = _block_starts(chosen.units)
     schedules = [(chosen.schedule, chosen.chunks)]
     if chosen.schedule != "1f1b":
-        schedules.append(("1f1b", 1))
-    best: planner.Candidate | None = None
+        schedules.append(("1f1b", 1))  # holds less memory than ZB-H1 and interleaved
     for tp in planner._tp_options(unit, spec):
         most = planner._max_stages(unit, tp, chosen.dp, spec)
         if most < min(unit.tp_groups(tp) // chosen.dp, spec.model.layers):
@@ -121,15 +123,9 @@ def _try_additions(search: planner._Search, unit: Unit, chosen: planner.Candidat
                 units = (*chosen.units[:at], *[unit] * k, *chosen.units[at:])
                 tps = (*chosen.tps[:at], *[tp] * k, *chosen.tps[at:])
                 for schedule, v in schedules:
-                    search.best = None
                     planner._evaluate(search, units, tps, chosen.dp, chosen.micro_batch,
                                       schedule, inventory, chosen.grouping, v)
-                    got = search.best
-                    if got is not None:
-                        if best is None or got.sort_key() < best.sort_key():
-                            best = got
-                        break  # a later schedule only holds less memory
-    return best, search.evaluated
+    return search.best, search.evaluated
 
 
 def _block_starts(units: Sequence[Unit]) -> list[int]:
