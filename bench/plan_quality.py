@@ -39,11 +39,13 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hettrain.api.spec import JobSpec, parse_job_spec
 from hettrain.planguard import Budget, PlanBudgetError, PlanWorkers
@@ -58,6 +60,7 @@ from hettrain.planning.cost import (
 from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import ClusterInventory, load_cluster
 from hettrain.planning.plan import Plan
+from plan_losses import PARTS, breakdown
 
 SEED = 17
 TOKENS_PER_STEP = 4 * 2**20  # ~4M tokens per optimizer step (Llama 3 8B/70B pre-training)
@@ -174,11 +177,14 @@ class Case:
     peak: float = math.nan  # predicted tokens/s / efficiency asymptote
     used: int = 0
     idle_pools: int = 0
+    idle_unexplained: int = 0  # wholly idle pools no plan note names with "idle"
+    idle_notes: tuple[str, ...] = ()  # the plan's "pool NAME idle: WHY" notes
     partly_idle_pools: int = 0
     plan_s: float = math.nan
     plan_cpu_s: float = math.nan
     layout: str = ""
     detail: str = ""
+    losses: dict[str, float] = field(default_factory=dict)  # plan_losses.breakdown
 
 
 def run_case(workers: PlanWorkers, doc: dict, model: str, replica_groups: bool = False
@@ -205,10 +211,14 @@ def run_case(workers: PlanWorkers, doc: dict, model: str, replica_groups: bool =
     case.ratio = plan.predicted.tokens_per_s / ideal_tokens_per_s(spec, inv)
     case.peak = plan.predicted.tokens_per_s / peak_tokens_per_s(spec, inv)
     case.used = plan.world_size
+    case.losses = breakdown(spec, inv, plan)
     per_pool: dict[str, int] = {}
     for r in plan.ranks:
         per_pool[r.pool] = per_pool.get(r.pool, 0) + 1
-    case.idle_pools = sum(1 for p in inv.pools if p.name not in per_pool)
+    idle = [p.name for p in inv.pools if p.name not in per_pool]
+    case.idle_pools = len(idle)
+    case.idle_unexplained = sum(1 for name in idle if not explained(name, plan.notes))
+    case.idle_notes = tuple(n for n in plan.notes if n.startswith("pool ") and " idle: " in n)
     case.partly_idle_pools = sum(1 for p in inv.pools if 0 < per_pool.get(p.name, 0) < p.gpus)
     tps = "/".join(str(s.tp) for s in plan.stages)
     cp = plan.stages[0].cp
@@ -219,6 +229,23 @@ def run_case(workers: PlanWorkers, doc: dict, model: str, replica_groups: bool =
         case.layout += (f" + group {g.index}: dp={g.dp} pp={g.pp} tp={g.stages[0].tp} "
                         f"m={g.num_microbatches}")
     return case
+
+
+def explained(pool: str, notes: tuple[str, ...]) -> bool:
+    """Whether some plan note says why ``pool`` is idle: it names the pool and says "idle"
+    (the planner's ``pool NAME idle: WHY``, replicaGroups' "idle nodes of pool(s) ...")."""
+    return any(pool in n and "idle" in n for n in notes)
+
+
+IDLE_KINDS = (("excluded by spec.placement", "placement"), ("device group", "group used"),
+              ("does not fit", "memory"), ("maxGPUs", "maxGPUs"),
+              ("cannot host a stage", "few GPUs"), ("is the slowest step", "link"),
+              ("slower with it", "slower"), ("faster with it", "faster"))
+
+
+def idle_reason_kind(note: str) -> str:
+    """The kind of one ``pool NAME idle: WHY`` note (``planning/idle_pools.py``)."""
+    return next((kind for text, kind in IDLE_KINDS if text in note), "other")
 
 
 # ---------------------------------------------------------------- summary
@@ -246,10 +273,46 @@ def summarise(cases: list[Case]) -> dict:
             "peak_median": statistics.median(c.peak for c in ok) if ok else math.nan,
             "gpus_used": sum(c.used for c in ok), "gpus_available": sum(c.gpus for c in ok),
             "plans_with_idle_pool": sum(c.idle_pools > 0 for c in ok),
+            "plans_with_unexplained_idle_pool": sum(c.idle_unexplained > 0 for c in ok),
+            "idle_reasons": dict(sorted(Counter(idle_reason_kind(n) for c in ok
+                                                for n in c.idle_notes).items())),
             "plans_with_partly_idle_pool": sum(c.partly_idle_pools > 0 for c in ok),
             "plan_s_median": statistics.median(times) if times else math.nan,
             "plan_s_max": max(times, default=math.nan),
-            "plan_cpu_s_median": statistics.median(c.plan_cpu_s for c in ok) if ok else math.nan}
+            "plan_cpu_s_median": statistics.median(c.plan_cpu_s for c in ok) if ok else math.nan,
+            "loss_median": {k: statistics.median(c.losses[k] for c in ok) for k in LOSS_KEYS}
+            if ok else {},
+            "loss_mean": {k: statistics.fmean(c.losses[k] for c in ok) for k in LOSS_KEYS}
+            if ok else {}}
+
+
+# plan_losses.breakdown: the gap, its parts (ratio units) and, not a part, the share of the
+# ideal's own time it spends on the job's recompute (the ideal pays it, so 'recompute' is the
+# plan's recompute beyond the job's mode)
+LOSS_KEYS = ("gap", *PARTS, "recompute in ideal")
+
+
+def print_breakdown(cases: list[Case], summary: dict[str, dict], per_case: bool) -> None:
+    """The gap to the ideal split into its parts (``bench/plan_losses.py``), in points of the
+    ideal: per model and overall the median of each part over the plans and (``mean``) the
+    mean, whose parts add up to the mean gap; with ``per_case`` one line per plan too."""
+    head = " ".join(f"{k[:9]:>9}" for k in LOSS_KEYS)
+    print()
+    print("gap = 1 - ratio, split into parts (points of the ideal; bench/plan_losses.py); "
+          "'rest' = gap - sum of parts; 'recompute' = beyond the job's mode, which the ideal "
+          "pays too ('recompute in ideal', not a part)")
+    if per_case:
+        print(f"{'cluster':>7} {'model':>15} {head}")
+        for c in cases:
+            if c.status == "ok":
+                print(f"{c.cluster:>7} {c.model:>15} "
+                      + " ".join(f"{c.losses[k]:>9.4f}" for k in LOSS_KEYS))
+    print(f"{'model':>15} {'stat':>6} {head}")
+    for name, s in summary.items():
+        for stat in ("median", "mean"):
+            row = s[f"loss_{stat}"]
+            if row:
+                print(f"{name:>15} {stat:>6} " + " ".join(f"{row[k]:>9.4f}" for k in LOSS_KEYS))
 
 
 def _fmt(x: float, spec: str) -> str:
@@ -259,12 +322,13 @@ def _fmt(x: float, spec: str) -> str:
 def print_table(cases: list[Case], summary: dict[str, dict], cap: float) -> None:
     """The human-readable report."""
     print(f"{'cluster':>7} {'model':>15} {'GPUs':>5} {'types':>5} {'DCs':>3} {'ratio':>6} "
-          f"{'peak':>5} {'used':>5} {'idle':>4} {'part':>4} {'plan s':>7}  layout / status")
+          f"{'peak':>5} {'used':>5} {'idle':>4} {'nowhy':>5} {'part':>4} {'plan s':>7}  "
+          "layout / status")
     for c in cases:
         tail = c.layout if c.status == "ok" else f"{c.status}: {c.detail[:90]}"
         print(f"{c.cluster:>7} {c.model:>15} {c.gpus:>5} {c.device_types:>5} "
               f"{c.datacenters:>3} {_fmt(c.ratio, '.3f'):>6} {_fmt(c.peak, '.2f'):>5} "
-              f"{c.used:>5} {c.idle_pools:>4} {c.partly_idle_pools:>4} "
+              f"{c.used:>5} {c.idle_pools:>4} {c.idle_unexplained:>5} {c.partly_idle_pools:>4} "
               f"{_fmt(c.plan_s, '.2f'):>7}  {tail}")
     print()
     print(f"ratio = predicted tokens/s / ideal (every GPU computing at the cost model's best "
@@ -272,7 +336,8 @@ def print_table(cases: list[Case], summary: dict[str, dict], cap: float) -> None
           f"{cap:g}s; load average {', '.join(f'{x:.1f}' for x in os.getloadavg())} on "
           f"{os.cpu_count()} CPUs")
     print(f"{'model':>15} {'cases':>5} {'ok':>4} {'median':>7} {'p10':>6} {'min':>6} "
-          f"{'peak':>5} {'GPUs used':>13} {'idle':>5} {'part':>5} {'plan s med':>10} {'max':>7} "
+          f"{'peak':>5} {'GPUs used':>13} {'idle':>5} {'nowhy':>5} {'part':>5} "
+          f"{'plan s med':>10} {'max':>7} "
           f"{'cpu med':>7} "
           f"{'no plan':>7} {'timeout':>7}")
     for name, s in summary.items():
@@ -280,10 +345,15 @@ def print_table(cases: list[Case], summary: dict[str, dict], cap: float) -> None
         print(f"{name:>15} {s['cases']:>5} {s['planned']:>4} {_fmt(s['ratio_median'], '.3f'):>7} "
               f"{_fmt(s['ratio_p10'], '.3f'):>6} {_fmt(s['ratio_min'], '.3f'):>6} "
               f"{_fmt(s['peak_median'], '.2f'):>5} {used:>13} "
-              f"{s['plans_with_idle_pool']:>5} {s['plans_with_partly_idle_pool']:>5} "
+              f"{s['plans_with_idle_pool']:>5} {s['plans_with_unexplained_idle_pool']:>5} "
+              f"{s['plans_with_partly_idle_pool']:>5} "
               f"{_fmt(s['plan_s_median'], '.2f'):>10} {_fmt(s['plan_s_max'], '.2f'):>7} "
               f"{_fmt(s['plan_cpu_s_median'], '.2f'):>7} "
               f"{s['no_plan']:>7} {s['timeout']:>7}")
+    print("idle = plans leaving a pool wholly idle, nowhy = of those, with a pool no plan note "
+          "explains; part = plans using a pool partly. Idle-pool notes by kind: "
+          + "; ".join(f"{name}: " + (", ".join(f"{k} {n}" for k, n in s["idle_reasons"].items())
+                                     or "none") for name, s in summary.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="planning worker processes run side by side (default 1; more skews "
                          "the planning times on a host with fewer free cores)")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print each plan's gap to the ideal split into its parts "
+                         "(the per-model medians are always printed)")
     ap.add_argument("--replica-groups", action="store_true",
                     help="plan with spec.parallelism.replicaGroups: true (an extra replica "
                          "group on idle nodes of another pool)")
@@ -341,6 +414,14 @@ def main(argv: list[str] | None = None) -> int:
                          allow_nan=False))
     else:
         print_table(cases, summary, args.cap)
+        print_breakdown(cases, summary, args.breakdown)
+    off = [c for c in cases if c.status == "ok"
+           and max(abs(c.losses["rest"]), abs(c.losses["step_err"])) > 1e-9]
+    if off:
+        print(f"error: {len(off)} breakdowns do not add up to the gap: "
+              + ", ".join(f"{c.cluster}/{c.model} rest {c.losses['rest']:.2e} step "
+                          f"{c.losses['step_err']:.2e}" for c in off), file=sys.stderr)
+        return 1
     if over:
         print(f"error: {len(over)} plans exceed the ideal bound (cost model inconsistency): "
               + ", ".join(f"{c.cluster}/{c.model} {c.ratio:.4f}" for c in over), file=sys.stderr)

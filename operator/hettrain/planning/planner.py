@@ -1455,13 +1455,28 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     else:
         chosen, ranks = _fewest_moves(best, near, previous)
     notes = _notes(chosen, searches[0], alt, inventory, spec)
+    searched = len(notes)  # the idle-pool notes go here, before the later decisions' notes
     if previous is not None:
         notes.append(f"re-plan: {moved_ranks(previous, ranks)} of {len(ranks)} ranks change stage")
     concrete = replace(spec, parallelism=replace(spec.parallelism, cp=chosen.cp))
     plan = _to_plan(name, concrete, chosen, ranks, notes, inventory)
     if spec.parallelism.replica_groups:
         plan = plan_with_replica_group(plan, spec, inventory)
-    return plan
+    return _with_idle_notes(plan, chosen, concrete, inventory, previous is not None, searched)
+
+
+def _with_idle_notes(plan: Plan, chosen: Candidate, spec: JobSpec, inventory: ClusterInventory,
+                     replan: bool, at: int) -> Plan:
+    """``plan`` with a note naming each pool it leaves wholly idle and why
+    (:mod:`hettrain.planning.idle_pools`: once per plan, after the search), inserted at note
+    ``at``: after the search's notes, before those of later decisions (re-plan, replica
+    groups), which stay last."""
+    from hettrain.planning.idle_pools import idle_pool_notes  # it imports this module
+
+    idle = idle_pool_notes(plan, chosen, spec, inventory, replan)
+    if not idle:
+        return plan
+    return replace(plan, notes=(*plan.notes[:at], *idle, *plan.notes[at:]))
 
 
 # where the planner searches cp > 1 (a pinned cp is exempt): sequences of at least
