@@ -103,3 +103,36 @@ def test_no_idle_pool_no_idle_note():
     assert _used(plan) == {"near", "other"}
     assert not any(" idle: " in n for n in plan.notes)
     assert _idle_notes(plan) == {}
+
+
+def test_a_faster_layout_with_an_idle_group_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast search's large-instance heuristics (fixed stage order past 4 device groups,
+    the stage-count window) leave out the layout with one more Gaudi2 stage on this generated
+    cluster (bench/plan_quality.py c26, llama3-8b); the check after the search finds it by
+    exact evaluation and the plan takes it: faster than the same search without that check,
+    its predicted step the exact price of its layout, and a note saying what was added."""
+    import sys
+    from pathlib import Path
+
+    from hettrain.planning import idle_pools
+    from hettrain.planning.planner import step_time_for_split
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import plan_quality as pq
+
+    doc = next(d for d in pq.clusters(40) if d["metadata"]["name"] == "c26")
+    inv, spec = load_cluster(doc), pq.job("llama3-8b")
+    plan = plan_job("j", spec, inv)
+    added = [n for n in plan.notes if "added after the search" in n]
+    assert len(added) == 1 and "large-instance heuristics" in added[0], plan.notes
+    split = [s.layer_end - s.layer_start for s in plan.stages]
+    assert step_time_for_split(spec, inv, plan, split) == pytest.approx(
+        plan.predicted.step_time_s, rel=1e-9)
+    with monkeypatch.context() as m:
+        m.setattr(idle_pools, "with_idle_groups", lambda c, s, i: (c, []))
+        searched = plan_job("j", spec, inv)
+    assert plan.predicted.step_time_s < searched.predicted.step_time_s
+    assert not any("added after the search" in n for n in searched.notes)
+    # the added stage is the Gaudi2 group's, which the searched plan left idle
+    assert "Gaudi2" in {s.device for s in plan.stages}
+    assert "Gaudi2" not in {s.device for s in searched.stages}

@@ -5,18 +5,20 @@ change. Each reason is a cheap exact check or comes from layouts evaluated exact
 search's own ``planner._evaluate``: exact layer split, memory caps, ``maxGPUs``), never a guess:
 
 - ``excluded by spec.placement``: the pool is filtered out before the search;
+- ``spec.parallelism.pp`` pins the stage count: any use of the pool adds stages;
 - its device group (``units.Unit``) is used, but the plan's stages need fewer of its GPUs than
   the group has (placement fills the group's pools in order);
 - otherwise the chosen layout with the pool's group inserted as ``k`` more stages (each TP
   option, ``k`` in ``1..MAX_TRIED_STAGES`` and the most it can host, at every position between
-  the chosen stage blocks; the plan's dp, microbatch and schedule, or 1F1B where that fits
-  memory better) is evaluated, and the note says what that found: the model does not fit its
-  memory (the closest miss), ``spec.placement.maxGPUs`` excludes every such layout, its GPUs
-  cannot host one stage's ``dp`` replicas, or it is slower (the best one's step time vs the
-  plan's, and when the slowest pipeline step is the transfer over its datacenter link, that
-  link). Should one be faster, the note says so and why the plan is not it: a re-plan keeps
-  its structure, or which large-instance heuristic of the search leaves it out (the fixed
-  stage order, the stage-count window), else that the search did not reach it.
+  the chosen stage blocks; the plan's dp, microbatch and schedule, or 1F1B under
+  ``schedule: auto`` where that fits memory better) is evaluated, and the note says what
+  that found: the model does not fit its memory (the closest miss), ``maxGPUs`` excludes
+  every such layout, its GPUs cannot host one stage's ``dp`` replicas, or it is slower (the
+  best one's step time vs the plan's, and when the slowest pipeline step is the transfer over
+  its datacenter link, that link). A faster one is taken by a first plan
+  (:func:`with_idle_groups`: the search's large-instance heuristics, the fixed stage order
+  and the stage-count window, can leave it out); a re-plan keeps its structure, and its note
+  says so.
 """
 
 from __future__ import annotations
@@ -58,6 +60,42 @@ def idle_pool_notes(plan: Plan, chosen: planner.Candidate, spec: JobSpec,
     return notes
 
 
+def with_idle_groups(chosen: planner.Candidate, spec: JobSpec, inventory: ClusterInventory
+                     ) -> tuple[planner.Candidate, list[str]]:
+    """``chosen``, extended while that makes it faster by the fastest layout that inserts the
+    stages of a device group it leaves unused (:func:`_try_additions`: every TP, stage count
+    and position tried, evaluated exactly), and a note for each group so added. The search's
+    large-instance heuristics (the fixed stage order, the stage-count window) can leave such a
+    layout out; this check runs once after the search (``planner.plan_job``, first plans only:
+    a re-plan keeps its structure) and keeps the faster plan instead of only naming it."""
+    if spec.parallelism.pp is not None:  # pinned: every addition is more stages
+        return chosen, []
+    units = build_units(filter_pools(inventory, spec.placement),
+                        merged=chosen.grouping == "merged")
+    notes: list[str] = []
+    while True:
+        used = {u.key for u in chosen.units}
+        best: tuple[planner.Candidate, Unit] | None = None
+        for unit in units:
+            if unit.key in used:
+                continue
+            cand, _ = _try_additions(planner._Search(spec, exhaustive=False), unit, chosen,
+                                     inventory)
+            if (cand is not None and cand.step_time_s < chosen.step_time_s * (1 - 1e-9)
+                    and (best is None or cand.sort_key() < best[0].sort_key())):
+                best = (cand, unit)
+        if best is None:
+            return chosen, notes
+        cand, unit = best
+        ks = sum(1 for u in cand.units if u.key == unit.key)
+        tp = next(t for u, t in zip(cand.units, cand.tps, strict=True) if u.key == unit.key)
+        notes.append(f"device group {unit.key} added after the search (+{ks} stage"
+                     f"{'s' if ks > 1 else ''} at tp={tp}): {chosen.step_time_s:.3f}s -> "
+                     f"{cand.step_time_s:.3f}s per step; "
+                     f"{_missed_by(cand, units, spec).replace('skip it', 'skip that layout')}")
+        chosen = cand
+
+
 def _reason(unit: Unit, units: Sequence[Unit], chosen: planner.Candidate, spec: JobSpec,
             inventory: ClusterInventory, replan: bool) -> str:
     """Why a pool of device group ``unit`` (one of ``units``) has no rank in ``chosen``."""
@@ -74,6 +112,9 @@ def _reason(unit: Unit, units: Sequence[Unit], chosen: planner.Candidate, spec: 
                 f"per {unit.device.name} at every TP ({'/'.join(map(str, tps))}), "
                 f"{usable / cost.GIB:.1f} GiB usable")
     dp = chosen.dp
+    if spec.parallelism.pp is not None:
+        return (f"spec.parallelism.pp={spec.parallelism.pp} pins the stage count; its GPUs "
+                "would add stages")
     if all(unit.tp_groups(tp) < dp for tp in tps):
         gpus = f"{unit.gpus} GPU{'s' if unit.gpus > 1 else ''}"
         return (f"its {gpus} cannot host a stage of the chosen {planner._dp_words(spec, dp)} "
@@ -112,7 +153,7 @@ def _try_additions(search: planner._Search, unit: Unit, chosen: planner.Candidat
     spec = search.spec
     blocks = _block_starts(chosen.units)
     schedules = [(chosen.schedule, chosen.chunks)]
-    if chosen.schedule != "1f1b":
+    if chosen.schedule != "1f1b" and spec.parallelism.schedule == "auto":
         schedules.append(("1f1b", 1))  # holds less memory than ZB-H1 and interleaved
     for tp in planner._tp_options(unit, spec):
         most = planner._max_stages(unit, tp, chosen.dp, spec)

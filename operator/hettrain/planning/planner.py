@@ -1450,11 +1450,19 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     best = ranked[0]
     alt = ranked[1] if len(ranked) > 1 else None
     near = [c for s in searches for c in s.near]
+    added: list[str] = []
     if previous is None:
-        chosen, ranks = best, _place(best, None)
+        chosen = best
+        if not exhaustive:  # what the search's large-instance heuristics left out
+            from hettrain.planning.idle_pools import with_idle_groups  # it imports this module
+
+            chosen, added = with_idle_groups(
+                best, replace(spec, parallelism=replace(spec.parallelism, cp=best.cp)),
+                inventory)
+        ranks = _place(chosen, None)
     else:
         chosen, ranks = _fewest_moves(best, near, previous)
-    notes = _notes(chosen, searches[0], alt, inventory, spec)
+    notes = [*_notes(chosen, searches[0], alt, inventory, spec), *added]
     searched = len(notes)  # the idle-pool notes go here, before the later decisions' notes
     if previous is not None:
         notes.append(f"re-plan: {moved_ranks(previous, ranks)} of {len(ranks)} ranks change stage")
