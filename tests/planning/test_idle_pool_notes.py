@@ -129,7 +129,7 @@ def test_a_faster_layout_with_an_idle_group_is_taken(monkeypatch: pytest.MonkeyP
     assert step_time_for_split(spec, inv, plan, split) == pytest.approx(
         plan.predicted.step_time_s, rel=1e-9)
     with monkeypatch.context() as m:
-        m.setattr(idle_pools, "with_idle_groups", lambda c, s, i: (c, []))
+        m.setattr(idle_pools, "with_idle_groups", lambda c, s, i: (c, [], {}))
         searched = plan_job("j", spec, inv)
     assert plan.predicted.step_time_s < searched.predicted.step_time_s
     assert not any("added after the search" in n for n in searched.notes)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 
 from hettrain.api.spec import ModelSpec, TrainingSpec
 from hettrain.planning.catalog import DeviceSpec
+from hettrain.planning.profiles import CommProfile
 
 GIB = 2**30
 FRAMEWORK_OVERHEAD_BYTES = 3 * GIB  # CUDA/ROCm context, allocator, comm buffers
@@ -630,11 +631,16 @@ def tp_all_reduces_per_layer(recompute: str) -> int:
     return 4 + (2 if recompute == "full" else 0)
 
 
+def measured_comm(device: DeviceSpec) -> CommProfile | None:
+    """The device profile's measured transfers (``profiles.CommProfile``), or None."""
+    return device.profile.comm if device.profile is not None else None
+
+
 def node_ring_link(device: DeviceSpec) -> tuple[float, float]:
     """(bus GB/s, latency of one ring step) of a collective inside one node of ``device``: the
     device profile's measured all-reduce (``hettrain profile``) where it has one, else
     ``TP_BUS_EFFICIENCY`` of the catalog's intra-node link at ``TP_LATENCY_S``."""
-    comm = device.profile.comm if device.profile is not None else None
+    comm = measured_comm(device)
     if comm is not None:
         return comm.bus_bytes_per_s / 1e9, comm.ring_step_latency_s
     return device.intra_node_gbps * TP_BUS_EFFICIENCY, TP_LATENCY_S
@@ -646,7 +652,7 @@ def p2p_link(device: DeviceSpec, gbytes_per_s: float, latency_s: float) -> tuple
     profile measured its p2p transfers (device tensors over the pool backend, as the runtime's
     same-vendor stream groups send them), no path is faster than the measured bandwidth nor
     quicker than the measured latency (the same library sends on every path)."""
-    comm = device.profile.comm if device.profile is not None else None
+    comm = measured_comm(device)
     if comm is None:
         return gbytes_per_s, latency_s
     return (min(gbytes_per_s, comm.p2p_bytes_per_s / 1e9), max(latency_s, comm.p2p_latency_s))

@@ -35,13 +35,20 @@ from hettrain.planning.units import Unit, build_units, filter_pools
 MAX_TRIED_STAGES = 4  # stage counts tried per TP degree: 1..4 and the most the group can host
 
 
+# what :func:`_try_additions` found for one device group: its search (memory misses, maxGPUs),
+# the fastest layout (or None) and how many layouts it tried
+Trial = tuple[planner._Search, "planner.Candidate | None", int]
+
+
 def idle_pool_notes(plan: Plan, chosen: planner.Candidate, spec: JobSpec,
-                    inventory: ClusterInventory, replan: bool = False) -> list[str]:
+                    inventory: ClusterInventory, replan: bool = False,
+                    trials: dict[str, Trial] | None = None) -> list[str]:
     """One note per pool of ``inventory`` without a rank in ``plan``: ``pool NAME idle: WHY``.
 
     ``chosen`` is the search's candidate behind ``plan`` (group 0 with replica groups),
     ``spec`` the concrete spec it was searched with (its ``cp``), ``replan``: ``plan`` is a
-    re-plan (which may keep a slower structure)."""
+    re-plan (which may keep a slower structure); ``trials``: :func:`with_idle_groups`' last
+    pass over ``chosen``, by device group (reused, not tried again)."""
     used = {r.pool for r in plan.ranks}
     allowed = filter_pools(inventory, spec.placement)
     units = build_units(allowed, merged=chosen.grouping == "merged")
@@ -55,37 +62,40 @@ def idle_pool_notes(plan: Plan, chosen: planner.Candidate, spec: JobSpec,
             continue
         unit = next(u for u in units if pool in u.pools)
         if unit.key not in reasons:
-            reasons[unit.key] = _reason(unit, units, chosen, spec, inventory, replan)
+            reasons[unit.key] = _reason(unit, units, chosen, spec, inventory, replan,
+                                        (trials or {}).get(unit.key))
         notes.append(f"pool {pool.name} idle: {reasons[unit.key]}")
     return notes
 
 
 def with_idle_groups(chosen: planner.Candidate, spec: JobSpec, inventory: ClusterInventory
-                     ) -> tuple[planner.Candidate, list[str]]:
+                     ) -> tuple[planner.Candidate, list[str], dict[str, Trial]]:
     """``chosen``, extended while that makes it faster by the fastest layout that inserts the
     stages of a device group it leaves unused (:func:`_try_additions`: every TP, stage count
-    and position tried, evaluated exactly), and a note for each group so added. The search's
+    and position tried, evaluated exactly), a note for each group so added, and the last
+    pass's trials over the returned layout (:func:`idle_pool_notes` reuses them). The search's
     large-instance heuristics (the fixed stage order, the stage-count window) can leave such a
     layout out; this check runs once after the search (``planner.plan_job``, first plans only:
     a re-plan keeps its structure) and keeps the faster plan instead of only naming it."""
     if spec.parallelism.pp is not None:  # pinned: every addition is more stages
-        return chosen, []
+        return chosen, [], {}
     units = build_units(filter_pools(inventory, spec.placement),
                         merged=chosen.grouping == "merged")
     notes: list[str] = []
     while True:
         used = {u.key for u in chosen.units}
         best: tuple[planner.Candidate, Unit] | None = None
+        trials: dict[str, Trial] = {}
         for unit in units:
             if unit.key in used:
                 continue
-            cand, _ = _try_additions(planner._Search(spec, exhaustive=False), unit, chosen,
-                                     inventory)
+            trials[unit.key] = _trial(unit, chosen, spec, inventory)
+            cand = trials[unit.key][1]
             if (cand is not None and cand.step_time_s < chosen.step_time_s * (1 - 1e-9)
                     and (best is None or cand.sort_key() < best[0].sort_key())):
                 best = (cand, unit)
         if best is None:
-            return chosen, notes
+            return chosen, notes, trials
         cand, unit = best
         ks = sum(1 for u in cand.units if u.key == unit.key)
         tp = next(t for u, t in zip(cand.units, cand.tps, strict=True) if u.key == unit.key)
@@ -97,7 +107,7 @@ def with_idle_groups(chosen: planner.Candidate, spec: JobSpec, inventory: Cluste
 
 
 def _reason(unit: Unit, units: Sequence[Unit], chosen: planner.Candidate, spec: JobSpec,
-            inventory: ClusterInventory, replan: bool) -> str:
+            inventory: ClusterInventory, replan: bool, trial: Trial | None = None) -> str:
     """Why a pool of device group ``unit`` (one of ``units``) has no rank in ``chosen``."""
     if unit.key in {u.key for u in chosen.units}:
         need = chosen.dp * sum(tp for u, tp in zip(chosen.units, chosen.tps, strict=True)
@@ -119,8 +129,7 @@ def _reason(unit: Unit, units: Sequence[Unit], chosen: planner.Candidate, spec: 
         gpus = f"{unit.gpus} GPU{'s' if unit.gpus > 1 else ''}"
         return (f"its {gpus} cannot host a stage of the chosen {planner._dp_words(spec, dp)} "
                 "replicas (a stage's replicas share one device group)")
-    search = planner._Search(spec, exhaustive=False)
-    best, tried = _try_additions(search, unit, chosen, inventory)
+    search, best, tried = trial or _trial(unit, chosen, spec, inventory)
     if best is not None:
         return _compare(best, tried, unit, chosen, inventory, replan, units, spec)
     if search.memory_shortfall is not None:
@@ -129,6 +138,15 @@ def _reason(unit: Unit, units: Sequence[Unit], chosen: planner.Candidate, spec: 
         return (f"spec.placement.maxGPUs={spec.placement.max_gpus}: the plan uses "
                 f"{dp * sum(chosen.tps)} GPUs, a stage on it adds >= {dp * min(tps)}")
     return f"no layout with it runs ({tried} tried: no schedule fits)"
+
+
+def _trial(unit: Unit, chosen: planner.Candidate, spec: JobSpec, inventory: ClusterInventory
+           ) -> Trial:
+    """:func:`_try_additions` of ``unit`` into ``chosen`` on a fresh search, with that
+    search."""
+    search = planner._Search(spec, exhaustive=False)
+    best, tried = _try_additions(search, unit, chosen, inventory)
+    return search, best, tried
 
 
 def _least_stage_bytes(unit: Unit, spec: JobSpec, tps: Sequence[int]) -> float:

@@ -66,7 +66,6 @@ K_FULL_WINDOW = 1
 MAX_PERMUTED_UNITS = 4
 EXACT_LEAF_BUDGET = 20_000  # above this many (tp, k) combinations the k window applies
 MAX_MICRO_BATCH = 16
-ORDER_REFINEMENTS = 1  # _refine_order: an order's bound from its memory caps
 SEED_EVALUATIONS = 4  # greedy layouts evaluated per (dp, mb) pair before its branch and bound
 MAX_INTERLEAVE_CHUNKS = 4  # schedule: interleaved: model chunks per stage searched in 2..4
 AUTO_MAX_CHUNKS = 3  # schedule: auto: interleaved with 2..3 chunks (all dominated by ZB-H1)
@@ -219,7 +218,7 @@ def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
     eb = cost.precision_bytes(spec.training)
     factor = 1.0 + eb / 8.0 if spec.training.optimizer_sharding else 1.0
     step_lat = cost.COLLECTIVE_LATENCY_S
-    if unit.device.profile is not None and unit.device.profile.comm is not None:
+    if cost.measured_comm(unit.device) is not None:
         # measured inside a node (hettrain profile); no path between nodes beats it
         node_bw, node_lat = cost.node_ring_link(unit.device)
         bw, step_lat = (node_bw, node_lat) if same_node else (min(bw, node_bw),
@@ -859,17 +858,15 @@ def _run_pair(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory, g
         if lb >= search.bound():
             break
         if order is not None:
-            while stage < ORDER_REFINEMENTS:
+            if stage == 0:  # an order's memory caps, once it comes up
                 order_lb = _refine_order(search, units, choices, order, m, boundary_cost, dp,
                                          mb, inv)
-                stage += 1
                 if order_lb > lb:  # back in the queue with the tighter bound (or dropped)
                     if order_lb < search.bound():
-                        heapq.heappush(heap, (order_lb, seq, choices, order, stage))
+                        heapq.heappush(heap, (order_lb, seq, choices, order, 1))
                         seq += 1
-                    break
-            else:
-                _evaluate_order(search, units, choices, order, dp, mb, inv, grouping)
+                    continue
+            _evaluate_order(search, units, choices, order, dp, mb, inv, grouping)
             continue
         if stage == 0:  # a leaf's memory-aware divisor, once it comes up
             stage = 1
@@ -1379,7 +1376,7 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
     measured = sorted({u.device.name for u in best.units
                        if u.device.profile is not None and u.device.profile.matches(spec.model)})
     comm = sorted({u.device.name for u in best.units
-                   if u.device.profile is not None and u.device.profile.comm is not None})
+                   if cost.measured_comm(u.device) is not None})
     if measured:
         notes.append(f"layer times of {', '.join(measured)} from device profiles (measured); "
                      "other devices, the LM head" + ("" if comm else " and communication")
@@ -1451,12 +1448,13 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     alt = ranked[1] if len(ranked) > 1 else None
     near = [c for s in searches for c in s.near]
     added: list[str] = []
+    trials: dict = {}  # the idle check's trials over ``chosen``, reused by its notes
     if previous is None:
         chosen = best
         if not exhaustive:  # what the search's large-instance heuristics left out
             from hettrain.planning.idle_pools import with_idle_groups  # it imports this module
 
-            chosen, added = with_idle_groups(
+            chosen, added, trials = with_idle_groups(
                 best, replace(spec, parallelism=replace(spec.parallelism, cp=best.cp)),
                 inventory)
         ranks = _place(chosen, None)
@@ -1470,18 +1468,19 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     plan = _to_plan(name, concrete, chosen, ranks, notes, inventory)
     if spec.parallelism.replica_groups:
         plan = plan_with_replica_group(plan, spec, inventory)
-    return _with_idle_notes(plan, chosen, concrete, inventory, previous is not None, searched)
+    return _with_idle_notes(plan, chosen, concrete, inventory, previous is not None, searched,
+                            trials)
 
 
 def _with_idle_notes(plan: Plan, chosen: Candidate, spec: JobSpec, inventory: ClusterInventory,
-                     replan: bool, at: int) -> Plan:
+                     replan: bool, at: int, trials: dict) -> Plan:
     """``plan`` with a note naming each pool it leaves wholly idle and why
-    (:mod:`hettrain.planning.idle_pools`: once per plan, after the search), inserted at note
-    ``at``: after the search's notes, before those of later decisions (re-plan, replica
-    groups), which stay last."""
+    (:mod:`hettrain.planning.idle_pools`: once per plan, after the search; ``trials``: what the
+    idle check already tried over ``chosen``), inserted at note ``at``: after the search's
+    notes, before those of later decisions (re-plan, replica groups), which stay last."""
     from hettrain.planning.idle_pools import idle_pool_notes  # it imports this module
 
-    idle = idle_pool_notes(plan, chosen, spec, inventory, replan)
+    idle = idle_pool_notes(plan, chosen, spec, inventory, replan, trials)
     if not idle:
         return plan
     return replace(plan, notes=(*plan.notes[:at], *idle, *plan.notes[at:]))

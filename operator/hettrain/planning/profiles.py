@@ -60,42 +60,41 @@ def model_shape(model: ModelSpec) -> Shape:
             model.gated_mlp)
 
 
-def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares ``y = α + β·x`` with ``α ≥ 0`` (refit through the origin otherwise)."""
-    if not points:
-        raise ValueError("no points to fit")
-    n = len(points)
-    sx = sum(x for x, _ in points)
-    sy = sum(y for _, y in points)
-    sxx = sum(x * x for x, _ in points)
-    sxy = sum(x * y for x, y in points)
-    den = n * sxx - sx * sx
-    if n > 1 and den > 0:
-        beta = (n * sxy - sx * sy) / den
-        alpha = (sy - beta * sx) / n
-        if alpha >= 0 and beta > 0:
-            return alpha, beta
-    return 0.0, sxy / sxx  # through the origin
-
-
-def fit_line_relative(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """``y = α + β·x`` minimising the RELATIVE errors (weights ``1/y²``), ``α ≥ 0``, ``β > 0``:
-    message sizes span orders of magnitude, and a plain least-squares intercept would be set
-    by the largest message's noise rather than by the small messages' latency."""
-    w = [1.0 / (y * y) for _, y in points]
+def _weighted_line(points: Sequence[tuple[float, float]], w: Sequence[float]
+                   ) -> tuple[float, float, float] | None:
+    """Weighted least squares ``y = α + β·x``: ``(α, β, Σwxy/Σwx²)`` (the last: the slope
+    through the origin), or None when the sizes do not determine a line."""
     sw = sum(w)
     sx = sum(wi * x for wi, (x, _) in zip(w, points, strict=True))
     sy = sum(wi * y for wi, (_, y) in zip(w, points, strict=True))
     sxx = sum(wi * x * x for wi, (x, _) in zip(w, points, strict=True))
     sxy = sum(wi * x * y for wi, (x, y) in zip(w, points, strict=True))
     den = sw * sxx - sx * sx
-    if den > 0:
-        beta = (sw * sxy - sx * sy) / den
-        alpha = (sy - beta * sx) / sw
-        if alpha >= 0 and beta > 0:
-            return alpha, beta
-        if beta > 0:  # a negative intercept: refit through the origin
-            return 0.0, sxy / sxx
+    if len(points) < 2 or den <= 0:
+        return None
+    beta = (sw * sxy - sx * sy) / den
+    return (sy - beta * sx) / sw, beta, sxy / sxx
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``y = α + β·x`` with ``α ≥ 0`` (refit through the origin otherwise)."""
+    if not points:
+        raise ValueError("no points to fit")
+    line = _weighted_line(points, [1.0] * len(points))
+    if line is not None and line[0] >= 0 and line[1] > 0:
+        return line[0], line[1]
+    return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)  # the origin
+
+
+def fit_line_relative(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``y = α + β·x`` minimising the RELATIVE errors (weights ``1/y²``), ``α ≥ 0``, ``β > 0``:
+    message sizes span orders of magnitude, and a plain least-squares intercept would be set
+    by the largest message's noise rather than by the small messages' latency."""
+    line = _weighted_line(points, [1.0 / (y * y) for _, y in points])
+    if line is not None and line[1] > 0:
+        alpha, beta, through_origin = line
+        # a negative intercept: refit through the origin
+        return (alpha, beta) if alpha >= 0 else (0.0, through_origin)
     # no positive slope in the noise: the smallest time as latency, the largest message's rest
     x_top, y_top = max(points)
     alpha = min(y for _, y in points)
