@@ -51,16 +51,13 @@ from hettrain.api.spec import JobSpec, parse_job_spec
 from hettrain.planguard import Budget, PlanBudgetError, PlanWorkers
 from hettrain.planning.catalog import CATALOG
 from hettrain.planning.cost import (
-    head_time_s,
-    layer_compute_s,
     min_seconds_per_flop,
     model_flops_per_step,
-    precision_bytes,
 )
 from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import ClusterInventory, load_cluster
 from hettrain.planning.plan import Plan
-from plan_losses import PARTS, breakdown
+from plan_losses import PARTS, breakdown, device_rate
 
 SEED = 17
 TOKENS_PER_STEP = 4 * 2**20  # ~4M tokens per optimizer step (Llama 3 8B/70B pre-training)
@@ -133,16 +130,9 @@ def job(model: str, replica_groups: bool = False) -> JobSpec:
 
 
 def ideal_tokens_per_s(spec: JobSpec, inv: ClusterInventory) -> float:
-    """Every GPU busy computing at the cost model's best rate (see the module docstring)."""
-    m, b = spec.model, spec.training.global_batch
-    eb = precision_bytes(spec.training)
-    mode = spec.training.recompute if spec.training.recompute != "auto" else "none"
-    total = 0.0
-    for p in inv.pools:
-        seconds = (m.layers * layer_compute_s(m, b, 1, p.device, mode, eb)
-                   + head_time_s(m, b, 1, p.device, eb))
-        total += p.gpus * b * m.seq_len / seconds
-    return total
+    """Every GPU busy computing at the cost model's best rate (see the module docstring):
+    each at its device's ``plan_losses.device_rate``, the rate the loss breakdown charges."""
+    return sum(p.gpus * device_rate(spec, p.device)[0] for p in inv.pools)
 
 
 def peak_tokens_per_s(spec: JobSpec, inv: ClusterInventory) -> float:
