@@ -269,7 +269,9 @@ def _dp_exposed(unit: Unit, dp: int, tp: int, spec: JobSpec, c: float, e: float,
     c_red, e_red = c / factor, lat + (e - lat) / factor
     c_gather, e_gather = c - c_red, (e - lat) - (e - lat) / factor
     embed = cost.embedding_params(model) * 4.0 / cost.vocab_shards(model, tp)
-    whole = (cost.layer_params(model) * model.layers / tp + 2 * embed)
+    # fp32 gradient bytes, as ``embed`` (the layers' count was parameters, not bytes: a model
+    # under one bucket had its exposed last bucket priced at about a quarter of its bytes)
+    whole = (cost.layer_params(model) * 4.0 * model.layers / tp + 2 * embed)
     last_bytes = min(max(cost.DP_BUCKET_BYTES, embed if first else 0.0), whole)
     last_s = lat + last_bytes * per_byte / factor
     back = cost.backward_fraction(training.recompute)
