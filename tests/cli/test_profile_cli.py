@@ -35,8 +35,9 @@ def test_profile_writes_a_profile_the_planner_uses(tmp_path, capsys) -> None:
     assert main(["profile", str(job), "--device-name", "CPU", "--out", str(out),
                  "--micro-batches", "1,2", "--repeats", "1"]) == 0
     doc = yaml.safe_load(out.read_text())
-    assert doc["kind"] == "DeviceProfile" and doc["version"] == 1 and doc["device"] == "CPU"
+    assert doc["kind"] == "DeviceProfile" and doc["version"] == 2 and doc["device"] == "CPU"
     assert [r["microBatch"] for r in doc["layer"]] == [1, 2]
+    assert [r["microBatch"] for r in doc["stage"]] == [1, 2]  # the runtime's stage, version 2
     assert all(r["forwardS"] > 0 and r["backwardS"] > 0 for r in doc["layer"])
     assert doc["software"]["torch"]
     # two local ranks timed the runtime's p2p and gloo's all-reduce, small to large messages
@@ -61,6 +62,7 @@ def test_profile_writes_a_profile_the_planner_uses(tmp_path, capsys) -> None:
                  "--out", str(plan_json)]) == 0
     notes = json.loads(plan_json.read_text())["notes"]
     assert any("collectives inside a node of CPU from device profiles" in n for n in notes)
+    assert any("stage machinery of CPU" in n for n in notes)
 
 
 def test_profile_without_comm(tmp_path) -> None:

@@ -278,8 +278,14 @@ def profile_to_doc(profile: LayerProfile, model: ModelSpec, software: Mapping[st
     for b in CATALOG_FIT_MICRO_BATCHES:
         t = profile.alpha + profile.beta * b
         rows.append((b, t * profile.forward_share, t * (1.0 - profile.forward_share)))
+    stage = []  # the measured stage parts, around this profile's (maybe refined) layer line
+    if profile.stage is not None and profile.stage.vocab == model.vocab:
+        for b, *_ in profile.stage.rows:
+            mid = profile.alpha + profile.beta * b + profile.stage.part_s("overhead", b)
+            stage.append((b, mid, mid + profile.stage.part_s("embedding", b),
+                          mid + profile.stage.part_s("head", b)))
     doc = profile_doc(profile.device, software, model, rows, profile.optimizer_bytes_per_s,
-                      comm_doc(profile.comm) if profile.comm is not None else None)
+                      comm_doc(profile.comm) if profile.comm is not None else None, stage)
     doc["source"] = profile.source.split(":")[0] or "calibration"
     return doc
 

@@ -203,6 +203,16 @@ def _head_s(spec: JobSpec, unit: Unit, mb: int, tp: int) -> float:
                                   cost.precision_bytes(spec.training))
 
 
+def _stage_fixed_s(spec: JobSpec, unit: Unit, mb: int, tp: int, first: bool, last: bool
+                   ) -> float:
+    """Seconds per microbatch of a stage besides its layers: the LM head on the last stage and
+    what the device profile measured of the runtime's stage (:func:`cost.stage_overhead_s`;
+    with context parallelism a CP rank's shorter sequence matches no profile)."""
+    fixed = cost.stage_overhead_s(cost.cp_local_model(spec.model, _cp(spec)), mb, tp,
+                                  unit.device, first)
+    return fixed + (_head_s(spec, unit, mb, tp) if last else 0.0)
+
+
 def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
                       spec: JobSpec) -> tuple[float, float, float]:
     """(latency seconds, seconds per byte, cross-DC bytes per byte) of a stage's grad sync."""
@@ -427,7 +437,7 @@ def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int
     for i, (u, tp) in indices:
         first, last = i == 0, i == pp - 1
         a = _layer_s(spec, u, mb, tp)
-        b = _head_s(spec, u, mb, tp) if last else 0.0
+        b = _stage_fixed_s(spec, u, mb, tp, first, last)
         lat, per_byte, _ = _dp_time_per_byte(u, dp, tp, inv, spec)
         fixed_grad = grad_embed * (int(first) + int(last)) / cost.vocab_shards(model, tp)
         c = grad_layer / tp * per_byte
@@ -1379,10 +1389,17 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
                        if u.device.profile is not None and u.device.profile.matches(spec.model)})
     comm = sorted({u.device.name for u in best.units
                    if cost.measured_comm(u.device) is not None})
+    local = cost.cp_local_model(spec.model, best.cp)
+    staged = sorted({u.device.name for u in best.units
+                     if u.device.profile is not None and u.device.profile.stage_matches(local)})
     if measured:
         notes.append(f"layer times of {', '.join(measured)} from device profiles (measured); "
-                     "other devices, the LM head" + ("" if comm else " and communication")
-                     + " from the catalog model")
+                     "other devices" + ("" if staged else ", the LM head")
+                     + ("" if comm else " and communication") + " from the catalog model")
+    if staged:
+        notes.append(f"the runtime's stage machinery of {', '.join(staged)} per microbatch "
+                     "from device profiles (measured: every stage's overhead around its "
+                     "layers, the first stage's embedding, the last stage's head and loss)")
     if comm:
         notes.append(f"collectives inside a node of {', '.join(comm)} from device profiles "
                      "(measured all-reduce and p2p); links between nodes from the catalog "

@@ -6,13 +6,17 @@ document::
 
     apiVersion: hettrain.dev/v1alpha1
     kind: DeviceProfile
-    version: 1
+    version: 2
     device: CPU                       # the catalog / cluster device name it measured
     software: {torch: 2.9.1, python: 3.12.3}
-    model: {hidden: 64, heads: 4, kvHeads: 4, ffnHidden: 256, seqLen: 64, gatedMlp: false}
+    model: {hidden: 64, heads: 4, kvHeads: 4, ffnHidden: 256, seqLen: 64, gatedMlp: false,
+            vocab: 256}               # vocab: version 2 (the stage rows' embedding and head)
     layer:                            # one layer, tp 1, no recompute; medians of repeats
       - {microBatch: 1, forwardS: 0.0011, backwardS: 0.0023}
       - {microBatch: 2, forwardS: 0.0019, backwardS: 0.0041}
+    stage:                            # optional (version 2): the runtime's stage around ONE layer
+      - {microBatch: 1, middleS: 0.0036, firstS: 0.0038, lastS: 0.0045}
+      - {microBatch: 2, middleS: 0.0063, firstS: 0.0066, lastS: 0.0075}
     optimizerBytesPerS: 2.1e+09       # optional: the optimizer step's measured bandwidth
     comm:                             # optional: two ranks on one node (runtime/comm_profile.py)
       ranks: 2
@@ -28,9 +32,19 @@ and bandwidth, and a ring all-reduce's per-step latency and bus bandwidth (its `
 steps and ``2(n − 1)/n`` bytes per byte at the measured ``n`` ranks). They do not depend on the
 model: the device's collectives inside a node (TP, CP, a DP group within a node) run at the
 measured all-reduce, and every pipeline transfer of the device takes at least the measured p2p
-latency and at most its bandwidth (the same library on every path). Everything else (the LM
-head, other devices and shapes, links between nodes) stays on the catalog model, and the plan
-notes say which devices were measured. Pure: no torch here (the runtime writes the document,
+latency and at most its bandwidth (the same library on every path).
+
+``stage`` (version 2) times the runtime's own pipeline stage (``runtime.model.StageModel``) around
+one layer, forward + loss + backward of one microbatch as ``runtime/pipeline.py`` runs it: a
+middle stage (the layer only), a first stage (the embedding too) and a last stage (the final
+norm, LM head and loss too). Less the fitted layer they give three lines in the microbatch
+(least squares, ``α ≥ 0``, never negative): the stage machinery's own seconds per microbatch on
+every stage (``overhead``), the embedding's on the first and the head's on the last. Where the
+model's shape and vocabulary match, the planner adds ``overhead`` (and ``embedding`` on the
+first stage) to every stage's microbatch and takes ``head`` for the catalog's LM head; the
+plan notes say so. Everything else (other devices and shapes, links between nodes) stays on
+the catalog model, and the plan notes say which devices were measured. Version 1 documents
+(no ``stage``, no ``model.vocab``) still load. Pure: no torch here (the runtime writes the document,
 this module reads it).
 """
 
@@ -48,7 +62,8 @@ import yaml
 from hettrain.api.spec import ModelSpec
 from hettrain.planning.errors import PlanningInputError
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # written; 2 added model.vocab and the stage rows
+READABLE_VERSIONS = (1, 2)
 PROFILE_KIND = "DeviceProfile"
 
 Shape = tuple[int, int, int, int, int, bool]
@@ -117,6 +132,23 @@ class CommProfile:
 
 
 @dataclass(frozen=True, slots=True)
+class StageProfile:
+    """Measured seconds per microbatch of the runtime's stage besides its layers, each part
+    ``α + β·microbatch`` (never below 0), and the rows they were fitted to."""
+
+    vocab: int
+    overhead: tuple[float, float]  # every stage: the stage machinery around its layers
+    embedding: tuple[float, float]  # the first stage's token embedding
+    head: tuple[float, float]  # the last stage's final norm, LM head and loss
+    rows: tuple[tuple[int, float, float, float], ...] = ()  # (b, middleS, firstS, lastS)
+
+    def part_s(self, part: str, micro_batch: int) -> float:
+        """Seconds of ``part`` (overhead, embedding, head) for one microbatch."""
+        alpha, beta = getattr(self, part)
+        return max(0.0, alpha + beta * micro_batch)
+
+
+@dataclass(frozen=True, slots=True)
 class LayerProfile:
     """Measured seconds of one layer (forward + backward, tp 1) as ``α + β·microbatch``."""
 
@@ -131,10 +163,18 @@ class LayerProfile:
     # 0: not measured, the catalog's HBM bandwidth is used
     optimizer_bytes_per_s: float = 0.0
     comm: CommProfile | None = None  # measured transfers inside a node (None: catalog links)
+    # the runtime's stage around one layer (version 2 ``stage`` rows), each ``(α, β)`` of
+    # seconds per microbatch: the stage machinery on every stage, the embedding on the first,
+    # the final norm + LM head + loss on the last; None: not measured
+    stage: StageProfile | None = None
 
     def matches(self, model: ModelSpec) -> bool:
         """True when the profile measured this model's layer shape."""
         return self.shape == model_shape(model)
+
+    def stage_matches(self, model: ModelSpec) -> bool:
+        """True when the profile measured this model's stage (layer shape and vocabulary)."""
+        return self.stage is not None and self.matches(model) and self.stage.vocab == model.vocab
 
     def layer_s(self, micro_batch: int, tp: int, recompute: str) -> float:
         """Seconds of one layer and microbatch on one of ``tp`` ranks (compute only)."""
@@ -149,9 +189,11 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
     if doc.get("kind") != PROFILE_KIND:
         raise PlanningInputError(f"{where}.kind", f"must be {PROFILE_KIND} (got "
                                  f"{doc.get('kind')!r}); write one with hettrain profile")
-    if doc.get("version") != PROFILE_VERSION:
-        raise PlanningInputError(f"{where}.version", f"must be {PROFILE_VERSION} (got "
-                                 f"{doc.get('version')!r}); re-run hettrain profile")
+    version = doc.get("version")
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise PlanningInputError(f"{where}.version", f"must be one of "
+                                 f"{', '.join(map(str, READABLE_VERSIONS))} (got "
+                                 f"{version!r}); re-run hettrain profile")
     device = doc.get("device")
     if not isinstance(device, str) or not device:
         raise PlanningInputError(f"{where}.device", "is required (the device name it measured)")
@@ -187,8 +229,53 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
         raise PlanningInputError(f"{where}.optimizerBytesPerS",
                                  "must be a positive number of bytes per second (or left out)")
     comm = comm_from_doc(doc["comm"], f"{where}.comm") if "comm" in doc else None
+    stage = None
+    if "stage" in doc:
+        vocab = m.get("vocab")
+        if version < 2 or isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            raise PlanningInputError(f"{where}.model.vocab", "a positive integer is required "
+                                     "with stage rows (version 2)")
+        stage = stage_from_rows(doc["stage"], vocab, (alpha, beta), f"{where}.stage")
     return LayerProfile(device, shape, alpha, beta, fwd / total, software, where, float(opt),
-                        comm)
+                        comm, stage)
+
+
+def _fit_part(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``α + β·x`` of a part's seconds, each clamped at 0 (a part below the
+    noise of the subtraction costs nothing), with ``α, β ≥ 0``: a falling line is taken as
+    its mean (a part that does not grow with the microbatch), a negative intercept is refit
+    through the origin."""
+    pts = [(x, max(0.0, y)) for x, y in points]
+    line = _weighted_line(pts, [1.0] * len(pts))
+    if line is None or line[1] <= 0:
+        return sum(y for _, y in pts) / len(pts), 0.0
+    alpha, beta, through_origin = line
+    return (alpha, beta) if alpha >= 0 else (0.0, through_origin)
+
+
+def stage_from_rows(rows: Any, vocab: int, layer: tuple[float, float],
+                    where: str) -> StageProfile:
+    """Parse ``stage`` rows and fit the three parts against the fitted ``layer`` line
+    ``(α, β)``: overhead = middle − layer, embedding = first − middle, head = last − middle."""
+    if not isinstance(rows, list) or not rows:
+        raise PlanningInputError(where, "needs at least one measured microbatch")
+    parsed = []
+    for i, r in enumerate(rows):
+        try:
+            b = int(r["microBatch"])
+            mid, first, last = float(r["middleS"]), float(r["firstS"]), float(r["lastS"])
+        except (KeyError, TypeError, ValueError):
+            raise PlanningInputError(f"{where}[{i}]", "needs microBatch, middleS, firstS, "
+                                     "lastS") from None
+        if b < 1 or not all(math.isfinite(t) and t > 0 for t in (mid, first, last)):
+            raise PlanningInputError(f"{where}[{i}]",
+                                     "microBatch >= 1 and positive, finite seconds required")
+        parsed.append((b, mid, first, last))
+    a, beta = layer
+    overhead = _fit_part([(b, mid - (a + beta * b)) for b, mid, _, _ in parsed])
+    embedding = _fit_part([(b, first - mid) for b, mid, first, _ in parsed])
+    head = _fit_part([(b, last - mid) for b, mid, _, last in parsed])
+    return StageProfile(vocab, overhead, embedding, head, tuple(parsed))
 
 
 def _comm_rows(doc: Mapping, kind: str, where: str) -> list[tuple[float, float]]:
@@ -264,20 +351,25 @@ def apply_profiles(inventory: Any, profiles: Iterable[LayerProfile]) -> Any:
 def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
                 rows: Sequence[tuple[int, float, float]],
                 optimizer_bytes_per_s: float = 0.0,
-                comm: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                comm: Mapping[str, Any] | None = None,
+                stage: Sequence[tuple[int, float, float, float]] = ()) -> dict[str, Any]:
     """The YAML document for measured ``(microBatch, forwardS, backwardS)`` rows (and the
-    measured optimizer bandwidth and ``comm`` section, when given)."""
+    measured optimizer bandwidth, ``comm`` section and ``(microBatch, middleS, firstS,
+    lastS)`` stage rows, when given)."""
     extra: dict[str, Any] = {}
     if optimizer_bytes_per_s:
         extra["optimizerBytesPerS"] = optimizer_bytes_per_s
     if comm:
         extra["comm"] = dict(comm)
+    if stage:
+        extra["stage"] = [{"microBatch": b, "middleS": mid, "firstS": first, "lastS": last}
+                          for b, mid, first, last in stage]
     return {
         "apiVersion": "hettrain.dev/v1alpha1", "kind": PROFILE_KIND, "version": PROFILE_VERSION,
         "device": device, "software": dict(software),
         "model": {"hidden": model.hidden, "heads": model.heads, "kvHeads": model.kv_heads,
                   "ffnHidden": model.ffn_hidden, "seqLen": model.seq_len,
-                  "gatedMlp": model.gated_mlp},
+                  "gatedMlp": model.gated_mlp, "vocab": model.vocab},
         "layer": [{"microBatch": b, "forwardS": f, "backwardS": bw} for b, f, bw in rows],
         **extra,
     }
