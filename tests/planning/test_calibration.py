@@ -215,8 +215,16 @@ def test_profile_document_round_trip_keeps_the_measured_stage_parts() -> None:
     spec = parse_job_spec(JOB)
     stage = StageProfile(spec.model.vocab, (1e-4, 5e-5), (2e-4, 0.0), (1e-3, 5e-4),
                          ((1, 0.0, 0.0, 0.0), (2, 0.0, 0.0, 0.0), (4, 0.0, 0.0, 0.0)))
-    prof = cal.scaled(dataclasses.replace(_true_profile(spec, "CPU-A"), stage=stage), 1.5)
+    base = _true_profile(spec, "CPU-A")
+    conc = (base.alpha * 1.2, base.beta * 1.1)  # the layer with the node's ranks busy
+    prof = cal.scaled(dataclasses.replace(base, stage=stage, concurrent=conc,
+                                          concurrent_ranks=2), 1.5)
     back = profile_from_doc(cal.profile_to_doc(prof, spec.model, {"image": "img:1"}), "store")
     assert back.stage_matches(spec.model)
+    # calibration scales the concurrent line with the layer's: the slowdown is kept
+    assert back.concurrent == pytest.approx((conc[0] * 1.5, conc[1] * 1.5))
+    assert back.concurrent_ranks == 2
+    assert back.slowdown(2) == pytest.approx(
+        (conc[0] + 2 * conc[1]) / (base.alpha + 2 * base.beta))
     for part in ("overhead", "embedding", "head"):
         assert getattr(back.stage, part) == pytest.approx(getattr(stage, part), abs=1e-12)

@@ -198,9 +198,12 @@ def layer_scale(spec: JobSpec, plan: Plan, measured: Mapping[StageKey, StageMeas
 
 
 def scaled(profile: LayerProfile, factor: float, source: str = "calibration") -> LayerProfile:
-    """``profile`` with its layer seconds multiplied by ``factor``."""
+    """``profile`` with its layer seconds multiplied by ``factor`` (the line measured with the
+    node's ranks busy too: the slowdown between them is kept)."""
+    conc = profile.concurrent
     return dataclasses.replace(profile, alpha=profile.alpha * factor, beta=profile.beta * factor,
-                               source=source)
+                               source=source, concurrent=None if conc is None else (
+                                   conc[0] * factor, conc[1] * factor))
 
 
 def refine_profiles(spec: JobSpec, plan: Plan, measured: Mapping[StageKey, StageMeasurement],
@@ -284,8 +287,15 @@ def profile_to_doc(profile: LayerProfile, model: ModelSpec, software: Mapping[st
             mid = profile.alpha + profile.beta * b + profile.stage.part_s("overhead", b)
             stage.append((b, mid, mid + profile.stage.part_s("embedding", b),
                           mid + profile.stage.part_s("head", b)))
+    concurrent = None  # the line measured with the node's ranks busy, as exact rows too
+    if profile.concurrent is not None:
+        ca, cb = profile.concurrent
+        concurrent = {"ranks": profile.concurrent_ranks, "layer": [
+            (b, (ca + cb * b) * profile.forward_share, (ca + cb * b) * (1 - profile.forward_share))
+            for b in CATALOG_FIT_MICRO_BATCHES]}
     doc = profile_doc(profile.device, software, model, rows, profile.optimizer_bytes_per_s,
-                      comm_doc(profile.comm) if profile.comm is not None else None, stage)
+                      comm_doc(profile.comm) if profile.comm is not None else None, stage,
+                      concurrent)
     doc["source"] = profile.source.split(":")[0] or "calibration"
     return doc
 

@@ -391,7 +391,8 @@ def _any_schedule_fits(search: _Search, pp: int, m: int) -> bool:
 def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
                  schedule: str, inv: ClusterInventory, spec: JobSpec, memo: dict | None = None,
                  v: int = 1) -> tuple[list[StageCost], list[tuple[cost.StageMemory, float]]]:
-    """Per-stage cost coefficients and memory; identical stages are memoised in ``memo``."""
+    """Per-stage cost coefficients and memory; identical stages are memoised in ``memo``.
+    Each stage's compute is slowed by :func:`_crowding` where its node runs several ranks."""
     if memo is not None:
         pp = len(units)
         out, mems = [], []
@@ -399,8 +400,32 @@ def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m:
             hit = _stage_cost_at(memo, u, tp, dp, mb, i, pp, m, schedule, v, inv, spec)
             out.append(hit[0])
             mems.append(hit[1])
-        return out, mems
-    return _stage_costs_raw(units, tps, dp, mb, m, schedule, inv, spec, None, None, v)
+    else:
+        out, mems = _stage_costs_raw(units, tps, dp, mb, m, schedule, inv, spec, None, None, v)
+    slow = _crowding(units, tps, dp, mb, spec)
+    if slow:
+        out = [StageCost(s.a * f, s.b * f, s.c, s.e, s.max_layers) if f != 1.0 else s
+               for s, f in zip(out, slow, strict=True)]
+    return out, mems
+
+
+def _crowding(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, spec: JobSpec
+              ) -> list[float] | None:
+    """Per stage, the factor on its compute (layers and fixed part) from its device profile's
+    measured concurrent layer (``LayerProfile.slowdown``: a CPU node's ranks share one host)
+    where the layout keeps more busy ranks on the stage's unit (``dp`` times the TP of each of
+    its stages there) than the unit has nodes, so some node runs several at once; None when
+    no stage is slowed. Never below 1, so the search's bounds (single-rank) stay admissible."""
+    ranks: dict = {}
+    for u, tp in zip(units, tps, strict=True):
+        ranks[u.key] = ranks.get(u.key, 0) + dp * tp
+    out = []
+    for u in units:
+        prof = u.device.profile
+        crowded = (prof is not None and prof.concurrent is not None
+                   and prof.matches(spec.model) and ranks[u.key] > u.nodes)
+        out.append(prof.slowdown(mb) if crowded else 1.0)
+    return out if any(f != 1.0 for f in out) else None
 
 
 def _stage_cost_at(memo: dict, u: Unit, tp: int, dp: int, mb: int, i: int, pp: int, m: int,
@@ -1396,6 +1421,14 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
         notes.append(f"layer times of {', '.join(measured)} from device profiles (measured); "
                      "other devices" + ("" if staged else ", the LM head")
                      + ("" if comm else " and communication") + " from the catalog model")
+    slow = _crowding(best.units, best.tps, best.dp, best.micro_batch, spec)
+    if slow:
+        crowded = sorted({(u.device.name, f, u.device.profile.concurrent_ranks)
+                          for u, f in zip(best.units, slow, strict=True) if f != 1.0})
+        notes.append("compute of " + ", ".join(
+            f"{name} x{f:.3f}" for name, f, _ in crowded) + " (device profiles: the layer "
+            "measured with " + ", ".join(sorted({str(r) for _, _, r in crowded}))
+            + " ranks of one node at once): the plan keeps several busy ranks on one node")
     if staged:
         notes.append(f"the runtime's stage machinery of {', '.join(staged)} per microbatch "
                      "from device profiles (measured: every stage's overhead around its "

@@ -17,6 +17,9 @@ document::
     stage:                            # optional (version 2): the runtime's stage around ONE layer
       - {microBatch: 1, middleS: 0.0036, firstS: 0.0038, lastS: 0.0045}
       - {microBatch: 2, middleS: 0.0063, firstS: 0.0066, lastS: 0.0075}
+    concurrent:                       # optional (version 2, CPU): the layer, 2 ranks at once
+      ranks: 2
+      layer: [{microBatch: 1, forwardS: 0.0012, backwardS: 0.0025}, ...]
     optimizerBytesPerS: 2.1e+09       # optional: the optimizer step's measured bandwidth
     comm:                             # optional: two ranks on one node (runtime/comm_profile.py)
       ranks: 2
@@ -44,8 +47,16 @@ model's shape and vocabulary match, the planner adds ``overhead`` (and ``embeddi
 first stage) to every stage's microbatch and takes ``head`` for the catalog's LM head; the
 plan notes say so. Everything else (other devices and shapes, links between nodes) stays on
 the catalog model, and the plan notes say which devices were measured. Version 1 documents
-(no ``stage``, no ``model.vocab``) still load. Pure: no torch here (the runtime writes the document,
-this module reads it).
+(no ``stage``, no ``model.vocab``) still load.
+
+``concurrent`` (version 2, measured on a CPU, whose "devices" are processes sharing one host's
+cores, caches and memory: ``runtime/concurrent_profile.py``) times the same layer with
+``ranks`` processes running it at once. Its fitted line over the single-rank one is the
+slowdown ``s(b) = max(1, t_concurrent(b) / t(b))``; the planner multiplies the compute of every
+stage on a device group by it where the plan keeps more busy ranks on that group than it has
+nodes (so some node runs two or more at once), and says so in the plan notes.
+
+Pure: no torch here (the runtime writes the document, this module reads it).
 """
 
 from __future__ import annotations
@@ -167,6 +178,20 @@ class LayerProfile:
     # seconds per microbatch: the stage machinery on every stage, the embedding on the first,
     # the final norm + LM head + loss on the last; None: not measured
     stage: StageProfile | None = None
+    # the layer's (α, β) measured with ``concurrent_ranks`` ranks of one node running it at
+    # once (version 2 ``concurrent``; CPU nodes); None: not measured
+    concurrent: tuple[float, float] | None = None
+    concurrent_ranks: int = 0
+    concurrent_rows: tuple[tuple[int, float, float], ...] = ()
+
+    def slowdown(self, micro_batch: int) -> float:
+        """Factor on a layer's seconds when several ranks of one node compute at once
+        (``concurrent`` over the single-rank line, at least 1; 1 when not measured)."""
+        if self.concurrent is None:
+            return 1.0
+        solo = self.alpha + self.beta * micro_batch
+        busy = self.concurrent[0] + self.concurrent[1] * micro_batch
+        return max(1.0, busy / solo) if solo > 0 else 1.0
 
     def matches(self, model: ModelSpec) -> bool:
         """True when the profile measured this model's layer shape."""
@@ -205,20 +230,7 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
                                  " and gatedMlp")
     shape: Shape = (m["hidden"], m["heads"], m["kvHeads"], m["ffnHidden"], m["seqLen"],
                     bool(m.get("gatedMlp", False)))
-    rows = doc.get("layer")
-    if not isinstance(rows, list) or not rows:
-        raise PlanningInputError(f"{where}.layer", "needs at least one measured microbatch")
-    points, fwd, total = [], 0.0, 0.0
-    for i, r in enumerate(rows):
-        at = f"{where}.layer[{i}]"
-        try:
-            b, f, bw = int(r["microBatch"]), float(r["forwardS"]), float(r["backwardS"])
-        except (KeyError, TypeError, ValueError):
-            raise PlanningInputError(at, "needs microBatch, forwardS, backwardS") from None
-        if b < 1 or f <= 0 or bw <= 0:
-            raise PlanningInputError(at, "microBatch >= 1 and positive seconds required")
-        points.append((float(b), f + bw))
-        fwd, total = fwd + f, total + f + bw
+    points, fwd, total = _layer_points(doc.get("layer"), f"{where}.layer")
     alpha, beta = fit_line(points)
     sw = doc.get("software") or {}
     software = tuple(sorted((str(k), str(v)) for k, v in sw.items())) if isinstance(
@@ -236,8 +248,46 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
             raise PlanningInputError(f"{where}.model.vocab", "a positive integer is required "
                                      "with stage rows (version 2)")
         stage = stage_from_rows(doc["stage"], vocab, (alpha, beta), f"{where}.stage")
+    conc, conc_ranks, conc_rows = None, 0, ()
+    if "concurrent" in doc:
+        conc, conc_ranks, conc_rows = _concurrent_from_doc(doc["concurrent"], version,
+                                                           f"{where}.concurrent")
     return LayerProfile(device, shape, alpha, beta, fwd / total, software, where, float(opt),
-                        comm, stage)
+                        comm, stage, conc, conc_ranks, conc_rows)
+
+
+def _layer_points(rows: Any, where: str) -> tuple[list[tuple[float, float]], float, float]:
+    """``(b, forward + backward)`` points of measured layer rows, and the forward and total
+    seconds summed (errors name the row)."""
+    if not isinstance(rows, list) or not rows:
+        raise PlanningInputError(where, "needs at least one measured microbatch")
+    points, fwd, total = [], 0.0, 0.0
+    for i, r in enumerate(rows):
+        at = f"{where}[{i}]"
+        try:
+            b, f, bw = int(r["microBatch"]), float(r["forwardS"]), float(r["backwardS"])
+        except (KeyError, TypeError, ValueError):
+            raise PlanningInputError(at, "needs microBatch, forwardS, backwardS") from None
+        if b < 1 or f <= 0 or bw <= 0:
+            raise PlanningInputError(at, "microBatch >= 1 and positive seconds required")
+        points.append((float(b), f + bw))
+        fwd, total = fwd + f, total + f + bw
+    return points, fwd, total
+
+
+def _concurrent_from_doc(doc: Any, version: int, where: str
+                         ) -> tuple[tuple[float, float], int, tuple[tuple[int, float, float], ...]]:
+    """The ``concurrent`` section: its fitted line, ranks and rows."""
+    if version < 2 or not isinstance(doc, Mapping):
+        raise PlanningInputError(where, "must be a mapping with ranks and layer rows "
+                                 "(version 2)")
+    ranks = doc.get("ranks")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+        raise PlanningInputError(f"{where}.ranks", "must be an integer >= 2 (the ranks measured)")
+    points, _, _ = _layer_points(doc.get("layer"), f"{where}.layer")
+    rows = tuple((int(r["microBatch"]), float(r["forwardS"]), float(r["backwardS"]))
+                 for r in doc["layer"])
+    return fit_line(points), ranks, rows
 
 
 def _fit_part(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -352,10 +402,12 @@ def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
                 rows: Sequence[tuple[int, float, float]],
                 optimizer_bytes_per_s: float = 0.0,
                 comm: Mapping[str, Any] | None = None,
-                stage: Sequence[tuple[int, float, float, float]] = ()) -> dict[str, Any]:
+                stage: Sequence[tuple[int, float, float, float]] = (),
+                concurrent: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The YAML document for measured ``(microBatch, forwardS, backwardS)`` rows (and the
     measured optimizer bandwidth, ``comm`` section and ``(microBatch, middleS, firstS,
-    lastS)`` stage rows, when given)."""
+    lastS)`` stage rows and ``concurrent`` section ``{ranks, layer: [(microBatch, forwardS,
+    backwardS)]}``, when given)."""
     extra: dict[str, Any] = {}
     if optimizer_bytes_per_s:
         extra["optimizerBytesPerS"] = optimizer_bytes_per_s
@@ -364,6 +416,9 @@ def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
     if stage:
         extra["stage"] = [{"microBatch": b, "middleS": mid, "firstS": first, "lastS": last}
                           for b, mid, first, last in stage]
+    if concurrent:
+        extra["concurrent"] = {"ranks": concurrent["ranks"], "layer": [
+            {"microBatch": b, "forwardS": f, "backwardS": bw} for b, f, bw in concurrent["layer"]]}
     return {
         "apiVersion": "hettrain.dev/v1alpha1", "kind": PROFILE_KIND, "version": PROFILE_VERSION,
         "device": device, "software": dict(software),

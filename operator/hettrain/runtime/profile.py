@@ -6,7 +6,9 @@ the median of
 ``repeats`` runs after two warm-up runs), the runtime's pipeline stage around one such layer
 (:class:`hettrain.runtime.model.StageModel`, forward + loss + backward as
 ``runtime/pipeline.py`` runs a microbatch) as a middle, a first (embedding) and a last stage
-(final norm, LM head, loss: ``stage``), the optimizer step over that block's parameters
+(final norm, LM head, loss: ``stage``), on a CPU the layer again with every "device" of the
+node running it at once (``concurrent``: ``runtime/concurrent_profile.py``; the local ranks
+share the host's cores, caches and memory), the optimizer step over that block's parameters
 in the job's precision (``optimizerBytesPerS``), and, unless ``--no-comm``, two local ranks'
 pipeline transfers and all-reduce (``comm``: ``runtime/comm_profile.py``; skipped on a node
 with one accelerator), and writes the versioned ``DeviceProfile`` YAML that
@@ -34,7 +36,8 @@ from hettrain.api.spec import ModelSpec, SpecError, TrainingSpec, parse_job_mani
 from hettrain.planning import cost
 from hettrain.planning.profiles import profile_doc
 from hettrain.profile_cli import add_arguments
-from hettrain.runtime.comm_profile import measure_comm
+from hettrain.runtime.comm_profile import RANKS, measure_comm
+from hettrain.runtime.concurrent_profile import measure_concurrent
 from hettrain.runtime.model import LlamaDecoderLayer, StageModel, rope_cos_sin
 from hettrain.runtime.optim import StageOptimizer
 from hettrain.runtime.stage_timing import LayerClock
@@ -159,13 +162,17 @@ def profile(model: ModelSpec, device_name: str, micro_batches: Sequence[int], re
     ``runtime/comm_profile.py``) on ``device``."""
     rows = [(b, *measure_layer(model, b, repeats, device)) for b in micro_batches]
     stage = [(b, *measure_stage(model, b, repeats, device)) for b in micro_batches]
+    # a CPU node's ranks share one host; a GPU's compute is its own
+    concurrent = ({"ranks": RANKS, "layer": measure_concurrent(model, micro_batches, repeats,
+                                                               RANKS)}
+                  if device.type == "cpu" else None)
     software = {"torch": str(torch.__version__), "python": platform.python_version()}
     opt = measure_optimizer(model, training, repeats, device) if training is not None else 0.0
     links = None
     if comm:
         eb = cost.precision_bytes(training) if training is not None else 4
         links = measure_comm(comm_sizes(model, micro_batches, eb), max(COMM_REPEATS, repeats))
-    return profile_doc(device_name, software, model, rows, opt, links, stage)
+    return profile_doc(device_name, software, model, rows, opt, links, stage, concurrent)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

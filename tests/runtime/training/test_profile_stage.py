@@ -7,7 +7,8 @@ import torch
 
 from hettrain.api.spec import parse_job_spec
 from hettrain.planning import cost
-from hettrain.planning.profiles import PROFILE_VERSION, profile_from_doc
+from hettrain.planning.profiles import PROFILE_VERSION, profile_doc, profile_from_doc
+from hettrain.runtime.concurrent_profile import measure_concurrent
 from hettrain.runtime.profile import comm_sizes, measure_stage, profile
 
 JOB = {"model": {"layers": 2, "hidden": 32, "heads": 2, "seqLen": 16, "vocab": 64},
@@ -27,6 +28,8 @@ def test_stage_rows_are_measured_and_read_back() -> None:
     prof = profile_from_doc(doc, "p")
     assert prof.stage_matches(spec.model)
     assert all(prof.stage.part_s(p, 2) >= 0 for p in ("overhead", "embedding", "head"))
+    assert doc["concurrent"]["ranks"] == 2  # a CPU: the layer with the node's ranks busy too
+    assert [r["microBatch"] for r in doc["concurrent"]["layer"]] == [1, 2]
 
 
 def test_comm_sizes_cover_the_whole_models_gradient() -> None:
@@ -36,3 +39,16 @@ def test_comm_sizes_cover_the_whole_models_gradient() -> None:
     m = spec.model
     whole = 4 * (cost.layer_params(m) * m.layers + 2 * cost.embedding_params(m))
     assert whole in comm_sizes(m, [1, 2], 4)
+
+
+def test_concurrent_layer_rows_come_from_two_ranks_at_once() -> None:
+    """Two spawned ranks time the block at once (real processes); the rows read back as the
+    profile's concurrent line."""
+    spec = parse_job_spec(JOB)
+    rows = measure_concurrent(spec.model, [1, 2], 2, ranks=2)
+    assert [b for b, _, _ in rows] == [1, 2]
+    assert all(f > 0 and bw > 0 for _, f, bw in rows)
+    solo = [(1, 1e-3, 2e-3), (2, 1.5e-3, 3e-3)]
+    prof = profile_from_doc(profile_doc("CPU", {}, spec.model, solo,
+                                        concurrent={"ranks": 2, "layer": rows}), "p")
+    assert prof.concurrent_ranks == 2 and prof.slowdown(2) >= 1.0
