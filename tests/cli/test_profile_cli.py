@@ -38,6 +38,7 @@ def test_profile_writes_a_profile_the_planner_uses(tmp_path, capsys) -> None:
     assert doc["kind"] == "DeviceProfile" and doc["version"] == 2 and doc["device"] == "CPU"
     assert doc["precision"] == "fp32"  # the job's
     assert [r["microBatch"] for r in doc["layer"]] == [1, 2]
+    assert [r["microBatch"] for r in doc["stage"]] == [1, 2]  # the runtime's stage
     assert all(r[k] > 0 for r in doc["layer"]
                for k in ("forwardS", "backwardS", "selectiveS", "fullS"))
     assert doc["software"]["torch"]
@@ -64,6 +65,7 @@ def test_profile_writes_a_profile_the_planner_uses(tmp_path, capsys) -> None:
                  "--out", str(plan_json)]) == 0
     notes = json.loads(plan_json.read_text())["notes"]
     assert any("collectives inside a node of CPU from device profiles" in n for n in notes)
+    assert any("stage machinery of CPU" in n for n in notes)
 
 
 def test_profile_without_comm(tmp_path) -> None:

@@ -13,7 +13,12 @@ from hettrain.planning import calibration as cal
 from hettrain.planning import cost
 from hettrain.planning.inventory import load_cluster
 from hettrain.planning.planner import plan_job, step_time_for_split
-from hettrain.planning.profiles import LayerProfile, model_shape, profile_from_doc
+from hettrain.planning.profiles import (
+    LayerProfile,
+    StageProfile,
+    model_shape,
+    profile_from_doc,
+)
 
 JOB = {"model": {"layers": 12, "hidden": 64, "heads": 4, "seqLen": 64, "vocab": 256},
        "training": {"globalBatch": 8, "microBatch": 2, "steps": 10, "recompute": "none",
@@ -210,3 +215,24 @@ def test_measured_layer_time_is_compared_with_the_layers_alone() -> None:
             s.index, k * part + 10 * (s.time_ms / 1e3 - part), 0.0, 5, layers_s=k * part)
     assert cal.layer_scale(spec, plan, measured, devices) == pytest.approx(
         {"CPU-A": 3.0, "CPU-B": 1.0})
+
+
+def test_profile_document_round_trip_keeps_the_measured_stage_parts() -> None:
+    """A refined (scaled) profile's document keeps the stage parts measured around the layer:
+    calibration scales the layers, not the embedding, head or stage machinery."""
+    spec = parse_job_spec(JOB)
+    stage = StageProfile(spec.model.vocab, (1e-4, 5e-5), (2e-4, 0.0), (1e-3, 5e-4),
+                         ((1, 0.0, 0.0, 0.0), (2, 0.0, 0.0, 0.0), (4, 0.0, 0.0, 0.0)))
+    base = _true_profile(spec, "CPU-A")
+    conc = (base.alpha * 1.2, base.beta * 1.1)  # the layer with the node's ranks busy
+    prof = cal.scaled(dataclasses.replace(base, stage=stage, concurrent=conc,
+                                          concurrent_ranks=2), 1.5)
+    back = profile_from_doc(cal.profile_to_doc(prof, spec.model, {"image": "img:1"}), "store")
+    assert back.stage_matches(spec.model, 4)  # the job is fp32
+    # calibration scales the concurrent line with the layer's: the slowdown is kept
+    assert back.concurrent == pytest.approx((conc[0] * 1.5, conc[1] * 1.5))
+    assert back.concurrent_ranks == 2
+    assert back.slowdown(2) == pytest.approx(
+        (conc[0] + 2 * conc[1]) / (base.alpha + 2 * base.beta))
+    for part in ("overhead", "embedding", "head"):
+        assert getattr(back.stage, part) == pytest.approx(getattr(stage, part), abs=1e-12)

@@ -112,3 +112,26 @@ def test_two_pools_of_a_unit_keep_the_sync_exposed():
     on = plan_job("j", _job(), inv)
     off = plan_job("j", _job(overlapGradReduce=False), inv)
     assert on.predicted.dp_comm_s == pytest.approx(off.predicted.dp_comm_s, rel=1e-12)
+
+
+def test_a_model_under_one_bucket_exposes_its_whole_gradient_sync():
+    """A model whose fp32 gradients fit one bucket (``cost.DP_BUCKET_BYTES``) syncs them in
+    one all-reduce after the backward: the whole sync is exposed, counted in BYTES (4 per
+    parameter; it once counted the layers' parameters, a quarter of their bytes)."""
+    spec = parse_job_spec({
+        "model": {"layers": 4, "hidden": 128, "heads": 4, "seqLen": 128, "vocab": 256},
+        "training": {"globalBatch": 8, "steps": 1, "microBatch": 2, "precision": "fp32",
+                     "recompute": "none"},
+        "parallelism": {"tp": 1, "pp": 1, "dp": 2, "schedule": "1f1b"},
+        "data": {"synthetic": True}})
+    cluster = load_cluster({**CLUSTER, "pools": [{**CLUSTER["pools"][0], "nodes": 1}]})
+    plan = plan_job("small", spec, cluster)
+    m = spec.model
+    grad_bytes = 4.0 * (cost.layer_params(m) * m.layers + 2 * cost.embedding_params(m))
+    assert grad_bytes < cost.DP_BUCKET_BYTES
+    dev = cluster.pools[0].device
+    # the DP sync inside a node: the intra-node link at COLLECTIVE_LATENCY_S per ring step
+    sync = 2 * cost.COLLECTIVE_LATENCY_S + grad_bytes / (dev.intra_node_gbps * 1e9)
+    # the last (only) bucket is all of it; what the backward window cannot hide of the
+    # per-layer part may add to it
+    assert plan.predicted.dp_comm_s >= sync * (1 - 1e-9)

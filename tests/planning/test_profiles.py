@@ -166,3 +166,168 @@ def test_fast_equals_exhaustive_with_measured_modes() -> None:
         full = plan_job("j", spec, inv, exhaustive=True)
         assert fast.predicted.step_time_s == pytest.approx(full.predicted.step_time_s,
                                                            rel=1e-9), recompute
+
+
+# (microBatch, middleS, firstS, lastS): the _doc layer line is 1.5e-3 + 1.5e-3·b, the middle
+# stage adds 0.1 ms + 0.05 ms·b of stage machinery, the first 0.2 ms of embedding and the last
+# 1 ms + 0.5 ms·b of head and loss
+STAGE_ROWS = tuple((b, 1.5e-3 + 1.5e-3 * b + 1e-4 + 5e-5 * b,
+                    1.5e-3 + 1.5e-3 * b + 1e-4 + 5e-5 * b + 2e-4,
+                    1.5e-3 + 1.5e-3 * b + 1e-4 + 5e-5 * b + 1e-3 + 5e-4 * b)
+                   for b in (1, 2, 4))
+
+
+def _stage_doc(device: str = "H100-SXM", **edit) -> dict:
+    doc = profile_doc(device, {"torch": "x"}, parse_job_spec(JOB).model,
+                      ((1, 1e-3, 2e-3), (2, 1.5e-3, 3e-3), (4, 2.5e-3, 5e-3)), stage=STAGE_ROWS,
+                      precision="bf16")
+    return {**doc, **edit}
+
+
+def test_stage_rows_fit_overhead_embedding_and_head_hand_values() -> None:
+    doc = _stage_doc()
+    assert doc["version"] == 2 and doc["model"]["vocab"] == 8000
+    st = profile_from_doc(doc, "p.yaml").stage
+    assert st.vocab == 8000
+    assert st.overhead == pytest.approx((1e-4, 5e-5))
+    assert st.embedding == pytest.approx((2e-4, 0.0), abs=1e-12)
+    assert st.head == pytest.approx((1e-3, 5e-4))
+    assert st.part_s("head", 2) == pytest.approx(2e-3)
+    # a part below the subtraction's noise costs nothing, never less
+    rows = [(b, m, m - 1e-5, m + 1e-3) for b, m, _, _ in STAGE_ROWS]
+    assert profile_from_doc(_stage_doc(stage=[
+        {"microBatch": b, "middleS": m, "firstS": f, "lastS": la} for b, m, f, la in rows]),
+        "p").stage.part_s("embedding", 4) == 0.0
+
+
+def test_version_1_profiles_still_load_without_stage_rows() -> None:
+    doc = _doc()
+    doc = {**doc, "version": 1, "model": {k: v for k, v in doc["model"].items()
+                                          if k != "vocab"}}
+    prof = profile_from_doc(doc, "p.yaml")
+    assert prof.stage is None and prof.matches(parse_job_spec(JOB).model, 4)  # v1: fp32
+    with pytest.raises(PlanningInputError, match=r"^p.yaml.model.vocab: "):
+        profile_from_doc({**doc, "stage": _stage_doc()["stage"]}, "p.yaml")
+
+
+@pytest.mark.parametrize("edit,field", [
+    ({"stage": []}, "p.yaml.stage"),
+    ({"stage": [{"microBatch": 1, "middleS": 1e-3}]}, r"p.yaml.stage\[0\]"),
+    ({"stage": [{"microBatch": 1, "middleS": 1e-3, "firstS": 0, "lastS": 1e-3}]},
+     r"p.yaml.stage\[0\]"),
+])
+def test_bad_stage_rows_name_the_field(edit: dict, field: str) -> None:
+    with pytest.raises(PlanningInputError, match=rf"^{field}: "):
+        profile_from_doc(_stage_doc(**edit), "p.yaml")
+
+
+def test_planner_adds_the_measured_stage_parts_and_says_so() -> None:
+    """Every stage pays the measured machinery per microbatch, the first the embedding, the
+    last the measured head instead of the catalog's; another vocabulary keeps the catalog."""
+    inv = apply_profiles(load_cluster(_cluster()), [profile_from_doc(_stage_doc(), "p.yaml")])
+    h100 = inv.pool("h").device
+    model = parse_job_spec(JOB).model
+    assert cost.head_time_s(model, 2, 1, h100) == pytest.approx(2e-3)
+    assert cost.stage_overhead_s(model, 2, 1, h100, first=False) == pytest.approx(2e-4)
+    assert cost.stage_overhead_s(model, 2, 1, h100, first=True) == pytest.approx(4e-4)
+    other = dataclasses.replace(model, vocab=16000)
+    plain = dataclasses.replace(h100, profile=None)
+    assert cost.stage_overhead_s(other, 2, 1, h100, first=True) == 0.0
+    assert cost.head_time_s(other, 2, 1, h100) == cost.head_time_s(other, 2, 1, plain)
+    spec = parse_job_spec({**JOB, "parallelism": {"tp": 1, "pp": 2, "dp": 1},
+                           "placement": {"pools": ["h"]},
+                           "training": {**JOB["training"], "microBatch": 2}})
+    plan = plan_job("j", spec, inv)
+    layer = 1.5e-3 + 1.5e-3 * 2  # the fitted layer line at b = 2
+    n0 = plan.stages[0].layer_end - plan.stages[0].layer_start
+    n1 = plan.stages[1].layer_end - plan.stages[1].layer_start
+    assert plan.stages[0].time_ms == pytest.approx(1e3 * (n0 * layer + 4e-4))
+    assert plan.stages[1].time_ms == pytest.approx(1e3 * (n1 * layer + 2e-4 + 2e-3))
+    assert any("stage machinery of H100-SXM" in n for n in plan.notes)
+    assert not any("the LM head" in n for n in plan.notes)
+    full = plan_job("j", spec, inv, exhaustive=True)
+    assert plan.predicted.step_time_s == pytest.approx(full.predicted.step_time_s, rel=1e-9)
+
+
+def _conc_doc(rows, **edit) -> dict:
+    doc = profile_doc("H100-SXM", {"torch": "x"}, parse_job_spec(JOB).model,
+                      ((1, 1e-3, 2e-3), (2, 1.5e-3, 3e-3), (4, 2.5e-3, 5e-3)),
+                      concurrent={"ranks": 2, "layer": rows}, precision="bf16")
+    return {**doc, **edit}
+
+
+# the _doc layer line is 1.5e-3 + 1.5e-3·b; with two ranks at once 1.5e-3 + 2e-3·b
+CONC_ROWS = [(b, (1.5e-3 + 2e-3 * b) / 3, (1.5e-3 + 2e-3 * b) * 2 / 3) for b in (1, 2, 4)]
+
+
+def test_concurrent_layer_gives_the_slowdown_hand_values() -> None:
+    prof = profile_from_doc(_conc_doc(CONC_ROWS), "p.yaml")
+    assert prof.concurrent == pytest.approx((1.5e-3, 2e-3))
+    assert prof.concurrent_ranks == 2
+    assert prof.slowdown(2) == pytest.approx(5.5 / 4.5)
+    assert prof.slowdown(4) == pytest.approx(9.5 / 7.5)
+    # faster with a peer (noise): never below 1; not measured: 1
+    fast = [(b, f / 2, bw / 2) for b, f, bw in CONC_ROWS]
+    assert profile_from_doc(_conc_doc(fast), "p").slowdown(2) == 1.0
+    assert profile_from_doc(_doc(), "p").slowdown(2) == 1.0
+
+
+@pytest.mark.parametrize("edit,field", [
+    ({"concurrent": {"ranks": 1, "layer": []}}, "p.yaml.concurrent.ranks"),
+    ({"concurrent": {"ranks": 2, "layer": []}}, "p.yaml.concurrent.layer"),
+    ({"concurrent": {"ranks": 2, "layer": [{"microBatch": 1}]}},
+     r"p.yaml.concurrent.layer\[0\]"),
+    ({"concurrent": [1], "version": 2}, "p.yaml.concurrent"),
+])
+def test_bad_concurrent_sections_name_the_field(edit: dict, field: str) -> None:
+    with pytest.raises(PlanningInputError, match=rf"^{field}: "):
+        profile_from_doc(_conc_doc(CONC_ROWS, **edit), "p.yaml")
+    with pytest.raises(PlanningInputError, match=r"^p.yaml.concurrent: "):
+        profile_from_doc(_conc_doc(CONC_ROWS, version=1), "p.yaml")
+
+
+def _pinned(pp: int, dp: int, pool: str = "h") -> dict:
+    return {**JOB, "parallelism": {"tp": 1, "pp": pp, "dp": dp},
+            "placement": {"pools": [pool]}, "training": {**JOB["training"], "microBatch": 2}}
+
+
+@pytest.mark.parametrize("pp,dp", [(1, 1), (2, 1), (1, 2), (3, 1)])
+def test_planner_slows_the_compute_of_a_crowded_node(pp: int, dp: int) -> None:
+    """Pool h is ONE node of 4 devices: a layout with two or more busy ranks there computes
+    at the measured concurrent rate (every stage's layers and fixed part), one rank at the
+    single-rank rate; a pool of as many nodes as ranks is not crowded. Notes say so."""
+    prof = profile_from_doc(_conc_doc(CONC_ROWS), "p.yaml")
+    plain = profile_from_doc(_doc(), "p.yaml")
+    spec = parse_job_spec(_pinned(pp, dp))
+    got = plan_job("j", spec, apply_profiles(load_cluster(_cluster()), [prof]))
+    ref = plan_job("j", spec, apply_profiles(load_cluster(_cluster()), [plain]))
+    f = 5.5 / 4.5 if pp * dp > 1 else 1.0
+    for a, b in zip(got.stages, ref.stages, strict=True):
+        assert a.time_ms == pytest.approx(b.time_ms * f)
+    noted = any("compute of H100-SXM x1.222" in n for n in got.notes)
+    assert noted == (f != 1.0)
+    full = plan_job("j", spec, apply_profiles(load_cluster(_cluster()), [prof]),
+                    exhaustive=True)
+    assert got.predicted.step_time_s == pytest.approx(full.predicted.step_time_s, rel=1e-9)
+    # as many nodes as ranks: every rank has a node to itself
+    wide = _cluster()
+    wide["pools"][0] = {**wide["pools"][0], "nodes": 4, "gpusPerNode": 1}
+    spread = plan_job("j", spec, apply_profiles(load_cluster(wide), [prof]))
+    spread_ref = plan_job("j", spec, apply_profiles(load_cluster(wide), [plain]))
+    assert spread.predicted.step_time_s == pytest.approx(spread_ref.predicted.step_time_s)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_fast_equals_exhaustive_with_stage_and_concurrent_parts(scale: float) -> None:
+    rows = [(b, f * scale, bw * scale) for b, f, bw in ((1, 1e-3, 2e-3), (2, 1.5e-3, 3e-3),
+                                                        (4, 2.5e-3, 5e-3))]
+    doc = profile_doc("H100-SXM", {"torch": "x"}, parse_job_spec(JOB).model, rows,
+                      stage=[(b, m * scale, f * scale, la * scale) for b, m, f, la in STAGE_ROWS],
+                      concurrent={"ranks": 2, "layer": [(b, f * scale, bw * scale)
+                                                        for b, f, bw in CONC_ROWS]},
+                      precision="bf16")
+    inv = apply_profiles(load_cluster(_cluster()), [profile_from_doc(doc, "p")])
+    spec = parse_job_spec(JOB)
+    fast = plan_job("j", spec, inv)
+    full = plan_job("j", spec, inv, exhaustive=True)
+    assert fast.predicted.step_time_s == pytest.approx(full.predicted.step_time_s, rel=1e-9)

@@ -206,11 +206,14 @@ def layer_scale(spec: JobSpec, plan: Plan, measured: Mapping[StageKey, StageMeas
 
 def scaled(profile: LayerProfile, factor: float, source: str = "calibration") -> LayerProfile:
     """``profile`` with its layer seconds (every measured recompute mode's) multiplied by
-    ``factor``."""
+    ``factor`` (the line measured with the node's ranks busy too: the slowdown between them is
+    kept)."""
+    conc = profile.concurrent
     return dataclasses.replace(profile, alpha=profile.alpha * factor, beta=profile.beta * factor,
                                recompute=tuple((m, a * factor, b * factor)
                                                for m, a, b in profile.recompute),
-                               source=source)
+                               source=source, concurrent=None if conc is None else (
+                                   conc[0] * factor, conc[1] * factor))
 
 
 def refine_profiles(spec: JobSpec, plan: Plan, measured: Mapping[StageKey, StageMeasurement],
@@ -296,9 +299,21 @@ def profile_to_doc(profile: LayerProfile, model: ModelSpec, software: Mapping[st
         rows.append((b, t * profile.forward_share, t * (1.0 - profile.forward_share)))
     modes = {m: [a + slope * b for b in CATALOG_FIT_MICRO_BATCHES]
              for m, a, slope in profile.recompute}
+    stage = []  # the measured stage parts, around this profile's (maybe refined) layer line
+    if profile.stage is not None and profile.stage.vocab == model.vocab:
+        for b, *_ in profile.stage.rows:
+            mid = profile.alpha + profile.beta * b + profile.stage.part_s("overhead", b)
+            stage.append((b, mid, mid + profile.stage.part_s("embedding", b),
+                          mid + profile.stage.part_s("head", b)))
+    concurrent = None  # the line measured with the node's ranks busy, as exact rows too
+    if profile.concurrent is not None:
+        ca, cb = profile.concurrent
+        concurrent = {"ranks": profile.concurrent_ranks, "layer": [
+            (b, (ca + cb * b) * profile.forward_share, (ca + cb * b) * (1 - profile.forward_share))
+            for b in CATALOG_FIT_MICRO_BATCHES]}
     doc = profile_doc(profile.device, software, model, rows, profile.optimizer_bytes_per_s,
-                      comm_doc(profile.comm) if profile.comm is not None else None,
-                      precision=profile.precision, modes=modes)
+                      comm_doc(profile.comm) if profile.comm is not None else None, stage,
+                      concurrent, precision=profile.precision, modes=modes)
     doc["source"] = profile.source.split(":")[0] or "calibration"
     return doc
 

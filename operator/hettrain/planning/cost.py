@@ -198,13 +198,35 @@ def head_time_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
     """Seconds of the LM head (forward + 2 backward GEMMs) per microbatch on one TP rank: the
     logits are vocab-parallel where :func:`vocab_shards` splits them, else replicated. A
     vocab-parallel head also all-reduces its input gradient over the TP group (its
-    cross-entropy's three ``s·b``-float all-reduces are left out: latency only)."""
+    cross-entropy's three ``s·b``-float all-reduces are left out: latency only). A device
+    profile that measured this model's stage (``profiles.StageProfile``: shape and
+    vocabulary) gives the head's compute instead: its measured final norm, head and loss."""
     shards = vocab_shards(model, tp)
-    flops = 3 * head_forward_flops(model, micro_batch * model.seq_len) / shards
-    t = flops / device.matmul_flops(elem_bytes) + 3 * KERNEL_FIXED_S
+    prof = device.profile
+    if prof is not None and prof.stage_matches(model, elem_bytes):
+        t = prof.stage.part_s("head", micro_batch) / shards
+    else:
+        flops = 3 * head_forward_flops(model, micro_batch * model.seq_len) / shards
+        t = flops / device.matmul_flops(elem_bytes) + 3 * KERNEL_FIXED_S
     if shards > 1:
         nbytes = model.seq_len * micro_batch * model.hidden * elem_bytes
         t += ring_all_reduce_s(nbytes, tp, *node_ring_link(device))
+    return t
+
+
+def stage_overhead_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
+                     first: bool, elem_bytes: int = 2) -> float:
+    """Seconds per microbatch of a stage besides its layers and LM head, as the device profile
+    measured the runtime's stage for this model (``profiles.StageProfile``): the stage
+    machinery around the layers on every stage, plus the token embedding on the first (split
+    over the vocabulary shards like the head); 0 where nothing was measured (the catalog
+    model has no such term)."""
+    prof = device.profile
+    if prof is None or not prof.stage_matches(model, elem_bytes):
+        return 0.0
+    t = prof.stage.part_s("overhead", micro_batch)
+    if first:
+        t += prof.stage.part_s("embedding", micro_batch) / vocab_shards(model, tp)
     return t
 
 

@@ -203,6 +203,16 @@ def _head_s(spec: JobSpec, unit: Unit, mb: int, tp: int) -> float:
                                   cost.precision_bytes(spec.training))
 
 
+def _stage_fixed_s(spec: JobSpec, unit: Unit, mb: int, tp: int, first: bool, last: bool
+                   ) -> float:
+    """Seconds per microbatch of a stage besides its layers: the LM head on the last stage and
+    what the device profile measured of the runtime's stage (:func:`cost.stage_overhead_s`;
+    with context parallelism a CP rank's shorter sequence matches no profile)."""
+    fixed = cost.stage_overhead_s(cost.cp_local_model(spec.model, _cp(spec)), mb, tp,
+                                  unit.device, first, cost.precision_bytes(spec.training))
+    return fixed + (_head_s(spec, unit, mb, tp) if last else 0.0)
+
+
 def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
                       spec: JobSpec) -> tuple[float, float, float]:
     """(latency seconds, seconds per byte, cross-DC bytes per byte) of a stage's grad sync."""
@@ -269,7 +279,9 @@ def _dp_exposed(unit: Unit, dp: int, tp: int, spec: JobSpec, c: float, e: float,
     c_red, e_red = c / factor, lat + (e - lat) / factor
     c_gather, e_gather = c - c_red, (e - lat) - (e - lat) / factor
     embed = cost.embedding_params(model) * 4.0 / cost.vocab_shards(model, tp)
-    whole = (cost.layer_params(model) * model.layers / tp + 2 * embed)
+    # fp32 gradient bytes, as ``embed`` (the layers' count was parameters, not bytes: a model
+    # under one bucket had its exposed last bucket priced at about a quarter of its bytes)
+    whole = (cost.layer_params(model) * 4.0 * model.layers / tp + 2 * embed)
     last_bytes = min(max(cost.DP_BUCKET_BYTES, embed if first else 0.0), whole)
     last_s = lat + last_bytes * per_byte / factor
     back = cost.backward_fraction(training.recompute)
@@ -379,7 +391,8 @@ def _any_schedule_fits(search: _Search, pp: int, m: int) -> bool:
 def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
                  schedule: str, inv: ClusterInventory, spec: JobSpec, memo: dict | None = None,
                  v: int = 1) -> tuple[list[StageCost], list[tuple[cost.StageMemory, float]]]:
-    """Per-stage cost coefficients and memory; identical stages are memoised in ``memo``."""
+    """Per-stage cost coefficients and memory; identical stages are memoised in ``memo``.
+    Each stage's compute is slowed by :func:`_crowding` where its node runs several ranks."""
     if memo is not None:
         pp = len(units)
         out, mems = [], []
@@ -387,8 +400,33 @@ def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m:
             hit = _stage_cost_at(memo, u, tp, dp, mb, i, pp, m, schedule, v, inv, spec)
             out.append(hit[0])
             mems.append(hit[1])
-        return out, mems
-    return _stage_costs_raw(units, tps, dp, mb, m, schedule, inv, spec, None, None, v)
+    else:
+        out, mems = _stage_costs_raw(units, tps, dp, mb, m, schedule, inv, spec, None, None, v)
+    slow = _crowding(units, tps, dp, mb, spec)
+    if slow:
+        out = [StageCost(s.a * f, s.b * f, s.c, s.e, s.max_layers) if f != 1.0 else s
+               for s, f in zip(out, slow, strict=True)]
+    return out, mems
+
+
+def _crowding(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, spec: JobSpec
+              ) -> list[float] | None:
+    """Per stage, the factor on its compute (layers and fixed part) from its device profile's
+    measured concurrent layer (``LayerProfile.slowdown``: a CPU node's ranks share one host)
+    where the layout keeps more busy ranks on the stage's unit (``dp`` times the TP of each of
+    its stages there) than the unit has nodes, so some node runs several at once; None when
+    no stage is slowed. Never below 1, so the search's bounds (single-rank) stay admissible."""
+    ranks: dict = {}
+    for u, tp in zip(units, tps, strict=True):
+        ranks[u.key] = ranks.get(u.key, 0) + dp * tp
+    out = []
+    for u in units:
+        prof = u.device.profile
+        crowded = (prof is not None and prof.concurrent is not None
+                   and prof.matches(spec.model, cost.precision_bytes(spec.training))
+                   and ranks[u.key] > u.nodes)
+        out.append(prof.slowdown(mb) if crowded else 1.0)
+    return out if any(f != 1.0 for f in out) else None
 
 
 def _stage_cost_at(memo: dict, u: Unit, tp: int, dp: int, mb: int, i: int, pp: int, m: int,
@@ -425,7 +463,7 @@ def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int
     for i, (u, tp) in indices:
         first, last = i == 0, i == pp - 1
         a = _layer_s(spec, u, mb, tp)
-        b = _head_s(spec, u, mb, tp) if last else 0.0
+        b = _stage_fixed_s(spec, u, mb, tp, first, last)
         lat, per_byte, _ = _dp_time_per_byte(u, dp, tp, inv, spec)
         fixed_grad = grad_embed * (int(first) + int(last)) / cost.vocab_shards(model, tp)
         c = grad_layer / tp * per_byte
@@ -1378,10 +1416,26 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
                        and u.device.profile.matches(spec.model, eb)})
     comm = sorted({u.device.name for u in best.units
                    if cost.measured_comm(u.device) is not None})
+    local = cost.cp_local_model(spec.model, best.cp)
+    staged = sorted({u.device.name for u in best.units
+                     if u.device.profile is not None
+                     and u.device.profile.stage_matches(local, eb)})
     if measured:
         notes.append(f"layer times of {', '.join(measured)} from device profiles (measured); "
-                     "other devices, the LM head" + ("" if comm else " and communication")
-                     + " from the catalog model")
+                     "other devices" + ("" if staged else ", the LM head")
+                     + ("" if comm else " and communication") + " from the catalog model")
+    slow = _crowding(best.units, best.tps, best.dp, best.micro_batch, spec)
+    if slow:
+        crowded = sorted({(u.device.name, f, u.device.profile.concurrent_ranks)
+                          for u, f in zip(best.units, slow, strict=True) if f != 1.0})
+        notes.append("compute of " + ", ".join(
+            f"{name} x{f:.3f}" for name, f, _ in crowded) + " (device profiles: the layer "
+            "measured with " + ", ".join(sorted({str(r) for _, _, r in crowded}))
+            + " ranks of one node at once): the plan keeps several busy ranks on one node")
+    if staged:
+        notes.append(f"the runtime's stage machinery of {', '.join(staged)} per microbatch "
+                     "from device profiles (measured: every stage's overhead around its "
+                     "layers, the first stage's embedding, the last stage's head and loss)")
     if comm:
         notes.append(f"collectives inside a node of {', '.join(comm)} from device profiles "
                      "(measured all-reduce and p2p); links between nodes from the catalog "

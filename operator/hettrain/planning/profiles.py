@@ -10,10 +10,17 @@ document::
     device: CPU                       # the catalog / cluster device name it measured
     precision: bf16                   # the job's precision the block ran in
     software: {torch: 2.9.1, python: 3.12.3}
-    model: {hidden: 64, heads: 4, kvHeads: 4, ffnHidden: 256, seqLen: 64, gatedMlp: false}
+    model: {hidden: 64, heads: 4, kvHeads: 4, ffnHidden: 256, seqLen: 64, gatedMlp: false,
+            vocab: 256}               # vocab: the stage rows' embedding and head
     layer:                            # one layer, tp 1; medians of repeats
       - {microBatch: 1, forwardS: 0.0011, backwardS: 0.0023, selectiveS: 0.0035, fullS: 0.0046}
       - {microBatch: 2, forwardS: 0.0019, backwardS: 0.0041, selectiveS: 0.0062, fullS: 0.0080}
+    stage:                            # optional: the runtime's stage around ONE layer
+      - {microBatch: 1, middleS: 0.0036, firstS: 0.0038, lastS: 0.0045}
+      - {microBatch: 2, middleS: 0.0063, firstS: 0.0066, lastS: 0.0075}
+    concurrent:                       # optional (CPU): the layer, 2 ranks at once
+      ranks: 2
+      layer: [{microBatch: 1, forwardS: 0.0012, backwardS: 0.0025}, ...]
     optimizerBytesPerS: 2.1e+09       # optional: the optimizer step's measured bandwidth
     comm:                             # optional: two ranks on one node (runtime/comm_profile.py)
       ranks: 2
@@ -27,17 +34,37 @@ recompute, as ``LlamaDecoderLayer.set_recompute`` runs them. The planner (``hett
 --profile FILE``) fits ``t(b) = α + β·b`` (least squares over the measured microbatch sizes,
 ``α ≥ 0``) to each mode's forward+backward seconds and uses it, divided by ``tp``, for every
 layer of a device, model shape and precision the profile matches (bf16 and fp16 both count as
-2-byte precisions). Version 1 documents (no ``precision``: the block ran in fp32, no recompute
-modes) still load: fp32, full recompute adds the measured forward share and selective a
-modelled attention forward (``cost.layer_compute_s``). ``comm`` is fitted the same way against
-bytes: a p2p transfer's latency and bandwidth, and a ring all-reduce's per-step latency and bus
-bandwidth (its ``2(n − 1)`` steps and ``2(n − 1)/n`` bytes per byte at the measured ``n``
-ranks). They do not depend on the model: the device's collectives inside a node (TP, CP, a DP
-group within a node) run at the measured all-reduce, and every pipeline transfer of the device
-takes at least the measured p2p latency and at most its bandwidth (the same library on every
-path). Everything else (the LM head, other devices and shapes, links between nodes) stays on
-the catalog model, and the plan notes say which devices were measured. Pure: no torch here (the
-runtime writes the document, this module reads it).
+2-byte precisions). ``comm`` is fitted the same way against bytes: a p2p transfer's latency and
+bandwidth, and a ring all-reduce's per-step latency and bus bandwidth (its ``2(n − 1)`` steps
+and ``2(n − 1)/n`` bytes per byte at the measured ``n`` ranks). They do not depend on the
+model: the device's collectives inside a node (TP, CP, a DP group within a node) run at the
+measured all-reduce, and every pipeline transfer of the device takes at least the measured p2p
+latency and at most its bandwidth (the same library on every path).
+
+``stage`` times the runtime's own pipeline stage (``runtime.model.StageModel``) around one
+layer, forward + loss + backward of one microbatch as ``runtime/pipeline.py`` runs it: a middle
+stage (the layer only), a first stage (the embedding too) and a last stage (the final norm, LM
+head and loss too). Less the fitted layer they give three lines in the microbatch (least
+squares, ``α ≥ 0``, never negative): the stage machinery's own seconds per microbatch on every
+stage (``overhead``), the embedding's on the first and the head's on the last. Where the
+model's shape, vocabulary and precision match, the planner adds ``overhead`` (and
+``embedding`` on the first stage) to every stage's microbatch and takes ``head`` for the
+catalog's LM head; the plan notes say so. Everything else (other devices, shapes and
+precisions, links between nodes) stays on the catalog model, and the plan notes say which
+devices were measured.
+
+``concurrent`` (measured on a CPU, whose "devices" are processes sharing one host's cores,
+caches and memory: ``runtime/concurrent_profile.py``) times the same layer with ``ranks``
+processes running it at once. Its fitted line over the single-rank one is the slowdown
+``s(b) = max(1, t_concurrent(b) / t(b))``; the planner multiplies the compute of every stage
+on a device group by it where the plan keeps more busy ranks on that group than it has nodes
+(so some node runs two or more at once), and says so in the plan notes.
+
+Version 1 documents (no ``precision``: the block ran in fp32; no recompute modes, ``stage``,
+``concurrent`` or ``model.vocab``) still load: fp32, full recompute adds the measured forward
+share and selective a modelled attention forward (``cost.layer_compute_s``).
+
+Pure: no torch here (the runtime writes the document, this module reads it).
 """
 
 from __future__ import annotations
@@ -54,8 +81,8 @@ import yaml
 from hettrain.api.spec import ModelSpec
 from hettrain.planning.errors import PlanningInputError
 
-PROFILE_VERSION = 2
-PROFILE_VERSIONS = (1, 2)  # readable; version 1: fp32 block, no recompute modes
+PROFILE_VERSION = 2  # written: precision, recompute modes, model.vocab, stage, concurrent
+PROFILE_VERSIONS = (1, 2)  # readable; version 1: fp32 block, layer rows only
 PROFILE_KIND = "DeviceProfile"
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE_MODES = ("selective", "full")  # measured besides "none" (version 2)
@@ -127,6 +154,23 @@ class CommProfile:
 
 
 @dataclass(frozen=True, slots=True)
+class StageProfile:
+    """Measured seconds per microbatch of the runtime's stage besides its layers, each part
+    ``α + β·microbatch`` (never below 0), and the rows they were fitted to."""
+
+    vocab: int
+    overhead: tuple[float, float]  # every stage: the stage machinery around its layers
+    embedding: tuple[float, float]  # the first stage's token embedding
+    head: tuple[float, float]  # the last stage's final norm, LM head and loss
+    rows: tuple[tuple[int, float, float, float], ...] = ()  # (b, middleS, firstS, lastS)
+
+    def part_s(self, part: str, micro_batch: int) -> float:
+        """Seconds of ``part`` (overhead, embedding, head) for one microbatch."""
+        alpha, beta = getattr(self, part)
+        return max(0.0, alpha + beta * micro_batch)
+
+
+@dataclass(frozen=True, slots=True)
 class LayerProfile:
     """Measured seconds of one layer (forward + backward, tp 1) as ``α + β·microbatch``, in
     one precision; ``recompute`` holds the measured lines of the recompute modes."""
@@ -144,6 +188,24 @@ class LayerProfile:
     comm: CommProfile | None = None  # measured transfers inside a node (None: catalog links)
     precision: str = "fp32"  # the precision the block ran in (PRECISION_BYTES)
     recompute: tuple[tuple[str, float, float], ...] = ()  # (mode, α, β) measured
+    # the runtime's stage around one layer (version 2 ``stage`` rows), each ``(α, β)`` of
+    # seconds per microbatch: the stage machinery on every stage, the embedding on the first,
+    # the final norm + LM head + loss on the last; None: not measured
+    stage: StageProfile | None = None
+    # the layer's (α, β) measured with ``concurrent_ranks`` ranks of one node running it at
+    # once (version 2 ``concurrent``; CPU nodes); None: not measured
+    concurrent: tuple[float, float] | None = None
+    concurrent_ranks: int = 0
+    concurrent_rows: tuple[tuple[int, float, float], ...] = ()
+
+    def slowdown(self, micro_batch: int) -> float:
+        """Factor on a layer's seconds when several ranks of one node compute at once
+        (``concurrent`` over the single-rank line, at least 1; 1 when not measured)."""
+        if self.concurrent is None:
+            return 1.0
+        solo = self.alpha + self.beta * micro_batch
+        busy = self.concurrent[0] + self.concurrent[1] * micro_batch
+        return max(1.0, busy / solo) if solo > 0 else 1.0
 
     def matches(self, model: ModelSpec, elem_bytes: int) -> bool:
         """True when the profile measured this model's layer shape in a precision of
@@ -156,6 +218,12 @@ class LayerProfile:
         if recompute == "none":
             return self.alpha, self.beta
         return next(((a, b) for m, a, b in self.recompute if m == recompute), None)
+
+    def stage_matches(self, model: ModelSpec, elem_bytes: int) -> bool:
+        """True when the profile measured this model's stage (layer shape, vocabulary and
+        element size)."""
+        return (self.stage is not None and self.matches(model, elem_bytes)
+                and self.stage.vocab == model.vocab)
 
     def layer_s(self, micro_batch: int, tp: int, recompute: str) -> float:
         """Seconds of one layer and microbatch on one of ``tp`` ranks (compute only); an
@@ -194,13 +262,47 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
                                  " and gatedMlp")
     shape: Shape = (m["hidden"], m["heads"], m["kvHeads"], m["ffnHidden"], m["seqLen"],
                     bool(m.get("gatedMlp", False)))
-    rows = doc.get("layer")
+    points, fwd, total, modes = _layer_points(doc.get("layer"), f"{where}.layer", version)
+    alpha, beta = fit_line(points)
+    recompute = tuple((m, *fit_line(pts)) for m, pts in modes.items() if pts)
+    sw = doc.get("software") or {}
+    software = tuple(sorted((str(k), str(v)) for k, v in sw.items())) if isinstance(
+        sw, Mapping) else ()
+    opt = doc.get("optimizerBytesPerS", 0.0)
+    if "optimizerBytesPerS" in doc and (isinstance(opt, bool) or not isinstance(opt, (int, float))
+                                        or not math.isfinite(opt) or opt <= 0):
+        raise PlanningInputError(f"{where}.optimizerBytesPerS",
+                                 "must be a positive number of bytes per second (or left out)")
+    comm = comm_from_doc(doc["comm"], f"{where}.comm") if "comm" in doc else None
+    stage = None
+    if "stage" in doc:
+        vocab = m.get("vocab")
+        if version < 2 or isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            raise PlanningInputError(f"{where}.model.vocab", "a positive integer is required "
+                                     "with stage rows (version 2)")
+        stage = stage_from_rows(doc["stage"], vocab, (alpha, beta), f"{where}.stage")
+    conc, conc_ranks, conc_rows = None, 0, ()
+    if "concurrent" in doc:
+        conc, conc_ranks, conc_rows = _concurrent_from_doc(doc["concurrent"], version,
+                                                           f"{where}.concurrent")
+    return LayerProfile(device, shape, alpha, beta, fwd / total, software, where, float(opt),
+                        comm, precision, recompute, stage, conc, conc_ranks, conc_rows)
+
+
+Points = list[tuple[float, float]]
+
+
+def _layer_points(rows: Any, where: str, version: int = 1
+                  ) -> tuple[Points, float, float, dict[str, Points]]:
+    """``(b, forward + backward)`` points of measured layer rows, the forward and total
+    seconds summed, and (version 2) each recompute mode's ``(b, seconds)`` points (errors
+    name the row)."""
     if not isinstance(rows, list) or not rows:
-        raise PlanningInputError(f"{where}.layer", "needs at least one measured microbatch")
+        raise PlanningInputError(where, "needs at least one measured microbatch")
     points, fwd, total = [], 0.0, 0.0
-    modes: dict[str, list[tuple[float, float]]] = {m: [] for m in RECOMPUTE_MODES}
+    modes: dict[str, Points] = {m: [] for m in RECOMPUTE_MODES}
     for i, r in enumerate(rows):
-        at = f"{where}.layer[{i}]"
+        at = f"{where}[{i}]"
         try:
             b, f, bw = int(r["microBatch"]), float(r["forwardS"]), float(r["backwardS"])
             extra = {m: float(r[k]) for m, k in MODE_FIELDS.items() if k in r and version >= 2}
@@ -214,23 +316,64 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
         fwd, total = fwd + f, total + f + bw
         for m, t in extra.items():
             modes[m].append((float(b), t))
-    alpha, beta = fit_line(points)
     for m, pts in modes.items():
         if pts and len(pts) != len(points):
-            raise PlanningInputError(f"{where}.layer", f"{MODE_FIELDS[m]} must be given on "
-                                     "every row or on none")
-    recompute = tuple((m, *fit_line(pts)) for m, pts in modes.items() if pts)
-    sw = doc.get("software") or {}
-    software = tuple(sorted((str(k), str(v)) for k, v in sw.items())) if isinstance(
-        sw, Mapping) else ()
-    opt = doc.get("optimizerBytesPerS", 0.0)
-    if "optimizerBytesPerS" in doc and (isinstance(opt, bool) or not isinstance(opt, (int, float))
-                                        or not math.isfinite(opt) or opt <= 0):
-        raise PlanningInputError(f"{where}.optimizerBytesPerS",
-                                 "must be a positive number of bytes per second (or left out)")
-    comm = comm_from_doc(doc["comm"], f"{where}.comm") if "comm" in doc else None
-    return LayerProfile(device, shape, alpha, beta, fwd / total, software, where, float(opt),
-                        comm, precision, recompute)
+            raise PlanningInputError(where, f"{MODE_FIELDS[m]} must be given on every row or "
+                                     "on none")
+    return points, fwd, total, modes
+
+
+def _concurrent_from_doc(doc: Any, version: int, where: str
+                         ) -> tuple[tuple[float, float], int, tuple[tuple[int, float, float], ...]]:
+    """The ``concurrent`` section: its fitted line, ranks and rows."""
+    if version < 2 or not isinstance(doc, Mapping):
+        raise PlanningInputError(where, "must be a mapping with ranks and layer rows "
+                                 "(version 2)")
+    ranks = doc.get("ranks")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+        raise PlanningInputError(f"{where}.ranks", "must be an integer >= 2 (the ranks measured)")
+    points, _, _, _ = _layer_points(doc.get("layer"), f"{where}.layer")
+    rows = tuple((int(r["microBatch"]), float(r["forwardS"]), float(r["backwardS"]))
+                 for r in doc["layer"])
+    return fit_line(points), ranks, rows
+
+
+def _fit_part(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``α + β·x`` of a part's seconds, each clamped at 0 (a part below the
+    noise of the subtraction costs nothing), with ``α, β ≥ 0``: a falling line is taken as
+    its mean (a part that does not grow with the microbatch), a negative intercept is refit
+    through the origin."""
+    pts = [(x, max(0.0, y)) for x, y in points]
+    line = _weighted_line(pts, [1.0] * len(pts))
+    if line is None or line[1] <= 0:
+        return sum(y for _, y in pts) / len(pts), 0.0
+    alpha, beta, through_origin = line
+    return (alpha, beta) if alpha >= 0 else (0.0, through_origin)
+
+
+def stage_from_rows(rows: Any, vocab: int, layer: tuple[float, float],
+                    where: str) -> StageProfile:
+    """Parse ``stage`` rows and fit the three parts against the fitted ``layer`` line
+    ``(α, β)``: overhead = middle − layer, embedding = first − middle, head = last − middle."""
+    if not isinstance(rows, list) or not rows:
+        raise PlanningInputError(where, "needs at least one measured microbatch")
+    parsed = []
+    for i, r in enumerate(rows):
+        try:
+            b = int(r["microBatch"])
+            mid, first, last = float(r["middleS"]), float(r["firstS"]), float(r["lastS"])
+        except (KeyError, TypeError, ValueError):
+            raise PlanningInputError(f"{where}[{i}]", "needs microBatch, middleS, firstS, "
+                                     "lastS") from None
+        if b < 1 or not all(math.isfinite(t) and t > 0 for t in (mid, first, last)):
+            raise PlanningInputError(f"{where}[{i}]",
+                                     "microBatch >= 1 and positive, finite seconds required")
+        parsed.append((b, mid, first, last))
+    a, beta = layer
+    overhead = _fit_part([(b, mid - (a + beta * b)) for b, mid, _, _ in parsed])
+    embedding = _fit_part([(b, first - mid) for b, mid, first, _ in parsed])
+    head = _fit_part([(b, last - mid) for b, mid, _, last in parsed])
+    return StageProfile(vocab, overhead, embedding, head, tuple(parsed))
 
 
 def _comm_rows(doc: Mapping, kind: str, where: str) -> list[tuple[float, float]]:
@@ -306,12 +449,15 @@ def apply_profiles(inventory: Any, profiles: Iterable[LayerProfile]) -> Any:
 def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
                 rows: Sequence[tuple[int, float, float]],
                 optimizer_bytes_per_s: float = 0.0,
-                comm: Mapping[str, Any] | None = None, *, precision: str = "fp32",
+                comm: Mapping[str, Any] | None = None,
+                stage: Sequence[tuple[int, float, float, float]] = (),
+                concurrent: Mapping[str, Any] | None = None, *, precision: str = "fp32",
                 modes: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
     """The YAML document for measured ``(microBatch, forwardS, backwardS)`` rows in
-    ``precision`` (and the measured optimizer bandwidth, ``comm`` section and recompute
-    modes' forward+backward seconds per row, ``{"selective": [...], "full": [...]}``, when
-    given)."""
+    ``precision`` (and the measured optimizer bandwidth, ``comm`` section, ``(microBatch,
+    middleS, firstS, lastS)`` stage rows, ``concurrent`` section ``{ranks, layer:
+    [(microBatch, forwardS, backwardS)]}`` and recompute modes' forward+backward seconds per
+    row, ``{"selective": [...], "full": [...]}``, when given)."""
     modes = modes or {}
     for m, ts in modes.items():
         if m not in MODE_FIELDS or len(ts) != len(rows):
@@ -321,12 +467,18 @@ def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
         extra["optimizerBytesPerS"] = optimizer_bytes_per_s
     if comm:
         extra["comm"] = dict(comm)
+    if stage:
+        extra["stage"] = [{"microBatch": b, "middleS": mid, "firstS": first, "lastS": last}
+                          for b, mid, first, last in stage]
+    if concurrent:
+        extra["concurrent"] = {"ranks": concurrent["ranks"], "layer": [
+            {"microBatch": b, "forwardS": f, "backwardS": bw} for b, f, bw in concurrent["layer"]]}
     return {
         "apiVersion": "hettrain.dev/v1alpha1", "kind": PROFILE_KIND, "version": PROFILE_VERSION,
         "device": device, "precision": precision, "software": dict(software),
         "model": {"hidden": model.hidden, "heads": model.heads, "kvHeads": model.kv_heads,
                   "ffnHidden": model.ffn_hidden, "seqLen": model.seq_len,
-                  "gatedMlp": model.gated_mlp},
+                  "gatedMlp": model.gated_mlp, "vocab": model.vocab},
         "layer": [{"microBatch": b, "forwardS": f, "backwardS": bw,
                    **{MODE_FIELDS[m]: ts[i] for m, ts in modes.items()}}
                   for i, (b, f, bw) in enumerate(rows)],

@@ -191,11 +191,14 @@ def group_options(plan: Plan, inv: ClusterInventory) -> list[GroupOption]:
 def group_stage_s(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequence[int],
                   device: DeviceSpec) -> list[float]:
     """Forward+backward seconds of one microbatch on each stage of an extra group on
-    ``device``: its layers (``cost.layer_time_s``), the last stage also the LM head."""
+    ``device``: its layers (``cost.layer_time_s``), the last stage also the LM head, and what
+    a device profile measured of the runtime's stage (``cost.stage_overhead_s``)."""
     model, t = plan.model, plan.training
     out = []
     for s, ((a, b), tp) in enumerate(zip(splits, tps, strict=True)):
         sec = (b - a) * cost.layer_time_s(model, t, plan.micro_batch, tp, device)
+        sec += cost.stage_overhead_s(model, plan.micro_batch, tp, device, s == 0,
+                                     cost.precision_bytes(t))
         if s == len(splits) - 1:
             sec += cost.head_time_s(model, plan.micro_batch, tp, device,
                                     cost.precision_bytes(t))

@@ -3,11 +3,17 @@
 For one model shape (a job's ``spec.model``) and a few microbatch sizes, times one
 :class:`hettrain.runtime.model.LlamaDecoderLayer` in the job's precision (tp 1; the median of
 ``repeats`` runs after two warm-up runs): forward and backward without recompute, and forward +
-backward with the runtime's selective and full recompute (``set_recompute``), and the optimizer
-step over that block's parameters in the job's precision (``optimizerBytesPerS``), and, unless
+backward with the runtime's selective and full recompute (``set_recompute``); the runtime's
+pipeline stage around one such layer (:class:`hettrain.runtime.model.StageModel`, forward +
+loss + backward as ``runtime/pipeline.py`` runs a microbatch) as a middle, a first (embedding)
+and a last stage (final norm, LM head, loss: ``stage``); on a CPU the layer again with every
+"device" of the node running it at once (``concurrent``: ``runtime/concurrent_profile.py``;
+the local ranks share the host's cores, caches and memory); the optimizer step over that
+block's parameters in the job's precision (``optimizerBytesPerS``); and, unless
 ``--no-comm``, two local ranks' pipeline transfers and all-reduce (``comm``:
-``runtime/comm_profile.py``; skipped on a node with one accelerator), and writes the versioned
-``DeviceProfile`` YAML that ``planning/profiles.py`` reads (``hettrain plan --profile FILE``).
+``runtime/comm_profile.py``; skipped on a node with one accelerator). Everything runs in the
+job's precision; it writes the versioned ``DeviceProfile`` YAML that ``planning/profiles.py``
+reads (``hettrain plan --profile FILE``).
 
 Usage: python -m hettrain.runtime.profile JOB.yaml --device-name CPU --out profile.yaml
        [--micro-batches 1,2,4] [--repeats 5] [--no-comm]
@@ -31,9 +37,11 @@ from hettrain.api.spec import ModelSpec, SpecError, TrainingSpec, parse_job_mani
 from hettrain.planning import cost
 from hettrain.planning.profiles import RECOMPUTE_MODES, profile_doc
 from hettrain.profile_cli import add_arguments
-from hettrain.runtime.comm_profile import measure_comm
-from hettrain.runtime.model import LlamaDecoderLayer, rope_cos_sin
+from hettrain.runtime.comm_profile import RANKS, measure_comm
+from hettrain.runtime.concurrent_profile import measure_concurrent
+from hettrain.runtime.model import LlamaDecoderLayer, StageModel, rope_cos_sin
 from hettrain.runtime.optim import DTYPES, StageOptimizer
+from hettrain.runtime.stage_timing import LayerClock
 
 WARMUP = 2  # untimed runs before the timed ones
 COMM_SMALL_BYTES = 4096  # the latency point of the communication measurement
@@ -77,6 +85,50 @@ def measure_layer(model: ModelSpec, micro_batch: int, repeats: int, device: torc
     return statistics.median(fwd), statistics.median(bwd)
 
 
+def measure_stage(model: ModelSpec, micro_batch: int, repeats: int, device: torch.device,
+                  precision: str = "fp32") -> tuple[float, float, float]:
+    """Median forward+backward seconds of ``micro_batch`` sequences through the runtime's
+    stage around ONE layer: ``(middle, first, last)``, i.e. the layer alone, with the token
+    embedding before it, and with the final norm, LM head and loss after it. Each runs what
+    ``StageRunner.run`` runs for a microbatch (its receives and sends aside): the stage's
+    forward with its layer clock (``runtime/stage_timing.py``), on the last stage the loss,
+    its value read and scaled, then the backward. Interleaved per repeat, so a drifting
+    machine moves the three alike. Parameters and activations in ``precision``."""
+    dtype = DTYPES[precision]
+    stages = {}
+    for part, first, last in (("middle", False, False), ("first", True, False),
+                              ("last", False, True)):
+        torch.manual_seed(0)
+        st = StageModel(model, 0, 1, has_embedding=first, has_head=last, seed=0).to(
+            device=device, dtype=dtype)
+        st.layer_clock = LayerClock()
+        stages[part] = (st, first, last)
+    ids = torch.randint(0, model.vocab, (micro_batch, model.seq_len), device=device)
+    targets = torch.randint(0, model.vocab, (micro_batch, model.seq_len), device=device)
+    hidden = torch.randn(micro_batch, model.seq_len, model.hidden, device=device, dtype=dtype)
+    grad = torch.randn_like(hidden)
+    times: dict[str, list[float]] = {part: [] for part in stages}
+    for i in range(repeats + WARMUP):
+        for part, (st, first, last) in stages.items():
+            x = ids if first else hidden.detach().clone().requires_grad_()
+            _sync(device)
+            t0 = time.perf_counter()
+            out = st(x)
+            if last:
+                loss = st.loss(out, targets)
+                loss.item()
+                (loss * 0.5).backward()
+            else:
+                out.backward(grad)
+            _sync(device)
+            if i >= WARMUP:
+                times[part].append(time.perf_counter() - t0)
+            st.layer_clock.reset()
+            st.zero_grad(set_to_none=True)
+    return (statistics.median(times["middle"]), statistics.median(times["first"]),
+            statistics.median(times["last"]))
+
+
 def measure_optimizer(model: ModelSpec, training: TrainingSpec, repeats: int,
                       device: torch.device) -> float:
     """Bytes per second of the runtime's optimizer step (``StageOptimizer.step`` over one
@@ -101,9 +153,11 @@ def measure_optimizer(model: ModelSpec, training: TrainingSpec, repeats: int,
 
 def comm_sizes(model: ModelSpec, micro_batches: Sequence[int], elem_bytes: int) -> list[int]:
     """Message bytes :func:`measure_comm` times: a small one (latency), the model's pipeline
-    boundary tensor at each microbatch size, and one layer's fp32 gradient (DP; at most
-    ``COMM_MAX_BYTES``)."""
-    sizes = {COMM_SMALL_BYTES, min(COMM_MAX_BYTES, 4 * cost.layer_params(model))}
+    boundary tensor at each microbatch size, one layer's fp32 gradient and the whole model's
+    (the DP sync of a model under one gradient bucket; each at most ``COMM_MAX_BYTES``)."""
+    whole = 4 * (cost.layer_params(model) * model.layers + 2 * cost.embedding_params(model))
+    sizes = {COMM_SMALL_BYTES, min(COMM_MAX_BYTES, 4 * cost.layer_params(model)),
+             min(COMM_MAX_BYTES, whole)}
     sizes.update(int(cost.activation_bytes(model, b, elem_bytes)) for b in micro_batches)
     return sorted(s for s in sizes if s <= COMM_MAX_BYTES)
 
@@ -113,20 +167,26 @@ def profile(model: ModelSpec, device_name: str, micro_batches: Sequence[int], re
             comm: bool = False) -> dict:
     """The ``DeviceProfile`` document of ``model``'s layer (and, with ``training``, its
     optimizer step in that precision; with ``comm``, two local ranks' p2p and all-reduce:
-    ``runtime/comm_profile.py``) on ``device``. The layer runs in the training's precision
-    (fp32 without ``training``), without recompute and with each recompute mode."""
+    ``runtime/comm_profile.py``) on ``device``. The layer and stage run in the training's
+    precision (fp32 without ``training``); the layer without recompute and with each
+    recompute mode."""
     precision = training.precision if training is not None else "fp32"
     rows = [(b, *measure_layer(model, b, repeats, device, precision)) for b in micro_batches]
     modes = {mode: [sum(measure_layer(model, b, repeats, device, precision, mode))
                     for b in micro_batches] for mode in RECOMPUTE_MODES}
+    stage = [(b, *measure_stage(model, b, repeats, device, precision)) for b in micro_batches]
+    # a CPU node's ranks share one host; a GPU's compute is its own
+    concurrent = ({"ranks": RANKS, "layer": measure_concurrent(model, micro_batches, repeats,
+                                                               RANKS, precision)}
+                  if device.type == "cpu" else None)
     software = {"torch": str(torch.__version__), "python": platform.python_version()}
     opt = measure_optimizer(model, training, repeats, device) if training is not None else 0.0
     links = None
     if comm:
         eb = cost.precision_bytes(training) if training is not None else 4
         links = measure_comm(comm_sizes(model, micro_batches, eb), max(COMM_REPEATS, repeats))
-    return profile_doc(device_name, software, model, rows, opt, links, precision=precision,
-                       modes=modes)
+    return profile_doc(device_name, software, model, rows, opt, links, stage, concurrent,
+                       precision=precision, modes=modes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

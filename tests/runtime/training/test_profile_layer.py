@@ -4,6 +4,8 @@ core forwards), so the profile's ``selectiveS``/``fullS`` are what a stage execu
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 
@@ -19,8 +21,8 @@ MODEL = parse_job_spec({"model": {"preset": "gpt-tiny"},
 class _Counting(runtime_model.LlamaDecoderLayer):
     """The runtime's block, counting its block forwards and the dtypes it ran in."""
 
-    calls: list[str] = []
-    dtypes: set[torch.dtype] = set()
+    calls: ClassVar[list[str]] = []
+    dtypes: ClassVar[set[torch.dtype]] = set()
 
     def _block(self, x, cos, sin):
         _Counting.calls.append("block")
