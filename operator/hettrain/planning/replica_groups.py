@@ -563,8 +563,9 @@ def _idle_reason(plan: Plan, inv: ClusterInventory, grouped: Plan,
 def plan_with_replica_group(plan: Plan, spec: JobSpec, inventory: ClusterInventory) -> Plan:
     """``spec.parallelism.replicaGroups``: :func:`add_replica_groups` on the pools
     ``spec.placement`` allows, within ``maxGPUs``, kept only when the runtime can run it
-    (``support.replica_group_errors``); a note names the idle pools left and why they stay
-    idle (with no group: the plan itself, with that note)."""
+    (``support.replica_group_errors``), its predicted step :func:`grouped_step_s`'s; a note
+    names the idle pools left and why they stay idle (with no group: the plan itself, with
+    that note)."""
     mode = (plan.cross_dc or {}).get("mode", "sync")
     why = ("the interleaved schedule" if plan.schedule == "interleaved"
            else "context parallelism" if any(s.cp > 1 for s in plan.stages)
@@ -578,7 +579,14 @@ def plan_with_replica_group(plan: Plan, spec: JobSpec, inventory: ClusterInvento
     cap = spec.placement.max_gpus
     options = group_options(plan, allowed)
     chosen, best = greedy_groups(plan, allowed, options, cap)
-    grouped = plan if best is None else with_groups(plan, allowed, chosen, best[1], best[0])
+    grouped = plan
+    if best is not None:
+        grouped = with_groups(plan, allowed, chosen, best[1], best[0])
+        # the same step priced from the search's unrounded stage times (``time_ms`` keeps
+        # 1 ns), so the plan's prediction is what calibration's grouped_step_s computes
+        exact = grouped_step_s(spec, allowed, grouped)
+        if exact is not None:
+            grouped = with_groups(plan, allowed, chosen, best[1], exact)
     errors = replica_group_errors(grouped)
     if errors:
         return _idle_note(plan, idle, f"the runtime cannot run the grouped plan ({errors[0]})")
