@@ -477,20 +477,20 @@ def add_replica_groups(plan: Plan, inv: ClusterInventory, max_gpus: int | None =
 
 
 def _place_group(option: GroupOption) -> list[tuple[tuple[int, int, int], str, int]]:
-    """``((dp, stage, tp index), node, local GPU)`` of every rank of the group, in (replica,
-    stage, TP) order. The stages' TP blocks are packed onto the idle nodes widest first: the
-    widths are powers of two dividing the node size, so each block starts at a multiple of
-    its width and never straddles a node (a TP group stays on one node's fast links)."""
+    """``((dp, stage, tp index), node, local GPU)`` of every rank of the group, in node and
+    GPU order (a node's ranks are consecutive: one pod each, ``manifests.build_pods``). The
+    stages' TP blocks are packed onto the idle nodes widest first: the widths are powers of
+    two dividing the node size, so each block starts at a multiple of its width and never
+    straddles a node (a TP group stays on one node's fast links)."""
     blocks = sorted(((tp, d, st) for d in range(option.dp)
                      for st, tp in enumerate(option.tps)), key=lambda b: -b[0])
     gpn = option.pool.gpus_per_node
-    where: dict[tuple[int, int, int], tuple[str, int]] = {}
+    where: list[tuple[int, tuple[int, int, int]]] = []  # (GPU offset, coordinate)
     offset = 0
     for tp, d, st in blocks:
-        for t in range(tp):
-            where[(d, st, t)] = (option.nodes[(offset + t) // gpn], (offset + t) % gpn)
+        where += [(offset + t, (d, st, t)) for t in range(tp)]
         offset += tp
-    return [(key, *where[key]) for key in sorted(where)]
+    return [(key, option.nodes[at // gpn], at % gpn) for at, key in sorted(where)]
 
 
 def _group_stages(plan: Plan, option: GroupOption, m: int) -> tuple[StagePlan, ...]:
