@@ -54,6 +54,9 @@ from hettrain.planning.units import filter_pools
 # per stage, so the work stays bounded for hostile layer counts (issue #16); real jobs use
 # far fewer stages than this
 MAX_GROUP_STAGES = 64
+# pipeline depths tried per pool once one fits memory: deeper ones add bubble for the same GPUs,
+# and each costs a memory check per stage (the per-pool layouts try many pools' options)
+MAX_FITTING_DEPTHS = 8
 # best_split_n's bounds for hostile inputs: breakpoints walked, and the excess microbatches
 # the exact check handles (bits of its bitset); past either it reports no split (never on
 # the planner's cases: the walk starts at most about one breakpoint per group below the
@@ -292,17 +295,24 @@ def max_microbatches(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequenc
     """The most microbatches per replica ``<= top`` with which every stage fits ``device``'s
     memory (with the search's headroom); 0 when not even one does. A stage's memory does not
     decrease with ``m`` and stops growing at ``m = pp`` except under GPipe (every microbatch
-    in flight), so one check at ``pp`` (GPipe: ``top``) usually settles it; else bisection."""
+    in flight), so checks at 1 and at ``pp`` (GPipe: ``top``) usually settle it; else
+    bisection."""
     limit = device.hbm_bytes * cost.MEMORY_HEADROOM
+    pp = len(splits)
 
-    def fits(m: int) -> bool:
-        return max(stage_memory_bytes(plan, splits, tps, dp, m)) <= limit
+    def fits(m: int) -> bool:  # every stage, the first that does not fit ends the check
+        return all(cost.stage_memory(plan.model, plan.training, tp=tp, dp=dp,
+                                     micro_batch=plan.micro_batch, first=s == 0,
+                                     last=s == pp - 1,
+                                     **cost.schedule_memory_args(s, pp, m, plan.schedule)
+                                     ).bytes_for(b - a) <= limit
+                   for s, ((a, b), tp) in enumerate(zip(splits, tps, strict=True)))
 
-    hi = top if plan.schedule == "gpipe" else min(top, len(splits))
+    if not fits(1):  # most shallow pipelines of a large model: one check
+        return 0
+    hi = top if plan.schedule == "gpipe" else min(top, pp)
     if fits(hi):
         return top
-    if not fits(1):
-        return 0
     lo = 1  # fits(lo), not fits(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -313,7 +323,8 @@ def max_microbatches(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequenc
 def group_options(plan: Plan, inv: ClusterInventory) -> list[GroupOption]:
     """Every extra group that fits memory on one pool's idle nodes (all of them): ``R``
     pipelines whose stages follow the plan's TP runs (:func:`tp_runs`), each run cut into
-    1, 2, ... stages, at most :data:`MAX_GROUP_STAGES` stages deep."""
+    1, 2, ... stages, at most :data:`MAX_GROUP_STAGES` stages deep, the
+    :data:`MAX_FITTING_DEPTHS` shallowest that fit per pool."""
     if plan.groups:
         return []
     runs = tp_runs(plan)
@@ -324,6 +335,7 @@ def group_options(plan: Plan, inv: ClusterInventory) -> list[GroupOption]:
         if any(pool.gpus_per_node % tp or tp & (tp - 1) for tp, _, _ in runs):
             continue  # TP blocks of powers of two dividing the node pack without straddling
         gpus = len(idle) * pool.gpus_per_node
+        fitting = 0
         for per_run in range(1, longest + 1):
             splits, tps = _run_splits(runs, per_run)
             dp = gpus // sum(tps)
@@ -333,6 +345,9 @@ def group_options(plan: Plan, inv: ClusterInventory) -> list[GroupOption]:
             most = max_microbatches(plan, splits, tps, dp, pool.device, top) if top else 0
             if most < 1:
                 continue
+            fitting += 1
+            if fitting > MAX_FITTING_DEPTHS:
+                break
             out.append(GroupOption(pool, idle, tps, dp, splits,
                                    tuple(group_stage_s(plan, splits, tps, pool.device)), most))
     return out
@@ -560,12 +575,57 @@ def _idle_reason(plan: Plan, inv: ClusterInventory, grouped: Plan,
             "the gradient sum over a datacenter link, costs more than it adds)")
 
 
-def plan_with_replica_group(plan: Plan, spec: JobSpec, inventory: ClusterInventory) -> Plan:
-    """``spec.parallelism.replicaGroups``: :func:`add_replica_groups` on the pools
-    ``spec.placement`` allows, within ``maxGPUs``, kept only when the runtime can run it
-    (``support.replica_group_errors``), its predicted step :func:`grouped_step_s`'s; a note
-    names the idle pools left and why they stay idle (with no group: the plan itself, with
-    that note)."""
+def plan_with_replica_group(plan: Plan, spec: JobSpec, inventory: ClusterInventory,
+                            replan: bool = False) -> Plan:
+    """``spec.parallelism.replicaGroups``: the faster of ``plan`` with extra groups on its
+    idle nodes (:func:`groups_on_idle`) and, for a first plan, every :func:`per_pool_plans`
+    layout (group 0 searched on one pool alone, the other pools' nodes as extra groups)."""
+    grouped = groups_on_idle(plan, spec, inventory)
+    if replan:
+        return grouped
+    for alt in per_pool_plans(plan, spec, inventory):
+        if alt.predicted.step_time_s < grouped.predicted.step_time_s * (1 - 1e-9):
+            grouped = alt
+    return grouped
+
+
+def per_pool_plans(plan: Plan, spec: JobSpec, inventory: ClusterInventory) -> list[Plan]:
+    """For each pool ``spec.placement`` allows (but a pool ``plan`` uses alone): the search's
+    plan on that pool alone (``planner.plan_job``, the spec's pins and caps) as group 0, with
+    :func:`groups_on_idle` on every other pool's nodes -- one replica group per pool, shares
+    by speed; only those that got a group. The search over all pools places pools as pipeline
+    stages of one layout; this places them side by side."""
+    from hettrain.planning.errors import PlanningError
+    from hettrain.planning.planner import plan_job  # the planner imports this module
+
+    allowed = filter_pools(inventory, spec.placement)
+    solo = replace(spec, parallelism=replace(spec.parallelism, replica_groups=False))
+    out = []
+    for pool in allowed if len(allowed) > 1 else ():
+        if plan.pools == (pool.name,):
+            continue
+        sub = replace(solo, placement=replace(spec.placement, pools=(pool.name,)))
+        try:
+            base = plan_job(plan.job, sub, inventory)
+        except PlanningError:
+            continue
+        # the other pools are not idle for this layout: they get the groups
+        base = replace(base, notes=tuple(n for n in base.notes
+                                         if not (n.startswith("pool ") and " idle: " in n)))
+        grouped = groups_on_idle(base, spec, inventory)
+        if grouped.groups:
+            out.append(replace(grouped, notes=(
+                *grouped.notes, f"replica groups: group 0 searched on pool {pool.name} alone "
+                f"({grouped.predicted.step_time_s:.3f}s; the search over every pool: "
+                f"{plan.predicted.step_time_s:.3f}s)")))
+    return out
+
+
+def groups_on_idle(plan: Plan, spec: JobSpec, inventory: ClusterInventory) -> Plan:
+    """:func:`add_replica_groups` on the pools ``spec.placement`` allows, within ``maxGPUs``,
+    kept only when the runtime can run it (``support.replica_group_errors``), its predicted
+    step :func:`grouped_step_s`'s; a note names the idle pools left and why they stay idle
+    (with no group: the plan itself, with that note)."""
     mode = (plan.cross_dc or {}).get("mode", "sync")
     why = ("the interleaved schedule" if plan.schedule == "interleaved"
            else "context parallelism" if any(s.cp > 1 for s in plan.stages)
