@@ -31,7 +31,14 @@ overlapped); inside the plan's datacenters it is taken as covered by the plan's 
 approximation.
 
 Group 0 is the plan as searched (its stage ``time_ms`` are the search's); the extra groups'
-stage times come from ``cost.layer_time_s`` / ``cost.head_time_s`` on their device.
+stage times come from ``cost.layer_time_s`` / ``cost.head_time_s`` on their device. The
+grouped plan's predicted step is :func:`grouped_step_s`'s (the search's unrounded stage times),
+the value calibration re-prices.
+
+``plan_job`` calls :func:`plan_with_replica_group` (``spec.parallelism.replicaGroups``): the
+groups on the searched plan's idle nodes and, for a first plan, the per-pool layouts
+(:func:`per_pool_plans`: the search on one pool alone as group 0, every other pool's nodes as
+extra groups -- pools side by side instead of as stages of one pipeline); the fastest wins.
 """
 
 from __future__ import annotations
