@@ -90,12 +90,13 @@ def _nodes(n: int, pool: str, device: str, vendor: str, dc: str = "dc-a") -> lis
     return [make_node(f"{pool}-{i:03d}", pool, device, vendor, 8, dc) for i in range(n)]
 
 
-def _four_pools(schedule: str = "auto", **extra_spec) -> tuple[Plan, Plan, object, object]:
+def _four_pools(schedule: str = "auto", global_batch: int = 512, **extra_spec
+                ) -> tuple[Plan, Plan, object, object]:
     """``plan_job`` without and with replicaGroups on 2 H100 nodes (the search's layout pinned
     to dp 8 x pp 2 on them) + idle MI300X, A100 and Gaudi2 nodes in the same datacenter."""
     body = job_body()["spec"]
     body["parallelism"] = {"tp": 1, "pp": 2, "dp": 8, "schedule": schedule}
-    body["training"] = {**body["training"], "globalBatch": 512}  # microbatches to share
+    body["training"] = {**body["training"], "globalBatch": global_batch}  # to share
     body.update(extra_spec)
     nodes = (hetero_nodes(2, 0) + _nodes(1, "mi300", "MI300X", "amd")
              + _nodes(2, "a100", "A100-80GB", "nvidia") + _nodes(1, "gaudi", "Gaudi2", "intel"))
@@ -245,3 +246,9 @@ def test_generated_clusters_get_valid_many_group_plans(cluster):
     from hettrain.manifests.builders import JobRef, build_pods
 
     assert build_pods(JobRef("q", "ns", "u"), spec, grouped, 1, False)
+
+
+def test_a_batch_of_one_microbatch_per_replica_leaves_no_room_for_groups():
+    plain, grouped, _, _ = _four_pools(global_batch=8)  # dp 8: one sequence per replica
+    assert plain.num_microbatches == 1 and grouped.groups == ()
+    assert "no microbatch is left for another group" in grouped.notes[-1], grouped.notes

@@ -570,9 +570,13 @@ def _idle_reason(plan: Plan, inv: ClusterInventory, grouped: Plan,
                  cap: int | None) -> str:
     """Why ``pool``'s idle nodes get no replica group in ``grouped``."""
     mine = [o for o in options if o.pool.name == pool]
+    if not mine and plan.num_microbatches == 1:
+        return (f"the step's {plan.dp} microbatches are one per replica of group 0: no "
+                "microbatch is left for another group (a larger global batch would leave some)")
     if not mine:
         tps = "/".join(str(tp) for tp, _, _ in tp_runs(plan))
-        return f"no pipeline with the plan's TP runs ({tps}) fits their memory and node size"
+        return (f"no pipeline with the plan's TP runs ({tps}) fits their memory and node size "
+                "with the step's microbatches left over")
     faster = [o for o in mine if (got := evaluate_groups(plan, [*chosen, o], inv)) is not None
               and got[0] < grouped.predicted.step_time_s * (1 - 1e-9)]
     if faster and cap is not None:
