@@ -17,6 +17,7 @@ from tests.operator.optest_helpers import hetero_nodes, job_body, make_node
 
 from hettrain.api.spec import parse_job_spec
 from hettrain.planning import cost
+from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import inventory_from_nodes, load_cluster
 from hettrain.planning.plan import Plan
 from hettrain.planning.planner import plan_job
@@ -252,3 +253,39 @@ def test_a_batch_of_one_microbatch_per_replica_leaves_no_room_for_groups():
     plain, grouped, _, _ = _four_pools(global_batch=8)  # dp 8: one sequence per replica
     assert plain.num_microbatches == 1 and grouped.groups == ()
     assert "no microbatch is left for another group" in grouped.notes[-1], grouped.notes
+
+
+_DEVICES = [("H100-SXM", "nvidia"), ("MI300X", "amd"), ("A100-80GB", "nvidia"),
+            ("Gaudi2", "intel"), ("L40S", "nvidia")]
+
+
+@settings(max_examples=60, deadline=None)
+@given(pools=st.lists(st.tuples(st.integers(0, len(_DEVICES) - 1), st.integers(1, 3),
+                                st.sampled_from(["dc-a", "dc-b"])), min_size=2, max_size=4),
+       global_batch=st.sampled_from([16, 64, 512]), pin=st.booleans())
+def test_random_clusters_get_valid_grouped_plans(pools, global_batch, pin):
+    from hettrain.manifests.builders import JobRef, build_pods
+
+    nodes = []
+    for i, (d, n, dc) in enumerate(pools):
+        device, vendor = _DEVICES[d]
+        nodes += [make_node(f"p{i}-{k}", f"p{i}", device, vendor, 8, dc) for k in range(n)]
+    body = job_body()["spec"]
+    body["training"] = {**body["training"], "globalBatch": global_batch}
+    body["parallelism"] = {"replicaGroups": True, **({"pp": 1, "tp": 1} if pin else {})}
+    spec = parse_job_spec(body)
+    inv = inventory_from_nodes(nodes)
+    try:
+        plain = plan_job("j", replace(spec, parallelism=replace(spec.parallelism,
+                                                                replica_groups=False)), inv)
+    except PlanningError:  # no plain plan: nothing to compare
+        return
+    grouped = plan_job("j", spec, inv)
+    assert unsupported(grouped) == [] and grouped.global_batch == global_batch
+    assert grouped.predicted.step_time_s <= plain.predicted.step_time_s * (1 + 1e-6)
+    if grouped.groups:
+        assert grouped.predicted.step_time_s == grouped_step_s(spec, inv, grouped)
+        assert all(s.memory_gib <= s.capacity_gib * cost.MEMORY_HEADROOM
+                   for g in grouped.groups[1:] for s in g.stages)
+        assert len({g.stages[0].pools[0] for g in grouped.groups[1:]}) == len(grouped.groups) - 1
+        assert build_pods(JobRef("j", "ns", "u"), spec, grouped, 1, False)
