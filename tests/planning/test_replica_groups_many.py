@@ -1,6 +1,7 @@
 """planning/replica_groups.py with several extra groups: the N-group batch split vs brute force,
 a 4-pool cluster whose plan gets 3 extra groups (valid, priced as an independent recomputation,
-renderable, buildable into pods) and re-planning from it after a failure."""
+renderable, buildable into pods) and re-planning from it after a failure, and grouped plans on
+random small clusters."""
 
 from __future__ import annotations
 
@@ -200,8 +201,12 @@ def test_replan_after_a_failure_in_an_extra_group():
     assert again.global_batch == grouped.global_batch
     assert replica_group_errors(again) == [] and unsupported(again) == []
     assert len(again.groups) >= 3  # the other idle pools still get their groups
-    if again.groups:
-        assert again.predicted.step_time_s == grouped_step_s(spec, survivors, again)
+    assert again.predicted.step_time_s == grouped_step_s(spec, survivors, again)
+    # group 0 searched on one pool alone (per_pool_plans) stays there: its pool lost nothing
+    home = {p for s in grouped.groups[0].stages for p in s.pools}
+    if len(home) == 1 and failed not in {r.node for r in grouped.group_ranks(0)}:
+        assert again.groups[0].stages == grouped.groups[0].stages
+        assert any(n.startswith("re-plan: ") for n in again.notes)
 
 
 def test_max_gpus_stops_adding_groups_and_says_so():

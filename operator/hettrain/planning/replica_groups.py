@@ -53,6 +53,7 @@ from hettrain.planning import cost
 from hettrain.planning.arith import shard_bounds
 from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.inventory import ClusterInventory, Pool
+from hettrain.planning.placement import moved_ranks
 from hettrain.planning.plan import Plan, RankPlan, ReplicaGroup, StagePlan
 from hettrain.planning.support import replica_group_errors
 from hettrain.planning.units import filter_pools
@@ -587,25 +588,37 @@ def _idle_reason(plan: Plan, inv: ClusterInventory, grouped: Plan,
 
 
 def plan_with_replica_group(plan: Plan, spec: JobSpec, inventory: ClusterInventory,
-                            replan: bool = False) -> Plan:
+                            previous: Plan | None = None) -> Plan:
     """``spec.parallelism.replicaGroups``: the faster of ``plan`` with extra groups on its
-    idle nodes (:func:`groups_on_idle`) and, for a first plan, every :func:`per_pool_plans`
-    layout (group 0 searched on one pool alone, the other pools' nodes as extra groups)."""
+    idle nodes (:func:`groups_on_idle`) and the :func:`per_pool_plans` layouts (group 0
+    searched on one pool alone, the other pools' nodes as extra groups): every pool for a
+    first plan; for a re-plan after failures (``previous``), only the pool that held all of
+    ``previous``'s group 0, if one did (its per-pool layout stays one, not a search over every
+    pool)."""
     grouped = groups_on_idle(plan, spec, inventory)
-    if replan:
-        return grouped
-    for alt in per_pool_plans(plan, spec, inventory):
+    only = None
+    if previous is not None:
+        home = {p for s in (previous.groups[0].stages if previous.groups else ()) for p in s.pools}
+        if len(home) != 1:
+            return grouped
+        only = home.pop()
+    for alt in per_pool_plans(plan, spec, inventory, only):
         if alt.predicted.step_time_s < grouped.predicted.step_time_s * (1 - 1e-9):
             grouped = alt
+            if previous is not None:
+                grouped = replace(grouped, notes=(
+                    *grouped.notes, f"re-plan: {moved_ranks(previous, grouped.ranks)} of "
+                    f"{len(grouped.ranks)} ranks change stage"))
     return grouped
 
 
-def per_pool_plans(plan: Plan, spec: JobSpec, inventory: ClusterInventory) -> list[Plan]:
-    """For each pool ``spec.placement`` allows (but a pool ``plan`` uses alone): the search's
-    plan on that pool alone (``planner.plan_job``, the spec's pins and caps) as group 0, with
-    :func:`groups_on_idle` on every other pool's nodes -- one replica group per pool, shares
-    by speed; only those that got a group. The search over all pools places pools as pipeline
-    stages of one layout; this places them side by side."""
+def per_pool_plans(plan: Plan, spec: JobSpec, inventory: ClusterInventory,
+                   only: str | None = None) -> list[Plan]:
+    """For each pool ``spec.placement`` allows (``only``: that pool alone; not a pool ``plan``
+    uses alone): the search's plan on that pool alone (``planner.plan_job``, the spec's pins
+    and caps) as group 0, with :func:`groups_on_idle` on every other pool's nodes -- one
+    replica group per pool, shares by speed; only those that got a group. The search over all
+    pools places pools as pipeline stages of one layout; this places them side by side."""
     from hettrain.planning.errors import PlanningError
     from hettrain.planning.planner import plan_job  # the planner imports this module
 
@@ -613,7 +626,7 @@ def per_pool_plans(plan: Plan, spec: JobSpec, inventory: ClusterInventory) -> li
     solo = replace(spec, parallelism=replace(spec.parallelism, replica_groups=False))
     out = []
     for pool in allowed if len(allowed) > 1 else ():
-        if plan.pools == (pool.name,):
+        if plan.pools == (pool.name,) or only not in (None, pool.name):
             continue
         sub = replace(solo, placement=replace(spec.placement, pools=(pool.name,)))
         try:
