@@ -36,11 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``hettrain profile`` (shared with ``python -m hettrain.runtime.profile``)."""
     parser.description = (
         "Run the runtime's transformer block of a job's model on this machine's device (CUDA "
-        "when available, else CPU) for a few microbatch sizes and write a versioned "
-        "DeviceProfile YAML (median forward and backward seconds per layer, the optimizer "
+        "when available, else CPU) in the job's precision for a few microbatch sizes and write "
+        "a versioned DeviceProfile YAML (median forward and backward seconds per layer without "
+        "recompute and forward+backward with selective and full recompute, the optimizer "
         "step's bandwidth, and two local ranks' p2p and all-reduce times). "
-        "`hettrain plan --profile FILE` then uses the measured layer times for that device and "
-        "model shape, and the plan notes say so.")
+        "`hettrain plan --profile FILE` then uses the measured layer times for that device, "
+        "model shape and precision, and the plan notes say so.")
     parser.add_argument("job", metavar="JOB.yaml", help="HetTrainingJob whose spec.model to run")
     parser.add_argument("--device-name", required=True, metavar="NAME",
                         help="catalog/cluster device name the profile is for, e.g. CPU, H100-SXM")

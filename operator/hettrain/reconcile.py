@@ -37,6 +37,7 @@ from hettrain.manifests.profiling import (
 )
 from hettrain.planning import calibration as cal
 from hettrain.planning.catalog import DeviceSpec
+from hettrain.planning.cost import precision_bytes
 from hettrain.planning.errors import PlanningError, PlanningInputError
 from hettrain.planning.inventory import (
     ClusterInventory,
@@ -288,7 +289,8 @@ def _launch(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, obs: Observed,
         return _fail(b, d, c.REASON_PLAN_FAILED, msg)
     inv: ClusterInventory | None = None
     try:
-        inv = cal.with_profiles(obs.inventory(selector), obs.profiles, spec.model)
+        inv = cal.with_profiles(obs.inventory(selector), obs.profiles, spec.model,
+                                spec.training.precision)
         if exclude:
             inv = inv.without_nodes([n for n in exclude if n in inv.node_names()])
         plan = planner(job.name, spec, inv, previous)
@@ -780,17 +782,18 @@ def _calibration_verdict(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, o
     verdict, and an Event saying what was measured and what follows."""
     cfg = spec.calibration
     inv = cal.with_profiles(obs.inventory(dict(spec.placement.node_selector)), obs.profiles,
-                            spec.model)
+                            spec.model, spec.training.precision)
     failed = [n for n in b.old.get("failedNodes") or [] if n in inv.node_names()]
     if failed:
         inv = inv.without_nodes(failed)
     refined = cal.refine_profiles(spec, plan, measured, cal.devices_of(inv))
-    verdict = cal.evaluate(spec, plan, cal.with_profiles(inv, refined, spec.model),
+    verdict = cal.evaluate(spec, plan, cal.with_profiles(inv, refined, spec.model,
+                                                         spec.training.precision),
                            lambda s, i, p: planner(job.name, s, i, p), cfg.replan_threshold)
     software = {"image": spec.image}
     d.profiles_to_store = {
-        cal.store_key(dev, p.shape, spec.image): yaml_dump(cal.profile_to_doc(p, spec.model,
-                                                                               software))
+        cal.store_key(dev, p.shape, spec.image, spec.training.precision):
+            yaml_dump(cal.profile_to_doc(p, spec.model, software))
         for dev, p in refined.items()}
     step = max(m.step for m in measured.values())
     rows = ", ".join(f"{r.label} ({r.device}) {r.measured_s * 1e3:.3g} ms measured vs "
@@ -801,8 +804,7 @@ def _calibration_verdict(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, o
         "bestStepSeconds": round(verdict.best_s, 6), "replans": replans,
         "pendingReplan": False, "pendingSinceStep": None,
         "profiles": sorted(d.profiles_to_store),
-        "refined": [{"device": dev, "alphaS": p.alpha, "betaS": p.beta,
-                     "forwardShare": p.forward_share} for dev, p in sorted(refined.items())]}
+        "refined": [_refined_entry(dev, p) for dev, p in sorted(refined.items())]}
     old = b.old.get("calibration") or {}
     if old.get("profiling"):
         status["profiling"] = old["profiling"]
@@ -822,11 +824,23 @@ def _calibration_verdict(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, o
     return d
 
 
+def _refined_entry(device: str, p: LayerProfile) -> dict[str, Any]:
+    """A refined profile as ``status.calibration.refined`` records it."""
+    return {"device": device, "alphaS": p.alpha, "betaS": p.beta,
+            "forwardShare": p.forward_share, "precision": p.precision,
+            "recompute": [{"mode": m, "alphaS": a, "betaS": b} for m, a, b in p.recompute]}
+
+
 def _profile_from_status(entry: Mapping[str, Any], spec: JobSpec) -> LayerProfile:
-    """A refined profile recorded in ``status.calibration.refined``."""
+    """A refined profile recorded in ``status.calibration.refined`` (an entry written before
+    ``precision`` existed is the job's precision, without measured recompute modes)."""
+    modes = tuple((str(r["mode"]), float(r["alphaS"]), float(r["betaS"]))
+                  for r in entry.get("recompute") or [])
     return LayerProfile(str(entry["device"]), model_shape(spec.model), float(entry["alphaS"]),
                         float(entry["betaS"]), float(entry["forwardShare"]),
-                        source="calibration")
+                        source="calibration",
+                        precision=str(entry.get("precision") or spec.training.precision),
+                        recompute=modes)
 
 
 def yaml_dump(doc: Mapping[str, Any]) -> str:
@@ -879,15 +893,17 @@ def _profile_pools(job: JobRef, body: Mapping[str, Any], spec: JobSpec, b: _Buil
         text = "\n".join(termination_messages([pod]))
         try:
             prof = profile_from_doc(yaml.safe_load(text) if text else None, f"pod {name}")
-            if not prof.matches(spec.model):
-                raise PlanningInputError(f"pod {name}", "profiled another model shape")
+            if not prof.matches(spec.model, precision_bytes(spec.training)):
+                raise PlanningInputError(f"pod {name}", "profiled another model shape or "
+                                         "precision")
         except (yaml.YAMLError, PlanningInputError) as err:
             d.events.append(Event("Warning", c.REASON_PROFILING,
                                   f"profiling pod {name} gave no profile ({err}); its device "
                                   "is planned on the catalog model"))
             continue
         measured[prof.device] = prof
-        d.profiles_to_store[cal.store_key(prof.device, prof.shape, spec.image)] = text
+        d.profiles_to_store[cal.store_key(prof.device, prof.shape, spec.image,
+                                          spec.training.precision)] = text
     d.delete.extend(("Pod", p["metadata"]["name"]) for p in pods)
     d.delete.append(("ConfigMap", profiling_configmap_name(job.name)))
     b.patch["calibration"] = {"profiling": {**state, "state": "Done"}}

@@ -35,9 +35,11 @@ def test_profile_writes_a_profile_the_planner_uses(tmp_path, capsys) -> None:
     assert main(["profile", str(job), "--device-name", "CPU", "--out", str(out),
                  "--micro-batches", "1,2", "--repeats", "1"]) == 0
     doc = yaml.safe_load(out.read_text())
-    assert doc["kind"] == "DeviceProfile" and doc["version"] == 1 and doc["device"] == "CPU"
+    assert doc["kind"] == "DeviceProfile" and doc["version"] == 2 and doc["device"] == "CPU"
+    assert doc["precision"] == "fp32"  # the job's
     assert [r["microBatch"] for r in doc["layer"]] == [1, 2]
-    assert all(r["forwardS"] > 0 and r["backwardS"] > 0 for r in doc["layer"])
+    assert all(r[k] > 0 for r in doc["layer"]
+               for k in ("forwardS", "backwardS", "selectiveS", "fullS"))
     assert doc["software"]["torch"]
     # two local ranks timed the runtime's p2p and gloo's all-reduce, small to large messages
     comm = doc["comm"]
@@ -48,6 +50,7 @@ def test_profile_writes_a_profile_the_planner_uses(tmp_path, capsys) -> None:
         assert all(r["seconds"] > 0 for r in comm[kind])
     prof = load_profile(out)
     assert prof.beta > 0 and prof.alpha >= 0
+    assert prof.precision == "fp32" and [m for m, _, _ in prof.recompute] == ["selective", "full"]
     assert prof.comm is not None and prof.comm.p2p_bytes_per_s > 0
     assert prof.comm.bus_bytes_per_s > 0 and prof.comm.ring_step_latency_s >= 0
     # the planner takes it (the CPU pool's layer times and links are now the measured ones)
@@ -87,3 +90,28 @@ def test_profile_bad_input_exits_2(tmp_path, capsys) -> None:
     assert code == 2  # argparse's error: one line, exit 2 (cli.main)
     err = capsys.readouterr().err.strip()
     assert "give positive integers" in err and "\n" not in err
+
+
+BF16_JOB = JOB.replace("precision: fp32", "precision: bf16")
+
+
+def test_a_profile_serves_plans_of_its_own_precision_only(tmp_path) -> None:
+    """A bf16 job is profiled in bf16, and only a 2-byte plan takes its layer times."""
+    job = tmp_path / "job.yaml"
+    job.write_text(BF16_JOB)
+    out = tmp_path / "cpu.yaml"
+    assert main(["profile", str(job), "--device-name", "CPU", "--out", str(out),
+                 "--micro-batches", "1,2", "--repeats", "1", "--no-comm"]) == 0
+    assert yaml.safe_load(out.read_text())["precision"] == "bf16"
+    cpu_only = tmp_path / "cpu-cluster.yaml"
+    cpu_only.write_text(CPU_CLUSTER)
+    fp32_job = tmp_path / "fp32.yaml"
+    fp32_job.write_text(JOB)
+    notes = {}
+    for name, path in (("bf16", job), ("fp32", fp32_job)):
+        plan_json = tmp_path / f"{name}.json"
+        assert main(["plan", str(path), "--cluster", str(cpu_only), "--profile", str(out),
+                     "--json", "--out", str(plan_json)]) == 0
+        notes[name] = " ".join(json.loads(plan_json.read_text())["notes"])
+    assert "layer times of CPU from device profiles" in notes["bf16"]
+    assert "layer times of CPU from device profiles" not in notes["fp32"]

@@ -223,7 +223,8 @@ def test_live_operator_calibrates_and_replans(live: tuple[Live, str], tmp_path: 
     honest = profile_from_doc(honest_doc, "honest")
     wrong = dataclasses.replace(honest, device="CPU-A", alpha=honest.alpha / 3,
                                 beta=honest.beta / 3)
-    key_a, key_b = store_key("CPU-A", shape, job.image), store_key("CPU-B", shape, job.image)
+    key_a, key_b = (store_key(d, shape, job.image, job.training.precision)
+                    for d in ("CPU-A", "CPU-B"))
     wrong_text = yaml.safe_dump(profile_to_doc(wrong, job.model, {"image": job.image}))
     lv.core.create_namespaced_config_map(lv.ns, build_profile_store(lv.ns, {
         key_a: wrong_text, key_b: yaml.safe_dump(honest_doc)}))

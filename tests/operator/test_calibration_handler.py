@@ -30,8 +30,9 @@ def test_the_job_plans_with_the_profiles_of_its_own_key(monkeypatch: pytest.Monk
     spec = parse_job_spec(SPEC_ON)
     other = parse_job_spec({**SPEC_ON, "image": "elsewhere:2"})
     shape = model_shape(spec.model)
-    store = {cal.store_key("CPU-A", shape, spec.image): _doc("CPU-A", spec, 2e-3),
-             cal.store_key("CPU-B", shape, other.image): _doc("CPU-B", spec, 5e-3),
+    fp = spec.training.precision
+    store = {cal.store_key("CPU-A", shape, spec.image, fp): _doc("CPU-A", spec, 2e-3),
+             cal.store_key("CPU-B", shape, other.image, fp): _doc("CPU-B", spec, 5e-3),
              "broken.yaml": "kind: [",
              "CPU-B.typo.yaml": _doc("CPU-B", spec, 7e-3)}  # a key that is not its own
     monkeypatch.setattr(handlers.profile_store, "read_profiles", lambda api, ns: store)

@@ -52,6 +52,11 @@ SPEC = {"model": {"layers": 8, "hidden": 64, "heads": 4, "seqLen": 64, "vocab": 
 TIMEOUT_S = 240.0
 
 
+def _key(device: str, job) -> str:
+    """The profile store key the operator gives ``device``'s profile for ``job``."""
+    return store_key(device, model_shape(job.model), job.image, job.training.precision)
+
+
 def _devices() -> dict[str, Any]:
     inv = load_cluster({"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
                         "metadata": {"name": "t"}, "datacenters": [{"name": "a"}],
@@ -129,8 +134,7 @@ def test_wrong_profile_is_corrected_and_the_job_replanned(tmp_path: Path) -> Non
     wrong = dataclasses.replace(honest, device="CPU-A", alpha=honest.alpha / 3,
                                 beta=honest.beta / 3)
     # the store's documents, keyed as the operator keys them (device, model shape, image)
-    assert store_key("CPU-A", model_shape(job.model), job.image) != store_key(
-        "CPU-B", model_shape(job.model), job.image)
+    assert _key("CPU-A", job) != _key("CPU-B", job)
     obs = Observed(pods=[], nodes=_nodes(), devices=_devices(),
                    profiles={"CPU-A": wrong, "CPU-B": honest})
 
@@ -158,11 +162,11 @@ def test_wrong_profile_is_corrected_and_the_job_replanned(tmp_path: Path) -> Non
         spread1 = max(ratios.values()) / min(ratios.values())
         assert "re-planning at the next checkpoint" in events[c.REASON_CALIBRATED]
         assert set(d2.profiles_to_store) == {
-            store_key(dev, model_shape(job.model), job.image) for dev in ("CPU-A", "CPU-B")}
+            _key(dev, job) for dev in ("CPU-A", "CPU-B")}
         stored = {k: profile_from_doc(yaml.safe_load(v), k)
                   for k, v in d2.profiles_to_store.items()}
-        refined_a = stored[store_key("CPU-A", model_shape(job.model), job.image)]
-        refined_b = stored[store_key("CPU-B", model_shape(job.model), job.image)]
+        refined_a = stored[_key("CPU-A", job)]
+        refined_b = stored[_key("CPU-B", job)]
         # the refined profiles are what the runtime measured: their ratio is the measured
         # per-layer time ratio of the two stages (both profiles are scaled lines of one shape)
         by_stage = {r.stage: r for r in reports}

@@ -23,6 +23,11 @@ PROFILE_SPEC = {**SPEC, "checkpoint": {"uri": "/ckpt"},
                 "calibration": {"enabled": True, "profile": True}}
 
 
+def _key(device: str, job) -> str:
+    """The profile store key the operator gives ``device``'s profile for ``job``."""
+    return store_key(device, model_shape(job.model), job.image, job.training.precision)
+
+
 def _run_pod(pod: dict[str, Any], job_yaml: str, tmp: Path) -> str:
     """Run the profiling container's command locally; its termination message."""
     (tmp / JOB_KEY).write_text(job_yaml)
@@ -69,7 +74,7 @@ def test_profiling_pods_then_the_first_plan_uses_their_profiles(tmp_path: Path) 
                                                          devices=_devices()))
     assert d3.plan is not None and d3.status["attempt"] == 1
     job = parse_job_spec(PROFILE_SPEC)
-    assert set(d3.profiles_to_store) == {store_key(dev, model_shape(job.model), job.image)
+    assert set(d3.profiles_to_store) == {_key(dev, job)
                                          for dev in ("CPU-A", "CPU-B")}
     for text in d3.profiles_to_store.values():
         assert yaml.safe_load(text)["kind"] == "DeviceProfile"

@@ -63,12 +63,13 @@ def _planned_inventory(spec):
     a = _true_profile(spec, "CPU-A")
     wrong = dataclasses.replace(a, alpha=a.alpha / 3, beta=a.beta / 3, source="wrong")
     return cal.with_profiles(_inventory(), {"CPU-A": wrong,
-                                            "CPU-B": _true_profile(spec, "CPU-B")}, spec.model)
+                                            "CPU-B": _true_profile(spec, "CPU-B")},
+                             spec.model, "fp32")
 
 
 def _true_inventory(spec):
     return cal.with_profiles(_inventory(), {d: _true_profile(spec, d)
-                                            for d in ("CPU-A", "CPU-B")}, spec.model)
+                                            for d in ("CPU-A", "CPU-B")}, spec.model, "fp32")
 
 
 def _planner(spec, inv, prev):
@@ -90,7 +91,7 @@ def test_wrong_profile_is_corrected_and_the_job_replanned() -> None:
     assert scale == pytest.approx({"CPU-A": 3.0, "CPU-B": 1.0})
     refined = cal.refine_profiles(spec, plan, measured, cal.devices_of(planned))
     assert (refined["CPU-A"].alpha, refined["CPU-A"].beta) == pytest.approx((2e-3, 3e-3))
-    corrected = cal.with_profiles(_inventory(), refined, spec.model)
+    corrected = cal.with_profiles(_inventory(), refined, spec.model, "fp32")
     verdict = cal.evaluate(spec, plan, corrected, _planner, 0.10)
     # reference: the same layout and the best plan priced on the TRUE inventory
     true_inv = _true_inventory(spec)
@@ -114,7 +115,7 @@ def test_right_profile_keeps_the_plan() -> None:
     assert cal.layer_scale(spec, plan, measured, devices) == pytest.approx(
         {"CPU-A": 1.0, "CPU-B": 1.0})
     refined = cal.refine_profiles(spec, plan, measured, devices)
-    verdict = cal.evaluate(spec, plan, cal.with_profiles(_inventory(), refined, spec.model),
+    verdict = cal.evaluate(spec, plan, cal.with_profiles(_inventory(), refined, spec.model, "fp32"),
                            _planner, 0.10)
     assert verdict.gain == pytest.approx(0.0, abs=1e-9)
     assert not verdict.replan
@@ -142,8 +143,11 @@ def test_catalog_device_gets_a_profile_fitted_to_the_model() -> None:
     refined = cal.refine_profiles(spec, plan, measured, devices)
     for name, prof in refined.items():
         for b in (1, 2, 4):  # the fitted line reproduces the catalog model, doubled
-            assert prof.layer_s(b, 1, "none") == pytest.approx(
-                2 * cost.layer_compute_s(spec.model, b, 1, devices[name], "none"), rel=0.02)
+            # in the job's precision (fp32), each recompute mode on its own line
+            for mode in ("none", "selective", "full"):
+                assert prof.layer_s(b, 1, mode) == pytest.approx(
+                    2 * cost.layer_compute_s(spec.model, b, 1, devices[name], mode, 4),
+                    rel=0.02)
 
 
 def test_usable_needs_every_stage_and_enough_steps() -> None:
@@ -168,12 +172,16 @@ def test_profile_document_round_trip_and_store_key() -> None:
     assert (back.alpha, back.beta, back.forward_share) == pytest.approx(
         (prof.alpha, prof.beta, prof.forward_share))
     assert back.optimizer_bytes_per_s == 3e10  # the measured optimizer bandwidth is kept
-    assert back.matches(spec.model) and doc["source"] == "calibration"
-    k1 = cal.store_key("CPU-A", model_shape(spec.model), "img:1")
-    assert k1 == cal.store_key("CPU-A", model_shape(spec.model), "img:1")
-    assert k1 != cal.store_key("CPU-A", model_shape(spec.model), "img:2")
-    assert k1 != cal.store_key("CPU-B", model_shape(spec.model), "img:1")
-    assert cal.store_key("H100 SXM/x", model_shape(spec.model), "i").startswith("H100_SXM_x.")
+    assert back.matches(spec.model, 4) and doc["source"] == "calibration"
+    k1 = cal.store_key("CPU-A", model_shape(spec.model), "img:1", "fp32")
+    assert k1 == cal.store_key("CPU-A", model_shape(spec.model), "img:1", "fp32")
+    assert k1 != cal.store_key("CPU-A", model_shape(spec.model), "img:2", "fp32")
+    assert k1 != cal.store_key("CPU-B", model_shape(spec.model), "img:1", "fp32")
+    assert cal.store_key("H100 SXM/x", model_shape(spec.model), "i",
+                         "fp32").startswith("H100_SXM_x.")
+    # bf16 and fp16 share a key (2-byte precisions), fp32 has its own
+    bf16 = cal.store_key("CPU-A", model_shape(spec.model), "img:1", "bf16")
+    assert bf16 == cal.store_key("CPU-A", model_shape(spec.model), "img:1", "fp16") != k1
 
 
 def test_spec_calibration_block() -> None:

@@ -51,7 +51,8 @@ def _comm(ranks: int = 2, p2p=(P2P_LAT, P2P_BW), ring=(STEP_LAT, BUS_BW)) -> dic
 
 def _profile(comm: dict | None = None):
     doc = profile_doc("H100-SXM", {"torch": "x"}, parse_job_spec(JOB).model,
-                      [(1, 1e-3, 2e-3), (2, 1.5e-3, 3e-3)], 0.0, comm or _comm())
+                      [(1, 1e-3, 2e-3), (2, 1.5e-3, 3e-3)], 0.0, comm or _comm(),
+                      precision="bf16")
     return profile_from_doc(doc, "p.yaml")
 
 

@@ -34,8 +34,10 @@ def _cluster() -> dict:
 
 
 def _doc(device: str = "H100-SXM", rows=((1, 1e-3, 2e-3), (2, 1.5e-3, 3e-3),
-                                         (4, 2.5e-3, 5e-3))) -> dict:
-    return profile_doc(device, {"torch": "x"}, parse_job_spec(JOB).model, rows)
+                                         (4, 2.5e-3, 5e-3)), modes=None) -> dict:
+    """A profile of the job's layer in the job's precision (bf16, the default)."""
+    return profile_doc(device, {"torch": "x"}, parse_job_spec(JOB).model, rows,
+                       precision="bf16", modes=modes)
 
 
 def test_fit_line_hand_values() -> None:
@@ -51,15 +53,21 @@ def test_profile_parses_and_fits_forward_plus_backward() -> None:
     assert (prof.alpha, prof.beta) == pytest.approx((1.5e-3, 1.5e-3))
     assert prof.forward_share == pytest.approx(5e-3 / 15e-3)
     model = parse_job_spec(JOB).model
-    assert prof.matches(model)
-    assert not prof.matches(dataclasses.replace(model, seq_len=1024))
+    assert prof.precision == "bf16" and prof.recompute == ()
+    assert prof.matches(model, 2)
+    assert not prof.matches(model, 4)  # an fp32 plan: another precision
+    assert not prof.matches(dataclasses.replace(model, seq_len=1024), 2)
 
 
 @pytest.mark.parametrize("edit,field", [
     ({"kind": "Cluster"}, "p.yaml.kind"), ({"version": 7}, "p.yaml.version"),
     ({"device": ""}, "p.yaml.device"), ({"layer": []}, "p.yaml.layer"),
     ({"layer": [{"microBatch": 1, "forwardS": -1, "backwardS": 1}]}, r"p.yaml.layer\[0\]"),
-    ({"model": {"hidden": 64}}, "p.yaml.model"),
+    ({"model": {"hidden": 64}}, "p.yaml.model"), ({"precision": "fp8"}, "p.yaml.precision"),
+    ({"layer": [{"microBatch": 1, "forwardS": 1, "backwardS": 1, "fullS": 0}]},
+     r"p.yaml.layer\[0\]"),
+    ({"layer": [{"microBatch": 1, "forwardS": 1, "backwardS": 1, "fullS": 3},
+                {"microBatch": 2, "forwardS": 1, "backwardS": 1}]}, "p.yaml.layer"),
 ])
 def test_bad_profiles_name_the_field(edit: dict, field: str) -> None:
     with pytest.raises(PlanningInputError, match=rf"^{field}: "):
@@ -107,3 +115,54 @@ def test_fast_equals_exhaustive_with_a_profile(scale: float) -> None:
     assert noted == uses_h100
     if scale == 1e-3:
         assert uses_h100  # the measured device is far faster: the plan must use it
+
+
+MODES = {"selective": [3.5e-3, 5.5e-3, 9.5e-3], "full": [4e-3, 6e-3, 1e-2]}
+
+
+def test_measured_recompute_modes_replace_the_derived_ones() -> None:
+    """Each measured mode is its own fitted line: selective (1, 3.5), (2, 5.5), (4, 9.5) ms →
+    α = 1.5 ms, β = 2 ms; full → α = 2 ms, β = 2 ms; nothing modelled is added."""
+    prof = profile_from_doc(_doc(modes=MODES), "p.yaml")
+    assert [m for m, _, _ in prof.recompute] == ["selective", "full"]
+    assert prof.measured_mode("selective") == pytest.approx((1.5e-3, 2e-3))
+    assert prof.measured_mode("full") == pytest.approx((2e-3, 2e-3))
+    inv = apply_profiles(load_cluster(_cluster()), [prof])
+    h100 = inv.pool("h").device
+    model = parse_job_spec(JOB).model
+    assert cost.layer_compute_s(model, 2, 1, h100, "selective") == pytest.approx(5.5e-3)
+    assert cost.layer_compute_s(model, 4, 2, h100, "full") == pytest.approx(1e-2 / 2)
+    assert cost.layer_compute_s(model, 2, 1, h100, "none") == pytest.approx(4.5e-3)
+    # the per-FLOP bound takes the smallest slope of any mode (none: 1.5 ms)
+    per_flop = 1.5e-3 / (3 * cost.layer_forward_flops(model, 512))
+    assert cost.min_seconds_per_flop(h100, model) == pytest.approx(
+        min(per_flop, 1 / (h100.flops * h100.efficiency)))
+    # an fp32 plan of the same shape stays on the catalog model
+    plain = dataclasses.replace(h100, profile=None)
+    assert cost.layer_compute_s(model, 2, 1, h100, "none", 4) == cost.layer_compute_s(
+        model, 2, 1, plain, "none", 4)
+
+
+def test_a_version_1_profile_reads_as_fp32_without_modes() -> None:
+    """Profiles written before precision and the recompute modes: measured in fp32."""
+    doc = {**_doc(), "version": 1}
+    doc.pop("precision")
+    prof = profile_from_doc(doc, "old.yaml")
+    assert prof.precision == "fp32" and prof.recompute == ()
+    model = parse_job_spec(JOB).model
+    assert prof.matches(model, 4) and not prof.matches(model, 2)
+    assert prof.layer_s(2, 1, "full") == pytest.approx(4.5e-3 * (1 + 1 / 3))
+
+
+def test_fast_equals_exhaustive_with_measured_modes() -> None:
+    """Measured selective and full lines far below the plain one (not physical, but what a
+    noisy profile may hold): the bound still takes the smallest slope, so the search stays
+    exact for every recompute mode."""
+    cheap = {"selective": [1e-5, 2e-5, 4e-5], "full": [2e-5, 3e-5, 5e-5]}
+    inv = apply_profiles(load_cluster(_cluster()), [profile_from_doc(_doc(modes=cheap), "p")])
+    for recompute in ("none", "selective", "full", "auto"):
+        spec = parse_job_spec({**JOB, "training": {**JOB["training"], "recompute": recompute}})
+        fast = plan_job("j", spec, inv)
+        full = plan_job("j", spec, inv, exhaustive=True)
+        assert fast.predicted.step_time_s == pytest.approx(full.predicted.step_time_s,
+                                                           rel=1e-9), recompute

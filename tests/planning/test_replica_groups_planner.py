@@ -121,8 +121,8 @@ def test_grouped_step_re_times_every_stage_of_both_groups(n_amd):
     g0, g1 = grouped.groups
     for device in ("H100-SXM", "MI300X"):
         dev = next(p.device for p in inv.pools if p.device.name == device)
-        slow = with_profiles(inv, {device: scaled(catalog_profile(dev, spec.model), 2.0)},
-                             spec.model)
+        slow = with_profiles(inv, {device: scaled(catalog_profile(
+            dev, spec.model, spec.training.precision), 2.0)}, spec.model, spec.training.precision)
         got = grouped_step_s(spec, slow, grouped)
         # independently: every stage's layers re-timed on the slowed device
         def stage_s(st, pool_dev, last):

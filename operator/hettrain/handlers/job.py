@@ -487,7 +487,8 @@ def _with_calibration_inputs(ns: str, body: Mapping[str, Any], obs: Observed) ->
             log.warning("%s/%s: unusable profile %s in %s", ns, body["metadata"]["name"], key,
                         PROFILE_STORE)
             continue
-        if key == store_key(prof.device, model_shape(spec.model), spec.image):
+        if key == store_key(prof.device, model_shape(spec.model), spec.image,
+                            spec.training.precision):
             profiles[prof.device] = prof
     reports = []
     status = body.get("status") or {}

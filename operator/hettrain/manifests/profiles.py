@@ -1,9 +1,9 @@
 """The profile store: one ConfigMap per namespace holding device profiles (pure builder).
 
-Keys are :func:`hettrain.planning.calibration.store_key` (device, model shape, image); each
-value is a ``DeviceProfile`` YAML document (``planning/profiles.py``), written by calibration
-(measured stage times) or by a profiling pod. Every job of the namespace with the same key
-plans with it. The ConfigMap has no owner: it outlives the jobs that filled it.
+Keys are :func:`hettrain.planning.calibration.store_key` (device, model shape, image,
+precision); each value is a ``DeviceProfile`` YAML document (``planning/profiles.py``), written
+by calibration (measured stage times) or by a profiling pod. Every job of the namespace with
+the same key plans with it. The ConfigMap has no owner: it outlives the jobs that filled it.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ the rest of the planning core, turns those numbers into decisions:
    best new plan's; a
    re-plan pays off when the new plan is faster by more than ``spec.calibration.replanThreshold``.
 
-Profiles are stored by the operator under :func:`store_key` (device, model shape, image: the
-image pins the software versions) and reused by every job with the same key.
+Profiles are stored by the operator under :func:`store_key` (device, model shape, precision,
+image: the image pins the software versions) and reused by every job with the same key.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.errors import PlanningError
 from hettrain.planning.plan import Plan, StagePlan
 from hettrain.planning.profiles import (
+    PRECISION_BYTES,
+    RECOMPUTE_MODES,
     LayerProfile,
     Shape,
     comm_doc,
@@ -154,16 +156,21 @@ def compare(plan: Plan, measured: Mapping[StageKey, StageMeasurement]
             for key, s in plan_stages(plan) if key in measured]
 
 
-def catalog_profile(device: DeviceSpec, model: ModelSpec) -> LayerProfile:
-    """A profile reproducing the catalog model's layer time (tp 1, no recompute) on ``device``,
-    fitted as ``α + β·b`` over a few microbatch sizes: what calibration scales for a device
-    nobody profiled."""
+def catalog_profile(device: DeviceSpec, model: ModelSpec, precision: str) -> LayerProfile:
+    """A profile reproducing the catalog model's layer time (tp 1) in ``precision`` on
+    ``device``, each recompute mode fitted as ``α + β·b`` over a few microbatch sizes: what
+    calibration scales for a device nobody profiled."""
     plain = dataclasses.replace(device, profile=None)
-    points = [(float(b), cost.layer_compute_s(model, b, 1, plain, "none"))
-              for b in CATALOG_FIT_MICRO_BATCHES]
-    alpha, beta = fit_line(points)
+    eb = PRECISION_BYTES[precision]
+
+    def line(mode: str) -> tuple[float, float]:
+        return fit_line([(float(b), cost.layer_compute_s(model, b, 1, plain, mode, eb))
+                         for b in CATALOG_FIT_MICRO_BATCHES])
+
+    alpha, beta = line("none")
     return LayerProfile(device.name, model_shape(model), alpha, beta, CATALOG_FORWARD_SHARE,
-                        source="catalog")
+                        source="catalog", precision=precision,
+                        recompute=tuple((m, *line(m)) for m in RECOMPUTE_MODES))
 
 
 def layer_scale(spec: JobSpec, plan: Plan, measured: Mapping[StageKey, StageMeasurement],
@@ -198,8 +205,11 @@ def layer_scale(spec: JobSpec, plan: Plan, measured: Mapping[StageKey, StageMeas
 
 
 def scaled(profile: LayerProfile, factor: float, source: str = "calibration") -> LayerProfile:
-    """``profile`` with its layer seconds multiplied by ``factor``."""
+    """``profile`` with its layer seconds (every measured recompute mode's) multiplied by
+    ``factor``."""
     return dataclasses.replace(profile, alpha=profile.alpha * factor, beta=profile.beta * factor,
+                               recompute=tuple((m, a * factor, b * factor)
+                                               for m, a, b in profile.recompute),
                                source=source)
 
 
@@ -210,8 +220,9 @@ def refine_profiles(spec: JobSpec, plan: Plan, measured: Mapping[StageKey, Stage
     out = {}
     for name, r in layer_scale(spec, plan, measured, devices).items():
         dev = devices[name]
-        base = dev.profile if dev.profile is not None and dev.profile.matches(spec.model) \
-            else catalog_profile(dev, spec.model)
+        eb = cost.precision_bytes(spec.training)
+        base = dev.profile if dev.profile is not None and dev.profile.matches(spec.model, eb) \
+            else catalog_profile(dev, spec.model, spec.training.precision)
         if dev.profile is not None and base is not dev.profile:  # what does not depend on the
             base = dataclasses.replace(  # model's shape stays measured
                 base, comm=dev.profile.comm,
@@ -243,10 +254,13 @@ def evaluate(spec: JobSpec, plan: Plan, corrected: Any,
     return Verdict(current, best.predicted.step_time_s, best, threshold)
 
 
-def with_profiles(inventory: Any, profiles: Mapping[str, LayerProfile], model: ModelSpec) -> Any:
-    """The inventory with the profiles of ``model``'s shape attached to their devices (by
-    name); profiles of other shapes or of devices the inventory lacks are left out."""
-    mine = {d: p for d, p in profiles.items() if p.matches(model)}
+def with_profiles(inventory: Any, profiles: Mapping[str, LayerProfile], model: ModelSpec,
+                  precision: str) -> Any:
+    """The inventory with the profiles of ``model``'s shape in ``precision`` attached to their
+    devices (by name); profiles of other shapes or precisions, or of devices the inventory
+    lacks, are left out."""
+    eb = PRECISION_BYTES[precision]
+    mine = {d: p for d, p in profiles.items() if p.matches(model, eb)}
     if not mine:
         return inventory
     pools = tuple(dataclasses.replace(p, device=dataclasses.replace(
@@ -265,9 +279,11 @@ def devices_of(inventory: Any) -> dict[str, DeviceSpec]:
 _KEY_UNSAFE = re.compile(r"[^-._a-zA-Z0-9]")
 
 
-def store_key(device: str, shape: Shape, image: str) -> str:
-    """The profile store key (a ConfigMap data key) of a device, model shape and image."""
-    digest = hashlib.sha256(repr((shape, image)).encode()).hexdigest()[:12]
+def store_key(device: str, shape: Shape, image: str, precision: str) -> str:
+    """The profile store key (a ConfigMap data key) of a device, model shape, image and
+    precision (a precision's 2 or 4 bytes: bf16 and fp16 share profiles, as ``matches``)."""
+    ident = (shape, image) if PRECISION_BYTES[precision] == 4 else (shape, image, 2)
+    digest = hashlib.sha256(repr(ident).encode()).hexdigest()[:12]
     return f"{_KEY_UNSAFE.sub('_', device)[:200]}.{digest}.yaml"
 
 
@@ -278,12 +294,16 @@ def profile_to_doc(profile: LayerProfile, model: ModelSpec, software: Mapping[st
     for b in CATALOG_FIT_MICRO_BATCHES:
         t = profile.alpha + profile.beta * b
         rows.append((b, t * profile.forward_share, t * (1.0 - profile.forward_share)))
+    modes = {m: [a + slope * b for b in CATALOG_FIT_MICRO_BATCHES]
+             for m, a, slope in profile.recompute}
     doc = profile_doc(profile.device, software, model, rows, profile.optimizer_bytes_per_s,
-                      comm_doc(profile.comm) if profile.comm is not None else None)
+                      comm_doc(profile.comm) if profile.comm is not None else None,
+                      precision=profile.precision, modes=modes)
     doc["source"] = profile.source.split(":")[0] or "calibration"
     return doc
 
 
-def shapes_match(profiles: Sequence[LayerProfile], model: ModelSpec) -> list[LayerProfile]:
-    """The profiles measured for ``model``'s layer shape."""
-    return [p for p in profiles if p.matches(model)]
+def shapes_match(profiles: Sequence[LayerProfile], model: ModelSpec, precision: str
+                 ) -> list[LayerProfile]:
+    """The profiles measured for ``model``'s layer shape in ``precision``."""
+    return [p for p in profiles if p.matches(model, PRECISION_BYTES[precision])]

@@ -80,7 +80,7 @@ def cp_layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
     if cp <= 1:
         return cost.layer_compute_s(model, micro_batch, tp, device, recompute, elem_bytes)
     prof = device.profile
-    if prof is not None and prof.matches(model):
+    if prof is not None and prof.matches(model, elem_bytes):
         full = cost.layer_compute_s(model, micro_batch, tp, device, recompute, elem_bytes)
         return full * _flops_share(model, cp)
     local = cost.cp_local_model(model, cp)

@@ -159,14 +159,16 @@ def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceS
                     recompute: str, elem_bytes: int = 2) -> float:
     """Compute seconds of one layer for one microbatch on one TP rank (no communication).
 
-    A device profile that measured this layer shape (``planning/profiles.py``) replaces the
-    model: its fitted seconds, plus one modelled attention forward for selective recompute.
+    A device profile that measured this layer shape in this precision
+    (``planning/profiles.py``) replaces the model: its fitted seconds of the recompute mode
+    (a version-1 profile without a measured selective mode: plus one modelled attention
+    forward).
     """
     tokens = micro_batch * model.seq_len
     prof = device.profile
-    if prof is not None and prof.matches(model):
+    if prof is not None and prof.matches(model, elem_bytes):
         t = prof.layer_s(micro_batch, tp, recompute)
-        if recompute == "selective":
+        if recompute == "selective" and prof.measured_mode(recompute) is None:
             t += (4.0 * tokens * model.seq_len * model.hidden / tp
                   / (device.matmul_flops(elem_bytes)
                      * attention_efficiency(device, elem_bytes)))
@@ -213,15 +215,16 @@ def min_seconds_per_flop(device: DeviceSpec, model: ModelSpec | None = None,
     attention core's FLOPs at up to ``attention_efficiency`` times that rate. Given the model,
     the attention core's share of a layer's FLOPs bounds that speed-up (the LM head's GEMMs
     only run at the GEMM rate); a matching profile's layer takes at least ``β·b/tp`` for
-    ``3·F(b)/tp`` FLOPs."""
+    ``3·F(b)/tp`` FLOPs (the smallest ``β`` of its measured recompute modes)."""
     speedup = max(1.0, attention_efficiency(device, elem_bytes))
     attn_share = 1.0
     if model is not None:
         attn_share = 4.0 * model.seq_len * model.hidden / layer_forward_flops(model, 1)
     bound = (1.0 - attn_share + attn_share / speedup) / device.matmul_flops(elem_bytes)
     prof = device.profile
-    if model is not None and prof is not None and prof.matches(model):
-        bound = min(bound, prof.beta / (3.0 * layer_forward_flops(model, model.seq_len)))
+    if model is not None and prof is not None and prof.matches(model, elem_bytes):
+        slope = min([prof.beta] + [b for _, _, b in prof.recompute])  # any measured mode
+        bound = min(bound, slope / (3.0 * layer_forward_flops(model, model.seq_len)))
     return bound
 
 

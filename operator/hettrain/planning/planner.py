@@ -1373,8 +1373,9 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
             f"{better} across datacenters beats {worse} across them: "
             f"{best.step_time_s:.3f}s vs {alt.step_time_s:.3f}s per step"
         )
-    measured = sorted({u.device.name for u in best.units
-                       if u.device.profile is not None and u.device.profile.matches(spec.model)})
+    eb = cost.precision_bytes(spec.training)
+    measured = sorted({u.device.name for u in best.units if u.device.profile is not None
+                       and u.device.profile.matches(spec.model, eb)})
     comm = sorted({u.device.name for u in best.units
                    if cost.measured_comm(u.device) is not None})
     if measured:

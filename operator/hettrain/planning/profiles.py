@@ -6,13 +6,14 @@ document::
 
     apiVersion: hettrain.dev/v1alpha1
     kind: DeviceProfile
-    version: 1
+    version: 2
     device: CPU                       # the catalog / cluster device name it measured
+    precision: bf16                   # the job's precision the block ran in
     software: {torch: 2.9.1, python: 3.12.3}
     model: {hidden: 64, heads: 4, kvHeads: 4, ffnHidden: 256, seqLen: 64, gatedMlp: false}
-    layer:                            # one layer, tp 1, no recompute; medians of repeats
-      - {microBatch: 1, forwardS: 0.0011, backwardS: 0.0023}
-      - {microBatch: 2, forwardS: 0.0019, backwardS: 0.0041}
+    layer:                            # one layer, tp 1; medians of repeats
+      - {microBatch: 1, forwardS: 0.0011, backwardS: 0.0023, selectiveS: 0.0035, fullS: 0.0046}
+      - {microBatch: 2, forwardS: 0.0019, backwardS: 0.0041, selectiveS: 0.0062, fullS: 0.0080}
     optimizerBytesPerS: 2.1e+09       # optional: the optimizer step's measured bandwidth
     comm:                             # optional: two ranks on one node (runtime/comm_profile.py)
       ranks: 2
@@ -20,18 +21,23 @@ document::
       p2p: [{bytes: 4096, seconds: 0.00012}, {bytes: 1048576, seconds: 0.00067}]
       allReduce: [{bytes: 4096, seconds: 0.00015}, {bytes: 1048576, seconds: 0.0012}]
 
-The planner (``hettrain plan --profile FILE``) fits ``t(b) = α + β·b`` (least squares over the
-measured microbatch sizes, ``α ≥ 0``) to forward+backward seconds and uses it, divided by ``tp``,
-for every layer of a device and model shape the profile matches; full recompute adds the
-measured forward share. ``comm`` is fitted the same way against bytes: a p2p transfer's latency
-and bandwidth, and a ring all-reduce's per-step latency and bus bandwidth (its ``2(n − 1)``
-steps and ``2(n − 1)/n`` bytes per byte at the measured ``n`` ranks). They do not depend on the
-model: the device's collectives inside a node (TP, CP, a DP group within a node) run at the
-measured all-reduce, and every pipeline transfer of the device takes at least the measured p2p
-latency and at most its bandwidth (the same library on every path). Everything else (the LM
-head, other devices and shapes, links between nodes) stays on the catalog model, and the plan
-notes say which devices were measured. Pure: no torch here (the runtime writes the document,
-this module reads it).
+``forwardS``/``backwardS`` are the block without recompute; ``selectiveS`` and ``fullS`` its
+forward + backward with the runtime's selective (attention core) and full (whole block)
+recompute, as ``LlamaDecoderLayer.set_recompute`` runs them. The planner (``hettrain plan
+--profile FILE``) fits ``t(b) = α + β·b`` (least squares over the measured microbatch sizes,
+``α ≥ 0``) to each mode's forward+backward seconds and uses it, divided by ``tp``, for every
+layer of a device, model shape and precision the profile matches (bf16 and fp16 both count as
+2-byte precisions). Version 1 documents (no ``precision``: the block ran in fp32, no recompute
+modes) still load: fp32, full recompute adds the measured forward share and selective a
+modelled attention forward (``cost.layer_compute_s``). ``comm`` is fitted the same way against
+bytes: a p2p transfer's latency and bandwidth, and a ring all-reduce's per-step latency and bus
+bandwidth (its ``2(n − 1)`` steps and ``2(n − 1)/n`` bytes per byte at the measured ``n``
+ranks). They do not depend on the model: the device's collectives inside a node (TP, CP, a DP
+group within a node) run at the measured all-reduce, and every pipeline transfer of the device
+takes at least the measured p2p latency and at most its bandwidth (the same library on every
+path). Everything else (the LM head, other devices and shapes, links between nodes) stays on
+the catalog model, and the plan notes say which devices were measured. Pure: no torch here (the
+runtime writes the document, this module reads it).
 """
 
 from __future__ import annotations
@@ -48,8 +54,12 @@ import yaml
 from hettrain.api.spec import ModelSpec
 from hettrain.planning.errors import PlanningInputError
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+PROFILE_VERSIONS = (1, 2)  # readable; version 1: fp32 block, no recompute modes
 PROFILE_KIND = "DeviceProfile"
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+RECOMPUTE_MODES = ("selective", "full")  # measured besides "none" (version 2)
+MODE_FIELDS = {"selective": "selectiveS", "full": "fullS"}
 
 Shape = tuple[int, int, int, int, int, bool]
 
@@ -118,7 +128,8 @@ class CommProfile:
 
 @dataclass(frozen=True, slots=True)
 class LayerProfile:
-    """Measured seconds of one layer (forward + backward, tp 1) as ``α + β·microbatch``."""
+    """Measured seconds of one layer (forward + backward, tp 1) as ``α + β·microbatch``, in
+    one precision; ``recompute`` holds the measured lines of the recompute modes."""
 
     device: str
     shape: Shape
@@ -131,13 +142,28 @@ class LayerProfile:
     # 0: not measured, the catalog's HBM bandwidth is used
     optimizer_bytes_per_s: float = 0.0
     comm: CommProfile | None = None  # measured transfers inside a node (None: catalog links)
+    precision: str = "fp32"  # the precision the block ran in (PRECISION_BYTES)
+    recompute: tuple[tuple[str, float, float], ...] = ()  # (mode, α, β) measured
 
-    def matches(self, model: ModelSpec) -> bool:
-        """True when the profile measured this model's layer shape."""
-        return self.shape == model_shape(model)
+    def matches(self, model: ModelSpec, elem_bytes: int) -> bool:
+        """True when the profile measured this model's layer shape in a precision of
+        ``elem_bytes`` bytes per element."""
+        return (self.shape == model_shape(model)
+                and PRECISION_BYTES.get(self.precision) == elem_bytes)
+
+    def measured_mode(self, recompute: str) -> tuple[float, float] | None:
+        """The measured ``(α, β)`` of a recompute mode (``none``: the plain line), or None."""
+        if recompute == "none":
+            return self.alpha, self.beta
+        return next(((a, b) for m, a, b in self.recompute if m == recompute), None)
 
     def layer_s(self, micro_batch: int, tp: int, recompute: str) -> float:
-        """Seconds of one layer and microbatch on one of ``tp`` ranks (compute only)."""
+        """Seconds of one layer and microbatch on one of ``tp`` ranks (compute only); an
+        unmeasured full recompute adds the measured forward share, an unmeasured selective
+        one nothing here (``cost.layer_compute_s`` adds a modelled attention forward)."""
+        line = self.measured_mode(recompute)
+        if line is not None:
+            return (line[0] + line[1] * micro_batch) / tp
         t = (self.alpha + self.beta * micro_batch) / tp
         return t * (1 + self.forward_share) if recompute == "full" else t
 
@@ -149,9 +175,14 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
     if doc.get("kind") != PROFILE_KIND:
         raise PlanningInputError(f"{where}.kind", f"must be {PROFILE_KIND} (got "
                                  f"{doc.get('kind')!r}); write one with hettrain profile")
-    if doc.get("version") != PROFILE_VERSION:
-        raise PlanningInputError(f"{where}.version", f"must be {PROFILE_VERSION} (got "
-                                 f"{doc.get('version')!r}); re-run hettrain profile")
+    version = doc.get("version")
+    if isinstance(version, bool) or version not in PROFILE_VERSIONS:
+        raise PlanningInputError(f"{where}.version", f"must be one of {list(PROFILE_VERSIONS)} "
+                                 f"(got {version!r}); re-run hettrain profile")
+    precision = doc.get("precision", "fp32") if version >= 2 else "fp32"
+    if precision not in PRECISION_BYTES:
+        raise PlanningInputError(f"{where}.precision", f"must be one of "
+                                 f"{', '.join(PRECISION_BYTES)} (got {precision!r})")
     device = doc.get("device")
     if not isinstance(device, str) or not device:
         raise PlanningInputError(f"{where}.device", "is required (the device name it measured)")
@@ -167,17 +198,28 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
     if not isinstance(rows, list) or not rows:
         raise PlanningInputError(f"{where}.layer", "needs at least one measured microbatch")
     points, fwd, total = [], 0.0, 0.0
+    modes: dict[str, list[tuple[float, float]]] = {m: [] for m in RECOMPUTE_MODES}
     for i, r in enumerate(rows):
         at = f"{where}.layer[{i}]"
         try:
             b, f, bw = int(r["microBatch"]), float(r["forwardS"]), float(r["backwardS"])
+            extra = {m: float(r[k]) for m, k in MODE_FIELDS.items() if k in r and version >= 2}
         except (KeyError, TypeError, ValueError):
-            raise PlanningInputError(at, "needs microBatch, forwardS, backwardS") from None
-        if b < 1 or f <= 0 or bw <= 0:
+            raise PlanningInputError(at, "needs microBatch, forwardS, backwardS (and numbers "
+                                     f"for {', '.join(MODE_FIELDS.values())})") from None
+        if b < 1 or f <= 0 or bw <= 0 or any(not (t > 0 and math.isfinite(t))
+                                             for t in extra.values()):
             raise PlanningInputError(at, "microBatch >= 1 and positive seconds required")
         points.append((float(b), f + bw))
         fwd, total = fwd + f, total + f + bw
+        for m, t in extra.items():
+            modes[m].append((float(b), t))
     alpha, beta = fit_line(points)
+    for m, pts in modes.items():
+        if pts and len(pts) != len(points):
+            raise PlanningInputError(f"{where}.layer", f"{MODE_FIELDS[m]} must be given on "
+                                     "every row or on none")
+    recompute = tuple((m, *fit_line(pts)) for m, pts in modes.items() if pts)
     sw = doc.get("software") or {}
     software = tuple(sorted((str(k), str(v)) for k, v in sw.items())) if isinstance(
         sw, Mapping) else ()
@@ -188,7 +230,7 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
                                  "must be a positive number of bytes per second (or left out)")
     comm = comm_from_doc(doc["comm"], f"{where}.comm") if "comm" in doc else None
     return LayerProfile(device, shape, alpha, beta, fwd / total, software, where, float(opt),
-                        comm)
+                        comm, precision, recompute)
 
 
 def _comm_rows(doc: Mapping, kind: str, where: str) -> list[tuple[float, float]]:
@@ -264,9 +306,16 @@ def apply_profiles(inventory: Any, profiles: Iterable[LayerProfile]) -> Any:
 def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
                 rows: Sequence[tuple[int, float, float]],
                 optimizer_bytes_per_s: float = 0.0,
-                comm: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The YAML document for measured ``(microBatch, forwardS, backwardS)`` rows (and the
-    measured optimizer bandwidth and ``comm`` section, when given)."""
+                comm: Mapping[str, Any] | None = None, *, precision: str = "fp32",
+                modes: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
+    """The YAML document for measured ``(microBatch, forwardS, backwardS)`` rows in
+    ``precision`` (and the measured optimizer bandwidth, ``comm`` section and recompute
+    modes' forward+backward seconds per row, ``{"selective": [...], "full": [...]}``, when
+    given)."""
+    modes = modes or {}
+    for m, ts in modes.items():
+        if m not in MODE_FIELDS or len(ts) != len(rows):
+            raise ValueError(f"modes[{m!r}]: one of {list(MODE_FIELDS)}, a time per row")
     extra: dict[str, Any] = {}
     if optimizer_bytes_per_s:
         extra["optimizerBytesPerS"] = optimizer_bytes_per_s
@@ -274,10 +323,12 @@ def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
         extra["comm"] = dict(comm)
     return {
         "apiVersion": "hettrain.dev/v1alpha1", "kind": PROFILE_KIND, "version": PROFILE_VERSION,
-        "device": device, "software": dict(software),
+        "device": device, "precision": precision, "software": dict(software),
         "model": {"hidden": model.hidden, "heads": model.heads, "kvHeads": model.kv_heads,
                   "ffnHidden": model.ffn_hidden, "seqLen": model.seq_len,
                   "gatedMlp": model.gated_mlp},
-        "layer": [{"microBatch": b, "forwardS": f, "backwardS": bw} for b, f, bw in rows],
+        "layer": [{"microBatch": b, "forwardS": f, "backwardS": bw,
+                   **{MODE_FIELDS[m]: ts[i] for m, ts in modes.items()}}
+                  for i, (b, f, bw) in enumerate(rows)],
         **extra,
     }

@@ -76,9 +76,9 @@ def replica_group_errors(plan: Plan) -> list[str]:
     Every group is a complete pipeline (stages ``0..pp-1`` covering layers ``[0, layers)``
     once each, in order), its ranks hold every ``(stage, dp, tp)`` coordinate exactly once,
     a node hosts ranks of one group only, the groups' batch shares sum to
-    ``training.global_batch``, the top-level ``dp/pp/num_microbatches/stages`` repeat group 0,
-    and each layer (and the embedding and head) has the same TP degree in every group: the
-    runtime sums gradients between groups per TP shard, never re-sharding between degrees.
+    ``training.global_batch`` and the top-level ``dp/pp/num_microbatches/stages`` repeat
+    group 0. A layer may have different TP degrees in different groups: the runtime sums each
+    piece of a parameter between the ranks that hold it (``runtime/replica_sync.py``).
     Model, precision and optimizer are the plan's, shared by every group by construction."""
     if not plan.groups:
         if any(r.group for r in plan.ranks):
@@ -135,7 +135,6 @@ def replica_group_errors(plan: Plan) -> list[str]:
     if mode != "sync":
         out.append(f"plan.cross_dc.mode={mode!r} with plan.groups: replica groups sync "
                    "gradients every step; set spec.training.crossDC.mode: sync")
-    out += _tp_mismatches(plan)
     return out
 
 
@@ -154,18 +153,3 @@ def group_stage_units(plan: Plan) -> dict[tuple[int, int], list[str]]:
             out[(g.index, s.index)] = units
     return out
 
-
-def _tp_mismatches(plan: Plan) -> list[str]:
-    """Layers (and the embedding / head) whose TP degree differs between replica groups."""
-    degrees: dict[str, dict[int, int]] = {}
-    for (g, s), units in group_stage_units(plan).items():
-        for u in units:
-            degrees.setdefault(u, {})[g] = plan.groups[g].stages[s].tp
-    order = ["embedding", *(f"layer {i}" for i in range(plan.model.layers)), "head"]
-    for u in order:
-        tps = degrees.get(u, {})
-        if len(set(tps.values())) > 1:
-            return [f"plan.groups: {u} has tp {dict(sorted(tps.items()))} by group; the "
-                    "runtime syncs gradients between groups per TP shard, so every layer needs "
-                    "the same tp in every group (re-split the layers or change a group's tp)"]
-    return []

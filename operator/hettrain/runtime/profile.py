@@ -1,13 +1,13 @@
 """``hettrain profile``'s measuring side: the runtime's real transformer block on the local device.
 
 For one model shape (a job's ``spec.model``) and a few microbatch sizes, times one
-:class:`hettrain.runtime.model.LlamaDecoderLayer` forward and backward (tp 1, no recompute;
-the median of
-``repeats`` runs after two warm-up runs), and the optimizer step over that block's parameters
-in the job's precision (``optimizerBytesPerS``), and, unless ``--no-comm``, two local ranks'
-pipeline transfers and all-reduce (``comm``: ``runtime/comm_profile.py``; skipped on a node
-with one accelerator), and writes the versioned ``DeviceProfile`` YAML that
-``planning/profiles.py`` reads (``hettrain plan --profile FILE``).
+:class:`hettrain.runtime.model.LlamaDecoderLayer` in the job's precision (tp 1; the median of
+``repeats`` runs after two warm-up runs): forward and backward without recompute, and forward +
+backward with the runtime's selective and full recompute (``set_recompute``), and the optimizer
+step over that block's parameters in the job's precision (``optimizerBytesPerS``), and, unless
+``--no-comm``, two local ranks' pipeline transfers and all-reduce (``comm``:
+``runtime/comm_profile.py``; skipped on a node with one accelerator), and writes the versioned
+``DeviceProfile`` YAML that ``planning/profiles.py`` reads (``hettrain plan --profile FILE``).
 
 Usage: python -m hettrain.runtime.profile JOB.yaml --device-name CPU --out profile.yaml
        [--micro-batches 1,2,4] [--repeats 5] [--no-comm]
@@ -29,11 +29,11 @@ import yaml
 
 from hettrain.api.spec import ModelSpec, SpecError, TrainingSpec, parse_job_manifest
 from hettrain.planning import cost
-from hettrain.planning.profiles import profile_doc
+from hettrain.planning.profiles import RECOMPUTE_MODES, profile_doc
 from hettrain.profile_cli import add_arguments
 from hettrain.runtime.comm_profile import measure_comm
 from hettrain.runtime.model import LlamaDecoderLayer, rope_cos_sin
-from hettrain.runtime.optim import StageOptimizer
+from hettrain.runtime.optim import DTYPES, StageOptimizer
 
 WARMUP = 2  # untimed runs before the timed ones
 COMM_SMALL_BYTES = 4096  # the latency point of the communication measurement
@@ -46,13 +46,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_layer(model: ModelSpec, micro_batch: int, repeats: int,
-                  device: torch.device) -> tuple[float, float]:
-    """Median (forward, backward) seconds of one block for ``micro_batch`` sequences."""
+def measure_layer(model: ModelSpec, micro_batch: int, repeats: int, device: torch.device,
+                  precision: str = "fp32", recompute: str = "none") -> tuple[float, float]:
+    """Median (forward, backward) seconds of one block for ``micro_batch`` sequences, its
+    parameters and input in ``precision`` (as the runtime holds them) and ``recompute`` set
+    as the runtime sets it (the recomputation runs inside the backward)."""
     torch.manual_seed(0)
-    block = LlamaDecoderLayer(model).to(device)
+    dtype = DTYPES[precision]
+    block = LlamaDecoderLayer(model).to(device=device, dtype=dtype)
+    block.set_recompute(recompute)
     cos, sin = rope_cos_sin(model, model.seq_len, device)
-    x = torch.randn(micro_batch, model.seq_len, model.hidden, device=device, requires_grad=True)
+    x = torch.randn(micro_batch, model.seq_len, model.hidden, device=device, dtype=dtype,
+                    requires_grad=True)
 
     fwd, bwd = [], []
     for i in range(repeats + WARMUP):  # warm-up runs: allocator, kernels, caches
@@ -108,15 +113,20 @@ def profile(model: ModelSpec, device_name: str, micro_batches: Sequence[int], re
             comm: bool = False) -> dict:
     """The ``DeviceProfile`` document of ``model``'s layer (and, with ``training``, its
     optimizer step in that precision; with ``comm``, two local ranks' p2p and all-reduce:
-    ``runtime/comm_profile.py``) on ``device``."""
-    rows = [(b, *measure_layer(model, b, repeats, device)) for b in micro_batches]
+    ``runtime/comm_profile.py``) on ``device``. The layer runs in the training's precision
+    (fp32 without ``training``), without recompute and with each recompute mode."""
+    precision = training.precision if training is not None else "fp32"
+    rows = [(b, *measure_layer(model, b, repeats, device, precision)) for b in micro_batches]
+    modes = {mode: [sum(measure_layer(model, b, repeats, device, precision, mode))
+                    for b in micro_batches] for mode in RECOMPUTE_MODES}
     software = {"torch": str(torch.__version__), "python": platform.python_version()}
     opt = measure_optimizer(model, training, repeats, device) if training is not None else 0.0
     links = None
     if comm:
         eb = cost.precision_bytes(training) if training is not None else 4
         links = measure_comm(comm_sizes(model, micro_batches, eb), max(COMM_REPEATS, repeats))
-    return profile_doc(device_name, software, model, rows, opt, links)
+    return profile_doc(device_name, software, model, rows, opt, links, precision=precision,
+                       modes=modes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,17 +7,27 @@ goes through gloo process groups built here directly on the job's TCP store (one
 group), so building them is not collective over the world and needs no common call order
 beyond the one this module keeps.
 
-Gradient sync, per parameter: a parameter is a global Hugging Face-named tensor; its *unit* is
-the embedding, one decoder layer or the head (final norm + output layer), and its holders are
-the ranks, in every group and every replica, whose stage holds that unit with the same TP index
-(:func:`holder_sets`). Groups must give every unit the same TP degree (``planning.support``
-refuses the rest at start-up), so holders hold the same shard slice: no re-sharding. After the
-backward, each rank's main grads are the mean over its own ``M_g`` microbatches; multiplied by
-``M_g / N`` (``N``: microbatches of the whole step, every replica of every group) and summed
-over the holders, they become the gradient of the global batch's mean loss, whatever the
-groups' token shares. Holders are summed with one all-reduce per distinct holder set; a set
-spanning datacenters is summed hierarchically (inside each DC, then the DC leaders, then a
-broadcast inside each DC), so each gradient byte crosses the DC link once per leader.
+Gradient sync, per piece of a parameter: a parameter is a global Hugging Face-named tensor;
+its *unit* is the embedding, one decoder layer or the head (final norm + output layer), and
+its holders are the ranks, in every group and every replica, whose stage holds that unit.
+Groups may give a unit different TP degrees: a TP rank holds a contiguous span of the
+parameter along its shard dimension (:func:`shard_span`: rows of a column-parallel weight or of
+the vocabulary, columns of a row-parallel one; the norms whole), so the spans of every holder
+cut the dimension into *cells* (their common refinement) and each cell is held by exactly the
+ranks whose span covers it (:func:`cell_sets`): with equal degrees the cells are the TP shards
+and the holders the ranks of one TP index, as before; with TP 2 beside TP 1 each half of a
+weight is summed between its TP-2 owner and the TP-1 rank's matching half. Where several TP
+ranks of one replica hold the same cell (a norm, a vocabulary left unsharded) they are paired
+by position when every replica has as many of them, else summed in one set in which only the
+first of each replica contributes (the others add zeros and receive the sum): each replica's
+gradient counts once. After the backward, each rank's main grads are the mean over its own
+``M_g`` microbatches; multiplied by ``M_g / N`` (``N``: microbatches of the whole step, every
+replica of every group) and summed over the holders, they become the gradient of the global
+batch's mean loss, whatever the groups' token shares. The cells of one holder set are summed
+with one all-reduce (in the order of parameter name and cell start, which every member
+computes alike); a set spanning datacenters is summed hierarchically (inside each DC, then the
+DC leaders, then a broadcast inside each DC), so each gradient byte crosses the DC link once
+per leader.
 
 This sum replaces the group's own DP all-reduce (the result is the same on every holder), so
 ZeRO-1 keeps its slice of it and the within-group gradient norm (each parameter counted once,
@@ -33,6 +43,8 @@ world exists (:func:`run_grouped_rank` in the trainer).
 from __future__ import annotations
 
 import datetime
+import itertools
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -41,9 +53,13 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from hettrain.api.spec import ModelSpec
+from hettrain.planning.cost import vocab_shards
 from hettrain.planning.plan import Plan
 from hettrain.planning.support import group_stage_units
 from hettrain.runtime.collectives.stats import Tier
+from hettrain.runtime.model import LlamaDecoderLayer
+from hettrain.runtime.tensor_parallel import shard_layout
 
 Account = Callable[[Tier, int, float], None]
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -61,14 +77,98 @@ def unit_of(name: str) -> str:
     raise ValueError(f"parameter {name!r}: not an embedding, decoder layer or head tensor")
 
 
-def holder_sets(plan: Plan) -> dict[tuple[str, int], tuple[int, ...]]:
-    """``{(unit, tp index): global ranks holding that shard}`` over every group and replica."""
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def shard_span(spec: ModelSpec, name: str, tp: int, index: int) -> tuple[int, int, int] | None:
+    """``(dim, start, end)``: the span of global parameter ``name`` along its TP shard
+    dimension that TP rank ``index`` of a ``tp``-way stage holds (the whole dimension where
+    that degree leaves it unsharded: a vocabulary ``tp`` does not divide); None for a
+    parameter no TP degree shards (the norms): every holder has all of it
+    (``runtime/tensor_parallel.py`` is the sharding this mirrors)."""
+    if name.startswith("model.layers."):
+        suffix = name.split(".", 3)[3]
+        if suffix not in shard_layout(spec, 1):
+            return None
+        dim, idx = shard_layout(spec, tp)[suffix]
+        rows = idx[index]
+        return dim, int(rows[0]), int(rows[-1]) + 1
+    if name in _VOCAB:
+        if tp > 1 and vocab_shards(spec, tp) == tp:
+            return 0, index * spec.vocab // tp, (index + 1) * spec.vocab // tp
+        return 0, 0, spec.vocab
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, end)`` of global parameter ``name``
+    that one set of ranks holds; the whole tensor when ``dim`` is None."""
+
+    name: str
+    dim: int | None
+    start: int
+    end: int
+
+
+def unit_param_names(spec: ModelSpec, unit: str) -> list[str]:
+    """The global names of a unit's parameters (``runtime/model.py``'s modules, built on the
+    meta device: no memory, no init)."""
+    if unit == "embedding":
+        return ["model.embed_tokens.weight"]
+    if unit == "head":
+        return ["model.norm.weight"] + ([] if spec.tie_embeddings else ["lm_head.weight"])
+    i = int(unit.split()[1])
+    with torch.device("meta"):
+        block = LlamaDecoderLayer(spec)
+    return [f"model.layers.{i}.{n}" for n, _ in block.named_parameters()]
+
+
+def _unit_ranks(plan: Plan) -> dict[str, list[int]]:
     units = group_stage_units(plan)
-    out: dict[tuple[str, int], list[int]] = {}
+    out: dict[str, list[int]] = {}
     for r in plan.ranks:
         for u in units[(r.group, r.stage)]:
-            out.setdefault((u, r.tp), []).append(r.rank)
-    return {k: tuple(sorted(v)) for k, v in out.items()}
+            out.setdefault(u, []).append(r.rank)
+    return out
+
+
+def _tp_of(plan: Plan, rank: int) -> int:
+    r = plan.ranks[rank]
+    return plan.groups[r.group].stages[r.stage].tp
+
+
+def cell_sets(plan: Plan, name: str, unit_ranks: dict[str, list[int]] | None = None
+              ) -> list[tuple[Cell, tuple[int, ...], frozenset[int]]]:
+    """The cells of global parameter ``name`` (module docstring), each with the sorted
+    ranks summing it and the ranks among them that contribute their gradient (every replica
+    of every group exactly once)."""
+    holders = (unit_ranks or _unit_ranks(plan))[unit_of(name)]
+    spans = {h: shard_span(plan.model, name, _tp_of(plan, h), plan.ranks[h].tp) for h in holders}
+    dims = {sp[0] for sp in spans.values() if sp is not None}
+    if not dims:
+        cells = [Cell(name, None, 0, 0)]
+    else:
+        (dim,) = dims
+        cuts = sorted({x for sp in spans.values() if sp is not None for x in sp[1:]})
+        cells = [Cell(name, dim, a, b) for a, b in itertools.pairwise(cuts)]
+    out = []
+    for cell in cells:
+        by_replica: dict[tuple[int, int], list[int]] = {}
+        for h in holders:
+            sp = spans[h]
+            if cell.dim is None or (sp[1] <= cell.start and cell.end <= sp[2]):
+                r = plan.ranks[h]
+                by_replica.setdefault((r.group, r.dp), []).append(h)
+        lists = [sorted(v, key=lambda h: plan.ranks[h].tp) for _, v in sorted(by_replica.items())]
+        if len({len(v) for v in lists}) == 1:  # pair the replicas' holders by position
+            for j in range(len(lists[0])):
+                members = tuple(sorted(v[j] for v in lists))
+                out.append((cell, members, frozenset(members)))
+        else:  # one set; the first holder of each replica contributes
+            out.append((cell, tuple(sorted(h for v in lists for h in v)),
+                        frozenset(v[0] for v in lists)))
+    return out
 
 
 def group_config(cfg, rank: int):
@@ -99,7 +199,9 @@ class _SetSync:
     local: dist.ProcessGroup | None = None  # several DCs: this rank's DC's holders
     leaders: dict | None = None  # {"group": PG of the DC leaders (leaders only), "root": 0}
     local_size: int = 1
-    ranges: list[tuple[int, int]] | None = None  # of the flat main-grad buffer
+    # this rank's cells of the set, in the set's order: (segment start, local shape, dim,
+    # local span start, end, contributes)
+    pieces: list[tuple[int, tuple[int, ...], int | None, int, int, bool]] | None = None
 
 
 class ReplicaSync:
@@ -118,14 +220,23 @@ class ReplicaSync:
         self.loss_weight = g.microbatches / plan.total_microbatches
         self.leader = rank == min(r.rank for r in plan.group_ranks(me.group))
         self.writes_checkpoints = me.group == 0
+        self._unit_ranks = _unit_ranks(plan)
+        self._my_units = {u for u, ranks in self._unit_ranks.items() if rank in ranks}
         self._store, self._timeout = store, timeout
-        mine = {k[0]: v for k, v in holder_sets(plan).items() if rank in v}
-        self.unit_members: dict[str, tuple[int, ...]] = mine
+        names = [n for u in sorted(self._my_units) for n in unit_param_names(plan.model, u)]
+        members = {m for n in names for _, m, _ in self._cells(n)}
         self.sets: dict[tuple[int, ...], _SetSync] = {}
-        for members in sorted(set(mine.values())):  # the global order (module docstring)
-            self.sets[members] = self._build(members)
+        for m in sorted(members):  # the global order (module docstring)
+            self.sets[m] = self._build(m)
         self.world = self._pg("world", tuple(range(plan.world_size)))
         self._bound: tuple[int, int] | None = None
+
+    def _cells(self, name: str) -> list[tuple[Cell, tuple[int, ...], frozenset[int]]]:
+        unit = unit_of(name)
+        if unit not in self._my_units:
+            raise ValueError(f"rank {self.rank}: parameter {name} ({unit}) is not in this "
+                             "rank's stage of the plan")
+        return [c for c in cell_sets(self.plan, name, self._unit_ranks) if self.rank in c[1]]
 
     def _pg(self, key: str, members: tuple[int, ...]) -> dist.ProcessGroup:
         store = dist.PrefixStore(f"hetrep/{key}/", self._store)
@@ -152,45 +263,62 @@ class ReplicaSync:
                                            tuple(by_dc[d][0] for d in dcs))}
         return s
 
-    def _bind(self, segments: Sequence) -> None:
-        """Map the optimizer's flat layout (``name, start, end`` segments) to holder sets."""
-        per: dict[tuple[int, ...], list[tuple[int, int]]] = {m: [] for m in self.sets}
-        for seg in segments:
-            unit = unit_of(seg.name)
-            if unit not in self.unit_members:
-                raise ValueError(f"rank {self.rank}: parameter {seg.name} ({unit}) is not in "
-                                 "this rank's stage of the plan")
-            ranges = per[self.unit_members[unit]]
-            if ranges and ranges[-1][1] == seg.start:
-                ranges[-1] = (ranges[-1][0], seg.end)
-            else:
-                ranges.append((seg.start, seg.end))
+    def _bind(self, segments: Sequence, shapes: Sequence[Sequence[int]]) -> None:
+        """Map the optimizer's flat layout (``name, start, end`` segments, the local shape of
+        each) to the cells of each holder set, in the set's order."""
+        per: dict[tuple[int, ...], list[tuple[tuple[str, int], tuple]]] = {
+            m: [] for m in self.sets}
+        for seg, shape in zip(segments, shapes, strict=True):
+            me = self.plan.ranks[self.rank]
+            span = shard_span(self.plan.model, seg.name, _tp_of(self.plan, self.rank), me.tp)
+            for cell, members, contrib in self._cells(seg.name):
+                lo = cell.start - span[1] if span is not None else 0
+                hi = cell.end - span[1] if span is not None else 0
+                per[members].append(((cell.name, cell.start), (
+                    seg.start, tuple(shape), cell.dim, lo, hi, self.rank in contrib)))
         for members, s in self.sets.items():
-            s.ranges = per[members]
+            s.pieces = [p for _, p in sorted(per[members], key=lambda e: e[0])]
         self._bound = (len(segments), segments[-1].end if segments else 0)
+
+    @staticmethod
+    def _view(flat: torch.Tensor, piece: tuple) -> torch.Tensor:
+        """The main-grad elements of one cell (a view of ``flat``)."""
+        start, shape, dim, lo, hi, _ = piece
+        n = math.prod(shape)
+        local = flat[start:start + n].view(shape)
+        if dim is None:
+            return local
+        return local.narrow(dim, lo, hi - lo)
 
     def _record(self, members: Sequence[int], nbytes: int, t0: float) -> None:
         if self.account is not None:
             self.account(_tier(self.plan, members), nbytes, time.perf_counter() - t0)
 
     @torch.no_grad()
-    def reduce_(self, flat: torch.Tensor, segments: Sequence) -> None:
-        """Turn this rank's main grads (``flat``, laid out by ``segments``) into the gradient of
-        the global batch's mean loss, in place, on every holder of every parameter."""
+    def reduce_(self, flat: torch.Tensor, segments: Sequence,
+                shapes: Sequence[Sequence[int]]) -> None:
+        """Turn this rank's main grads (``flat``, laid out by ``segments``, each parameter of
+        local shape ``shapes[i]``) into the gradient of the global batch's mean loss, in
+        place, on every holder of every parameter."""
         if self._bound is None:
-            self._bind(segments)
+            self._bind(segments, shapes)
         flat.mul_(self.grad_weight)
         for s in self.sets.values():
-            if len(s.members) == 1 or not s.ranges:
+            if len(s.members) == 1 or not s.pieces:
                 continue
-            parts = [flat[a:b] for a, b in s.ranges]
-            on_host = len(parts) == 1 and flat.device.type == "cpu"
-            buf = parts[0] if on_host else torch.cat(parts).cpu()
+            parts = [self._view(flat, p) for p in s.pieces]
+            whole = (len(parts) == 1 and parts[0].is_contiguous() and s.pieces[0][5]
+                     and flat.device.type == "cpu")
+            if whole:
+                buf = parts[0].view(-1)
+            else:
+                buf = torch.cat([p.reshape(-1) if piece[5] else p.new_zeros(p.numel())
+                                 for p, piece in zip(parts, s.pieces, strict=True)]).cpu()
             self._sum(s, buf)
-            if not on_host:
+            if not whole:
                 offset = 0
                 for p in parts:
-                    p.copy_(buf[offset:offset + p.numel()])
+                    p.copy_(buf[offset:offset + p.numel()].view(p.shape))
                     offset += p.numel()
 
     def _sum(self, s: _SetSync, buf: torch.Tensor) -> None:

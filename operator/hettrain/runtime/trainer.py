@@ -253,7 +253,8 @@ class Trainer:
 
         def reduce_grads(flat: torch.Tensor) -> None:
             if self.replica is not None:  # replica groups: the sum over every holder
-                self.replica.reduce_(flat, self.opt.segments)
+                self.replica.reduce_(flat, self.opt.segments,
+                                     [p.shape for p in self.opt.params])
                 return
             # mode "compress": the communicator compresses the DC hop
             comm.dp_all_reduce_([flat], average=True, scope=scope)

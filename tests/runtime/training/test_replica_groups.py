@@ -16,7 +16,7 @@ from hettrain.api.spec import MODEL_PRESETS, ModelSpec
 from hettrain.runtime import checkpoint as ckpt
 from hettrain.runtime.launch import launch_local, wait_all
 from hettrain.runtime.model import whole_model
-from hettrain.runtime.replica_sync import holder_sets, unit_of
+from hettrain.runtime.replica_sync import Cell, cell_sets, shard_span, unit_of
 from hettrain.runtime.trainer import reference_losses
 
 pytestmark = pytest.mark.slow
@@ -70,6 +70,15 @@ CASES = {
                        "num_microbatches": 3},
                       {"splits": [(0, 1, "c"), (1, 2, "d"), (2, 4, "e")], "tp": [1, 1, 2],
                        "num_microbatches": 1}],
+    # different TP per layer between groups: TP 2 (2 stages) beside TP 1 (1 stage), each half
+    # of a sharded weight summed with the TP-1 rank's matching half, the norms (held by both
+    # TP-2 ranks) counted once
+    "tp2-vs-tp1": [{"splits": [(0, 2, "a"), (2, 4, "b")], "tp": 2, "num_microbatches": 3},
+                   {"splits": [(0, 4, "c")], "tp": 1, "num_microbatches": 1}],
+    # TP 1 then 2 along group 0's pipeline beside TP 2 throughout, 2 replicas of group 1
+    "tp-runs-vs-tp2": [{"splits": [(0, 2, "a"), (2, 4, "b")], "tp": [2, 1],
+                        "num_microbatches": 2},
+                       {"splits": [(0, 4, "c")], "tp": 2, "dp": 2, "num_microbatches": 1}],
     # groups in two datacenters (2 replicas in dc1, 1 in dc2): the hierarchical sum, and the
     # unsharded optimizer
     "two-dcs-no-zero": [{"splits": [(0, 2, "a"), (2, 4, "b")], "dp": 2, "dc": "dc1"},
@@ -85,6 +94,7 @@ CASES = {
 # counted a parameter twice (or missed one) would change the update
 TRAINING = {"two-dcs-no-zero": {"optimizer_sharding": False}, "2x-plus-1x": {"grad_clip": 0.05},
             "tp2-both": {"grad_clip": 0.05}, "mixed-tp-runs": {"grad_clip": 0.05},
+            "tp2-vs-tp1": {"grad_clip": 0.05}, "tp-runs-vs-tp2": {"grad_clip": 0.05},
             "three-groups": {"grad_clip": 0.05},
             "pp2-vs-pp1": {"validation_interval": 2, "validation_batches": 2}}
 
@@ -157,21 +167,24 @@ def test_two_group_checkpoint_resumes_on_a_plain_plan(tmp_path):
         assert got == pytest.approx(ref[step], rel=RTOL), step
 
 
-def test_holder_sets_group_the_same_shard_across_groups():
-    plan = grouped_plan(CASES["tp2-both"])
-    sets = holder_sets(plan)
+def test_cells_pair_equal_shards_and_split_unequal_ones():
+    plan = grouped_plan(CASES["tp2-both"], model=LLAMA)
     # group 0: stage 0 (layers 0-1) ranks 0, 1; stage 1 (layers 2-3) ranks 2, 3; group 1: 4, 5
-    assert sets[("embedding", 0)] == (0, 4) and sets[("embedding", 1)] == (1, 5)
-    assert sets[("layer 1", 1)] == (1, 5) and sets[("layer 2", 0)] == (2, 4)
-    assert sets[("head", 1)] == (3, 5)
+    q = "model.layers.1.self_attn.q_proj.weight"
+    dim, a, b = shard_span(LLAMA, q, 2, 1)
+    assert dim == 0 and b - a == LLAMA.hidden // 2
+    assert [(c.start, m, set(w)) for c, m, w in cell_sets(plan, q)] == [
+        (0, (0, 4), {0, 4}), (a, (1, 5), {1, 5})]
+    # equal TP: the norms pair by TP index, every holder contributing (as before)
+    norm = "model.layers.2.input_layernorm.weight"
+    assert [(m, set(w)) for _, m, w in cell_sets(plan, norm)] == [
+        ((2, 4), {2, 4}), ((3, 5), {3, 5})]
+    mixed = grouped_plan(CASES["tp2-vs-tp1"], model=LLAMA)  # group 1 is rank 4 at TP 1
+    o = "model.layers.3.self_attn.o_proj.weight"  # row-parallel: columns
+    half = LLAMA.hidden // 2
+    assert cell_sets(mixed, o) == [(Cell(o, 1, 0, half), (2, 4), frozenset({2, 4})),
+                                   (Cell(o, 1, half, 2 * half), (3, 4), frozenset({3, 4}))]
+    # a norm both TP-2 ranks hold: one set, one contribution per replica
+    assert cell_sets(mixed, norm) == [(Cell(norm, None, 0, 0), (2, 3, 4), frozenset({2, 4}))]
     assert {unit_of("model.layers.12.mlp.up_proj.weight"), unit_of("lm_head.weight"),
             unit_of("model.norm.weight")} == {"layer 12", "head"}
-
-
-def test_runtime_refuses_groups_with_different_tp_per_layer(tmp_path):
-    plan = grouped_plan([{"splits": [(0, 2, "a"), (2, 4, "b")], "tp": [2, 1]},
-                         {"splits": [(0, 4, "c")], "tp": 2}], steps=1)
-    procs = launch_local(plan, tmp_path)
-    assert wait_all(procs, 60) == [2] * plan.world_size
-    assert "error: plan.groups: layer 2 has tp {0: 1, 1: 2} by group" in \
-        (tmp_path / "rank-0.log").read_text()
