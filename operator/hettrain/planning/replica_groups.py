@@ -86,6 +86,7 @@ class GroupOption:
     splits: tuple[tuple[int, int], ...]
     stage_s: tuple[float, ...]  # forward+backward seconds of one microbatch per stage
     max_m: int  # most microbatches per replica whose activations fit (max_microbatches)
+    line: Line = (0.0, 0.0)  # affine(stage_s, the plan's schedule)
 
     @property
     def pp(self) -> int:
@@ -188,6 +189,9 @@ def _take_back(excess: int, dps: Sequence[int], room: Sequence[int]) -> list[int
     """``r`` with ``Σ dps[g]·r[g] = excess`` and ``0 <= r[g] <= room[g]``, or None when there
     is none: an exact bounded coin check on a bitset (bit ``e`` set: ``e`` is reachable), each
     group's count split into powers of two (0/1 items), then walked back for the counts."""
+    for g, (dp, top) in enumerate(zip(dps, room, strict=True)):  # one group absorbs it all
+        if excess % dp == 0 and excess // dp <= top:
+            return [excess // dp if h == g else 0 for h in range(len(dps))]
     mask = (1 << (excess + 1)) - 1
     reach = 1
     items: list[tuple[int, int, int]] = []  # (group, count, reach before the item)
@@ -262,9 +266,9 @@ def _idle_pools(plan: Plan, inv: ClusterInventory) -> list[tuple[Pool, tuple[str
 
 def tp_runs(plan: Plan) -> list[tuple[int, int, int]]:
     """``(tp, layer_start, layer_end)`` of the plan's maximal runs of consecutive stages with
-    one TP degree: an extra group's stages stay inside one run each, so every layer (and the
-    embedding on the first stage, the head on the last) has the same TP in every group, as the
-    runtime's per-shard gradient sum needs (``support.replica_group_errors``)."""
+    one TP degree: an extra group whose stages stay inside one run each gives every layer (and
+    the embedding on the first stage, the head on the last) the TP it has in group 0, so the
+    runtime sums whole shards between the groups."""
     runs: list[tuple[int, int, int]] = []
     for st in plan.stages:
         if runs and runs[-1][0] == st.tp:
@@ -299,21 +303,29 @@ def stage_memory_bytes(plan: Plan, splits: Sequence[tuple[int, int]], tps: Seque
 
 
 def max_microbatches(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequence[int],
-                     dp: int, device: DeviceSpec, top: int) -> int:
+                     dp: int, device: DeviceSpec, top: int,
+                     memo: dict[tuple, cost.StageMemory] | None = None) -> int:
     """The most microbatches per replica ``<= top`` with which every stage fits ``device``'s
     memory (with the search's headroom); 0 when not even one does. A stage's memory does not
     decrease with ``m`` and stops growing at ``m = pp`` except under GPipe (every microbatch
     in flight), so checks at 1 and at ``pp`` (GPipe: ``top``) usually settle it; else
-    bisection."""
+    bisection. ``memo``: stage memory models by their arguments, shared between calls (they
+    depend on the plan's model and training only otherwise)."""
     limit = device.hbm_bytes * cost.MEMORY_HEADROOM
     pp = len(splits)
+    memo = {} if memo is None else memo
+
+    def stage(s: int, tp: int, m: int) -> cost.StageMemory:
+        args = cost.schedule_memory_args(s, pp, m, plan.schedule)
+        key = (tp, dp, s == 0, s == pp - 1, *args.values())
+        if key not in memo:
+            memo[key] = cost.stage_memory(plan.model, plan.training, tp=tp, dp=dp,
+                                          micro_batch=plan.micro_batch, first=s == 0,
+                                          last=s == pp - 1, **args)
+        return memo[key]
 
     def fits(m: int) -> bool:  # every stage, the first that does not fit ends the check
-        return all(cost.stage_memory(plan.model, plan.training, tp=tp, dp=dp,
-                                     micro_batch=plan.micro_batch, first=s == 0,
-                                     last=s == pp - 1,
-                                     **cost.schedule_memory_args(s, pp, m, plan.schedule)
-                                     ).bytes_for(b - a) <= limit
+        return all(stage(s, tp, m).bytes_for(b - a) <= limit
                    for s, ((a, b), tp) in enumerate(zip(splits, tps, strict=True)))
 
     if not fits(1):  # most shallow pipelines of a large model: one check
@@ -330,34 +342,54 @@ def max_microbatches(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequenc
 
 def group_options(plan: Plan, inv: ClusterInventory) -> list[GroupOption]:
     """Every extra group that fits memory on one pool's idle nodes (all of them): ``R``
-    pipelines whose stages follow the plan's TP runs (:func:`tp_runs`), each run cut into
-    1, 2, ... stages, at most :data:`MAX_GROUP_STAGES` stages deep, the
-    :data:`MAX_FITTING_DEPTHS` shallowest that fit per pool."""
+    pipelines whose stages follow the plan's TP runs (:func:`tp_runs`, each run cut into 1, 2,
+    ... stages) or have one TP degree throughout (:func:`pool_tps`; the runtime sums each piece
+    of a parameter between the ranks holding it, whatever their TP), at most
+    :data:`MAX_GROUP_STAGES` stages deep, per layout the :data:`MAX_FITTING_DEPTHS` shallowest
+    that fit."""
     if plan.groups:
         return []
-    runs = tp_runs(plan)
-    longest = max(b - a for _, a, b in runs)
-    total = plan.dp * plan.num_microbatches
+    layouts = [tp_runs(plan)]
+    layouts += [[(tp, 0, plan.model.layers)] for tp in pool_tps(plan, None)
+                if layouts[0] != [(tp, 0, plan.model.layers)]]
     out = []
+    memo: dict[tuple, cost.StageMemory] = {}
     for pool, idle in _idle_pools(plan, inv):
-        if any(pool.gpus_per_node % tp or tp & (tp - 1) for tp, _, _ in runs):
-            continue  # TP blocks of powers of two dividing the node pack without straddling
-        gpus = len(idle) * pool.gpus_per_node
-        fitting = 0
-        for per_run in range(1, longest + 1):
-            splits, tps = _run_splits(runs, per_run)
-            dp = gpus // sum(tps)
-            if dp < 1 or len(splits) > MAX_GROUP_STAGES:
-                break
-            top = (total - plan.dp) // dp  # group 0 keeps at least one microbatch
-            most = max_microbatches(plan, splits, tps, dp, pool.device, top) if top else 0
-            if most < 1:
+        for runs in layouts:
+            if not all(tp in pool_tps(plan, pool) for tp, _, _ in runs):
                 continue
-            fitting += 1
-            if fitting > MAX_FITTING_DEPTHS:
-                break
-            out.append(GroupOption(pool, idle, tps, dp, splits,
-                                   tuple(group_stage_s(plan, splits, tps, pool.device)), most))
+            out += _layout_options(plan, pool, idle, runs, memo)
+    return out
+
+
+def pool_tps(plan: Plan, pool: Pool | None) -> list[int]:
+    """TP degrees an extra group may use (on ``pool``; None: any 8-GPU node): powers of two
+    dividing the node size, so TP blocks pack without straddling a node, and dividing the
+    attention heads (the KV heads divide them or them it), as the search's ``_tp_options``."""
+    gpn = pool.gpus_per_node if pool is not None else 8
+    m = plan.model
+    return [tp for tp in (1, 2, 4, 8, 16, 32, 64) if tp <= gpn and gpn % tp == 0
+            and m.heads % tp == 0 and (m.kv_heads % tp == 0 or tp % m.kv_heads == 0)]
+
+
+def _layout_options(plan: Plan, pool: Pool, idle: tuple[str, ...],
+                    runs: list[tuple[int, int, int]], memo: dict[tuple, cost.StageMemory]
+                    ) -> list[GroupOption]:
+    """The options of one TP layout on ``pool``'s idle nodes (:func:`group_options`)."""
+    total = plan.dp * plan.num_microbatches
+    gpus = len(idle) * pool.gpus_per_node
+    out: list[GroupOption] = []
+    for per_run in range(1, max(b - a for _, a, b in runs) + 1):
+        splits, tps = _run_splits(runs, per_run)
+        dp = gpus // sum(tps)
+        if dp < 1 or len(splits) > MAX_GROUP_STAGES or len(out) >= MAX_FITTING_DEPTHS:
+            break
+        top = (total - plan.dp) // dp  # group 0 keeps at least one microbatch
+        most = max_microbatches(plan, splits, tps, dp, pool.device, top, memo) if top else 0
+        if most >= 1:
+            stage_s = tuple(group_stage_s(plan, splits, tps, pool.device))
+            out.append(GroupOption(pool, idle, tps, dp, splits, stage_s, most,
+                                   affine(stage_s, plan.schedule)))
     return out
 
 
@@ -408,7 +440,7 @@ def evaluate_groups(plan: Plan, options: Sequence[GroupOption],
     at their best split (:func:`best_split_n`), plus :func:`groups_sync_s` when ``inv`` is
     given; None when no split gives every group a microbatch."""
     lines = [affine([s.time_ms / 1000 for s in plan.stages], plan.schedule),
-             *(affine(o.stage_s, plan.schedule) for o in options)]
+             *(o.line for o in options)]
     split = best_split_n(lines, [plan.dp, *(o.dp for o in options)],
                          plan.dp * plan.num_microbatches,
                          [plan.num_microbatches, *(o.max_m for o in options)])
@@ -576,10 +608,11 @@ def _idle_reason(plan: Plan, inv: ClusterInventory, grouped: Plan,
                 "microbatch is left for another group (a larger global batch would leave some)")
     if not mine:
         tps = "/".join(str(tp) for tp, _, _ in tp_runs(plan))
-        return (f"no pipeline with the plan's TP runs ({tps}) fits their memory and node size "
-                "with the step's microbatches left over")
-    faster = [o for o in mine if (got := evaluate_groups(plan, [*chosen, o], inv)) is not None
-              and got[0] < grouped.predicted.step_time_s * (1 - 1e-9)]
+        return (f"no pipeline (the plan's TP runs {tps}, or one TP degree) fits their memory "
+                "and node size with the step's microbatches left over")
+    faster = [] if cap is None else [  # without a cap the greedy took every faster one
+        o for o in mine if (got := evaluate_groups(plan, [*chosen, o], inv)) is not None
+        and got[0] < grouped.predicted.step_time_s * (1 - 1e-9)]
     if faster and cap is not None:
         need = grouped.world_size + min(_gpus(o) for o in faster)
         return f"a faster grouped plan needs {need} GPUs > maxGPUs {cap}"
