@@ -2,9 +2,10 @@
 
 :func:`add_replica_groups` takes the plan the existing search chose (group 0) and the cluster,
 and looks at the whole nodes it leaves idle: for each pool with idle whole nodes, a candidate
-replica group of ``R`` pipelines of ``pp`` stages on all of that pool's idle nodes and device
-(TP equal to the plan's, layer by layer, which the runtime requires:
-``support.replica_group_errors``), layers split evenly inside the plan's TP runs, each stage
+replica group of ``R`` pipelines of ``pp`` stages on all of that pool's idle nodes and device,
+either following the plan's TP runs (layers split evenly inside each run, every layer at its
+group-0 TP) or at one TP degree throughout (the runtime sums each piece of a shard between
+the ranks that hold it, whatever their TP: ``runtime/replica_sync.py``), each stage
 checked against the device memory (``cost.stage_memory``, the search's headroom) at every
 microbatch count the group may be given (:func:`max_microbatches`). Groups are added greedily:
 each round adds the candidate that makes the modelled step fastest, on a pool no group uses
