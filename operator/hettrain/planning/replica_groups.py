@@ -65,7 +65,7 @@ from hettrain.planning.units import filter_pools
 MAX_GROUP_STAGES = 64
 # pipeline depths tried per pool once one fits memory: deeper ones add bubble for the same GPUs,
 # and each costs a memory check per stage (the per-pool layouts try many pools' options)
-MAX_FITTING_DEPTHS = 8
+MAX_FITTING_DEPTHS = 4
 # best_split_n's bounds for hostile inputs: breakpoints walked, and the excess microbatches
 # the exact check handles (bits of its bitset); past either it reports no split (never on
 # the planner's cases: the walk starts at most about one breakpoint per group below the
