@@ -19,7 +19,7 @@ CP ``c``, ``m`` microbatches of ``b`` sequences per replica) spends its ``T`` as
 - ``tp``: exposed TP all-reduces (layers and the vocab-parallel head); ``cp``: the exposed
   CP key/value exchange;
 - ``imbalance``: waiting ``m·(max stage − own stage)`` for the slowest stage (and, with
-  replica groups, for the slower group);
+  replica groups, for the slowest group);
 - ``bubble``: the schedule's bubble of the stages alone (``cost.pipeline_time_s`` without
   boundaries);
 - ``boundary``: the pipeline time with the boundary transfers minus without them;
@@ -144,16 +144,15 @@ def breakdown(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> dict[str, flo
     boundary = with_b - cost.pipeline_time_s(stage_s, [], m_solo, plan.schedule, v)[0]
     # (replicas, microbatches, StagePlans, stage units, stage seconds) per replica group
     groups = [(plan.dp, plan.num_microbatches, plan.stages, units, stage_s)]
-    if plan.groups:
-        g1 = plan.groups[1]
-        u1 = next(u for u in build_units(filter_pools(inv, spec.placement), merged=False)
-                  if g1.stages[0].pools[0] in {p.name for p in u.pools})
-        groups.append((g1.dp, g1.num_microbatches, g1.stages, [u1] * g1.pp,
-                       [s.time_ms / 1e3 for s in g1.stages]))
+    solo_units = build_units(filter_pools(inv, spec.placement), merged=False)
+    for g in plan.groups[1:]:  # each extra group runs on one pool
+        ug = next(u for u in solo_units if g.stages[0].pools[0] in {p.name for p in u.pools})
+        groups.append((g.dp, g.num_microbatches, g.stages, [ug] * g.pp,
+                       [s.time_ms / 1e3 for s in g.stages]))
     pipes = [cost.pipeline_time_s(ss, [], mg, plan.schedule, v)[0]
              for _, mg, _, _, ss in groups]
-    # the step: the slower group's pipeline + boundaries + the tail (with groups: + their
-    # cross-DC gradient sum, replica_groups.cross_dc_sync_s, whatever T leaves)
+    # the step: the slowest group's pipeline + boundaries + the tail (with groups: + their
+    # cross-DC gradient sums, replica_groups.groups_sync_s, whatever T leaves)
     recon = max(pipes) + boundary + max(tail)
     sync = T - recon if plan.groups else 0.0
     # with groups a negative remainder would mean the reconstruction missed part of the step

@@ -13,6 +13,7 @@ step times (> 1 means the heterogeneous plan is faster):
   feasible (1.000 = same optimum).
 
 Usage: python bench/plan_scale.py [--sizes 64,1024,10240,102400] [--repeats 3]
+       python bench/plan_scale.py --sizes 1024 --replica-groups   # spec.parallelism.replicaGroups
        python bench/plan_scale.py --heuristics 64,1024   # each heuristic vs the search without it
 """
 
@@ -142,9 +143,12 @@ def main() -> None:
     ap.add_argument("--heuristics", default="",
                     help="sizes (e.g. 64,1024) at which to compare each heuristic with the "
                          "search without it, instead of the main table")
+    ap.add_argument("--replica-groups", action="store_true",
+                    help="plan llama-70b with spec.parallelism.replicaGroups: true")
     args = ap.parse_args()
     big = parse_job_spec({"model": {"preset": "llama3-70b"},
-                          "training": {"globalBatch": 512, "steps": 1}})
+                          "training": {"globalBatch": 512, "steps": 1},
+                          "parallelism": {"replicaGroups": args.replica_groups}})
     tiny = parse_job_spec({"model": {"layers": 6, "hidden": 8192, "heads": 64, "seqLen": 2048,
                                      "vocab": 32000},
                            "training": {"globalBatch": 8, "steps": 1}})

@@ -1522,7 +1522,7 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     concrete = replace(spec, parallelism=replace(spec.parallelism, cp=chosen.cp))
     plan = _to_plan(name, concrete, chosen, ranks, notes, inventory)
     if spec.parallelism.replica_groups:
-        plan = plan_with_replica_group(plan, spec, inventory)
+        plan = plan_with_replica_group(plan, spec, inventory, previous)
     return _with_idle_notes(plan, chosen, concrete, inventory, previous is not None, searched,
                             trials)
 

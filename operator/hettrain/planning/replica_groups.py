@@ -1,28 +1,50 @@
-"""An extra replica group on idle nodes (``Plan.groups``), added after the uniform search (pure).
+"""Extra replica groups on idle nodes (``Plan.groups``), added after the uniform search (pure).
 
-:func:`add_replica_group` takes the plan the existing search chose and the cluster, and looks
-at the nodes it leaves idle: for each pool with idle whole nodes, a second replica group of
-``R`` pipelines of ``pp`` stages on that pool's device (TP equal to the plan's, which the runtime
-requires per layer: ``support.replica_group_errors``), layers split evenly, each stage checked
-against the device memory (``cost.stage_memory``, the search's headroom). The step's
-microbatches ``N`` are then split between the groups: group ``g``'s pipeline time for ``M``
-microbatches per replica is affine in ``M`` (``cost.pipeline_time_s``: ``a_g + b_g·M``), so the
-step time ``max(a_0 + b_0·M_0, a_1 + b_1·M_1)`` under ``dp_0·M_0 + R·M_1 = N`` is convex in
-``M_1`` and minimal at the two lines' crossing -- shares proportional to the groups' speeds
-``R/b`` (microbatches per second), shifted by their bubbles -- so only the feasible integers
-next to the crossing are evaluated (:func:`best_split`; tests compare with every split). The
-group is added when the modelled step gets faster; the plan's other step-time parts (DP, TP,
-pipeline transfers: ``predicted.step_time_s`` minus its modelled pipeline time) are kept as
-they are; the cross-group gradient sum is charged only where it crosses a datacenter link
-(:func:`cross_dc_sync_s`, not overlapped), inside a datacenter it is taken as covered by the
-plan's DP sync -- an approximation.
+:func:`add_replica_groups` takes the plan the existing search chose (group 0) and the cluster,
+and looks at the whole nodes it leaves idle: for each pool with idle whole nodes, a candidate
+replica group of ``R`` pipelines of ``pp`` stages on all of that pool's idle nodes and device,
+either following the plan's TP runs (layers split evenly inside each run, every layer at its
+group-0 TP) or at one TP degree throughout (the runtime sums each piece of a shard between
+the ranks that hold it, whatever their TP: ``runtime/replica_sync.py``), each stage
+checked against the device memory (``cost.stage_memory``, the search's headroom) at every
+microbatch count the group may be given (:func:`max_microbatches`). Groups are added greedily:
+each round adds the candidate that makes the modelled step fastest, on a pool no group uses
+yet, and the rounds stop when no candidate makes the step faster (so at most one extra group
+per pool; a 3-pool cluster whose search used one pool can get 3 groups).
 
-Group 0 is the plan as searched (its stage ``time_ms`` are the search's); the new group's stage
-times come from ``cost.layer_time_s`` / ``cost.head_time_s`` on its device.
+The step's microbatches ``N`` are split between the groups: group ``g``'s pipeline time for
+``M`` microbatches per replica is affine in ``M`` (``cost.pipeline_time_s``: ``a_g + b_g·M``),
+so the step time ``max_g(a_g + b_g·M_g)`` under ``Σ dp_g·M_g = N``, ``1 <= M_g <= cap_g`` is
+minimised by :func:`best_split_n`: from a lower bound on the step time ``T`` (the continuous
+relaxation: shares proportional to the groups' speeds ``dp/b``, shifted by their bubbles), it
+walks up the groups' breakpoints ``a_g + b_g·m`` in order; at each ``T`` every group may take
+up to ``U_g = floor((T − a_g)/b_g)`` microbatches per replica, and ``T`` is feasible iff the
+excess ``Σ dp_g·U_g − N`` is a sum of ``dp_g·r_g`` with ``0 <= r_g <= U_g − 1`` (an exact
+bounded coin check on a bitset, :func:`_take_back`); the first feasible breakpoint is the
+optimum (tests compare with every split). Two groups keep their arithmetic form
+(:func:`best_split`, :func:`feasible_progression`).
+
+The plan's other step-time parts (DP, TP, pipeline transfers: ``predicted.step_time_s``
+minus its modelled pipeline time) are kept as they are; the cross-group gradient sum is
+charged only where it crosses a datacenter link, once per datacenter the extra groups add
+(:func:`cross_dc_sync_s`: the runtime sums hierarchically, one leader per datacenter; not
+overlapped); inside the plan's datacenters it is taken as covered by the plan's DP sync -- an
+approximation.
+
+Group 0 is the plan as searched (its stage ``time_ms`` are the search's); the extra groups'
+stage times come from ``cost.layer_time_s`` / ``cost.head_time_s`` on their device. The
+grouped plan's predicted step is :func:`grouped_step_s`'s (the search's unrounded stage times),
+the value calibration re-prices.
+
+``plan_job`` calls :func:`plan_with_replica_group` (``spec.parallelism.replicaGroups``): the
+groups on the searched plan's idle nodes and, for a first plan, the per-pool layouts
+(:func:`per_pool_plans`: the search on one pool alone as group 0, every other pool's nodes as
+extra groups -- pools side by side instead of as stages of one pipeline); the fastest wins.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -32,6 +54,7 @@ from hettrain.planning import cost
 from hettrain.planning.arith import shard_bounds
 from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.inventory import ClusterInventory, Pool
+from hettrain.planning.placement import moved_ranks
 from hettrain.planning.plan import Plan, RankPlan, ReplicaGroup, StagePlan
 from hettrain.planning.support import replica_group_errors
 from hettrain.planning.units import filter_pools
@@ -40,6 +63,17 @@ from hettrain.planning.units import filter_pools
 # per stage, so the work stays bounded for hostile layer counts (issue #16); real jobs use
 # far fewer stages than this
 MAX_GROUP_STAGES = 64
+# pipeline depths tried per pool once one fits memory: deeper ones add bubble for the same GPUs,
+# and each costs a memory check per stage (the per-pool layouts try many pools' options)
+MAX_FITTING_DEPTHS = 4
+# best_split_n's bounds for hostile inputs: breakpoints walked, and the excess microbatches
+# the exact check handles (bits of its bitset); past either it reports no split (never on
+# the planner's cases: the walk starts at most about one breakpoint per group below the
+# optimum and any group with dp 1 absorbs every excess)
+MAX_WALK = 4096
+MAX_EXCESS = 1 << 20
+
+Line = tuple[float, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +86,8 @@ class GroupOption:
     dp: int
     splits: tuple[tuple[int, int], ...]
     stage_s: tuple[float, ...]  # forward+backward seconds of one microbatch per stage
-    memory_gib: tuple[float, ...]
+    max_m: int  # most microbatches per replica whose activations fit (max_microbatches)
+    line: Line = (0.0, 0.0)  # affine(stage_s, the plan's schedule)
 
     @property
     def pp(self) -> int:
@@ -60,18 +95,16 @@ class GroupOption:
         return len(self.splits)
 
 
-def affine(stage_s: list[float] | tuple[float, ...], schedule: str) -> tuple[float, float]:
+def affine(stage_s: list[float] | tuple[float, ...], schedule: str) -> Line:
     """``(a, b)`` with pipeline time ``a + b·M`` for ``M`` microbatches (cost.pipeline_time_s)."""
     one, _ = cost.pipeline_time_s(list(stage_s), [], 1, schedule)
     two, _ = cost.pipeline_time_s(list(stage_s), [], 2, schedule)
     return one - (two - one), two - one
 
 
-def split_time(lines: tuple[tuple[float, float], tuple[float, float]], m0: int,
-               m1: int) -> float:
-    """Pipelined seconds of a step with ``m0`` / ``m1`` microbatches per replica."""
-    (a0, b0), (a1, b1) = lines
-    return max(a0 + b0 * m0, a1 + b1 * m1)
+def split_time(lines: Sequence[Line], *ms: int) -> float:
+    """Pipelined seconds of a step with ``ms[g]`` microbatches per replica of group ``g``."""
+    return max(a + b * m for (a, b), m in zip(lines, ms, strict=True))
 
 
 def feasible_splits(total: int, dp0: int, dp1: int) -> list[tuple[int, int]]:
@@ -99,11 +132,11 @@ def feasible_progression(total: int, dp0: int, dp1: int) -> tuple[int, int, int]
     return first, step, first + (top - first) // step * step
 
 
-def best_split(lines: tuple[tuple[float, float], tuple[float, float]], total: int, dp0: int,
+def best_split(lines: tuple[Line, Line], total: int, dp0: int,
                dp1: int) -> tuple[int, int] | None:
-    """The fastest feasible split, from the crossing of the two affine lines (module doc):
-    the step time is convex in ``M_1``, so the feasible values next to the crossing are the
-    only candidates (found by arithmetic: the work does not grow with ``total``)."""
+    """The fastest feasible split between two groups, from the crossing of their affine
+    lines: the step time is convex in ``M_1``, so the feasible values next to the crossing
+    are the only candidates (found by arithmetic: the work does not grow with ``total``)."""
     prog = feasible_progression(total, dp0, dp1)
     if prog is None:
         return None
@@ -118,6 +151,110 @@ def best_split(lines: tuple[tuple[float, float], tuple[float, float]], total: in
     return min(splits, key=lambda s: (split_time(lines, *s), s[1]))
 
 
+def most_within(line: Line, t: float, cap: int) -> int:
+    """The most microbatches ``m <= cap`` with ``a + b·m <= t`` (``floor((t − a)/b)``, made
+    consistent with that float expression; 0 when not even one fits)."""
+    a, b = line
+    m = min(cap, max(0, math.floor((t - a) / b)))
+    while m < cap and a + b * (m + 1) <= t:
+        m += 1
+    while m > 0 and a + b * m > t:
+        m -= 1
+    return m
+
+
+def relaxed_time(lines: Sequence[Line], dps: Sequence[int], total: int,
+                 caps: Sequence[int]) -> float:
+    """A lower bound on the best step time: the continuous relaxation (real ``M_g >= 0``,
+    ``Σ dp_g·M_g = total``, ``M_g <= cap_g``), where every uncapped group ends at the same
+    ``T`` (water-filling: a group whose cap binds takes its cap, the rest share the remainder
+    in proportion to their speeds ``dp/b``), and at least every group's one-microbatch time."""
+    capped: set[int] = set()
+    t = 0.0
+    while True:
+        free = [g for g in range(len(lines)) if g not in capped]
+        left = total - sum(dps[g] * caps[g] for g in capped)
+        if not free:
+            t = max(lines[g][0] + lines[g][1] * caps[g] for g in capped)
+            break
+        speed = sum(dps[g] / lines[g][1] for g in free)
+        t = (left + sum(dps[g] * lines[g][0] / lines[g][1] for g in free)) / speed
+        over = [g for g in free if (t - lines[g][0]) / lines[g][1] > caps[g]]
+        if not over:
+            break
+        capped.update(over)
+    return max(t, *(a + b for a, b in lines))
+
+
+def _take_back(excess: int, dps: Sequence[int], room: Sequence[int]) -> list[int] | None:
+    """``r`` with ``Σ dps[g]·r[g] = excess`` and ``0 <= r[g] <= room[g]``, or None when there
+    is none: an exact bounded coin check on a bitset (bit ``e`` set: ``e`` is reachable), each
+    group's count split into powers of two (0/1 items), then walked back for the counts."""
+    for g, (dp, top) in enumerate(zip(dps, room, strict=True)):  # one group absorbs it all
+        if excess % dp == 0 and excess // dp <= top:
+            return [excess // dp if h == g else 0 for h in range(len(dps))]
+    mask = (1 << (excess + 1)) - 1
+    reach = 1
+    items: list[tuple[int, int, int]] = []  # (group, count, reach before the item)
+    for g, (dp, top) in enumerate(zip(dps, room, strict=True)):
+        left, chunk = min(top, excess // dp), 1
+        while left > 0:
+            take = min(chunk, left)
+            items.append((g, take, reach))
+            reach |= (reach << (take * dp)) & mask
+            left, chunk = left - take, chunk * 2
+    if not reach >> excess & 1:
+        return None
+    r, e = [0] * len(dps), excess
+    for g, take, before in reversed(items):
+        if not before >> e & 1:
+            e -= take * dps[g]
+            r[g] += take
+    return r
+
+
+def _split_at(dps: Sequence[int], total: int, us: Sequence[int]) -> tuple[int, ...] | None:
+    """A split with ``1 <= M_g <= us[g]`` summing to ``total`` (``us``: the most each group
+    takes at some step time), or None."""
+    excess = sum(dp * u for dp, u in zip(dps, us, strict=True)) - total
+    if min(us) < 1 or excess < 0:
+        return None
+    r = _take_back(excess, dps, [u - 1 for u in us])
+    return None if r is None else tuple(u - k for u, k in zip(us, r, strict=True))
+
+
+def best_split_n(lines: Sequence[Line], dps: Sequence[int], total: int,
+                 caps: Sequence[int] | None = None) -> tuple[int, ...] | None:
+    """The fastest split ``M`` (microbatches per replica of each group, ``1 <= M_g <=
+    caps[g]``, ``Σ dps[g]·M_g = total``), or None when there is none (module docstring):
+    the breakpoints ``a_g + b_g·m`` from :func:`relaxed_time` up, in order, the first whose
+    per-group maxima admit an exact split (:func:`_split_at`)."""
+    k = len(lines)
+    caps = [min(c, max(1, (total - sum(dps) + dp) // dp))
+            for c, dp in zip(caps or [total] * k, dps, strict=True)]
+    if total < sum(dps) or total % math.gcd(*dps) or min(caps) < 1:
+        return None
+    t = relaxed_time(lines, dps, total, caps) * (1 - 1e-12)
+    us = [most_within(line, t, c) for line, c in zip(lines, caps, strict=True)]
+    ahead = [(lines[g][0] + lines[g][1] * (us[g] + 1), g) for g in range(k) if us[g] < caps[g]]
+    heapq.heapify(ahead)
+    for _ in range(MAX_WALK):
+        if sum(dp * u for dp, u in zip(dps, us, strict=True)) - total > MAX_EXCESS:
+            return None
+        got = _split_at(dps, total, us)
+        if got is not None:
+            return got
+        if not ahead:
+            return None
+        t = ahead[0][0]
+        while ahead and ahead[0][0] <= t:  # every group with a breakpoint at t moves up
+            _, g = heapq.heappop(ahead)
+            us[g] = most_within(lines[g], t, caps[g])
+            if us[g] < caps[g]:
+                heapq.heappush(ahead, (lines[g][0] + lines[g][1] * (us[g] + 1), g))
+    return None
+
+
 def _idle_pools(plan: Plan, inv: ClusterInventory) -> list[tuple[Pool, tuple[str, ...]]]:
     used = set(plan.nodes())
     out = []
@@ -130,9 +267,9 @@ def _idle_pools(plan: Plan, inv: ClusterInventory) -> list[tuple[Pool, tuple[str
 
 def tp_runs(plan: Plan) -> list[tuple[int, int, int]]:
     """``(tp, layer_start, layer_end)`` of the plan's maximal runs of consecutive stages with
-    one TP degree: an extra group's stages stay inside one run each, so every layer (and the
-    embedding on the first stage, the head on the last) has the same TP in both groups, as the
-    runtime's per-shard gradient sum needs (``support.replica_group_errors``)."""
+    one TP degree: an extra group whose stages stay inside one run each gives every layer (and
+    the embedding on the first stage, the head on the last) the TP it has in group 0, so the
+    runtime sums whole shards between the groups."""
     runs: list[tuple[int, int, int]] = []
     for st in plan.stages:
         if runs and runs[-1][0] == st.tp:
@@ -154,37 +291,106 @@ def _run_splits(runs: list[tuple[int, int, int]], per_run: int
     return tuple(splits), tuple(tps)
 
 
+def stage_memory_bytes(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequence[int],
+                       dp: int, m: int) -> list[float]:
+    """Peak bytes per device of each stage of an extra group of ``dp`` replicas running ``m``
+    microbatches per replica (``cost.stage_memory`` with the plan's schedule)."""
+    pp = len(splits)
+    return [cost.stage_memory(plan.model, plan.training, tp=tp, dp=dp,
+                              micro_batch=plan.micro_batch, first=s == 0, last=s == pp - 1,
+                              **cost.schedule_memory_args(s, pp, m, plan.schedule)
+                              ).bytes_for(b - a)
+            for s, ((a, b), tp) in enumerate(zip(splits, tps, strict=True))]
+
+
+def max_microbatches(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequence[int],
+                     dp: int, device: DeviceSpec, top: int,
+                     memo: dict[tuple, cost.StageMemory] | None = None) -> int:
+    """The most microbatches per replica ``<= top`` with which every stage fits ``device``'s
+    memory (with the search's headroom); 0 when not even one does. A stage's memory does not
+    decrease with ``m`` and stops growing at ``m = pp`` except under GPipe (every microbatch
+    in flight), so checks at 1 and at ``pp`` (GPipe: ``top``) usually settle it; else
+    bisection. ``memo``: stage memory models by their arguments, shared between calls (they
+    depend on the plan's model and training only otherwise)."""
+    limit = device.hbm_bytes * cost.MEMORY_HEADROOM
+    pp = len(splits)
+    memo = {} if memo is None else memo
+
+    def stage(s: int, tp: int, m: int) -> cost.StageMemory:
+        args = cost.schedule_memory_args(s, pp, m, plan.schedule)
+        key = (tp, dp, s == 0, s == pp - 1, *args.values())
+        if key not in memo:
+            memo[key] = cost.stage_memory(plan.model, plan.training, tp=tp, dp=dp,
+                                          micro_batch=plan.micro_batch, first=s == 0,
+                                          last=s == pp - 1, **args)
+        return memo[key]
+
+    def fits(m: int) -> bool:  # every stage, the first that does not fit ends the check
+        return all(stage(s, tp, m).bytes_for(b - a) <= limit
+                   for s, ((a, b), tp) in enumerate(zip(splits, tps, strict=True)))
+
+    if not fits(1):  # most shallow pipelines of a large model: one check
+        return 0
+    hi = top if plan.schedule == "gpipe" else min(top, pp)
+    if fits(hi):
+        return top
+    lo = 1  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def group_options(plan: Plan, inv: ClusterInventory) -> list[GroupOption]:
     """Every extra group that fits memory on one pool's idle nodes (all of them): ``R``
-    pipelines whose stages follow the plan's TP runs (:func:`tp_runs`), each run cut into
-    1, 2, ... stages, at most :data:`MAX_GROUP_STAGES` stages deep."""
+    pipelines whose stages follow the plan's TP runs (:func:`tp_runs`, each run cut into 1, 2,
+    ... stages) or have one TP degree throughout (:func:`pool_tps`; the runtime sums each piece
+    of a parameter between the ranks holding it, whatever their TP), at most
+    :data:`MAX_GROUP_STAGES` stages deep, per layout the :data:`MAX_FITTING_DEPTHS` shallowest
+    that fit."""
     if plan.groups:
         return []
-    runs = tp_runs(plan)
-    model, t = plan.model, plan.training
-    longest = max(b - a for _, a, b in runs)
+    layouts = [tp_runs(plan)]
+    layouts += [[(tp, 0, plan.model.layers)] for tp in pool_tps(plan, None)
+                if layouts[0] != [(tp, 0, plan.model.layers)]]
     out = []
+    memo: dict[tuple, cost.StageMemory] = {}
     for pool, idle in _idle_pools(plan, inv):
-        if any(pool.gpus_per_node % tp or tp & (tp - 1) for tp, _, _ in runs):
-            continue  # TP blocks of powers of two dividing the node pack without straddling
-        gpus = len(idle) * pool.gpus_per_node
-        for per_run in range(1, longest + 1):
-            splits, tps = _run_splits(runs, per_run)
-            pp = len(splits)
-            dp = gpus // sum(tps)
-            if dp < 1 or pp > MAX_GROUP_STAGES:
-                break
-            times, mems = group_stage_s(plan, splits, tps, pool.device), []
-            for s, ((a, b), tp) in enumerate(zip(splits, tps, strict=True)):
-                mem = cost.stage_memory(model, t, tp=tp, dp=dp, micro_batch=plan.micro_batch,
-                                        first=s == 0, last=s == pp - 1,
-                                        **cost.schedule_memory_args(
-                                            s, pp, plan.num_microbatches, plan.schedule))
-                mems.append(mem.bytes_for(b - a))
-            if max(mems) > pool.device.hbm_bytes * cost.MEMORY_HEADROOM:
+        for runs in layouts:
+            if not all(tp in pool_tps(plan, pool) for tp, _, _ in runs):
                 continue
-            out.append(GroupOption(pool, idle, tps, dp, splits, tuple(times),
-                                   tuple(m / cost.GIB for m in mems)))
+            out += _layout_options(plan, pool, idle, runs, memo)
+    return out
+
+
+def pool_tps(plan: Plan, pool: Pool | None) -> list[int]:
+    """TP degrees an extra group may use (on ``pool``; None: any 8-GPU node): powers of two
+    dividing the node size, so TP blocks pack without straddling a node, and dividing the
+    attention heads (the KV heads divide them or them it), as the search's ``_tp_options``."""
+    gpn = pool.gpus_per_node if pool is not None else 8
+    m = plan.model
+    return [tp for tp in (1, 2, 4, 8, 16, 32, 64) if tp <= gpn and gpn % tp == 0
+            and m.heads % tp == 0 and (m.kv_heads % tp == 0 or tp % m.kv_heads == 0)]
+
+
+def _layout_options(plan: Plan, pool: Pool, idle: tuple[str, ...],
+                    runs: list[tuple[int, int, int]], memo: dict[tuple, cost.StageMemory]
+                    ) -> list[GroupOption]:
+    """The options of one TP layout on ``pool``'s idle nodes (:func:`group_options`)."""
+    total = plan.dp * plan.num_microbatches
+    gpus = len(idle) * pool.gpus_per_node
+    out: list[GroupOption] = []
+    for per_run in range(1, max(b - a for _, a, b in runs) + 1):
+        splits, tps = _run_splits(runs, per_run)
+        dp = gpus // sum(tps)
+        if dp < 1 or len(splits) > MAX_GROUP_STAGES or len(out) >= MAX_FITTING_DEPTHS:
+            break
+        top = (total - plan.dp) // dp  # group 0 keeps at least one microbatch
+        most = max_microbatches(plan, splits, tps, dp, pool.device, top, memo) if top else 0
+        if most >= 1:
+            stage_s = tuple(group_stage_s(plan, splits, tps, pool.device))
+            out.append(GroupOption(pool, idle, tps, dp, splits, stage_s, most,
+                                   affine(stage_s, plan.schedule)))
     return out
 
 
@@ -215,6 +421,13 @@ def cross_dc_sync_s(plan: Plan, inv: ClusterInventory, option: GroupOption) -> f
     return _sync_to(plan, inv, option.pool.datacenter)
 
 
+def groups_sync_s(plan: Plan, inv: ClusterInventory, datacenters: Sequence[str]) -> float:
+    """:func:`cross_dc_sync_s` of extra groups in ``datacenters``: charged once per
+    datacenter the plan does not use (its groups' gradients are summed inside it first, then
+    cross the link once through its leader), summed over those datacenters (not overlapped)."""
+    return sum(_sync_to(plan, inv, dc) for dc in dict.fromkeys(datacenters))
+
+
 def _sync_to(plan: Plan, inv: ClusterInventory, dc: str) -> float:
     """:func:`cross_dc_sync_s` for an extra group in datacenter ``dc``."""
     if dc in plan.datacenters:
@@ -224,34 +437,45 @@ def _sync_to(plan: Plan, inv: ClusterInventory, dc: str) -> float:
     return cost.ring_all_reduce_s(nbytes, 2, link.gbytes, link.latency_ms / 1000)
 
 
-def evaluate(plan: Plan, option: GroupOption, inv: ClusterInventory | None = None
-             ) -> tuple[float, tuple[int, int]] | None:
-    """``(predicted step seconds, (M_0, M_1))`` of ``plan`` plus ``option`` at its best split
-    (plus :func:`cross_dc_sync_s` when ``inv`` is given)."""
-    lines = (affine([s.time_ms / 1000 for s in plan.stages], plan.schedule),
-             affine(option.stage_s, plan.schedule))
-    total = plan.dp * plan.num_microbatches
-    split = best_split(lines, total, plan.dp, option.dp)
+def evaluate_groups(plan: Plan, options: Sequence[GroupOption],
+                    inv: ClusterInventory | None = None
+                    ) -> tuple[float, tuple[int, ...]] | None:
+    """``(predicted step seconds, (M_0, M_1, ...))`` of ``plan`` (group 0) plus ``options``
+    at their best split (:func:`best_split_n`), plus :func:`groups_sync_s` when ``inv`` is
+    given; None when no split gives every group a microbatch."""
+    lines = [affine([s.time_ms / 1000 for s in plan.stages], plan.schedule),
+             *(o.line for o in options)]
+    split = best_split_n(lines, [plan.dp, *(o.dp for o in options)],
+                         plan.dp * plan.num_microbatches,
+                         [plan.num_microbatches, *(o.max_m for o in options)])
     if split is None:
         return None
     a0, b0 = lines[0]
     rest = plan.predicted.step_time_s - (a0 + b0 * plan.num_microbatches)
-    sync = cross_dc_sync_s(plan, inv, option) if inv is not None else 0.0
+    sync = (groups_sync_s(plan, inv, [o.pool.datacenter for o in options])
+            if inv is not None else 0.0)
     return rest + sync + split_time(lines, *split), split
+
+
+def evaluate(plan: Plan, option: GroupOption, inv: ClusterInventory | None = None
+             ) -> tuple[float, tuple[int, ...]] | None:
+    """:func:`evaluate_groups` with one extra group."""
+    return evaluate_groups(plan, [option], inv)
 
 
 def grouped_step_s(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> float | None:
     """The predicted step time of the grouped ``plan`` (its layouts and batch split unchanged)
-    on ``inv``, e.g. with refined device profiles: what :func:`with_group` predicted, every
-    stage re-timed. Group 0 is priced as the search priced the plan before the group was
-    added (its stages, boundaries and DP sync at ``M = (dp_0·M_0 + dp_1·M_1)/dp_0``
-    microbatches: ``planner.split_costs``), group 1 by :func:`group_stage_s`; the step is
-    group 0's time outside its pipelined stages, the gradient sum over a datacenter link, and
-    the later of the two groups' pipelines. None when group 0's stages no longer fit."""
+    on ``inv``, e.g. with refined device profiles: what :func:`with_groups` predicted, every
+    stage re-timed. Group 0 is priced as the search priced the plan before the groups were
+    added (its stages, boundaries and DP sync at ``M = Σ_g dp_g·M_g / dp_0`` microbatches:
+    ``planner.split_costs``), every other group by :func:`group_stage_s` on its pool's device;
+    the step is group 0's time outside its pipelined stages, the gradient sum over datacenter
+    links (:func:`groups_sync_s`) and the latest group's pipeline. None when group 0's stages
+    no longer fit."""
     from hettrain.planning.planner import split_costs  # the planner imports this module
 
-    g0, g1 = plan.groups
-    m_orig, rem = divmod(g0.microbatches + g1.microbatches, g0.dp)
+    g0, extra = plan.groups[0], plan.groups[1:]
+    m_orig, rem = divmod(sum(g.microbatches for g in plan.groups), g0.dp)
     if rem:
         return None
     base = replace(plan, groups=(), num_microbatches=m_orig,
@@ -262,99 +486,207 @@ def grouped_step_s(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> float | 
     stage_s0, boundaries, dp_s = costs
     pipe, _ = cost.pipeline_time_s(stage_s0, boundaries, m_orig, plan.schedule,
                                    plan.virtual_stages)
-    line0 = affine(stage_s0, plan.schedule)
-    device = inv.pool(g1.stages[0].pools[0]).device
-    line1 = affine(group_stage_s(plan, [(s.layer_start, s.layer_end) for s in g1.stages],
-                                 [s.tp for s in g1.stages], device), plan.schedule)
-    rest = pipe + dp_s - (line0[0] + line0[1] * m_orig)
-    sync = _sync_to(base, inv, g1.stages[0].datacenters[0])
-    return rest + sync + split_time((line0, line1), g0.num_microbatches, g1.num_microbatches)
+    lines = [affine(stage_s0, plan.schedule)]
+    for g in extra:
+        device = inv.pool(g.stages[0].pools[0]).device
+        lines.append(affine(group_stage_s(plan, [(s.layer_start, s.layer_end) for s in g.stages],
+                                          [s.tp for s in g.stages], device), plan.schedule))
+    rest = pipe + dp_s - (lines[0][0] + lines[0][1] * m_orig)
+    sync = groups_sync_s(base, inv, [g.stages[0].datacenters[0] for g in extra])
+    return rest + sync + split_time(lines, *(g.num_microbatches for g in plan.groups))
 
 
-def add_replica_group(plan: Plan, inv: ClusterInventory) -> Plan:
-    """``plan`` with the extra replica group that makes the modelled step fastest, or ``plan``
-    itself when none makes it faster (or it already has groups)."""
-    best = _fastest(plan, inv, group_options(plan, inv))
-    return plan if best is None else with_group(plan, inv, best[1], best[2], best[0])
+def _gpus(option: GroupOption) -> int:
+    return option.dp * sum(option.tps)
 
 
-def _fastest(plan: Plan, inv: ClusterInventory, options: list[GroupOption]
-             ) -> tuple[float, GroupOption, tuple[int, int]] | None:
-    """``(step seconds, option, split)`` of the option that makes the modelled step fastest,
-    or None when none makes it faster than ``plan``'s."""
-    best: tuple[float, GroupOption, tuple[int, int]] | None = None
-    for option in options:
-        got = evaluate(plan, option, inv)
-        if got is not None and (best is None or got[0] < best[0]):
-            best = (got[0], option, got[1])
-    if best is None or not best[0] < plan.predicted.step_time_s * (1 - 1e-9):
-        return None
-    return best
+def greedy_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption],
+                  max_gpus: int | None = None
+                  ) -> tuple[list[GroupOption], tuple[float, tuple[int, ...]] | None]:
+    """The extra groups :func:`add_replica_groups` adds (module docstring): rounds that each
+    add the option (on a pool no chosen group uses) making the modelled step fastest, while
+    it gets faster and the job stays within ``max_gpus``; with ``(step seconds, split)`` of
+    the last round (None when no group is added)."""
+    chosen: list[GroupOption] = []
+    best: tuple[float, tuple[int, ...]] | None = None
+    gpus = plan.world_size
+    while True:
+        pools = {o.pool.name for o in chosen}
+        found: tuple[float, GroupOption, tuple[int, ...]] | None = None
+        for option in options:
+            if option.pool.name in pools or (
+                    max_gpus is not None and gpus + _gpus(option) > max_gpus):
+                continue
+            got = evaluate_groups(plan, [*chosen, option], inv)
+            if got is not None and (found is None or got[0] < found[0]):
+                found = (got[0], option, got[1])
+        now = plan.predicted.step_time_s if best is None else best[0]
+        if found is None or not found[0] < now * (1 - 1e-9):
+            return chosen, best
+        chosen.append(found[1])
+        gpus += _gpus(found[1])
+        best = (found[0], found[2])
+
+
+def add_replica_groups(plan: Plan, inv: ClusterInventory, max_gpus: int | None = None) -> Plan:
+    """``plan`` with the extra replica groups :func:`greedy_groups` picks, or ``plan`` itself
+    when none makes the modelled step faster (or it already has groups)."""
+    chosen, best = greedy_groups(plan, inv, group_options(plan, inv), max_gpus)
+    return plan if best is None else with_groups(plan, inv, chosen, best[1], best[0])
 
 
 def _place_group(option: GroupOption) -> list[tuple[tuple[int, int, int], str, int]]:
-    """``((dp, stage, tp index), node, local GPU)`` of every rank of the group, in (replica,
-    stage, TP) order. The stages' TP blocks are packed onto the idle nodes widest first: the
-    widths are powers of two dividing the node size, so each block starts at a multiple of
-    its width and never straddles a node (a TP group stays on one node's fast links)."""
+    """``((dp, stage, tp index), node, local GPU)`` of every rank of the group, in node and
+    GPU order (a node's ranks are consecutive: one pod each, ``manifests.build_pods``). The
+    stages' TP blocks are packed onto the idle nodes widest first: the widths are powers of
+    two dividing the node size, so each block starts at a multiple of its width and never
+    straddles a node (a TP group stays on one node's fast links)."""
     blocks = sorted(((tp, d, st) for d in range(option.dp)
                      for st, tp in enumerate(option.tps)), key=lambda b: -b[0])
     gpn = option.pool.gpus_per_node
-    where: dict[tuple[int, int, int], tuple[str, int]] = {}
+    where: list[tuple[int, tuple[int, int, int]]] = []  # (GPU offset, coordinate)
     offset = 0
     for tp, d, st in blocks:
-        for t in range(tp):
-            where[(d, st, t)] = (option.nodes[(offset + t) // gpn], (offset + t) % gpn)
+        where += [(offset + t, (d, st, t)) for t in range(tp)]
         offset += tp
-    return [(key, *where[key]) for key in sorted(where)]
+    return [(key, option.nodes[at // gpn], at % gpn) for at, key in sorted(where)]
 
 
-def with_group(plan: Plan, inv: ClusterInventory, option: GroupOption,
-               split: tuple[int, int], step_time_s: float) -> Plan:
-    """The grouped plan: group 0 = ``plan`` at ``M_0``, group 1 = ``option`` at ``M_1``."""
-    m0, m1 = split
+def _group_stages(plan: Plan, option: GroupOption, m: int) -> tuple[StagePlan, ...]:
+    """The stages of ``option``'s pipeline, their memory at ``m`` microbatches per replica."""
     pool = option.pool
-    stages = tuple(StagePlan(
+    mems = stage_memory_bytes(plan, option.splits, option.tps, option.dp, m)
+    return tuple(StagePlan(
         index=s, device=pool.device.name, vendor=pool.vendor, backend=pool.device.backend,
         pools=(pool.name,), datacenters=(pool.datacenter,), layer_start=a, layer_end=b,
-        tp=option.tps[s], memory_gib=option.memory_gib[s],
+        tp=option.tps[s], memory_gib=mems[s] / cost.GIB,
         capacity_gib=pool.device.hbm_gib, time_ms=option.stage_s[s] * 1000,
         has_embedding=s == 0, has_head=s == option.pp - 1)
         for s, (a, b) in enumerate(option.splits))
+
+
+def with_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption],
+                split: Sequence[int], step_time_s: float) -> Plan:
+    """The grouped plan: group 0 = ``plan`` at ``split[0]`` microbatches per replica, group
+    ``g >= 1`` = ``options[g - 1]`` at ``split[g]``, its ranks after the plan's."""
     ranks = list(plan.ranks)
-    for (d, st, t), node, local in _place_group(option):
-        ranks.append(RankPlan(rank=len(ranks), node=node, pool=pool.name,
-                              datacenter=pool.datacenter, local_rank=local, stage=st, dp=d,
-                              tp=t, group=1))
-    used = {r.node for r in ranks[plan.world_size:]}
-    groups = (ReplicaGroup(0, plan.dp, plan.pp, m0, plan.stages),
-              ReplicaGroup(1, option.dp, option.pp, m1, stages))
+    groups = [ReplicaGroup(0, plan.dp, plan.pp, split[0], plan.stages)]
+    notes = []
+    for g, (option, m) in enumerate(zip(options, split[1:], strict=True), start=1):
+        first = len(ranks)
+        for (d, st, t), node, local in _place_group(option):
+            ranks.append(RankPlan(rank=len(ranks), node=node, pool=option.pool.name,
+                                  datacenter=option.pool.datacenter, local_rank=local,
+                                  stage=st, dp=d, tp=t, group=g))
+        groups.append(ReplicaGroup(g, option.dp, option.pp, m, _group_stages(plan, option, m)))
+        notes.append(f"extra replica group {g} on {len({r.node for r in ranks[first:]})} idle "
+                     f"node(s) of pool {option.pool.name}: {option.dp}x pp={option.pp} "
+                     f"tp={'/'.join(map(str, option.tps))}, {m} microbatch(es) per replica")
+    shares = " / ".join(f"{m} (group {gr.index}, {gr.dp} replicas)"
+                        for m, gr in zip(split, groups, strict=True))
+    notes.append(f"replica groups: microbatches per replica {shares}; predicted step "
+                 f"{plan.predicted.step_time_s:.3f}s -> {step_time_s:.3f}s")
     tokens = plan.global_batch * plan.model.seq_len
-    note = (f"extra replica group on {len(used)} idle node(s) of pool {pool.name}: "
-            f"{option.dp}x pp={option.pp} tp={'/'.join(map(str, option.tps))}, "
-            f"microbatches per replica "
-            f"{m0} (group 0, {plan.dp} replicas) / {m1} (group 1); predicted step "
-            f"{plan.predicted.step_time_s:.3f}s -> {step_time_s:.3f}s")
     eb = cost.precision_bytes(plan.training)
     peak = sum(inv.pool(r.pool).device.peak_matmul_flops(eb) for r in ranks)
     mfu = cost.model_flops_per_step(plan.model, plan.global_batch) / (step_time_s * peak)
     # compute and bubble of the group whose pipeline ends last (the step waits for it)
     timed = [(cost.pipeline_time_s(stage_s, [], m, plan.schedule), m, stage_s)
-             for m, stage_s in ((m0, [st.time_ms / 1000 for st in plan.stages]),
-                                (m1, list(option.stage_s)))]
+             for m, stage_s in zip(split, [[st.time_ms / 1000 for st in plan.stages],
+                                           *(list(o.stage_s) for o in options)], strict=True)]
     (_, bubble), m, stage_s = max(timed, key=lambda g: g[0][0])
     predicted = replace(plan.predicted, step_time_s=step_time_s,
                         tokens_per_s=tokens / step_time_s, mfu=mfu,
                         compute_s=m * max(stage_s), bubble_s=bubble)
-    return replace(plan, num_microbatches=m0, ranks=tuple(ranks), groups=groups,
-                   predicted=predicted, notes=(*plan.notes, note))
+    return replace(plan, num_microbatches=split[0], ranks=tuple(ranks), groups=tuple(groups),
+                   predicted=predicted, notes=(*plan.notes, *notes))
 
 
-def plan_with_replica_group(plan: Plan, spec: JobSpec, inventory: ClusterInventory) -> Plan:
-    """``spec.parallelism.replicaGroups``: :func:`add_replica_group` on the pools
-    ``spec.placement`` allows, kept only when the runtime can run it
-    (``support.replica_group_errors``) and it stays within ``maxGPUs``; otherwise ``plan``,
-    with a note naming the idle pools and why they stay idle."""
+def _idle_reason(plan: Plan, inv: ClusterInventory, grouped: Plan,
+                 chosen: Sequence[GroupOption], options: Sequence[GroupOption], pool: str,
+                 cap: int | None) -> str:
+    """Why ``pool``'s idle nodes get no replica group in ``grouped``."""
+    mine = [o for o in options if o.pool.name == pool]
+    if not mine and plan.num_microbatches == 1:
+        return (f"the step's {plan.dp} microbatches are one per replica of group 0: no "
+                "microbatch is left for another group (a larger global batch would leave some)")
+    if not mine:
+        tps = "/".join(str(tp) for tp, _, _ in tp_runs(plan))
+        return (f"no pipeline (the plan's TP runs {tps}, or one TP degree) fits their memory "
+                "and node size with the step's microbatches left over")
+    faster = [] if cap is None else [  # without a cap the greedy took every faster one
+        o for o in mine if (got := evaluate_groups(plan, [*chosen, o], inv)) is not None
+        and got[0] < grouped.predicted.step_time_s * (1 - 1e-9)]
+    if faster and cap is not None:
+        need = grouped.world_size + min(_gpus(o) for o in faster)
+        return f"a faster grouped plan needs {need} GPUs > maxGPUs {cap}"
+    return ("an extra group there would not make the modelled step faster (its bubble, or "
+            "the gradient sum over a datacenter link, costs more than it adds)")
+
+
+def plan_with_replica_group(plan: Plan, spec: JobSpec, inventory: ClusterInventory,
+                            previous: Plan | None = None) -> Plan:
+    """``spec.parallelism.replicaGroups``: the faster of ``plan`` with extra groups on its
+    idle nodes (:func:`groups_on_idle`) and the :func:`per_pool_plans` layouts (group 0
+    searched on one pool alone, the other pools' nodes as extra groups): every pool for a
+    first plan; for a re-plan after failures (``previous``), only the pool that held all of
+    ``previous``'s group 0, if one did (its per-pool layout stays one, not a search over every
+    pool)."""
+    grouped = groups_on_idle(plan, spec, inventory)
+    only = None
+    if previous is not None:
+        home = {p for s in (previous.groups[0].stages if previous.groups else ()) for p in s.pools}
+        if len(home) != 1:
+            return grouped
+        only = home.pop()
+    for alt in per_pool_plans(plan, spec, inventory, only):
+        if alt.predicted.step_time_s < grouped.predicted.step_time_s * (1 - 1e-9):
+            grouped = alt
+            if previous is not None:
+                grouped = replace(grouped, notes=(
+                    *grouped.notes, f"re-plan: {moved_ranks(previous, grouped.ranks)} of "
+                    f"{len(grouped.ranks)} ranks change stage"))
+    return grouped
+
+
+def per_pool_plans(plan: Plan, spec: JobSpec, inventory: ClusterInventory,
+                   only: str | None = None) -> list[Plan]:
+    """For each pool ``spec.placement`` allows (``only``: that pool alone; not a pool ``plan``
+    uses alone): the search's plan on that pool alone (``planner.plan_job``, the spec's pins
+    and caps) as group 0, with :func:`groups_on_idle` on every other pool's nodes -- one
+    replica group per pool, shares by speed; only those that got a group. The search over all
+    pools places pools as pipeline stages of one layout; this places them side by side."""
+    from hettrain.planning.errors import PlanningError
+    from hettrain.planning.planner import plan_job  # the planner imports this module
+
+    allowed = filter_pools(inventory, spec.placement)
+    solo = replace(spec, parallelism=replace(spec.parallelism, replica_groups=False))
+    out = []
+    for pool in allowed if len(allowed) > 1 else ():
+        if plan.pools == (pool.name,) or only not in (None, pool.name):
+            continue
+        sub = replace(solo, placement=replace(spec.placement, pools=(pool.name,)))
+        try:
+            base = plan_job(plan.job, sub, inventory)
+        except PlanningError:
+            continue
+        # the other pools are not idle for this layout: they get the groups
+        base = replace(base, notes=tuple(n for n in base.notes
+                                         if not (n.startswith("pool ") and " idle: " in n)))
+        grouped = groups_on_idle(base, spec, inventory)
+        if grouped.groups:
+            out.append(replace(grouped, notes=(
+                *grouped.notes, f"replica groups: group 0 searched on pool {pool.name} alone "
+                f"({grouped.predicted.step_time_s:.3f}s; the search over every pool: "
+                f"{plan.predicted.step_time_s:.3f}s)")))
+    return out
+
+
+def groups_on_idle(plan: Plan, spec: JobSpec, inventory: ClusterInventory) -> Plan:
+    """:func:`add_replica_groups` on the pools ``spec.placement`` allows, within ``maxGPUs``,
+    kept only when the runtime can run it (``support.replica_group_errors``), its predicted
+    step :func:`grouped_step_s`'s; a note names the idle pools left and why they stay idle
+    (with no group: the plan itself, with that note)."""
     mode = (plan.cross_dc or {}).get("mode", "sync")
     why = ("the interleaved schedule" if plan.schedule == "interleaved"
            else "context parallelism" if any(s.cp > 1 for s in plan.stages)
@@ -363,24 +695,34 @@ def plan_with_replica_group(plan: Plan, spec: JobSpec, inventory: ClusterInvento
     idle = [p.name for p, _ in _idle_pools(plan, allowed)]
     if not idle:
         return plan
-    if not why:
-        options = group_options(plan, allowed)
-        best = _fastest(plan, allowed, options)
-        grouped = None if best is None else with_group(plan, allowed, best[1], best[2], best[0])
-        cap = spec.placement.max_gpus
-        errors = replica_group_errors(grouped) if grouped is not None else []
-        if not options:
-            tps = "/".join(str(tp) for tp, _, _ in tp_runs(plan))
-            why = (f"no pipeline with the plan's TP runs ({tps}) fits their memory and node "
-                   "size")
-        elif grouped is None:
-            why = ("an extra group would not make the modelled step faster (its bubble, or "
-                   "the gradient sum over a datacenter link, costs more than it adds)")
-        elif cap is not None and grouped.world_size > cap:
-            why = f"the faster grouped plan needs {grouped.world_size} GPUs > maxGPUs {cap}"
-        elif errors:
-            why = f"the runtime cannot run the grouped plan ({errors[0]})"
-        else:
-            return grouped
+    if why:
+        return _idle_note(plan, idle, why)
+    cap = spec.placement.max_gpus
+    options = group_options(plan, allowed)
+    chosen, best = greedy_groups(plan, allowed, options, cap)
+    grouped = plan
+    if best is not None:
+        grouped = with_groups(plan, allowed, chosen, best[1], best[0])
+        # the same step priced from the search's unrounded stage times (``time_ms`` keeps
+        # 1 ns), so the plan's prediction is what calibration's grouped_step_s computes
+        exact = grouped_step_s(spec, allowed, grouped)
+        if exact is not None:
+            grouped = with_groups(plan, allowed, chosen, best[1], exact)
+    errors = replica_group_errors(grouped)
+    if errors:
+        return _idle_note(plan, idle, f"the runtime cannot run the grouped plan ({errors[0]})")
+    used = {o.pool.name for o in chosen}
+    by_why: dict[str, list[str]] = {}
+    for pool in idle:
+        if pool not in used:
+            reason = _idle_reason(plan, allowed, grouped, chosen, options, pool, cap)
+            by_why.setdefault(reason, []).append(pool)
+    for reason, pools in by_why.items():
+        grouped = _idle_note(grouped, pools, reason)
+    return grouped
+
+
+def _idle_note(plan: Plan, pools: Sequence[str], why: str) -> Plan:
+    """``plan`` with the note that the idle nodes of ``pools`` stay idle, and why."""
     return replace(plan, notes=(*plan.notes, f"replicaGroups: idle nodes of pool(s) "
-                                f"{', '.join(idle)} stay idle: {why}"))
+                                f"{', '.join(pools)} stay idle: {why}"))

@@ -1,6 +1,6 @@
 """Heterogeneous replica groups (plan.groups) on real gloo processes: losses and updated
-parameters equal the single-process reference on the same global batch; a checkpoint written by
-a 2-group plan resumes on a plain plan."""
+parameters equal the single-process reference on the same global batch (two groups, and three
+across two datacenters); a checkpoint written by a 2-group plan resumes on a plain plan."""
 
 from __future__ import annotations
 
@@ -83,12 +83,19 @@ CASES = {
     # unsharded optimizer
     "two-dcs-no-zero": [{"splits": [(0, 2, "a"), (2, 4, "b")], "dp": 2, "dc": "dc1"},
                         {"splits": [(0, 4, "c")], "dp": 1, "num_microbatches": 4, "dc": "dc2"}],
+    # three groups (what the planner's one-group-per-idle-pool layout builds): pp 2, two pp-1
+    # replicas and a 2+2 pipeline in a second datacenter, shares 6 : 4 : 4 microbatches
+    "three-groups": [{"splits": [(0, 1, "a"), (1, 4, "b")], "dp": 1, "num_microbatches": 6},
+                     {"splits": [(0, 4, "c")], "dp": 2, "num_microbatches": 2},
+                     {"splits": [(0, 2, "d"), (2, 4, "e")], "dp": 1, "num_microbatches": 4,
+                      "dc": "dc2"}],
 }
 # a clip far below the gradient norm: every step is clipped by the global norm, so a norm that
 # counted a parameter twice (or missed one) would change the update
 TRAINING = {"two-dcs-no-zero": {"optimizer_sharding": False}, "2x-plus-1x": {"grad_clip": 0.05},
             "tp2-both": {"grad_clip": 0.05}, "mixed-tp-runs": {"grad_clip": 0.05},
             "tp2-vs-tp1": {"grad_clip": 0.05}, "tp-runs-vs-tp2": {"grad_clip": 0.05},
+            "three-groups": {"grad_clip": 0.05},
             "pp2-vs-pp1": {"validation_interval": 2, "validation_batches": 2}}
 
 

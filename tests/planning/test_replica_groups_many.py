@@ -1,0 +1,296 @@
+"""planning/replica_groups.py with several extra groups: the N-group batch split vs brute force,
+a 4-pool cluster whose plan gets 3 extra groups (valid, priced as an independent recomputation,
+renderable, buildable into pods) and re-planning from it after a failure, and grouped plans on
+random small clusters."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from tests.operator.optest_helpers import hetero_nodes, job_body, make_node
+
+from hettrain.api.spec import parse_job_spec
+from hettrain.planning import cost
+from hettrain.planning.errors import PlanningError
+from hettrain.planning.inventory import inventory_from_nodes, load_cluster
+from hettrain.planning.plan import Plan
+from hettrain.planning.planner import plan_job
+from hettrain.planning.replica_groups import (
+    best_split,
+    best_split_n,
+    group_options,
+    grouped_step_s,
+    relaxed_time,
+    split_time,
+    stage_memory_bytes,
+)
+from hettrain.planning.support import replica_group_errors, unsupported
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import plan_quality as pq
+
+
+def _brute(lines, dps, total, caps):
+    """The least step time over every split (M_1.. enumerated, M_0 what is left), or None."""
+    best = None
+    for ms in itertools.product(*(range(1, c + 1) for c in caps[1:])):
+        rest = total - sum(d * m for d, m in zip(dps[1:], ms, strict=True))
+        if rest < dps[0] or rest % dps[0] or rest // dps[0] > caps[0]:
+            continue
+        t = split_time(lines, rest // dps[0], *ms)
+        best = t if best is None else min(best, t)
+    return best
+
+
+_line = st.tuples(st.floats(0, 2), st.floats(0.01, 1))
+
+
+@settings(max_examples=400, deadline=None)
+@given(groups=st.lists(st.tuples(_line, st.integers(1, 5), st.integers(1, 30)), min_size=1,
+                       max_size=4),
+       total=st.integers(1, 40))
+@example(groups=[((0.0, 1.0), 2, 30), ((0.0, 1.0), 3, 30)], total=6)  # gcd 1, yet no split
+@example(groups=[((0.5, 0.1), 2, 30), ((0.0, 0.3), 4, 30), ((1.0, 0.2), 6, 30)], total=31)
+def test_best_split_n_equals_brute_force(groups, total):
+    lines = [g[0] for g in groups]
+    dps = [g[1] for g in groups]
+    caps = [g[2] for g in groups]
+    want = _brute(lines, dps, total, caps)
+    got = best_split_n(lines, dps, total, caps)
+    if want is None:
+        assert got is None
+        return
+    assert got is not None
+    assert sum(d * m for d, m in zip(dps, got, strict=True)) == total
+    assert all(1 <= m <= c for m, c in zip(got, caps, strict=True))
+    assert split_time(lines, *got) == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert relaxed_time(lines, dps, total, caps) <= want * (1 + 1e-12) + 1e-12
+    if len(groups) == 2 and min(caps) >= total:  # the 2-group arithmetic agrees
+        two = best_split((lines[0], lines[1]), total, dps[0], dps[1])
+        assert two is not None and split_time(lines, *two) == pytest.approx(want, rel=1e-12)
+
+
+def test_best_split_n_of_a_huge_batch_walks_few_breakpoints():
+    # a hostile global batch (issue #16): 10^12 microbatches over 4 groups, no enumeration
+    lines = [(0.5, 0.002), (0.1, 0.003), (0.3, 0.001), (2.0, 0.0005)]
+    dps, total = [64, 6, 7, 3], 10**12 + 6
+    got = best_split_n(lines, dps, total)
+    assert got is not None and sum(d * m for d, m in zip(dps, got, strict=True)) == total
+    # within one microbatch of the slowest line of the continuous optimum
+    assert split_time(lines, *got) <= relaxed_time(lines, dps, total, [total] * 4) + 0.003
+    assert best_split_n(lines, [2, 4, 6, 8], total + 1) is None  # odd: no split at all
+
+
+def _nodes(n: int, pool: str, device: str, vendor: str, dc: str = "dc-a") -> list[dict]:
+    return [make_node(f"{pool}-{i:03d}", pool, device, vendor, 8, dc) for i in range(n)]
+
+
+def _four_pools(schedule: str = "auto", global_batch: int = 512, **extra_spec
+                ) -> tuple[Plan, Plan, object, object]:
+    """``plan_job`` without and with replicaGroups on 2 H100 nodes (the search's layout pinned
+    to dp 8 x pp 2 on them) + idle MI300X, A100 and Gaudi2 nodes in the same datacenter."""
+    body = job_body()["spec"]
+    body["parallelism"] = {"tp": 1, "pp": 2, "dp": 8, "schedule": schedule}
+    body["training"] = {**body["training"], "globalBatch": global_batch}  # to share
+    body.update(extra_spec)
+    nodes = (hetero_nodes(2, 0) + _nodes(1, "mi300", "MI300X", "amd")
+             + _nodes(2, "a100", "A100-80GB", "nvidia") + _nodes(1, "gaudi", "Gaudi2", "intel"))
+    inv = inventory_from_nodes(nodes)
+    plain = plan_job("job1", parse_job_spec(body), inv)
+    body["parallelism"]["replicaGroups"] = True
+    spec = parse_job_spec(body)
+    return plain, plan_job("job1", spec, inv), inv, spec
+
+
+def test_a_plan_on_four_pools_gets_three_extra_groups():
+    plain, grouped, inv, spec = _four_pools()
+    assert plain.groups == () and plain.pools == ("h100",)
+    assert len(grouped.groups) >= 3, grouped.notes
+    pools = [g.stages[0].pools[0] for g in grouped.groups]
+    assert len(set(pools)) == len(pools)  # one pool each
+    assert all({s.pools[0] for s in g.stages} == {p} for g, p in zip(
+        grouped.groups, pools, strict=True))
+    # a pool left idle is named, with the reason
+    assert all(any(p in n and "stay idle" in n for n in grouped.notes)
+               for p in {"mi300", "a100", "gaudi"} - set(pools))
+    assert replica_group_errors(grouped) == [] and unsupported(grouped) == []
+    assert Plan.from_json(grouped.to_json()) == grouped
+    assert grouped.global_batch == plain.global_batch == spec.training.global_batch
+    # group 0: the search's plan over every pool, or (per_pool_plans) on its pool alone
+    base = plain
+    if any(n.startswith(f"replica groups: group 0 searched on pool {pools[0]} alone")
+           for n in grouped.notes):
+        base = plan_job("job1", replace(spec, placement=replace(spec.placement, pools=(
+            pools[0],)), parallelism=replace(spec.parallelism, replica_groups=False)), inv)
+    assert base.stages == grouped.stages and base.dp == grouped.dp
+    # the predicted step, recomputed independently: group 0's step outside its pipelined
+    # stages, plus the latest group's pipeline at its microbatches (same datacenter: no
+    # cross-DC sum); time_ms keeps 1 ns, hence the tolerance
+    sched = base.schedule
+    rest = base.predicted.step_time_s - cost.pipeline_time_s(
+        [s.time_ms / 1e3 for s in base.stages], [], base.num_microbatches, sched)[0]
+    pipes = [cost.pipeline_time_s([s.time_ms / 1e3 for s in g.stages], [], g.num_microbatches,
+                                  sched)[0] for g in grouped.groups]
+    assert grouped.predicted.step_time_s == pytest.approx(rest + max(pipes), rel=1e-8)
+    assert grouped.predicted.step_time_s == grouped_step_s(spec, inv, grouped)
+    assert grouped.predicted.tokens_per_s == pytest.approx(
+        grouped.global_batch * grouped.model.seq_len / grouped.predicted.step_time_s)
+    assert grouped.predicted.step_time_s < plain.predicted.step_time_s * 0.9
+    # every extra stage re-timed from the cost model on its device, and within its memory
+    devices = {p.name: p.device for p in inv.pools}
+    for g in grouped.groups[1:]:
+        for s in g.stages:
+            dev = devices[s.pools[0]]
+            want = ((s.layer_end - s.layer_start)
+                    * cost.layer_time_s(spec.model, spec.training, grouped.micro_batch, s.tp, dev)
+                    + (cost.head_time_s(spec.model, grouped.micro_batch, s.tp, dev)
+                       if s.has_head else 0.0))
+            assert s.time_ms == pytest.approx(want * 1e3, rel=1e-12)
+            assert s.memory_gib <= s.capacity_gib * cost.MEMORY_HEADROOM
+    # the split is the best of every split between these groups (brute force)
+    lines = [(pipes_at(g, 1, sched), pipes_at(g, 2, sched) - pipes_at(g, 1, sched))
+             for g in grouped.groups]
+    lines = [(one - b, b) for one, b in lines]
+    total = base.dp * base.num_microbatches
+    best = _brute(lines, [g.dp for g in grouped.groups], total, [total] * len(lines))
+    assert max(pipes) == pytest.approx(best, rel=1e-12)
+
+
+def pipes_at(g, m: int, schedule: str) -> float:
+    """Group ``g``'s pipelined seconds at ``m`` microbatches per replica."""
+    return cost.pipeline_time_s([s.time_ms / 1e3 for s in g.stages], [], m, schedule)[0]
+
+
+def test_a_three_group_plan_renders_and_builds_pods(tmp_path):
+    from hettrain.api import constants as c
+    from hettrain.manifests.builders import JobRef, build_configmap, build_pods
+    from hettrain.render.figure import render_plan_figure
+    from hettrain.render.table import layout_summary, print_plan
+
+    _, grouped, _, spec = _four_pools()
+    n = len(grouped.groups)
+    assert layout_summary(grouped).endswith(f"({n} replica groups)")
+    buf = io.StringIO()
+    print_plan(grouped, file=buf, width=200)
+    assert " / ".join(f"{g.num_microbatches} (group {g.index})" for g in grouped.groups) in (
+        buf.getvalue())
+    render_plan_figure(grouped, tmp_path / "groups.svg")
+    assert f"group {n - 1} stage 0" in (tmp_path / "groups.svg").read_text()
+    job = JobRef("job1", "ns", "u")
+    pods = build_pods(job, spec, grouped, 1, False)
+    assert len(pods) == len(grouped.nodes())
+    groups = {p["metadata"]["labels"][c.LABEL_GROUP] for p in pods}
+    assert groups == {str(g.index) for g in grouped.groups}
+    assert Plan.from_json(build_configmap(job, grouped, 1)["data"][c.PLAN_CONFIGMAP_KEY]) == (
+        grouped)
+
+
+def test_replan_after_a_failure_in_an_extra_group():
+    _, grouped, inv, spec = _four_pools()
+    failed = grouped.group_ranks(2)[0].node  # a node of the second extra group dies
+    survivors = inv.without_nodes([failed])
+    again = plan_job("job1", spec, survivors, previous=grouped)
+    assert failed not in again.nodes()
+    assert again.global_batch == grouped.global_batch
+    assert replica_group_errors(again) == [] and unsupported(again) == []
+    assert len(again.groups) >= 3  # the other idle pools still get their groups
+    assert again.predicted.step_time_s == grouped_step_s(spec, survivors, again)
+    # group 0 searched on one pool alone (per_pool_plans) stays there: its pool lost nothing
+    home = {p for s in grouped.groups[0].stages for p in s.pools}
+    if len(home) == 1 and failed not in {r.node for r in grouped.group_ranks(0)}:
+        assert again.groups[0].stages == grouped.groups[0].stages
+        assert any(n.startswith("re-plan: ") for n in again.notes)
+
+
+def test_max_gpus_stops_adding_groups_and_says_so():
+    # 24 GPUs: the 16 H100s and one 8-GPU node; the A100 pool's group (16 GPUs) would be
+    # faster but does not fit
+    _, capped, _, _ = _four_pools(placement={"maxGPUs": 24})
+    assert len(capped.groups) >= 2 and capped.world_size <= 24
+    assert replica_group_errors(capped) == []
+    assert "a100" not in capped.pools
+    assert any("a100" in n and "stay idle" in n and "> maxGPUs 24" in n
+               for n in capped.notes), capped.notes
+
+
+def test_every_extra_group_option_is_memory_checked_at_its_microbatches():
+    # GPipe keeps every microbatch's activations: an option's cap on microbatches per replica
+    # is where its stages stop fitting (the planner's schedules stop growing at pp)
+    plain, _, inv, _ = _four_pools()
+    gpipe = replace(plain, schedule="gpipe")
+    limit = {p.name: p.device.hbm_bytes * cost.MEMORY_HEADROOM for p in inv.pools}
+    top = (plain.dp * plain.num_microbatches - plain.dp)
+    capped = 0
+    for o in group_options(gpipe, inv):
+        assert o.max_m >= 1
+        mems = stage_memory_bytes(gpipe, o.splits, o.tps, o.dp, o.max_m)
+        assert max(mems) <= limit[o.pool.name]
+        if o.max_m < top // o.dp:
+            capped += 1
+            over = stage_memory_bytes(gpipe, o.splits, o.tps, o.dp, o.max_m + 1)
+            assert max(over) > limit[o.pool.name]
+    assert capped  # some option is limited by its activations
+
+
+@pytest.mark.parametrize("cluster", [15, 25])
+def test_generated_clusters_get_valid_many_group_plans(cluster):
+    # bench/plan_quality's fixed clusters 15 (4 groups) and 25 (mixed TP runs), llama3-8b
+    inv = load_cluster(pq.clusters(40)[cluster])
+    spec = pq.job("llama3-8b", replica_groups=True)
+    plain = plan_job("q", pq.job("llama3-8b"), inv)
+    grouped = plan_job("q", spec, inv)
+    assert len(grouped.groups) >= 2 and replica_group_errors(grouped) == []
+    assert grouped.predicted.step_time_s == grouped_step_s(spec, inv, grouped)
+    assert grouped.predicted.step_time_s < plain.predicted.step_time_s
+    from hettrain.manifests.builders import JobRef, build_pods
+
+    assert build_pods(JobRef("q", "ns", "u"), spec, grouped, 1, False)
+
+
+def test_a_batch_of_one_microbatch_per_replica_leaves_no_room_for_groups():
+    plain, grouped, _, _ = _four_pools(global_batch=8)  # dp 8: one sequence per replica
+    assert plain.num_microbatches == 1 and grouped.groups == ()
+    assert "no microbatch is left for another group" in grouped.notes[-1], grouped.notes
+
+
+_DEVICES = [("H100-SXM", "nvidia"), ("MI300X", "amd"), ("A100-80GB", "nvidia"),
+            ("Gaudi2", "intel"), ("L40S", "nvidia")]
+
+
+@settings(max_examples=60, deadline=None)
+@given(pools=st.lists(st.tuples(st.integers(0, len(_DEVICES) - 1), st.integers(1, 3),
+                                st.sampled_from(["dc-a", "dc-b"])), min_size=2, max_size=4),
+       global_batch=st.sampled_from([16, 64, 512]), pin=st.booleans())
+def test_random_clusters_get_valid_grouped_plans(pools, global_batch, pin):
+    from hettrain.manifests.builders import JobRef, build_pods
+
+    nodes = []
+    for i, (d, n, dc) in enumerate(pools):
+        device, vendor = _DEVICES[d]
+        nodes += [make_node(f"p{i}-{k}", f"p{i}", device, vendor, 8, dc) for k in range(n)]
+    body = job_body()["spec"]
+    body["training"] = {**body["training"], "globalBatch": global_batch}
+    body["parallelism"] = {"replicaGroups": True, **({"pp": 1, "tp": 1} if pin else {})}
+    spec = parse_job_spec(body)
+    inv = inventory_from_nodes(nodes)
+    try:
+        plain = plan_job("j", replace(spec, parallelism=replace(spec.parallelism,
+                                                                replica_groups=False)), inv)
+    except PlanningError:  # no plain plan: nothing to compare
+        return
+    grouped = plan_job("j", spec, inv)
+    assert unsupported(grouped) == [] and grouped.global_batch == global_batch
+    assert grouped.predicted.step_time_s <= plain.predicted.step_time_s * (1 + 1e-6)
+    if grouped.groups:
+        assert grouped.predicted.step_time_s == grouped_step_s(spec, inv, grouped)
+        assert all(s.memory_gib <= s.capacity_gib * cost.MEMORY_HEADROOM
+                   for g in grouped.groups[1:] for s in g.stages)
+        assert len({g.stages[0].pools[0] for g in grouped.groups[1:]}) == len(grouped.groups) - 1
+        assert build_pods(JobRef("j", "ns", "u"), spec, grouped, 1, False)
