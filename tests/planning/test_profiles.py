@@ -200,6 +200,20 @@ def test_stage_rows_fit_overhead_embedding_and_head_hand_values() -> None:
         "p").stage.part_s("embedding", 4) == 0.0
 
 
+def test_stage_rows_of_a_chain_subtract_every_layer_of_it() -> None:
+    """Stages timed around 3 layers (a CPU profile's chain): overhead = middle − 3·layer."""
+    rows = [{"microBatch": b, "layers": 3, "middleS": m + 2 * (1.5e-3 + 1.5e-3 * b),
+             "firstS": f + 2 * (1.5e-3 + 1.5e-3 * b), "lastS": la + 2 * (1.5e-3 + 1.5e-3 * b)}
+            for b, m, f, la in STAGE_ROWS]
+    st = profile_from_doc(_stage_doc(stage=rows), "p.yaml").stage
+    assert st.layers == 3
+    assert st.overhead == pytest.approx((1e-4, 5e-5))
+    assert st.head == pytest.approx((1e-3, 5e-4))
+    mixed = [dict(rows[0], layers=2), *rows[1:]]
+    with pytest.raises(PlanningInputError, match=r"^p.yaml.stage\[\].layers: "):
+        profile_from_doc(_stage_doc(stage=mixed), "p.yaml")
+
+
 def test_version_1_profiles_still_load_without_stage_rows() -> None:
     doc = _doc()
     doc = {**doc, "version": 1, "model": {k: v for k, v in doc["model"].items()

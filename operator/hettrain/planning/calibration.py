@@ -302,7 +302,8 @@ def profile_to_doc(profile: LayerProfile, model: ModelSpec, software: Mapping[st
     stage = []  # the measured stage parts, around this profile's (maybe refined) layer line
     if profile.stage is not None and profile.stage.vocab == model.vocab:
         for b, *_ in profile.stage.rows:
-            mid = profile.alpha + profile.beta * b + profile.stage.part_s("overhead", b)
+            mid = (profile.stage.layers * (profile.alpha + profile.beta * b)
+                   + profile.stage.part_s("overhead", b))
             stage.append((b, mid, mid + profile.stage.part_s("embedding", b),
                           mid + profile.stage.part_s("head", b)))
     concurrent = None  # the line measured with the node's ranks busy, as exact rows too
@@ -313,7 +314,8 @@ def profile_to_doc(profile: LayerProfile, model: ModelSpec, software: Mapping[st
             for b in CATALOG_FIT_MICRO_BATCHES]}
     doc = profile_doc(profile.device, software, model, rows, profile.optimizer_bytes_per_s,
                       comm_doc(profile.comm) if profile.comm is not None else None, stage,
-                      concurrent, precision=profile.precision, modes=modes)
+                      concurrent, precision=profile.precision, modes=modes,
+                      stage_layers=profile.stage.layers if profile.stage is not None else 1)
     doc["source"] = profile.source.split(":")[0] or "calibration"
     return doc
 

@@ -163,6 +163,7 @@ class StageProfile:
     embedding: tuple[float, float]  # the first stage's token embedding
     head: tuple[float, float]  # the last stage's final norm, LM head and loss
     rows: tuple[tuple[int, float, float, float], ...] = ()  # (b, middleS, firstS, lastS)
+    layers: int = 1  # layers the measured stages held
 
     def part_s(self, part: str, micro_batch: int) -> float:
         """Seconds of ``part`` (overhead, embedding, head) for one microbatch."""
@@ -354,9 +355,15 @@ def _fit_part(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 def stage_from_rows(rows: Any, vocab: int, layer: tuple[float, float],
                     where: str) -> StageProfile:
     """Parse ``stage`` rows and fit the three parts against the fitted ``layer`` line
-    ``(α, β)``: overhead = middle − layer, embedding = first − middle, head = last − middle."""
+    ``(α, β)``: overhead = middle − layers·layer, embedding = first − middle, head = last −
+    middle (``layers``: the rows' stage layer count, 1 when absent, equal on every row)."""
     if not isinstance(rows, list) or not rows:
         raise PlanningInputError(where, "needs at least one measured microbatch")
+    counts = {r.get("layers", 1) if isinstance(r, Mapping) else None for r in rows}
+    layers = counts.pop() if len(counts) == 1 else None
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise PlanningInputError(f"{where}[].layers", "must be one positive integer on every "
+                                 "row (the layers the measured stage held)")
     parsed = []
     for i, r in enumerate(rows):
         try:
@@ -370,10 +377,10 @@ def stage_from_rows(rows: Any, vocab: int, layer: tuple[float, float],
                                      "microBatch >= 1 and positive, finite seconds required")
         parsed.append((b, mid, first, last))
     a, beta = layer
-    overhead = _fit_part([(b, mid - (a + beta * b)) for b, mid, _, _ in parsed])
+    overhead = _fit_part([(b, mid - layers * (a + beta * b)) for b, mid, _, _ in parsed])
     embedding = _fit_part([(b, first - mid) for b, mid, first, _ in parsed])
     head = _fit_part([(b, last - mid) for b, mid, _, last in parsed])
-    return StageProfile(vocab, overhead, embedding, head, tuple(parsed))
+    return StageProfile(vocab, overhead, embedding, head, tuple(parsed), layers)
 
 
 def _comm_rows(doc: Mapping, kind: str, where: str) -> list[tuple[float, float]]:
@@ -452,12 +459,14 @@ def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
                 comm: Mapping[str, Any] | None = None,
                 stage: Sequence[tuple[int, float, float, float]] = (),
                 concurrent: Mapping[str, Any] | None = None, *, precision: str = "fp32",
-                modes: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
+                modes: Mapping[str, Sequence[float]] | None = None,
+                stage_layers: int = 1) -> dict[str, Any]:
     """The YAML document for measured ``(microBatch, forwardS, backwardS)`` rows in
     ``precision`` (and the measured optimizer bandwidth, ``comm`` section, ``(microBatch,
     middleS, firstS, lastS)`` stage rows, ``concurrent`` section ``{ranks, layer:
     [(microBatch, forwardS, backwardS)]}`` and recompute modes' forward+backward seconds per
-    row, ``{"selective": [...], "full": [...]}``, when given)."""
+    row, ``{"selective": [...], "full": [...]}``, when given; the stage rows' stages held
+    ``stage_layers`` layers)."""
     modes = modes or {}
     for m, ts in modes.items():
         if m not in MODE_FIELDS or len(ts) != len(rows):
@@ -468,8 +477,8 @@ def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
     if comm:
         extra["comm"] = dict(comm)
     if stage:
-        extra["stage"] = [{"microBatch": b, "middleS": mid, "firstS": first, "lastS": last}
-                          for b, mid, first, last in stage]
+        extra["stage"] = [{"microBatch": b, "layers": stage_layers, "middleS": mid,
+                           "firstS": first, "lastS": last} for b, mid, first, last in stage]
     if concurrent:
         extra["concurrent"] = {"ranks": concurrent["ranks"], "layer": [
             {"microBatch": b, "forwardS": f, "backwardS": bw} for b, f, bw in concurrent["layer"]]}

@@ -44,6 +44,22 @@ from hettrain.runtime.optim import DTYPES, StageOptimizer
 from hettrain.runtime.stage_timing import LayerClock
 
 WARMUP = 2  # untimed runs before the timed ones
+# a measurement runs at least ``repeats`` times and, up to MAX_RUNS, until its timed runs add
+# up to MIN_TIMED_S: a layer of a few milliseconds on a shared host is noisy, and its median
+# over five runs moved its fitted line by 20% between profiles (bench/fidelity.py --cpu)
+MIN_TIMED_S = 0.25
+MAX_RUNS = 64
+# on a CPU the layer is timed as a chain of up to CPU_CHAIN distinct layers (per layer): one
+# layer run again and again keeps its weights in the caches, which a stage of several layers
+# does not (a hidden-128 layer: 12-15% slower per layer in a chain of 4 on this host's
+# caches); a GPU layer of a real model outgrows the GPU's cache anyway, and a chain's
+# activations at long sequences would not fit one profiling GPU, so it is timed alone
+CPU_CHAIN = 4
+
+
+def chain_length(model: ModelSpec, device: torch.device) -> int:
+    """Distinct layers timed in a chain on ``device`` (:data:`CPU_CHAIN`)."""
+    return min(model.layers, CPU_CHAIN) if device.type == "cpu" else 1
 COMM_SMALL_BYTES = 4096  # the latency point of the communication measurement
 COMM_MAX_BYTES = 32 << 20
 COMM_REPEATS = 15  # transfers are cheap and noisier than layers: more runs per size
@@ -54,24 +70,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def enough(times: Sequence[float], repeats: int, min_seconds: float = MIN_TIMED_S) -> bool:
+    """Whether ``times`` (the timed runs so far) suffice: at least ``repeats`` runs and
+    ``min_seconds`` of them, or ``MAX_RUNS`` runs."""
+    return len(times) >= repeats and (sum(times) >= min_seconds or len(times) >= MAX_RUNS)
+
+
 def measure_layer(model: ModelSpec, micro_batch: int, repeats: int, device: torch.device,
-                  precision: str = "fp32", recompute: str = "none") -> tuple[float, float]:
-    """Median (forward, backward) seconds of one block for ``micro_batch`` sequences, its
-    parameters and input in ``precision`` (as the runtime holds them) and ``recompute`` set
-    as the runtime sets it (the recomputation runs inside the backward)."""
+                  precision: str = "fp32", recompute: str = "none",
+                  min_seconds: float = MIN_TIMED_S, chain: int | None = None
+                  ) -> tuple[float, float]:
+    """Median (forward, backward) seconds per block of ``micro_batch`` sequences through a
+    chain of ``chain`` distinct blocks (default :func:`chain_length`), their parameters and
+    input in ``precision`` (as the runtime holds them) and ``recompute`` set as the runtime
+    sets it (the recomputation runs inside the backward); timed runs until :func:`enough`."""
     torch.manual_seed(0)
     dtype = DTYPES[precision]
-    block = LlamaDecoderLayer(model).to(device=device, dtype=dtype)
-    block.set_recompute(recompute)
+    k = chain or chain_length(model, device)
+    blocks = [LlamaDecoderLayer(model).to(device=device, dtype=dtype) for _ in range(k)]
+    for block in blocks:
+        block.set_recompute(recompute)
     cos, sin = rope_cos_sin(model, model.seq_len, device)
     x = torch.randn(micro_batch, model.seq_len, model.hidden, device=device, dtype=dtype,
                     requires_grad=True)
 
-    fwd, bwd = [], []
-    for i in range(repeats + WARMUP):  # warm-up runs: allocator, kernels, caches
+    fwd, bwd, total = [], [], []
+    i = 0
+    while not enough(total, repeats, min_seconds):  # after WARMUP runs: allocator, caches
         _sync(device)
         t0 = time.perf_counter()
-        y = block(x, cos, sin)
+        y = x
+        for block in blocks:
+            y = block(y, cos, sin)
         _sync(device)
         t1 = time.perf_counter()
         y.sum().backward()
@@ -80,26 +110,31 @@ def measure_layer(model: ModelSpec, micro_batch: int, repeats: int, device: torc
         if i >= WARMUP:
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
+            total.append(t2 - t0)
+        i += 1
         x.grad = None
-        block.zero_grad(set_to_none=True)
-    return statistics.median(fwd), statistics.median(bwd)
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
+    return statistics.median(fwd) / k, statistics.median(bwd) / k
 
 
 def measure_stage(model: ModelSpec, micro_batch: int, repeats: int, device: torch.device,
                   precision: str = "fp32") -> tuple[float, float, float]:
-    """Median forward+backward seconds of ``micro_batch`` sequences through the runtime's
-    stage around ONE layer: ``(middle, first, last)``, i.e. the layer alone, with the token
-    embedding before it, and with the final norm, LM head and loss after it. Each runs what
-    ``StageRunner.run`` runs for a microbatch (its receives and sends aside): the stage's
-    forward with its layer clock (``runtime/stage_timing.py``), on the last stage the loss,
-    its value read and scaled, then the backward. Interleaved per repeat, so a drifting
-    machine moves the three alike. Parameters and activations in ``precision``."""
+    """Median forward+backward seconds of ``micro_batch`` sequences through the runtime's stage
+    around :func:`chain_length` layers (the layer rows' chain): ``(middle, first, last)``, i.e.
+    the layers alone, with the token embedding before them, and with the final norm, LM head
+    and loss after it. Each runs what ``StageRunner.run`` runs for a microbatch (its receives
+    and sends aside): the stage's forward with its layer clock (``runtime/stage_timing.py``),
+    on the last stage the loss, its value read and scaled, then the backward. Interleaved per
+    repeat, so a drifting machine moves the three alike; as many runs as :func:`enough` wants
+    of the middle one. Parameters and activations in ``precision``."""
     dtype = DTYPES[precision]
     stages = {}
     for part, first, last in (("middle", False, False), ("first", True, False),
                               ("last", False, True)):
         torch.manual_seed(0)
-        st = StageModel(model, 0, 1, has_embedding=first, has_head=last, seed=0).to(
+        st = StageModel(model, 0, chain_length(model, device), has_embedding=first,
+                        has_head=last, seed=0).to(
             device=device, dtype=dtype)
         st.layer_clock = LayerClock()
         stages[part] = (st, first, last)
@@ -108,7 +143,8 @@ def measure_stage(model: ModelSpec, micro_batch: int, repeats: int, device: torc
     hidden = torch.randn(micro_batch, model.seq_len, model.hidden, device=device, dtype=dtype)
     grad = torch.randn_like(hidden)
     times: dict[str, list[float]] = {part: [] for part in stages}
-    for i in range(repeats + WARMUP):
+    i = 0
+    while not enough(times["middle"], repeats):  # each part's runs as measure_layer's
         for part, (st, first, last) in stages.items():
             x = ids if first else hidden.detach().clone().requires_grad_()
             _sync(device)
@@ -125,6 +161,7 @@ def measure_stage(model: ModelSpec, micro_batch: int, repeats: int, device: torc
                 times[part].append(time.perf_counter() - t0)
             st.layer_clock.reset()
             st.zero_grad(set_to_none=True)
+        i += 1
     return (statistics.median(times["middle"]), statistics.median(times["first"]),
             statistics.median(times["last"]))
 
@@ -186,7 +223,8 @@ def profile(model: ModelSpec, device_name: str, micro_batches: Sequence[int], re
         eb = cost.precision_bytes(training) if training is not None else 4
         links = measure_comm(comm_sizes(model, micro_batches, eb), max(COMM_REPEATS, repeats))
     return profile_doc(device_name, software, model, rows, opt, links, stage, concurrent,
-                       precision=precision, modes=modes)
+                       precision=precision, modes=modes,
+                       stage_layers=chain_length(model, device))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
