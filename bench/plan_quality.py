@@ -27,6 +27,7 @@ pools and the planning time (median, max). ``--json`` prints one JSON document i
 Usage: python bench/plan_quality.py [--clusters 40] [--models all] [--cap 60] [--json]
        python bench/plan_quality.py --quick        # 4 small clusters x 2 models (CI)
        python bench/plan_quality.py --replica-groups   # with spec.parallelism.replicaGroups
+       python bench/plan_quality.py --compare   # plain and replicaGroups, side by side
 """
 
 from __future__ import annotations
@@ -346,6 +347,28 @@ def print_table(cases: list[Case], summary: dict[str, dict], cap: float) -> None
                                      or "none") for name, s in summary.items()))
 
 
+def print_comparison(before: list[Case], after: list[Case], models: list[str]) -> None:
+    """Per model and overall: median, p10 and min ratio, idle pools and planning CPU time,
+    plain (before) → with replica groups (after), and how many plans got faster / slower."""
+    print(f"{'model':>15} {'median':>15} {'p10':>15} {'min':>15} {'idle':>9} {'part':>9} "
+          f"{'plan cpu s':>12} {'faster':>7} {'slower':>7}")
+    for name in [*models, "all"]:
+        pairs = [(b, a) for b, a in zip(before, after, strict=True)
+                 if name == "all" or a.model == name]
+        sb, sa = summarise([b for b, _ in pairs]), summarise([a for _, a in pairs])
+        both = [(b.ratio, a.ratio) for b, a in pairs if b.status == a.status == "ok"]
+
+        def arrow(key: str, spec: str = ".3f", sb: dict = sb, sa: dict = sa) -> str:
+            return f"{_fmt(sb[key], spec)}→{_fmt(sa[key], spec)}"
+
+        print(f"{name:>15} {arrow('ratio_median'):>15} {arrow('ratio_p10'):>15} "
+              f"{arrow('ratio_min'):>15} {arrow('plans_with_idle_pool', 'd'):>9} "
+              f"{arrow('plans_with_partly_idle_pool', 'd'):>9} "
+              f"{arrow('plan_cpu_s_median', '.2f'):>12} "
+              f"{sum(a > b * (1 + 1e-9) for b, a in both):>7} "
+              f"{sum(a < b * (1 - 1e-9) for b, a in both):>7}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the cases and print the report (or ``--json``)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -365,10 +388,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown", action="store_true",
                     help="also print each plan's gap to the ideal split into its parts "
                          "(the per-model medians are always printed)")
+    ap.add_argument("--compare", action="store_true",
+                    help="plan every case twice in this run, plain (before) and with "
+                         "spec.parallelism.replicaGroups (after), and print both summaries "
+                         "side by side")
     ap.add_argument("--replica-groups", action="store_true",
                     help="plan with spec.parallelism.replicaGroups: true (an extra replica "
                          "group on idle nodes of another pool)")
     args = ap.parse_args(argv)
+    if args.compare:
+        args.replica_groups = True  # the full report is the after one
     if args.clusters < 1 or args.workers < 1 or not args.cap > 0:
         ap.error("--clusters and --workers must be >= 1 and --cap > 0")
     models = list(MODELS) if args.models == "all" else args.models.split(",")
@@ -382,16 +411,19 @@ def main(argv: list[str] | None = None) -> int:
     workers = PlanWorkers(Budget(timeout_s=args.cap, memory_mb=4096, workers=args.workers),
                           plan_fn=timed_plan)
 
-    def one(doc_model: tuple[dict, str]) -> Case:
-        case = run_case(workers, *doc_model, replica_groups=args.replica_groups)
+    def one(doc_model: tuple[dict, str], groups: bool = args.replica_groups) -> Case:
+        case = run_case(workers, *doc_model, replica_groups=groups)
         if not args.json:
             print(f"  {case.cluster} {case.model}: {case.status} {_fmt(case.ratio, '.3f')} "
                   f"{_fmt(case.plan_s, '.1f')}s", file=sys.stderr, flush=True)
         return case
 
+    todo = [(d, m) for d in docs for m in models]
     try:
         with ThreadPoolExecutor(args.workers) as pool:  # results in case order
-            cases = list(pool.map(one, [(d, m) for d in docs for m in models]))
+            cases = list(pool.map(one, todo))
+            before = (list(pool.map(lambda dm: one(dm, False), todo)) if args.compare
+                      else None)
     finally:
         workers.close()
     summary = {m: summarise([c for c in cases if c.model == m]) for m in models}
@@ -400,11 +432,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"seed": args.seed, "cap_s": args.cap, "quick": args.quick,
                           "cases": [_jsonable(vars(c)) for c in cases],
-                          "summary": {k: _jsonable(v) for k, v in summary.items()}},
+                          "summary": {k: _jsonable(v) for k, v in summary.items()},
+                          **({"before_summary": {
+                              k: _jsonable(summarise([c for c in before
+                                                      if k == "all" or c.model == k]))
+                              for k in summary}} if before is not None else {})},
                          allow_nan=False))
     else:
         print_table(cases, summary, args.cap)
         print_breakdown(cases, summary, args.breakdown)
+        if before is not None:  # cases: with replica groups (after); before: plain
+            print("\nplain (before) → spec.parallelism.replicaGroups (after), same run:")
+            print_comparison(before, cases, models)
     off = [c for c in cases if c.status == "ok"
            and max(abs(c.losses["rest"]), abs(c.losses["step_err"])) > 1e-9]
     if off:
