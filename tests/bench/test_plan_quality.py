@@ -83,3 +83,23 @@ def test_quick_subset_runs_and_reports(tmp_path):
     head = next(ln for ln in lines if ln.split()[:2] == ["model", "cases"])
     assert head.split()[3:6] == ["median", "p10", "min"]
     assert any(ln.split()[0] == "all" for ln in lines if ln.strip())
+
+
+@pytest.mark.slow
+def test_compare_plans_every_case_both_ways_in_one_run():
+    """--compare: the before (plain) summary from this run's own plain plans, the after
+    (replicaGroups) cases never below them (groups are added only when the step gets faster)."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'operator'}{os.pathsep}{ROOT}"}
+    cmd = [sys.executable, str(ROOT / "bench" / "plan_quality.py"), "--quick", "--cap", "120",
+           "--compare"]
+    out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    after = doc["summary"]["all"]
+    before = doc["before_summary"]["all"]
+    assert before["cases"] == after["cases"] == pq.QUICK_CLUSTERS * len(pq.QUICK_MODELS)
+    assert after["ratio_median"] >= before["ratio_median"]
+    assert after["ratio_min"] >= before["ratio_min"]
+    text = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert text.returncode == 0, text.stderr[-2000:]
+    assert "plain (before) → spec.parallelism.replicaGroups (after), same run:" in text.stdout
