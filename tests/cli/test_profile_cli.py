@@ -68,12 +68,18 @@ def test_profile_writes_a_profile_the_planner_uses(tmp_path, capsys) -> None:
     assert any("stage machinery of CPU" in n for n in notes)
 
 
-def test_profile_without_comm(tmp_path) -> None:
+def _profile_without_comm(tmp_path, job_text: str, micro_batches: str):
+    """``hettrain profile --no-comm`` of ``job_text``: (the job file, the profile file)."""
     job = tmp_path / "job.yaml"
-    job.write_text(JOB)
+    job.write_text(job_text)
     out = tmp_path / "cpu.yaml"
     assert main(["profile", str(job), "--device-name", "CPU", "--out", str(out),
-                 "--micro-batches", "1", "--repeats", "1", "--no-comm"]) == 0
+                 "--micro-batches", micro_batches, "--repeats", "1", "--no-comm"]) == 0
+    return job, out
+
+
+def test_profile_without_comm(tmp_path) -> None:
+    _, out = _profile_without_comm(tmp_path, JOB, "1")
     assert "comm" not in yaml.safe_load(out.read_text())
     assert load_profile(out).comm is None
 
@@ -99,11 +105,7 @@ BF16_JOB = JOB.replace("precision: fp32", "precision: bf16")
 
 def test_a_profile_serves_plans_of_its_own_precision_only(tmp_path) -> None:
     """A bf16 job is profiled in bf16, and only a 2-byte plan takes its layer times."""
-    job = tmp_path / "job.yaml"
-    job.write_text(BF16_JOB)
-    out = tmp_path / "cpu.yaml"
-    assert main(["profile", str(job), "--device-name", "CPU", "--out", str(out),
-                 "--micro-batches", "1,2", "--repeats", "1", "--no-comm"]) == 0
+    job, out = _profile_without_comm(tmp_path, BF16_JOB, "1,2")
     assert yaml.safe_load(out.read_text())["precision"] == "bf16"
     cpu_only = tmp_path / "cpu-cluster.yaml"
     cpu_only.write_text(CPU_CLUSTER)
