@@ -223,6 +223,7 @@ class ReplicaSync:
         self._unit_ranks = _unit_ranks(plan)
         self._my_units = {u for u, ranks in self._unit_ranks.items() if rank in ranks}
         self._store, self._timeout = store, timeout
+        self._cell_cache: dict[str, list[tuple[Cell, tuple[int, ...], frozenset[int]]]] = {}
         names = [n for u in sorted(self._my_units) for n in unit_param_names(plan.model, u)]
         members = {m for n in names for _, m, _ in self._cells(n)}
         self.sets: dict[tuple[int, ...], _SetSync] = {}
@@ -232,11 +233,16 @@ class ReplicaSync:
         self._bound: tuple[int, int] | None = None
 
     def _cells(self, name: str) -> list[tuple[Cell, tuple[int, ...], frozenset[int]]]:
-        unit = unit_of(name)
-        if unit not in self._my_units:
-            raise ValueError(f"rank {self.rank}: parameter {name} ({unit}) is not in this "
-                             "rank's stage of the plan")
-        return [c for c in cell_sets(self.plan, name, self._unit_ranks) if self.rank in c[1]]
+        """This rank's cells of parameter ``name`` (computed once: the sets are built from
+        them, then the optimizer's layout is bound to them)."""
+        if name not in self._cell_cache:
+            unit = unit_of(name)
+            if unit not in self._my_units:
+                raise ValueError(f"rank {self.rank}: parameter {name} ({unit}) is not in this "
+                                 "rank's stage of the plan")
+            self._cell_cache[name] = [c for c in cell_sets(self.plan, name, self._unit_ranks)
+                                      if self.rank in c[1]]
+        return self._cell_cache[name]
 
     def _pg(self, key: str, members: tuple[int, ...]) -> dist.ProcessGroup:
         store = dist.PrefixStore(f"hetrep/{key}/", self._store)
@@ -268,9 +274,9 @@ class ReplicaSync:
         each) to the cells of each holder set, in the set's order."""
         per: dict[tuple[int, ...], list[tuple[tuple[str, int], tuple]]] = {
             m: [] for m in self.sets}
+        tp, index = _tp_of(self.plan, self.rank), self.plan.ranks[self.rank].tp
         for seg, shape in zip(segments, shapes, strict=True):
-            me = self.plan.ranks[self.rank]
-            span = shard_span(self.plan.model, seg.name, _tp_of(self.plan, self.rank), me.tp)
+            span = shard_span(self.plan.model, seg.name, tp, index)
             for cell, members, contrib in self._cells(seg.name):
                 lo = cell.start - span[1] if span is not None else 0
                 hi = cell.end - span[1] if span is not None else 0
