@@ -30,7 +30,7 @@ import dataclasses
 import hashlib
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -319,8 +319,3 @@ def profile_to_doc(profile: LayerProfile, model: ModelSpec, software: Mapping[st
     doc["source"] = profile.source.split(":")[0] or "calibration"
     return doc
 
-
-def shapes_match(profiles: Sequence[LayerProfile], model: ModelSpec, precision: str
-                 ) -> list[LayerProfile]:
-    """The profiles measured for ``model``'s layer shape in ``precision``."""
-    return [p for p in profiles if p.matches(model, PRECISION_BYTES[precision])]

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 
 from hettrain.api.spec import ModelSpec, TrainingSpec
 from hettrain.planning.catalog import DeviceSpec
-from hettrain.planning.profiles import CommProfile
+from hettrain.planning.profiles import PRECISION_BYTES, CommProfile
 
 GIB = 2**30
 FRAMEWORK_OVERHEAD_BYTES = 3 * GIB  # CUDA/ROCm context, allocator, comm buffers
@@ -51,7 +51,7 @@ HOST_STAGING_LATENCY_S = 50e-6  # extra per transfer for device->host->device st
 
 def precision_bytes(training: TrainingSpec) -> int:
     """Bytes of one activation / weight element."""
-    return 4 if training.precision == "fp32" else 2
+    return PRECISION_BYTES[training.precision]
 
 
 # ---------------------------------------------------------------- FLOPs

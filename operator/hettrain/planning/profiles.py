@@ -15,9 +15,9 @@ document::
     layer:                            # one layer, tp 1; medians of repeats
       - {microBatch: 1, forwardS: 0.0011, backwardS: 0.0023, selectiveS: 0.0035, fullS: 0.0046}
       - {microBatch: 2, forwardS: 0.0019, backwardS: 0.0041, selectiveS: 0.0062, fullS: 0.0080}
-    stage:                            # optional: the runtime's stage around ONE layer
-      - {microBatch: 1, middleS: 0.0036, firstS: 0.0038, lastS: 0.0045}
-      - {microBatch: 2, middleS: 0.0063, firstS: 0.0066, lastS: 0.0075}
+    stage:                            # optional: the runtime's stage around `layers` layers
+      - {microBatch: 1, layers: 1, middleS: 0.0036, firstS: 0.0038, lastS: 0.0045}
+      - {microBatch: 2, layers: 1, middleS: 0.0063, firstS: 0.0066, lastS: 0.0075}
     concurrent:                       # optional (CPU): the layer, 2 ranks at once
       ranks: 2
       layer: [{microBatch: 1, forwardS: 0.0012, backwardS: 0.0025}, ...]
@@ -41,17 +41,17 @@ model: the device's collectives inside a node (TP, CP, a DP group within a node)
 measured all-reduce, and every pipeline transfer of the device takes at least the measured p2p
 latency and at most its bandwidth (the same library on every path).
 
-``stage`` times the runtime's own pipeline stage (``runtime.model.StageModel``) around one
-layer, forward + loss + backward of one microbatch as ``runtime/pipeline.py`` runs it: a middle
-stage (the layer only), a first stage (the embedding too) and a last stage (the final norm, LM
-head and loss too). Less the fitted layer they give three lines in the microbatch (least
-squares, ``α ≥ 0``, never negative): the stage machinery's own seconds per microbatch on every
-stage (``overhead``), the embedding's on the first and the head's on the last. Where the
-model's shape, vocabulary and precision match, the planner adds ``overhead`` (and
-``embedding`` on the first stage) to every stage's microbatch and takes ``head`` for the
-catalog's LM head; the plan notes say so. Everything else (other devices, shapes and
-precisions, links between nodes) stays on the catalog model, and the plan notes say which
-devices were measured.
+``stage`` times the runtime's own pipeline stage (``runtime.model.StageModel``) around
+``layers`` layers (the chain the layer rows were timed in), forward + loss + backward of one
+microbatch as ``runtime/pipeline.py`` runs it: a middle stage (the layers only), a first stage
+(the embedding too) and a last stage (the final norm, LM head and loss too). Less ``layers``
+times the fitted layer they give three lines in the microbatch (least squares, ``α ≥ 0``, never
+negative): the stage machinery's own seconds per microbatch on every stage (``overhead``), the
+embedding's on the first and the head's on the last. Where the model's shape, vocabulary and
+precision match, the planner adds ``overhead`` (and ``embedding`` on the first stage) to every
+stage's microbatch and takes ``head`` for the catalog's LM head; the plan notes say so.
+Everything else (other devices, shapes and precisions, links between nodes) stays on the
+catalog model, and the plan notes say which devices were measured.
 
 ``concurrent`` (measured on a CPU, whose "devices" are processes sharing one host's cores,
 caches and memory: ``runtime/concurrent_profile.py``) times the same layer with ``ranks``
@@ -197,7 +197,6 @@ class LayerProfile:
     # once (version 2 ``concurrent``; CPU nodes); None: not measured
     concurrent: tuple[float, float] | None = None
     concurrent_ranks: int = 0
-    concurrent_rows: tuple[tuple[int, float, float], ...] = ()
 
     def slowdown(self, micro_batch: int) -> float:
         """Factor on a layer's seconds when several ranks of one node compute at once
@@ -282,12 +281,12 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
             raise PlanningInputError(f"{where}.model.vocab", "a positive integer is required "
                                      "with stage rows (version 2)")
         stage = stage_from_rows(doc["stage"], vocab, (alpha, beta), f"{where}.stage")
-    conc, conc_ranks, conc_rows = None, 0, ()
+    conc, conc_ranks = None, 0
     if "concurrent" in doc:
-        conc, conc_ranks, conc_rows = _concurrent_from_doc(doc["concurrent"], version,
-                                                           f"{where}.concurrent")
+        conc, conc_ranks = _concurrent_from_doc(doc["concurrent"], version,
+                                                f"{where}.concurrent")
     return LayerProfile(device, shape, alpha, beta, fwd / total, software, where, float(opt),
-                        comm, precision, recompute, stage, conc, conc_ranks, conc_rows)
+                        comm, precision, recompute, stage, conc, conc_ranks)
 
 
 Points = list[tuple[float, float]]
@@ -324,9 +323,8 @@ def _layer_points(rows: Any, where: str, version: int = 1
     return points, fwd, total, modes
 
 
-def _concurrent_from_doc(doc: Any, version: int, where: str
-                         ) -> tuple[tuple[float, float], int, tuple[tuple[int, float, float], ...]]:
-    """The ``concurrent`` section: its fitted line, ranks and rows."""
+def _concurrent_from_doc(doc: Any, version: int, where: str) -> tuple[tuple[float, float], int]:
+    """The ``concurrent`` section: its fitted line and ranks."""
     if version < 2 or not isinstance(doc, Mapping):
         raise PlanningInputError(where, "must be a mapping with ranks and layer rows "
                                  "(version 2)")
@@ -334,9 +332,7 @@ def _concurrent_from_doc(doc: Any, version: int, where: str
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
         raise PlanningInputError(f"{where}.ranks", "must be an integer >= 2 (the ranks measured)")
     points, _, _, _ = _layer_points(doc.get("layer"), f"{where}.layer")
-    rows = tuple((int(r["microBatch"]), float(r["forwardS"]), float(r["backwardS"]))
-                 for r in doc["layer"])
-    return fit_line(points), ranks, rows
+    return fit_line(points), ranks
 
 
 def _fit_part(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
