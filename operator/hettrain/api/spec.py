@@ -127,6 +127,7 @@ class TrainingSpec:
     micro_batch: int | None = None
     precision: str = "bf16"
     optimizer_sharding: bool = True  # distributed optimizer (ZeRO-1)
+    sharding: str | None = None  # none|optimizer|gradients|full; None: from optimizer_sharding
     recompute: str = "selective"
     learning_rate: float = 3e-4
     seed: int = 1234

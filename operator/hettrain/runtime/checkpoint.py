@@ -94,7 +94,7 @@ def _flat_state(model: torch.nn.Module, opt: torch.optim.Optimizer,
 
 def job_state(model: torch.nn.Module, opt: torch.optim.Optimizer | None, *,
               extra: Mapping[str, torch.Tensor] | None = None, tp: TPShards | None = None,
-              dp_index: int = 0, for_save: bool = True,
+              dp_index: int = 0, for_save: bool = True, params: bool = True,
               sharded: Sequence[ShardedTensor] = ()) -> list[ShardedTensor]:
     """This rank's state as sharded tensors.
 
@@ -106,10 +106,14 @@ def job_state(model: torch.nn.Module, opt: torch.optim.Optimizer | None, *,
     (ZeRO-1) passes it as ``sharded`` instead -- e.g. ``ShardedTensor.flat(
     f"optim.{name}.exp_avg", local_range, param_global_shape, flat_start)`` -- which every
     replica writes (and loads into) as given, so it reshards onto any DP degree.
+    ``params=False`` leaves the parameters out too (ZeRO-3: the optimizer's pieces carry them).
     """
     adam = isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
     flat = dict(model.state_dict()) if opt is None else \
         _flat_state(model, opt, materialise=adam and not for_save)
+    if not params:
+        for name, _ in model.named_parameters():
+            flat.pop(name, None)
     flat.update(extra or {})
     tp_index = tp.index if tp is not None else 0
     out = []

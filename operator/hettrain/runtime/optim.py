@@ -1,4 +1,4 @@
-"""The optimizer of one stage: mixed precision, fp32 main grads, flat AdamW, ZeRO-1.
+"""The optimizer of one stage: mixed precision, fp32 main grads, flat AdamW, ZeRO-1/2/3.
 
 Byte layout per parameter (what ``planning.cost.state_bytes_per_param`` counts):
 
@@ -31,6 +31,26 @@ own slice, as boxes of the global (unsharded, TP-gathered) per-parameter tensors
 gathered, so a ZeRO-1 rank writes ``1/dp`` of the optimizer state and a checkpoint reshards
 onto any tp/pp/dp layout.
 
+``plan.training.sharding`` picks how much is sharded over the stage's DP (×CP) group of ``d``
+ranks (:data:`SHARDINGS`): ``none``; ``optimizer`` (ZeRO-1, above); ``gradients`` (ZeRO-2) and
+``full`` (ZeRO-3, FSDP). The last two lay the flat buffers out per **unit** (:func:`unit_key`:
+the embedding, each decoder layer, the final norm, the LM head), each unit padded to a multiple
+of ``d`` and split into ``d`` equal chunks; a rank owns chunk ``index`` of every unit, and its
+master weights, moments and fp32 main grads exist for those chunks only (``(4 + 12) / d`` bytes
+per parameter). Every microbatch's backward sums each unit's low-precision gradients into a
+transient fp32 bucket; when the unit's last gradient has arrived the bucket is averaged over
+the group (``reduce_grads``: the communicator's hierarchical / compressed all-reduce, as for
+ZeRO-1) and the rank adds its own chunk into its main grads, then frees the bucket. So the DP
+sync runs once per microbatch, not once per step -- the price of never holding a full fp32
+gradient (the planner charges it). ``gradients`` keeps the full parameters (``p`` bytes) and
+all-gathers the updated chunks after the step, unit by unit. ``full`` keeps only its chunk of
+the parameters too: a unit's parameters are all-gathered (into a buffer whose storage is freed
+between uses, so the parameters stay views of it and autograd's saved references stay valid)
+before its forward (a forward pre-hook) and again before its backward (a hook on the unit's
+output gradient), and freed after its forward and after its gradients were reduced; the
+forward that full recompute re-runs inside the backward finds the unit already gathered.
+Checkpoints under ``full`` save and load the parameters as pieces of each rank's chunks too.
+
 fp16 uses dynamic loss scaling: the loss is multiplied by :attr:`StageOptimizer.loss_scale`
 before backward; a step whose gradients overflow anywhere is skipped on every rank and the scale
 halved; after ``FP16_GROWTH_INTERVAL`` good steps it doubles.
@@ -41,8 +61,10 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -62,6 +84,8 @@ FP16_INITIAL_SCALE = 2.0 ** 16
 FP16_GROWTH_INTERVAL = 1000
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 UPDATE_CHUNK = 1 << 24  # elements of the AdamW denominator computed at a time (64 MiB fp32)
+SHARDINGS = ("none", "optimizer", "gradients", "full")  # nothing, ZeRO-1, ZeRO-2, ZeRO-3
+PER_UNIT = ("gradients", "full")  # the shardings laid out, reduced (and gathered) per unit
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +112,72 @@ class ShardGroup:
     # (slices, own index) → fills every slice in place, accounting its own bytes: replaces the
     # flat all-gather (the communicator's DC-aware one when the group spans datacenters)
     gather: Callable[[list[torch.Tensor], int], None] | None = None
+    stand_in: bool = False  # no peers (runtime/memory.py): gathers fill only the own chunk
+
+
+def sharding_of(training: TrainingSpec) -> str:
+    """The plan's sharding (:data:`SHARDINGS`); plans without the field follow
+    ``optimizer_sharding`` (true: ZeRO-1)."""
+    mode = getattr(training, "sharding", None)
+    if mode is None:
+        return "optimizer" if training.optimizer_sharding else "none"
+    if mode not in SHARDINGS:
+        raise ValueError(f"plan.training.sharding={mode!r}: must be one of {SHARDINGS}")
+    return mode
+
+
+def unit_key(name: str) -> str:
+    """The unit parameter ``name`` is sharded, reduced and gathered with under ZeRO-2/3: its
+    decoder layer (``model.layers.<i>``), else its module (embedding, final norm, LM head)."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[:2] == ["model", "layers"]:
+        return ".".join(parts[:3])
+    return ".".join(parts[:-1])
+
+
+@dataclass(slots=True)
+class Unit:
+    """One unit's place in the per-unit layout and its transient buffers (ZeRO-2/3)."""
+
+    key: str
+    first: int  # its segments: ``segments[first:last]``
+    last: int
+    start: int  # global offset of its padded block
+    padded: int  # its elements, padded to a multiple of the group size
+    chunk: int  # elements each rank owns: ``padded / d``
+    local: int  # offset of this rank's chunk in the owned buffers
+    full: torch.Tensor | None = None  # ZeRO-3: the gathered parameters (storage freed between)
+    gathered: bool = True
+    bucket: torch.Tensor | None = None  # this microbatch's fp32 gradient sum
+    arrived: int = 0
+    hooks: list = field(default_factory=list)
+
+
+def unit_layout(segments: list[Segment], size: int) -> tuple[list[Segment], list[Unit]]:
+    """``segments`` moved into per-unit blocks, each padded to a multiple of ``size`` (the
+    units' parameters are consecutive in ``named_parameters`` order), and the units."""
+    out: list[Segment] = []
+    units: list[Unit] = []
+    offset = local = 0
+    i = 0
+    while i < len(segments):
+        key, j = unit_key(segments[i].name), i
+        while j < len(segments) and unit_key(segments[j].name) == key:
+            j += 1
+        if any(u.key == key for u in units):
+            raise ValueError(f"parameters of {key} are not consecutive: cannot shard per unit")
+        n = sum(s.end - s.start for s in segments[i:j])
+        padded = -(-n // size) * size
+        pos = offset
+        for s in segments[i:j]:
+            out.append(Segment(s.name, pos, pos + s.end - s.start, s.kind, s.decay,
+                               s.replicated))
+            pos += s.end - s.start
+        units.append(Unit(key, i, j, offset, padded, padded // size, local))
+        offset += padded
+        local += padded // size
+        i = j
+    return out, units
 
 
 def param_kinds(model: nn.Module) -> dict[str, str]:
@@ -157,14 +247,50 @@ class StageOptimizer:
         self.norm_slot, self.counts_norm = norm_slot, counts_norm
         self.state: dict = {}  # no per-parameter torch.optim state (checkpoint.py reads this)
         self.params = [p for _, p in model.named_parameters()]
-        self.segments = layout(model, training, tp_sharded, tp)
+        self.mode = sharding_of(training) if self.shard is not None else "none"
+        segments = layout(model, training, tp_sharded, tp)
         device = self.params[0].device
-        n = self.segments[-1].end if self.segments else 0
         k = self.shard.size if self.shard else 1
-        self.numel, self.padded = n, -(-n // k) * k
-        size = self.padded // k
-        self.lo = (self.shard.index if self.shard else 0) * size
-        self.hi = self.lo + size
+        index = self.shard.index if self.shard else 0
+        self.units: list[Unit] = []
+        self.peak_transient_bytes = 0  # ZeRO-2/3: the most gathered units + buckets held
+        self._transient = 0
+        if self.mode in PER_UNIT:
+            self.segments, self.units = unit_layout(segments, k)
+            self.numel = sum(s.end - s.start for s in self.segments)
+            self.padded = sum(u.padded for u in self.units)
+            self.owned = [(u.start + index * u.chunk, u.start + (index + 1) * u.chunk, u.local)
+                          for u in self.units]
+            self.lo, self.hi = 0, sum(u.chunk for u in self.units)  # the owned buffers
+            self._init_per_unit(device, index)
+        else:
+            self.segments = segments
+            n = segments[-1].end if segments else 0
+            self.numel, self.padded = n, -(-n // k) * k
+            size = self.padded // k
+            self.lo = index * size
+            self.hi = self.lo + size
+            self.owned = [(self.lo, self.hi, 0)]
+            self._init_flat(device)
+        self.exp_avg = torch.zeros_like(self.master) if kind == "adamw" else None
+        self.exp_avg_sq = torch.zeros_like(self.master) if kind == "adamw" else None
+        self.step_count = 0
+        self.loss_scale = FP16_INITIAL_SCALE if training.precision == "fp16" else 1.0
+        self._good_steps = 0
+        self._master_in: torch.Tensor | None = None  # load targets (checkpoint_state)
+        self._params_in: torch.Tensor | None = None  # ZeRO-3's parameter load targets
+        self._steps_in: list[torch.Tensor] = []
+        local = [(la, lb, s) for s in self.segments for _, _, la, lb in self._owned_parts(s)]
+        self._decay = _merge_ranges(sorted((a, b) for a, b, s in local if s.decay))
+        self._norm = [(a, b) for a, b, s in local if not (s.replicated and tp_index != 0)]
+        if self.shard is None and not counts_norm:
+            self._norm = []
+        # one reduction per contiguous run, not per param
+        self._norm = _merge_ranges(sorted(self._norm))
+        self.grad_sync: BucketedGradSync | None = None  # enable_overlap()
+
+    def _init_flat(self, device: torch.device) -> None:
+        """No sharding or ZeRO-1: one flat buffer of every parameter, full main grads."""
         full = torch.zeros(self.padded, dtype=torch.float32, device=device)
         with torch.no_grad():
             for seg, p in zip(self.segments, self.params, strict=True):
@@ -182,22 +308,155 @@ class StageOptimizer:
             self.master = self.params_flat[self.lo:self.hi]
         else:
             self.master = full[self.lo:self.hi].clone()
-        del full
-        self.exp_avg = torch.zeros_like(self.master) if kind == "adamw" else None
-        self.exp_avg_sq = torch.zeros_like(self.master) if kind == "adamw" else None
-        self.step_count = 0
-        self.loss_scale = FP16_INITIAL_SCALE if training.precision == "fp16" else 1.0
-        self._good_steps = 0
-        self._master_in: torch.Tensor | None = None  # load targets (checkpoint_state)
-        self._steps_in: list[torch.Tensor] = []
-        local = [(max(s.start, self.lo) - self.lo, min(s.end, self.hi) - self.lo, s)
-                 for s in self.segments if s.start < self.hi and s.end > self.lo]
-        self._decay = [(a, b) for a, b, s in local if s.decay]
-        self._norm = [(a, b) for a, b, s in local if not (s.replicated and tp_index != 0)]
-        if self.shard is None and not counts_norm:
-            self._norm = []
-        self._norm = _merge_ranges(self._norm)  # one reduction per contiguous run, not per param
-        self.grad_sync: BucketedGradSync | None = None  # enable_overlap()
+        self.param_shard: torch.Tensor | None = None
+
+    def _init_per_unit(self, device: torch.device, index: int) -> None:
+        """ZeRO-2/3: owned chunks of every unit; ZeRO-2 keeps the full parameters, ZeRO-3 a
+        per-unit gather buffer (freed) and its own chunk of the parameters."""
+        owned = self.hi
+        self.master = torch.zeros(owned, dtype=torch.float32, device=device)
+        self.main_grad = torch.zeros(owned, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for seg, p in zip(self.segments, self.params, strict=True):
+                flat = p.detach().reshape(-1)
+                for a, b, la, lb in self._owned_parts(seg):
+                    self.master[la:lb].copy_(flat[a - seg.start:b - seg.start])
+        if self.mode == "gradients":
+            self.params_flat = torch.zeros(self.padded, dtype=self.dtype, device=device)
+            self.param_shard = None
+        else:  # the parameters' own chunks (fp32: the master itself)
+            self.params_flat = None
+            self.param_shard = (self.master if self.dtype == torch.float32
+                                else self.master.to(self.dtype))
+        for u in self.units:
+            block = (self.params_flat[u.start:u.start + u.padded] if self.params_flat is not None
+                     else torch.zeros(u.padded, dtype=self.dtype, device=device))
+            with torch.no_grad():
+                for seg, p in zip(self.segments[u.first:u.last], self.params[u.first:u.last],
+                                  strict=True):
+                    block[seg.start - u.start:seg.end - u.start].copy_(p.detach().reshape(-1))
+            for seg, p in zip(self.segments[u.first:u.last], self.params[u.first:u.last],
+                              strict=True):
+                p.data = block[seg.start - u.start:seg.end - u.start].view(p.shape)
+                p.grad = None
+                p.register_post_accumulate_grad_hook(partial(self._unit_grad, u, seg))
+            if self.mode == "full":
+                u.full = block
+                self._free(u)
+                mod = self.model.get_submodule(u.key)
+                u.hooks = [mod.register_forward_pre_hook(partial(self._before_forward, u)),
+                           mod.register_forward_hook(partial(self._after_forward, u))]
+        self._transient = self.peak_transient_bytes = 0
+
+    def _owned_parts(self, seg: Segment) -> Iterator[tuple[int, int, int, int]]:
+        """``(global a, global b, local a, local b)`` of ``seg``'s elements this rank owns."""
+        for a, b, local in self.owned:
+            lo, hi = max(seg.start, a), min(seg.end, b)
+            if lo < hi:
+                yield lo, hi, local + lo - a, local + hi - a
+
+    # ------------------------------------------------------------ ZeRO-2/3 per unit
+
+    def _unit_grad(self, u: Unit, seg: Segment, p: torch.Tensor) -> None:
+        """Post-accumulate hook (ZeRO-2/3): add ``p``'s gradient into its unit's bucket, free
+        it, and reduce the bucket once the unit's last gradient has arrived."""
+        if p.grad is None:
+            return
+        if u.bucket is None:
+            u.bucket = torch.zeros(u.padded, dtype=torch.float32, device=p.grad.device)
+            self._hold(u.bucket.numel() * 4)
+        u.bucket[seg.start - u.start:seg.end - u.start].add_(p.grad.reshape(-1))
+        p.grad = None
+        u.arrived += 1
+        if u.arrived == u.last - u.first:
+            self._reduce_unit(u)
+
+    def _reduce_unit(self, u: Unit) -> None:
+        """Average ``u``'s bucket over the group, keep the own chunk, free it (ZeRO-3: and
+        the gathered parameters)."""
+        bucket, u.bucket, u.arrived = u.bucket, None, 0
+        assert bucket is not None and self.shard is not None
+        if self.reduce_grads is not None and not self.shard.stand_in:
+            self.reduce_grads(bucket)
+        i = self.shard.index
+        self.main_grad[u.local:u.local + u.chunk].add_(bucket[i * u.chunk:(i + 1) * u.chunk])
+        self._hold(-bucket.numel() * 4)
+        del bucket
+        if self.mode == "full":
+            self._free(u)
+
+    def _hold(self, nbytes: int) -> None:
+        self._transient += nbytes
+        self.peak_transient_bytes = max(self.peak_transient_bytes, self._transient)
+
+    def _gather(self, u: Unit) -> None:
+        """ZeRO-3: all-gather ``u``'s parameters over the group (no-op when they are)."""
+        if u.gathered:
+            return
+        assert u.full is not None and self.param_shard is not None and self.shard is not None
+        nbytes = u.padded * u.full.element_size()
+        u.full.untyped_storage().resize_(nbytes)
+        self._hold(nbytes)
+        u.gathered = True
+        i = self.shard.index
+        with torch.no_grad():
+            if self.shard.stand_in:  # no peers: their chunks are zeros
+                u.full.zero_()
+            u.full[i * u.chunk:(i + 1) * u.chunk].copy_(
+                self.param_shard[u.local:u.local + u.chunk])
+            if not self.shard.stand_in:
+                self._all_gather(u.full, u.chunk)
+
+    def _free(self, u: Unit) -> None:
+        """ZeRO-3: release ``u``'s gathered parameters (their views stay, storage empty)."""
+        if not u.gathered:
+            return
+        assert u.full is not None
+        if u.full.untyped_storage().nbytes():
+            self._hold(-u.full.untyped_storage().nbytes())
+            u.full.untyped_storage().resize_(0)
+        u.gathered = False
+
+    def _before_forward(self, u: Unit, module: nn.Module, args) -> None:
+        self._gather(u)
+
+    def _after_forward(self, u: Unit, module: nn.Module, args, out) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # full recompute re-running it inside the backward: still needed there
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(partial(self._before_backward, u))
+        self._free(u)
+
+    def _before_backward(self, u: Unit, grad: torch.Tensor) -> None:
+        self._gather(u)
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter materialised for the block (ZeRO-3; a no-op otherwise), e.g. to
+        read or run layers outside the stage's forward."""
+        for u in self.units:
+            if u.full is not None:
+                self._gather(u)
+        try:
+            yield
+        finally:
+            for u in self.units:
+                if u.full is not None:
+                    self._free(u)
+
+    def state_bytes(self) -> tuple[int, int, int]:
+        """``(parameters, main grads, optimizer)`` bytes this rank holds between steps."""
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+        params = size(self.params_flat) + size(self.param_shard)
+        if self.param_shard is not None and self.param_shard.data_ptr() == self.master.data_ptr():
+            params -= size(self.param_shard)
+        optim = size(self.exp_avg) + size(self.exp_avg_sq)
+        shares = (self.params_flat is not None and self.mode not in PER_UNIT
+                  and self.master.data_ptr() == self.params_flat[self.lo:self.hi].data_ptr())
+        if not shares:
+            optim += size(self.master)
+        return params, size(self.main_grad), optim
 
     def enable_overlap(self, launch: Callable[[torch.Tensor], Work], group_size: int,
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -240,8 +499,8 @@ class StageOptimizer:
         lr = lr_at(self.t, step)
         if self.grad_sync is not None:  # overlapped: wait on every bucket's all-reduce
             self.grad_sync.finish()
-        elif self.reduce_grads is not None:
-            self.reduce_grads(self.main_grad)
+        elif self.reduce_grads is not None and self.mode not in PER_UNIT:
+            self.reduce_grads(self.main_grad)  # ZeRO-2/3 reduced each unit in the backward
         g = self.main_grad[self.lo:self.hi]
         if self.loss_scale != 1.0:
             g.div_(self.loss_scale)
@@ -306,18 +565,34 @@ class StageOptimizer:
             master[a:b].addcdiv_(self.exp_avg[a:b], denom, value=-lr / bc1)
 
     def _publish(self) -> None:
-        """Cast the updated master slice into the parameters; ZeRO-1: all-gather the slices."""
+        """Cast the updated master slice into the parameters; ZeRO-1: all-gather the slices;
+        ZeRO-2: all-gather each unit's chunks; ZeRO-3: only the own chunks (gathered on use)."""
+        if self.mode == "full":
+            assert self.param_shard is not None
+            if self.param_shard.data_ptr() != self.master.data_ptr():
+                self.param_shard.copy_(self.master)
+            return
+        if self.mode == "gradients":
+            assert self.params_flat is not None and self.shard is not None
+            i = self.shard.index
+            for u in self.units:
+                block = self.params_flat[u.start:u.start + u.padded]
+                block[i * u.chunk:(i + 1) * u.chunk].copy_(
+                    self.master[u.local:u.local + u.chunk])
+                if not self.shard.stand_in:
+                    self._all_gather(block, u.chunk)
+            return
         if self.master.data_ptr() != self.params_flat[self.lo:self.hi].data_ptr():
             self.params_flat[self.lo:self.hi].copy_(self.master)
-        if self.shard is not None:
-            self._all_gather(self.params_flat)
+        if self.shard is not None and not self.shard.stand_in:
+            self._all_gather(self.params_flat, self.hi - self.lo)
 
-    def _all_gather(self, flat: torch.Tensor) -> None:
-        """Fill every DP rank's slice of ``flat`` from its owner (in place)."""
+    def _all_gather(self, flat: torch.Tensor, chunk: int) -> None:
+        """Fill every DP rank's ``chunk``-element slice of ``flat`` from its owner (in place)."""
         sh = self.shard
         assert sh is not None
         staged = flat if flat.device == sh.staging else flat.to(sh.staging)
-        parts = list(staged.split(self.hi - self.lo))
+        parts = list(staged.split(chunk))
         if sh.gather is not None:
             sh.gather(parts, sh.index)
             if staged is not flat:
@@ -352,10 +627,12 @@ class StageOptimizer:
         """This rank's optimizer state as checkpoint pieces, keyed by global parameter names
         (``optim.<name>.{exp_avg,exp_avg_sq,step}`` and, for low precision,
         ``optim.<name>.master``), each piece a VIEW of this rank's slice: nothing is gathered
-        or copied, so with ZeRO-1 a rank saves (and loads) ``1/dp`` of the state. ``tp``: how
-        the stage's parameters are TP-sharded (pieces are placed in the unsharded tensors).
+        or copied, so with ZeRO-1/2/3 a rank saves (and loads) ``1/dp`` of the state. Under
+        ZeRO-3 the parameters themselves (``<name>``) are pieces of its chunks too (the
+        caller leaves them out of ``checkpoint.job_state``). ``tp``: how the stage's
+        parameters are TP-sharded (pieces are placed in the unsharded tensors).
 
-        ``for_save``: only what this rank writes -- with ZeRO-1 every DP replica its slice,
+        ``for_save``: only what this rank writes -- sharded, every DP replica its slice;
         unsharded only replica ``dp_index`` 0; TP-replicated parameters only from TP index 0;
         each parameter's scalar ``step`` once, by the TP-index-0 rank owning its first
         element. Otherwise the load targets of the whole slice (then :meth:`load_finish`)."""
@@ -365,46 +642,70 @@ class StageOptimizer:
             return []
         sources: list[tuple[str, torch.Tensor]] = []
         if self.exp_avg is not None and self.exp_avg_sq is not None:
-            sources += [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
+            sources += [("optim.{}.exp_avg", self.exp_avg),
+                        ("optim.{}.exp_avg_sq", self.exp_avg_sq)]
+        if self.param_shard is not None:  # ZeRO-3: the parameters are only here
+            if not for_save:
+                self._params_in = torch.full_like(self.param_shard, math.nan)
+            sources.append(("{}", self.param_shard if for_save else self._params_in))
         if self.dtype != torch.float32:
             if not for_save:  # NaN: not in the checkpoint -> taken from the loaded parameters
                 self._master_in = torch.full_like(self.master, math.nan)
-            sources.append(("master", self.master if for_save or self._master_in is None
+            sources.append(("optim.{}.master", self.master if for_save or self._master_in is None
                             else self._master_in))
         if not for_save:
             self._steps_in = []
         out = []
         for s, p in zip(self.segments, self.params, strict=True):
-            a, b = max(s.start, self.lo), min(s.end, self.hi)
-            if a >= b or (for_save and s.replicated and tp_index != 0):
+            if for_save and s.replicated and tp_index != 0:
+                continue
+            parts = list(self._owned_parts(s))
+            if not parts:
                 continue
             dim, idx = shards.get(s.name, (None, None))
             shape = tuple(p.shape) if dim is None or tp is None else tp.full_shape(s.name, p)
             index = idx[tp_index].tolist() if idx is not None else None
-            for kind, buf in sources:
-                pieces = local_range_pieces(buf[a - self.lo:b - self.lo], p.shape, a - s.start,
-                                            dim=dim, index=index)
-                out.append(ShardedTensor(f"optim.{s.name}.{kind}", shape, pieces))
-            if self.kind == "adamw" and (not for_save or (s.start >= self.lo and tp_index == 0)):
+            for key, buf in sources:
+                pieces = [piece for a, b, la, lb in parts
+                          for piece in local_range_pieces(buf[la:lb], p.shape, a - s.start,
+                                                          dim=dim, index=index)]
+                out.append(ShardedTensor(key.format(s.name), shape, pieces))
+            owns_first = parts[0][0] == s.start
+            if self.kind == "adamw" and (not for_save or (owns_first and tp_index == 0)):
                 step = torch.tensor(float(self.step_count) if for_save else -1.0)
                 if not for_save:
                     self._steps_in.append(step)
                 out.append(ShardedTensor.whole(f"optim.{s.name}.step", step))
         return out
 
+    def _owned_params(self) -> torch.Tensor:
+        """This rank's owned parameter elements, as fp32, in the owned buffers' order."""
+        if self.param_shard is not None:
+            return self.param_shard.float()
+        assert self.params_flat is not None
+        return torch.cat([self.params_flat[a:b] for a, b, _ in self.owned]).float()
+
     @torch.no_grad()
     def load_finish(self) -> None:
         """Adopt what a checkpoint load put into :meth:`checkpoint_state`'s targets (``for_save=
         False``); the parameters were loaded by the checkpoint, and master weights it lacks
-        default to them. Collective over the DP group with ZeRO-1 (the parameter all-gather)."""
+        default to them. Collective over the DP group with ZeRO-1/2 (the parameter
+        all-gather)."""
         if self.kind == "adamw":
             self.step_count = max(0, int(max((float(t) for t in self._steps_in), default=0.0)))
+        if self._params_in is not None:
+            assert self.param_shard is not None
+            self.param_shard.copy_(torch.where(torch.isnan(self._params_in), self.param_shard,
+                                               self._params_in))
+            self._params_in = None
         if self._master_in is not None:
-            current = self.params_flat[self.lo:self.hi].float()
+            current = self._owned_params()
             self.master.copy_(torch.where(torch.isnan(self._master_in), current,
                                           self._master_in))
             self._master_in = None
             self._publish()
+        elif self.mode == "gradients":  # fp32: the master is a copy of the owned parameters
+            self.master.copy_(self._owned_params())
         self._steps_in = []
 
 

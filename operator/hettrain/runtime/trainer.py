@@ -23,7 +23,7 @@ from hettrain.runtime.dataset import DataSource, open_data, replica_rows, rows_m
 from hettrain.runtime.devices import activate, select_device
 from hettrain.runtime.metrics import RuntimeMetrics
 from hettrain.runtime.model import StageModel, check_layout, lm_loss, whole_model
-from hettrain.runtime.optim import ShardGroup, StageOptimizer
+from hettrain.runtime.optim import PER_UNIT, ShardGroup, StageOptimizer, sharding_of
 from hettrain.runtime.pipeline import StageRunner
 from hettrain.runtime.replica_sync import ReplicaSync, group_config
 from hettrain.runtime.stage_timing import StageTimer
@@ -241,7 +241,8 @@ class Trainer:
         plan, comm, t = self.plan, self.comm, self.plan.training
         scope = "dc" if self.xdc["mode"] == "diloco" else "global"
         shard = None
-        if t.optimizer_sharding and comm.dp_size > 1:
+        sharding = sharding_of(t)
+        if sharding != "none" and comm.dp_size > 1:
             tier = self._dp_tier()
             # across datacenters the parameter all-gather crosses the DC link once per byte
             spans = len({r.datacenter for r in plan.ranks
@@ -275,8 +276,9 @@ class Trainer:
             tp_sharded=set(self.tp.shards), tp=plan.stages[self.me.stage].tp,
             tp_index=self.me.tp, norm_slot=(slot, len(dcs) if scope == "dc" else 1),
             counts_norm=self.me.dp == min(r.dp for r in peers))
+        # ZeRO-2/3 reduce each unit's gradients as its backward ends (optim.py), every microbatch
         self.dp_overlap = (plan.dp > 1 and t.overlap_grad_reduce and self.replica is None
-                           and comm.dp_overlappable(scope))
+                           and sharding not in PER_UNIT and comm.dp_overlappable(scope))
         if self.dp_overlap:
             # one pool: bucketed async all-reduces during the last microbatch's backward
             # (runtime/grad_sync.py); across pools/DCs the hierarchical sync stays after it
@@ -352,6 +354,7 @@ class Trainer:
             return 0
         # the optimizer loads only its own (ZeRO-1: 1/dp) slice, in place, from any layout
         targets = ckpt.job_state(self.model, None, tp=self.tp, for_save=False,
+                                 params=self.opt.param_shard is None,
                                  extra=self._outer_state(),
                                  sharded=self.opt.checkpoint_state(self.tp, for_save=False))
         loaded = ckpt.load(self.ckpt.store, found, targets, model=ckpt.model_meta(self.plan.model))
@@ -482,6 +485,7 @@ class Trainer:
                 # the optimizer's state as views of its own slice: under ZeRO-1 every DP
                 # replica writes its 1/dp (nothing is gathered), else replica 0 writes it all
                 state = ckpt.job_state(self.model, None, tp=self.tp, dp_index=self.me.dp,
+                                       params=self.opt.param_shard is None,
                                        extra=self._outer_state(),
                                        sharded=self.opt.checkpoint_state(
                                            self.tp, dp_index=self.me.dp))
