@@ -5,9 +5,11 @@ chunks, its TP shard of the weights, the stage optimizer with the plan's precisi
 degree) and runs one step of the stage's schedule single-process, with random boundary
 activations and gradients standing in for its pipeline peers. It reports:
 
-- ``params``: the flat parameter buffer (plan precision);
-- ``grads``: the fp32 main-grad buffer;
+- ``params``: the parameter buffer (plan precision; ZeRO-3: the own chunks);
+- ``grads``: the fp32 main-grad buffer (ZeRO-2/3: the own chunks);
 - ``optimizer``: the fp32 master slice (when it is not the parameters) and the AdamW moments;
+- ``transient`` (ZeRO-2/3): the peak of what the per-unit sync holds at once -- each unit's
+  fp32 gradient bucket until it is reduced and, ZeRO-3, the gathered units' parameters;
 - ``activations``: the PEAK bytes kept for the backward pass over the step, from
   ``torch.autograd.graph.saved_tensors_hooks`` (each storage counted once, parameters excluded),
   plus, for full recompute, one layer's forward working set re-run in the backward, plus what
@@ -22,14 +24,15 @@ activations and gradients standing in for its pipeline peers. It reports:
 TP is measured on the local shard without the TP collectives (their buffers are transient and
 their saved tensors are the same as without them). Context parallelism (``stages[s].cp > 1``)
 is measured on CP rank 0's ``seq_len / cp`` tokens, the other ranks' keys/values stand-ins
-(``context_parallel.StandInContextParallel``), ZeRO-1 over the DP×CP group. Nothing here talks
+(``context_parallel.StandInContextParallel``), ZeRO over the DP×CP group (a stand-in group: the
+other ranks' chunks of a gathered unit are zeros, nothing is reduced). Nothing here talks
 to other processes.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -40,7 +43,7 @@ from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan
 from hettrain.runtime.context_parallel import StandInContextParallel, enable_
 from hettrain.runtime.model import StageModel, WeightGradStore, defer_weight_grads
-from hettrain.runtime.optim import ShardGroup, StageOptimizer
+from hettrain.runtime.optim import ShardGroup, StageOptimizer, sharding_of
 from hettrain.runtime.schedules import chunk_actions
 from hettrain.runtime.tensor_parallel import shard_stage_
 
@@ -55,6 +58,7 @@ class StageBytes:
     activations: int
     loss_buffers: int
     working: int = 0  # full recompute's re-run layer, included in ``activations``
+    transient: int = 0  # ZeRO-2/3: gradient buckets and gathered units at their peak
 
     @property
     def total(self) -> int:
@@ -62,13 +66,13 @@ class StageBytes:
         The loss buffers and full recompute's re-run layer are never alive together (the
         loss's backward ends before the first layer is re-run): the larger of the two counts."""
         return (self.params + self.grads + self.optimizer + self.activations - self.working
-                + max(self.working, self.loss_buffers))
+                + max(self.working, self.loss_buffers) + self.transient)
 
 
 class _Tracker:
     """Live bytes of tensors kept for the backward, each storage counted once; tracks the peak."""
 
-    def __init__(self, exclude: set[int]) -> None:
+    def __init__(self, exclude: Callable[[int], bool]) -> None:
         self.exclude = exclude  # storages not to count (the parameters)
         self.live: dict[int, list[int]] = {}  # storage ptr -> [references, bytes]
         self.bytes = 0
@@ -79,7 +83,7 @@ class _Tracker:
         return _Held(self, t)
 
     def _add(self, ptr: int, nbytes: int) -> None:
-        if ptr in self.exclude or nbytes == 0:
+        if nbytes == 0 or self.exclude(ptr):
             return
         entry = self.live.get(ptr)
         if entry is None:
@@ -156,40 +160,49 @@ def measure_stage(plan: Plan, stage: int) -> StageBytes:
     model, sharded = build_stage(plan, stage)
     if st.cp > 1:  # CP rank 0: its 2 chunks of the sequence, stand-in peers' keys/values
         enable_(model, StandInContextParallel(st.cp, 0, plan.model.seq_len))
-    zero = plan.dp * st.cp  # ZeRO-1 shards over the DP×CP gradient group
-    shard = (ShardGroup(None, 0, zero, torch.device("cpu"))
-             if plan.training.optimizer_sharding and zero > 1 else None)
+    zero = plan.dp * st.cp  # ZeRO shards over the DP×CP gradient group
+    shard = (ShardGroup(None, 0, zero, torch.device("cpu"), stand_in=True)
+             if sharding_of(plan.training) != "none" and zero > 1 else None)
     opt = StageOptimizer(model, plan.training, shard=shard, tp_sharded=sharded, tp=st.tp)
-    params = opt.params_flat.numel() * opt.params_flat.element_size()
-    grads = opt.main_grad.numel() * opt.main_grad.element_size()
-    optim = sum(t.numel() * t.element_size() for t in (opt.exp_avg, opt.exp_avg_sq)
-                if t is not None)
-    if opt.master.data_ptr() != opt.params_flat[opt.lo:opt.hi].data_ptr():
-        optim += opt.master.numel() * opt.master.element_size()
-    tracker = _Tracker({opt.params_flat.untyped_storage().data_ptr()})
+    params, grads, optim = opt.state_bytes()
+    tracker = _Tracker(_parameter_storages(opt))
     loss_buffers = _run_schedule(plan, stage, model, opt, tracker)
-    working = _recompute_working_set(plan, model, opt.params_flat)
-    return StageBytes(params, grads, optim, tracker.peak + working, loss_buffers, working)
+    transient = opt.peak_transient_bytes
+    working = _recompute_working_set(plan, model, opt)
+    return StageBytes(params, grads, optim, tracker.peak + working, loss_buffers, working,
+                      transient)
 
 
-def _recompute_working_set(plan: Plan, model: StageModel, params_flat: torch.Tensor) -> int:
+def _parameter_storages(opt: StageOptimizer) -> Callable[[int], bool]:
+    """Whether a storage holds parameters (the flat buffer, or a ZeRO-3 unit gathered now:
+    its storage moves with every gather)."""
+    def check(ptr: int) -> bool:
+        if opt.params_flat is not None and ptr == opt.params_flat.untyped_storage().data_ptr():
+            return True
+        return any(u.full is not None and u.gathered
+                   and ptr == u.full.untyped_storage().data_ptr() for u in opt.units)
+    return check
+
+
+def _recompute_working_set(plan: Plan, model: StageModel, opt: StageOptimizer) -> int:
     """Full recompute: the bytes the backward of one layer keeps while it re-runs the layer's
     forward (``torch.utils.checkpoint`` re-runs ``_block`` and saves what it saves), measured
     by running that block forward under the saved-tensor hooks for one microbatch; 0 for the
     other modes. Added to the stage's peak (the recompute happens on top of what is held)."""
     if plan.training.recompute != "full":
         return 0
-    layer = next(iter(model.layers.values()))
+    key, layer = next(iter(model.layers.items()))
     spec = plan.model
     gen = torch.Generator().manual_seed(1)
     seq = spec.seq_len // plan.stages[0].cp  # context parallel: this rank's tokens
     x = torch.randn((plan.micro_batch, seq, spec.hidden), generator=gen)
-    x = x.to(params_flat.dtype).requires_grad_()
+    x = x.to(opt.dtype).requires_grad_()
     cos, sin = model._cos_sin(x)
-    tracker = _Tracker({params_flat.untyped_storage().data_ptr()})
-    with _saved_tensors(tracker):
-        out = layer._block(x, cos, sin)
-    del out
+    with opt.gathered([f"model.layers.{key}"]):  # ZeRO-3: as the re-run finds it
+        tracker = _Tracker(_parameter_storages(opt))
+        with _saved_tensors(tracker):
+            out = layer._block(x, cos, sin)
+        del out
     return tracker.peak
 
 
@@ -201,7 +214,7 @@ def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer
     v = len(model.chunks)
     chunked = plan.schedule == "interleaved"
     first, last = stage == 0, stage == plan.pp - 1
-    dtype = opt.params_flat.dtype
+    dtype = opt.dtype
     seq = spec.seq_len // plan.stages[stage].cp  # context parallel: this rank's tokens
     shape = (b, seq, spec.hidden)
     held: dict[tuple[int, int], tuple[torch.Tensor, _Held]] = {}

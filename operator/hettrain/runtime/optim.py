@@ -61,7 +61,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -328,6 +328,7 @@ class StageOptimizer:
             self.params_flat = None
             self.param_shard = (self.master if self.dtype == torch.float32
                                 else self.master.to(self.dtype))
+        owner = {id(p): u.key for u in self.units for p in self.params[u.first:u.last]}
         for u in self.units:
             block = (self.params_flat[u.start:u.start + u.padded] if self.params_flat is not None
                      else torch.zeros(u.padded, dtype=self.dtype, device=device))
@@ -344,6 +345,12 @@ class StageOptimizer:
                 u.full = block
                 self._free(u)
                 mod = self.model.get_submodule(u.key)
+                if any(unit_key(name) != owner[id(q)] for name, q in
+                       self.model.named_parameters(remove_duplicate=False)):
+                    raise ValueError(
+                        f"plan.training.sharding=full: {u.key} uses parameters of another unit "
+                        "(tied input/output embeddings); set spec.model.tieEmbeddings: false "
+                        "or spec.training.sharding: gradients")
                 u.hooks = [mod.register_forward_pre_hook(partial(self._before_forward, u)),
                            mod.register_forward_hook(partial(self._after_forward, u))]
         self._transient = self.peak_transient_bytes = 0
@@ -431,18 +438,18 @@ class StageOptimizer:
         self._gather(u)
 
     @contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Every parameter materialised for the block (ZeRO-3; a no-op otherwise), e.g. to
-        read or run layers outside the stage's forward."""
-        for u in self.units:
-            if u.full is not None:
-                self._gather(u)
+    def gathered(self, keys: Sequence[str] | None = None) -> Iterator[None]:
+        """The parameters of the units ``keys`` (:func:`unit_key`; None: all) materialised
+        for the block (ZeRO-3; a no-op otherwise), e.g. to read or run layers outside the
+        stage's forward."""
+        units = [u for u in self.units if u.full is not None and (keys is None or u.key in keys)]
+        for u in units:
+            self._gather(u)
         try:
             yield
         finally:
-            for u in self.units:
-                if u.full is not None:
-                    self._free(u)
+            for u in units:
+                self._free(u)
 
     def state_bytes(self) -> tuple[int, int, int]:
         """``(parameters, main grads, optimizer)`` bytes this rank holds between steps."""
