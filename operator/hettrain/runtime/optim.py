@@ -225,7 +225,8 @@ class StageOptimizer:
     (None: single process). ``norm_slot = (slot, slots)``: which replica set this rank's norm
     belongs to (DiLoCo: one per datacenter); ``counts_norm`` whether this rank's (unsharded)
     gradients enter the norm (one DP replica per slot does). ``tp_index`` 0 counts the
-    TP-replicated parameters.
+    TP-replicated parameters. ``device``: where the buffers, and so the parameters, live
+    (default: the parameters' device; ZeRO-3 copies a host-built model unit by unit).
     """
 
     def __init__(self, model: nn.Module, training: TrainingSpec, *, kind: str = "adamw",
@@ -234,7 +235,7 @@ class StageOptimizer:
                  norm_reduce: Callable[[torch.Tensor], None] | None = None,
                  tp_sharded: frozenset[str] | set[str] = frozenset(), tp: int = 1,
                  tp_index: int = 0, norm_slot: tuple[int, int] = (0, 1),
-                 counts_norm: bool = True) -> None:
+                 counts_norm: bool = True, device: torch.device | None = None) -> None:
         if kind not in OPTIMIZER_KINDS:
             raise ValueError(f"optimizer {kind!r}: must be one of {OPTIMIZER_KINDS}")
         if training.precision not in DTYPES:
@@ -249,7 +250,9 @@ class StageOptimizer:
         self.params = [p for _, p in model.named_parameters()]
         self.mode = sharding_of(training) if self.shard is not None else "none"
         segments = layout(model, training, tp_sharded, tp)
-        device = self.params[0].device
+        # ``device``: where the buffers live; the model may still be on the host (ZeRO-3: each
+        # unit is copied to the device chunk by chunk, the whole stage never is)
+        device = device or self.params[0].device
         k = self.shard.size if self.shard else 1
         index = self.shard.index if self.shard else 0
         self.units: list[Unit] = []

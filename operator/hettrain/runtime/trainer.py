@@ -213,7 +213,10 @@ class Trainer:
             enable_(self.model, self.cp)
         if plan.model.pretrained:  # a checkpoint, when resuming, overrides these in train()
             load_pretrained(self.model, plan.model.pretrained, self.tp)
-        self.model.to(self.device)  # built and sliced on the host: identical weights anywhere
+        # built and sliced on the host: identical weights anywhere; under ZeRO-3 the
+        # optimizer copies each unit's chunks to the device, never the whole stage
+        if not (sharding_of(plan.training) == "full" and self.comm.dp_size > 1):
+            self.model.to(self.device)
         self.opt = self._optimizer()
         self.diloco: DiLoCo | None = None
         if self.xdc["mode"] == "diloco":
@@ -275,7 +278,7 @@ class Trainer:
             norm_reduce=norm_reduce,
             tp_sharded=set(self.tp.shards), tp=plan.stages[self.me.stage].tp,
             tp_index=self.me.tp, norm_slot=(slot, len(dcs) if scope == "dc" else 1),
-            counts_norm=self.me.dp == min(r.dp for r in peers))
+            counts_norm=self.me.dp == min(r.dp for r in peers), device=self.device)
         # ZeRO-2/3 reduce each unit's gradients as its backward ends (optim.py), every microbatch
         self.dp_overlap = (plan.dp > 1 and t.overlap_grad_reduce and self.replica is None
                            and sharding not in PER_UNIT and comm.dp_overlappable(scope))
