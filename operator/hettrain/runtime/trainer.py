@@ -525,13 +525,23 @@ class Trainer:
         return {"buckets": len(gs.buckets), "launched_in_backward": gs.launched_early,
                 "wait_s": gs.wait_s}
 
+    def _param_checksum(self) -> float:
+        """Sum of every parameter element (ZeRO-3: gathered unit by unit, a collective)."""
+        if not self.opt.units or self.opt.param_shard is None:
+            return float(sum(p.double().sum() for p in self.model.parameters()))
+        total = 0.0
+        for u in self.opt.units:
+            with self.opt.gathered([u.key]):
+                total += float(sum(p.double().sum() for p in self.opt.params[u.first:u.last]))
+        return total
+
     def _write_summary(self, losses: list[float]) -> None:
         """``HETTRAIN_SUMMARY_DIR/rank-R.json``: per-tier bytes/ops/seconds, CPU seconds per step,
         a weight checksum."""
         if not self.cfg.summary_dir:
             return
         with torch.no_grad():
-            checksum = float(sum(p.double().sum() for p in self.model.parameters()))
+            checksum = self._param_checksum()
         rec = {"rank": self.global_rank, "group": self.full_plan.ranks[self.global_rank].group,
                "stage": self.me.stage, "dp": self.me.dp, "tp": self.me.tp,
                "datacenter": self.me.datacenter, "mode": self.xdc["mode"],

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from tests.runtime.checkpoints import rewind
+from tests.runtime.cp.plans import cp_plan
 from tests.runtime.training.plans import tiny_plan
 
 from hettrain.runtime.launch import launch_local, wait_all
@@ -97,3 +98,23 @@ def test_zero3_pp2_dp2_full_recompute_checkpoints_chunks_and_resumes_elsewhere(t
         assert sorted(after) == list(range(AT, STEPS)), name
         for step in range(AT, STEPS):
             assert after[step] == pytest.approx(ref[step], rel=RTOL), (name, step)
+
+
+@pytest.mark.parametrize(("sharding", "tp"), [("full", 2), ("gradients", 1)])
+def test_zero23_over_the_dp_x_cp_group_matches_the_reference(tmp_path, sharding, tp):
+    """CP ranks join the gradient group: ZeRO-2/3 shard over dp·cp = 4 ranks (dp=2, cp=2)."""
+    steps = 3
+    plan = cp_plan([(0, 4, "pool-a")], dp=2, cp=2, steps=steps, tp=tp, num_microbatches=2,
+                   sharding=sharding, recompute="selective")
+    summary = tmp_path / "summary"
+    got = _run(plan, tmp_path / "run", {"HETTRAIN_METRICS_PORT": "0",
+                                        "HETTRAIN_SUMMARY_DIR": str(summary)},
+               tmp_path / "l.jsonl")
+    for step, want in enumerate(reference_losses(plan, steps)):
+        assert got[step] == pytest.approx(want, rel=FP32_RTOL), step
+    sums = [json.loads((summary / f"rank-{r}.json").read_text())
+            for r in range(plan.world_size)]
+    by_shard: dict[tuple[int, int], set[float]] = {}  # every replica: the same weights
+    for r, s in zip(plan.ranks, sums, strict=True):
+        by_shard.setdefault((r.stage, r.tp), set()).add(s["param_checksum"])
+    assert all(len(v) == 1 for v in by_shard.values()), by_shard
