@@ -304,6 +304,19 @@ def test_support_refuses_zero2_3_with_zb_h1_groups_and_tied_full() -> None:
     assert any("plan.training.sharding='auto'" in e for e in unsupported(unresolved))
 
 
+@pytest.mark.parametrize("sharding", ["gradients", "full"])
+def test_support_refuses_zero2_3_with_replica_groups(sharding: str) -> None:
+    from tests.runtime.training.plans import grouped_plan
+
+    two = [{"splits": [(0, 2, "a"), (2, 4, "b")]}, {"splits": [(0, 4, "c")], "dc": "dc2"}]
+    plan = grouped_plan(two)
+    assert not any("sharding" in e for e in unsupported(plan))
+    sharded = dataclasses.replace(plan, training=dataclasses.replace(plan.training,
+                                                                     sharding=sharding))
+    assert any(f"plan.training.sharding={sharding} with plan.groups" in e
+               and "replicaGroups: false" in e for e in unsupported(sharded))
+
+
 def test_support_refuses_zero_with_diloco() -> None:
     plan = dataclasses.replace(_plan("full"), cross_dc={"mode": "diloco"}, dp=2)
     assert any("plan.cross_dc.mode=diloco" in e and "sharding: none" in e
