@@ -1524,8 +1524,9 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
 
     With ``previous`` (a re-plan after failures) the global batch is kept (gradient
     accumulation absorbs a smaller ``dp``) and, among layouts within 2% of the best, the one
-    that moves the fewest surviving ranks to another stage wins. ``recompute: auto`` plans
-    each mode and keeps the fastest (:func:`_plan_recompute_auto`).
+    that moves the fewest surviving ranks to another stage wins. ``recompute: auto``,
+    ``crossDC.mode: auto`` and ``sharding: auto`` plan each option and keep the fastest
+    (:func:`_plan_auto`).
     """
     if spec.model.tie_embeddings:  # the runtime trains tied embeddings only without PP
         spec = replace(spec, parallelism=replace(spec.parallelism, pp=1))
@@ -1539,10 +1540,15 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
             (mode, replace(spec, cross_dc=replace(spec.cross_dc, mode=mode))) for mode in modes])
     if spec.training.sharding == "auto":
         # each option the rules allow (api.spec.sharding_options), least sharded first: the
-        # fastest that fits wins, ties the least sharded (exact: each search is)
-        return _plan_auto(name, inventory, exhaustive, previous, "sharding", [
-            (mode, replace(spec, training=replace(spec.training, sharding=mode)))
-            for mode in sharding_options("auto", spec.model, spec.parallelism)])
+        # fastest that fits wins, ties the least sharded (exact: each search is). A variant's
+        # refusal does not try the stronger shardings (_sharding_that_fits): auto does
+        token = _PROBING.set(True)
+        try:
+            return _plan_auto(name, inventory, exhaustive, previous, "sharding", [
+                (mode, replace(spec, training=replace(spec.training, sharding=mode)))
+                for mode in sharding_options("auto", spec.model, spec.parallelism)])
+        finally:
+            _PROBING.reset(token)
     pools = filter_pools(inventory, spec.placement)
     if not pools:
         pl = spec.placement
@@ -1659,11 +1665,13 @@ def _place(c: Candidate, previous: Plan | None) -> tuple[RankPlan, ...]:
 
 def _plan_auto(name: str, inventory: ClusterInventory, exhaustive: bool,
                previous: Plan | None, field: str, variants: Sequence[tuple[str, JobSpec]]) -> Plan:
-    """An ``auto`` spec option (``recompute``, ``crossDC.mode``): the best plan over
-    ``variants``, each a concrete spec.
+    """An ``auto`` spec option (``recompute``, ``crossDC.mode``, ``sharding``): the best plan
+    over ``variants``, each a concrete spec.
 
     Exact: each variant's search is exact, and the fastest wins (ties: the first variant, the
-    least recomputation / exact gradients). A re-plan takes, among the variants' plans within
+    least recomputation / exact gradients / least sharding). The note names the choice, why
+    (the fastest, the fastest that fits, the only one that fits) and every variant's time or
+    that no layout fit it. A re-plan takes, among the variants' plans within
     ``REPLAN_TOLERANCE`` of the fastest, the one moving the fewest ranks. The plan carries the
     chosen mode: the runtime never sees ``auto``.
     """
