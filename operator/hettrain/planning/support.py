@@ -29,7 +29,8 @@ def unsupported(plan: Plan) -> list[str]:
                    f"{', '.join(SHARDINGS)}; set spec.training.sharding to one of them (the "
                    "planner resolves auto)")
     if t.optimizer_sharding and mode == "diloco" and plan.dp > 1:
-        out.append(f"plan.training.sharding={t.sharding} with plan.cross_dc.mode=diloco: "
+        out.append(f"plan.training.optimizer_sharding=true (sharding={t.sharding}) with "
+                   "plan.cross_dc.mode=diloco: "
                    "ZeRO cannot combine with DiLoCo (each datacenter's replicas drift apart "
                    "between outer steps); set spec.training.sharding: none (or "
                    "optimizerSharding: false)")
