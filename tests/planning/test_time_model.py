@@ -250,14 +250,16 @@ def test_refusal_names_stage_need_capacity_and_only_helpful_options() -> None:
     assert "recompute: full" not in msg  # already on
     assert "optimizerSharding" not in msg  # already on
     assert "unpin spec.parallelism (tp=8, pp=1)" in msg
-    # the same job without those options on suggests them
+    assert "sharding" not in msg  # dp = 1 (tp=8 on 8 GPUs): no ZeRO stage shards anything
+    # the same job without those options suggests none of them either: the state alone does
+    # not fit (recompute would not help), and at dp = 1 neither would any sharding
     spec2 = dataclasses.replace(spec, training=dataclasses.replace(
         spec.training, recompute="selective", optimizer_sharding=False))
+    assert spec2.training.sharding == "none"
     with pytest.raises(PlanningError) as err2:
         plan_job("j", spec2, inv)
-    # the state alone does not fit: recompute would not help, ZeRO-1 would
     assert "recompute" not in err2.value.message
-    assert "set spec.training.optimizerSharding: true" in err2.value.message
+    assert "sharding" not in err2.value.message
 
 
 def test_refusal_names_the_limiting_stage_when_activations_do_not_fit() -> None:

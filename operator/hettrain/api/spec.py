@@ -25,6 +25,11 @@ SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1")
 CROSS_DC_MODES = ("sync", "compress", "diloco")
 CROSS_DC_SPEC_MODES = (*CROSS_DC_MODES, "auto")  # spec only: the planner picks sync|compress
 COMPRESSIONS = ("none", "bf16", "int8")
+# spec.training.sharding: what the data-parallel group shards (runtime/optim.py). optimizer =
+# ZeRO-1 (fp32 master + AdamW moments), gradients = ZeRO-2 (+ the fp32 main grads), full =
+# ZeRO-3 / FSDP (+ the parameters, gathered unit by unit)
+SHARDINGS = ("none", "optimizer", "gradients", "full")
+SHARDING_SPEC_MODES = (*SHARDINGS, "auto")  # spec only: the planner picks optimizer|gradients|full
 REPAIR_MODES = ("Shrink", "WaitForReplacement")
 LR_SCHEDULES = ("constant", "cosine", "wsd")
 NO_DECAY_GROUPS = ("norms", "biases", "embeddings")
@@ -126,8 +131,7 @@ class TrainingSpec:
     steps: int
     micro_batch: int | None = None
     precision: str = "bf16"
-    optimizer_sharding: bool = True  # distributed optimizer (ZeRO-1)
-    sharding: str | None = None  # none|optimizer|gradients|full; None: from optimizer_sharding
+    optimizer_sharding: bool = True  # sharding != "none" (kept for readers of the flag)
     recompute: str = "selective"
     learning_rate: float = 3e-4
     seed: int = 1234
@@ -150,6 +154,19 @@ class TrainingSpec:
     # DP gradient sync overlapped with the last microbatch's backward, in buckets (runtime/
     # grad_sync.py); false: one sync after the backward (the cost model follows either way)
     overlap_grad_reduce: bool = True
+    # none | optimizer (ZeRO-1) | gradients (ZeRO-2) | full (ZeRO-3/FSDP); "auto" only in a
+    # spec (a plan's is always resolved). "" (unset): follows ``optimizer_sharding``.
+    sharding: str = ""
+
+    def __post_init__(self) -> None:
+        # one truth for both fields: unset follows the flag; otherwise "off" wins, so
+        # ``replace(t, optimizer_sharding=False)`` and ``replace(t, sharding="none")`` both
+        # turn sharding off, and the flag is true exactly when sharding != "none"
+        sharding = self.sharding or ("optimizer" if self.optimizer_sharding else "none")
+        if not self.optimizer_sharding:
+            sharding = "none"
+        object.__setattr__(self, "sharding", sharding)
+        object.__setattr__(self, "optimizer_sharding", sharding != "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,7 +504,7 @@ def _parse_training(f: _Fields) -> TrainingSpec:
     steps = f.int_("steps", required=True, fix="set the number of optimizer steps")
     mb = f.int_("microBatch")
     precision = f.str_("precision", "bf16", PRECISIONS)
-    sharding = f.bool_("optimizerSharding", True)
+    sharding = _parse_sharding(f)
     overlap = f.bool_("overlapGradReduce", True)
     recompute = f.str_("recompute", "selective", RECOMPUTE_SPEC_MODES)
     lr = f.float_("learningRate", 3e-4)
@@ -503,9 +520,26 @@ def _parse_training(f: _Fields) -> TrainingSpec:
         )
     return TrainingSpec(
         global_batch=gb, steps=steps, micro_batch=mb, precision=precision,
-        optimizer_sharding=sharding, recompute=recompute, learning_rate=lr, seed=seed, **loop,
-        overlap_grad_reduce=overlap,
+        optimizer_sharding=sharding != "none", sharding=sharding, recompute=recompute,
+        learning_rate=lr, seed=seed, **loop, overlap_grad_reduce=overlap,
     )
+
+
+def _parse_sharding(f: _Fields) -> str:
+    """``spec.training.sharding``, or (absent) what the older ``optimizerSharding`` says
+    (true: optimizer, false: none); both given must agree."""
+    flag_given = f.data.get("optimizerSharding") is not None
+    flag = f.bool_("optimizerSharding", True)
+    sharding = f.str_("sharding", None, SHARDING_SPEC_MODES)
+    if sharding is None:
+        return "optimizer" if flag else "none"
+    if flag_given and flag != (sharding != "none"):
+        want = "false" if sharding == "none" else "true"
+        raise SpecError(
+            f"{f.path}.sharding",
+            f"sharding: {sharding} contradicts optimizerSharding: {str(flag).lower()}; "
+            f"remove optimizerSharding (sharding replaces it) or set it to {want}")
+    return sharding
 
 
 def _parse_training_loop(f: _Fields) -> dict[str, Any]:
@@ -762,10 +796,14 @@ def parse_job_spec(spec: Mapping[str, Any] | None) -> JobSpec:
         )
     if cross_dc.mode == "diloco" and training.optimizer_sharding:
         raise SpecError(
-            "spec.training.optimizerSharding",
-            "ZeRO-1 optimizer sharding cannot combine with crossDC.mode diloco (the replicas "
-            "of each datacenter drift apart between outer steps); set optimizerSharding: false",
+            "spec.training.sharding" if "sharding" in (f.data.get("training") or {})
+            else "spec.training.optimizerSharding",
+            f"sharding {training.sharding} (ZeRO) cannot combine with crossDC.mode diloco "
+            "(the replicas of each datacenter drift apart between outer steps); set "
+            "spec.training.sharding: none (or optimizerSharding: false)",
         )
+    for why in sharding_conflicts(training.sharding, model, parallelism):
+        raise SpecError("spec.training.sharding", why)
     if parallelism.pp is not None and parallelism.pp > model.layers:
         raise SpecError(
             "spec.parallelism.pp",
@@ -790,6 +828,41 @@ def parse_job_spec(spec: Mapping[str, Any] | None) -> JobSpec:
         command=command, args=args, suspend=suspend, priority_class_name=priority,
         scheduler_name=scheduler, calibration=calibration,
     )
+
+
+def sharding_options(sharding: str, model: ModelSpec, parallelism: ParallelismSpec,
+                     ) -> tuple[str, ...]:
+    """The concrete shardings a spec's ``sharding`` lets the planner use: itself, or for
+    ``auto`` those of optimizer | gradients | full the rules allow (:func:`sharding_conflicts`;
+    least sharded first)."""
+    if sharding != "auto":
+        return (sharding,)
+    return tuple(s for s in ("optimizer", "gradients", "full")
+                 if not sharding_conflicts(s, model, parallelism))
+
+
+def sharding_conflicts(sharding: str, model: ModelSpec, parallelism: ParallelismSpec,
+                       ) -> list[str]:
+    """Why the runtime cannot run ``sharding`` (gradients/full) with these spec options
+    (empty: it can). ``auto`` conflicts with nothing: it skips the options these forbid.
+    The plan-side twin is ``planning.support.unsupported``; DiLoCo is checked by the
+    caller (every sharding but none conflicts with it)."""
+    if sharding not in ("gradients", "full"):
+        return []
+    out = []
+    if parallelism.schedule == "zb-h1":
+        out.append(f"sharding: {sharding} cannot combine with spec.parallelism.schedule: zb-h1 "
+                   "(its deferred weight gradients would need every unit's sharded gradient "
+                   "sync twice); set sharding: optimizer or another schedule")
+    if parallelism.replica_groups:
+        out.append(f"sharding: {sharding} cannot combine with spec.parallelism.replicaGroups "
+                   "(the groups sum whole gradients after the step's backward); set sharding: "
+                   "optimizer or replicaGroups: false")
+    if sharding == "full" and model.tie_embeddings:
+        out.append("sharding: full cannot combine with spec.model.tieEmbeddings: true (the "
+                   "embedding and the output layer share one parameter that FSDP would shard "
+                   "in two units); set sharding: gradients or tieEmbeddings: false")
+    return out
 
 
 def parse_job_manifest(doc: Mapping[str, Any]) -> tuple[str, JobSpec]:

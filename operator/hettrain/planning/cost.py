@@ -255,16 +255,71 @@ def min_seconds_per_flop(device: DeviceSpec, model: ModelSpec | None = None,
 
 def state_bytes_per_param(training: TrainingSpec, dp: int) -> float:
     """Weights + gradients + optimizer bytes per parameter on one rank, as ``runtime.optim``
-    allocates them: parameters in the plan precision, fp32 main grads, fp32 master weights
-    (none for fp32: the parameters are the master) and fp32 AdamW moments; ZeRO-1 shards the
-    master and the moments over the stage's DP group."""
+    allocates them: parameters in the plan precision (``p``), fp32 main grads (4), fp32 master
+    weights and AdamW moments (12; fp32: 8, the parameters are the master), by
+    ``training.sharding`` over the stage's DP group ``d`` (``dp·cp``):
+
+    - ``none``: ``p + 4 + 12``;
+    - ``optimizer`` (ZeRO-1): ``p + 4 + 12/d``;
+    - ``gradients`` (ZeRO-2): ``p + (4 + 12)/d``;
+    - ``full`` (ZeRO-3/FSDP): ``(p + 4 + 12)/d``.
+
+    The transient of one gathered unit (:func:`sharding_transient_bytes`) comes on top."""
     if training.precision == "fp32":
         weights, grads, optim = 4.0, 4.0, 8.0
     else:
         weights, grads, optim = 2.0, 4.0, 12.0
-    if training.optimizer_sharding:
-        optim /= dp
+    sharding = training.sharding
+    if sharding == "optimizer":
+        return weights + grads + optim / dp
+    if sharding == "gradients":
+        return weights + (grads + optim) / dp
+    if sharding == "full":
+        return (weights + grads + optim) / dp
     return weights + grads + optim
+
+
+def sharding_transient_bytes(training: TrainingSpec, unit_params: float) -> float:
+    """Bytes ZeRO-2/3 hold beyond their sharded state while one unit (the embedding, one
+    decoder layer or the head; ``unit_params``: the stage's largest, on one rank) is worked on:
+    its full fp32 gradient bucket (4 per parameter) and its gradients in the plan precision
+    (``p``) before they are reduce-scattered; ``full`` also two gathered units of parameters
+    (``2·p``: the unit running and the one being freed). None for none/optimizer (their
+    gradients are part of the state)."""
+    p = 4.0 if training.precision == "fp32" else 2.0
+    if training.sharding == "gradients":
+        return (4.0 + p) * unit_params
+    if training.sharding == "full":
+        return (4.0 + p + 2.0 * p) * unit_params
+    return 0.0
+
+
+def sharded_grads(training: TrainingSpec) -> bool:
+    """Whether the fp32 main grads are sharded over the DP group (ZeRO-2 and ZeRO-3)."""
+    return training.sharding in ("gradients", "full")
+
+
+def dp_sync_counts(sharding: str, microbatches: int) -> tuple[int, int, bool]:
+    """``(gradient all-reduces, parameter all-gathers, overlappable)`` per step of one stage's
+    DP sync under ``sharding``, each counted in units of the stage's whole sync: one
+    all-reduce of its fp32 gradients, one all-gather of its parameters in the plan precision
+    (ZeRO-1's, same rate model).
+
+    - ``none``: 1 all-reduce after the last microbatch (overlapped with its backward);
+    - ``optimizer`` (ZeRO-1): that all-reduce, then 1 all-gather of the updated parameters
+      (exposed);
+    - ``gradients`` (ZeRO-2): the all-reduce after EVERY microbatch's backward, unit by unit,
+      synchronously (``microbatches``, fully exposed), then ZeRO-1's all-gather once;
+    - ``full`` (ZeRO-3/FSDP): the all-reduce after every microbatch as ZeRO-2, no step-end
+      all-gather, but each unit's parameters gathered twice per microbatch (before its forward
+      and before its backward): ``2·microbatches`` all-gathers, exposed.
+
+    ``overlappable``: whether the all-reduce may overlap the backward (none, optimizer)."""
+    if sharding == "gradients":
+        return microbatches, 1, False
+    if sharding == "full":
+        return microbatches, 2 * microbatches, False
+    return 1, int(sharding == "optimizer"), True
 
 
 # The optimizer step (runtime/optim.py) is elementwise and HBM-bound. Bytes it moves per
@@ -284,7 +339,8 @@ def optimizer_step_bytes(params: float, training: TrainingSpec, dp: int) -> floa
     updates its ``1/dp`` slice, ``dp`` the gradient group)."""
     owned = params / dp if training.optimizer_sharding and dp > 1 else params
     per = OPTIMIZER_BYTES_OWNED + (OPTIMIZER_CAST_BYTES if training.precision != "fp32" else 0.0)
-    return owned * per + params * OPTIMIZER_BYTES_HELD
+    held = owned if sharded_grads(training) else params  # ZeRO-2/3 hold 1/dp of the grads
+    return owned * per + held * OPTIMIZER_BYTES_HELD
 
 
 def optimizer_step_s(params: float, training: TrainingSpec, dp: int,
@@ -512,7 +568,10 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     Context parallelism ``cp > 1`` (``runtime/context_parallel.py``): every token-local term
     counts the rank's ``seq_len / cp`` tokens (:func:`cp_local_model`), each layer adds what
     the CP attention keeps beyond that (:func:`cp_attention_extra_bytes_per_layer`: the
-    gathered full-sequence keys/values), and ZeRO-1 shards over the ``dp·cp`` gradient group.
+    gathered full-sequence keys/values), and ZeRO sharding spans the ``dp·cp`` gradient group.
+
+    ``training.sharding`` (:func:`state_bytes_per_param`): gradients and full add the
+    transient of the stage's largest unit (:func:`sharding_transient_bytes`) to ``fixed``.
     """
     per_param = state_bytes_per_param(training, dp * cp)
     eb = precision_bytes(training)
@@ -543,8 +602,10 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     # vocab-parallel: the embedding keeps its local int64 ids and a bool out-of-range mask; the
     # cross-entropy its local int64 target index and a bool in-range mask (1 byte each)
     mask = 1.0 if vs > 1 else 0.0
+    unit = params  # ZeRO-2/3: the stage's largest unit (one layer, the embedding, the head)
     if first:
         table = embedding_params(model) / vs + (s * h if LEARNED_POSITIONS else 0)
+        unit = max(unit, table)
         ids = s * b * (8.0 + mask) + (s * 8.0 if LEARNED_POSITIONS else 0.0)  # int64 tokens
         fixed += table * per_param + ids * (in_flight if ids_in_flight is None
                                             else ids_in_flight)
@@ -555,7 +616,9 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
         if virtual_stages > 1:  # the last stage's earlier chunks feed stage 0
             fixed += s * b * h * eb * max(0.0, chunks_in_flight - 1)
         head_table = 0 if (first and model.tie_embeddings) else embedding_params(model) / vs
-        fixed += (head_table + (1 + NORM_BIAS_PARAMS_H // 2) * h) * per_param  # + final norm
+        head = head_table + (1 + NORM_BIAS_PARAMS_H // 2) * h  # + final norm
+        unit = max(unit, head)
+        fixed += head * per_param
         logits = s * b * model.vocab / vs  # this rank's logit columns
         # per microbatch in flight: the final (fp32) RMSNorm's saved tensors; the saved fp32
         # log-softmax (vocab-parallel: softmax); the int64 targets
@@ -567,6 +630,7 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
         # layer (the loss's backward ends before the first layer is re-run): the larger counts
         fixed += max(working, logits * (2 * eb + (4.0 if eb != 4 else 0.0)))
         fixed += pending_w * (s * b * h + logits) * eb  # ZB-H1: the head's stashed W inputs
+    fixed += sharding_transient_bytes(training, unit)
     return StageMemory(fixed, per_layer)
 
 

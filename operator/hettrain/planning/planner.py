@@ -32,9 +32,10 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
-from hettrain.api.spec import JobSpec
+from hettrain.api.spec import JobSpec, sharding_options
 from hettrain.planning import context, cost
 from hettrain.planning.arith import divisors_up_to
 from hettrain.planning.bounds import (
@@ -213,20 +214,22 @@ def _stage_fixed_s(spec: JobSpec, unit: Unit, mb: int, tp: int, first: bool, las
     return fixed + (_head_s(spec, unit, mb, tp) if last else 0.0)
 
 
-def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
-                      spec: JobSpec) -> tuple[float, float, float]:
-    """(latency seconds, seconds per byte, cross-DC bytes per byte) of a stage's grad sync."""
+def _dp_rates(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: JobSpec
+              ) -> tuple[float, float, float, float, float]:
+    """``(latency seconds, all-reduce seconds per byte, all-gather seconds per byte, cross-DC
+    bytes per byte of each)`` of a stage's DP sync, per byte of its fp32 gradients: the
+    gradient all-reduce, and one all-gather of the parameters at the training precision
+    (ZeRO's: ``eb`` bytes vs the all-reduce's ``2·4`` per element, so ``eb/8`` of an
+    all-reduce), whatever ``spec.training.sharding`` (:func:`_dp_sync_coeffs` counts them)."""
     if dp <= 1:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0, 0.0
     same_node = dp * tp <= unit.gpus_per_node
     bw = unit.device.intra_node_gbps if same_node else unit.nic_gbytes_per_gpu
     dcs = unit.datacenters
-    # the runtime reduces its fp32 main grads with an all-reduce after the last microbatch (no
-    # overlap); ZeRO-1 (runtime/optim.py) keeps that all-reduce (the hierarchical and compressed
-    # paths are all-reduce only) and then all-gathers the updated parameters at the training
-    # precision: eb bytes vs the all-reduce's 2·4 per element, so 1 + eb/8 all-reduces
+    # the runtime reduces its fp32 main grads with an all-reduce (the hierarchical and
+    # compressed paths are all-reduce only); ZeRO all-gathers parameters at the training
+    # precision
     eb = cost.precision_bytes(spec.training)
-    factor = 1.0 + eb / 8.0 if spec.training.optimizer_sharding else 1.0
     step_lat = cost.COLLECTIVE_LATENCY_S
     if cost.measured_comm(unit.device) is not None:
         # measured inside a node (hettrain profile); no path between nodes beats it
@@ -235,7 +238,8 @@ def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
                                                               max(step_lat, node_lat))
     if len(dcs) == 1:
         lat = 2 * (dp - 1) * step_lat
-        return lat, factor * 2 * (dp - 1) / dp / (bw * 1e9), 0.0
+        ring = 2 * (dp - 1) / dp / (bw * 1e9)
+        return lat, ring, eb / 8.0 * ring, 0.0, 0.0
     # hierarchical: intra-DC reduce-scatter, inter-DC all-reduce of shards, intra-DC all-gather
     k = len(dcs)
     local = max(1, dp // k)
@@ -247,20 +251,64 @@ def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
     codec = {"none": 1.0, "bf16": 0.5, "int8": 0.25}[mode.compression]  # bytes vs fp32
     shrink = {"sync": 1.0, "compress": codec,
               "diloco": codec / max(1, mode.outer_steps)}[mode.mode]
-    # ZeRO-1's parameter all-gather is never compressed and crosses the link once per byte
-    # per receiving DC (HetCommunicator.dp_all_gather_): eb/8 of the all-reduce's bytes
-    gather = eb / 8.0 if spec.training.optimizer_sharding else 0.0
+    # the parameter all-gather is never compressed and crosses the link once per byte per
+    # receiving DC (HetCommunicator.dp_all_gather_): eb/8 of the all-reduce's bytes
+    gather = eb / 8.0
     # every TP rank's shard owners share the link: tp·(1/tp of the grads) = the whole stage
-    per_byte_inter = cross * (shrink + gather) * tp / (link.gbytes * 1e9)
+    inter = tp / (link.gbytes * 1e9)
     lat = 2 * (local - 1) * step_lat + 2 * (k - 1) * link.latency_ms / 1e3
-    return lat, factor * intra + per_byte_inter, cross * (shrink + gather) * tp
+    return (lat, intra + cross * shrink * inter, gather * intra + cross * gather * inter,
+            cross * shrink * tp, cross * gather * tp)
+
+
+def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
+                      spec: JobSpec) -> tuple[float, float, float]:
+    """(latency seconds, seconds per byte, cross-DC bytes per byte) of one pass of a stage's
+    grad sync: the all-reduce, plus ZeRO-1's parameter all-gather with any sharding
+    (``1 + eb/8`` all-reduces). :func:`_dp_sync_coeffs` counts the passes per step."""
+    lat, red, gat, x_red, x_gat = _dp_rates(unit, dp, tp, inv, spec)
+    if not spec.training.optimizer_sharding:
+        return lat, red, x_red
+    return lat, red + gat, x_red + x_gat
+
+
+def _dp_sync_coeffs(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: JobSpec,
+                    m: int, layer_s: float, head_s: float, first: bool, last: bool
+                    ) -> tuple[float, float]:
+    """``(c, e)``: a stage's EXPOSED DP seconds per step, per layer and fixed, under
+    ``spec.training.sharding`` with ``m`` microbatches per replica.
+
+    One all-reduce of the stage's fp32 gradients (the layers', and the embedding's and head's
+    on the first and last stage) costs ``R = c_r·n + e_r`` (:func:`_dp_rates`, one latency),
+    one all-gather of its parameters ``G = c_g·n + e_g`` (no latency: ZeRO-1's model).
+    :func:`cost.dp_sync_counts` says how many of each a step runs: none and optimizer one
+    all-reduce, overlapped with the last microbatch's backward as the runtime does
+    (:func:`_dp_exposed`), optimizer then one exposed all-gather; gradients ``m`` exposed
+    all-reduces (after every microbatch's backward) and one all-gather; full ``m``
+    all-reduces and ``2·m`` all-gathers (each unit before its forward and its backward), all
+    exposed. ``dp`` is the gradient group (``dp·cp``)."""
+    if dp <= 1:
+        return 0.0, 0.0
+    model = spec.model
+    lat, red, gat, _, _ = _dp_rates(unit, dp, tp, inv, spec)
+    grad_layer = cost.layer_params(model) * 4.0 / tp
+    fixed_grad = (cost.embedding_params(model) * 4.0 * (int(first) + int(last))
+                  / cost.vocab_shards(model, tp))
+    c_red, e_red = grad_layer * red, lat + fixed_grad * red
+    c_gat, e_gat = grad_layer * gat, fixed_grad * gat
+    reduces, gathers, overlap = cost.dp_sync_counts(spec.training.sharding, m)
+    if overlap:
+        c_red, e_red = _dp_exposed(unit, dp, tp, spec, c_red, e_red, lat, red, layer_s,
+                                   head_s, first)
+    return reduces * c_red + gathers * c_gat, reduces * e_red + gathers * e_gat
 
 
 def _dp_exposed(unit: Unit, dp: int, tp: int, spec: JobSpec, c: float, e: float, lat: float,
                 per_byte: float, layer_s: float, head_s: float, first: bool
                 ) -> tuple[float, float]:
-    """``(c', e')``: the stage's EXPOSED DP seconds per layer and fixed, from its full sync
-    ``c·n + e`` (``_dp_time_per_byte``), as the runtime overlaps it (runtime/grad_sync.py).
+    """``(c', e')``: the EXPOSED seconds per layer and fixed of a stage's gradient
+    all-reduce ``c·n + e`` (``per_byte``: :func:`_dp_rates`), as the runtime overlaps it
+    (runtime/grad_sync.py).
 
     The runtime overlaps only a DP group inside one pool (``HetCommunicator.dp_overlappable``);
     a unit of several pools may place a stage's replicas in more than one, so there (and across
@@ -269,24 +317,20 @@ def _dp_exposed(unit: Unit, dp: int, tp: int, spec: JobSpec, c: float, e: float,
     (:func:`cost.dp_exposed_coeffs`): the window is the backward share of the layers' time
     (plus the head's on the last stage); the last bucket, at most ``cost.DP_BUCKET_BYTES`` (or
     the embedding's gradient on the first stage) and at most the model's, is exposed. ZeRO-1's
-    parameter all-gather follows the optimizer step: always exposed. ``dp`` is the gradient
-    group: ``dp·cp`` with context parallelism, so cp > 1 syncs even at dp = 1."""
+    parameter all-gather follows the optimizer step: always exposed (the caller adds it).
+    ``dp`` is the gradient group: ``dp·cp`` with context parallelism, so cp > 1 syncs even at
+    dp = 1."""
     if dp <= 1 or not spec.training.overlap_grad_reduce or len(unit.pools) != 1:
         return c, e
     model, training = spec.model, spec.training
-    eb = cost.precision_bytes(training)
-    factor = 1.0 + eb / 8.0 if training.optimizer_sharding else 1.0
-    c_red, e_red = c / factor, lat + (e - lat) / factor
-    c_gather, e_gather = c - c_red, (e - lat) - (e - lat) / factor
     embed = cost.embedding_params(model) * 4.0 / cost.vocab_shards(model, tp)
     # fp32 gradient bytes, as ``embed`` (the layers' count was parameters, not bytes: a model
     # under one bucket had its exposed last bucket priced at about a quarter of its bytes)
     whole = (cost.layer_params(model) * 4.0 * model.layers / tp + 2 * embed)
     last_bytes = min(max(cost.DP_BUCKET_BYTES, embed if first else 0.0), whole)
-    last_s = lat + last_bytes * per_byte / factor
+    last_s = lat + last_bytes * per_byte
     back = cost.backward_fraction(training.recompute)
-    cc, ee = cost.dp_exposed_coeffs(c_red, e_red, layer_s * back, head_s * 2.0 / 3.0, last_s)
-    return cc + c_gather, ee + e_gather
+    return cost.dp_exposed_coeffs(c, e, layer_s * back, head_s * 2.0 / 3.0, last_s)
 
 
 def _optimizer_coeffs(unit: Unit, tp: int, dp: int, spec: JobSpec, first: bool,
@@ -356,6 +400,8 @@ def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
         return inter
     if par.schedule != "auto":
         return [(par.schedule, 1)]
+    if cost.sharded_grads(spec.training):  # ZeRO-2/3 do not run ZB-H1 (planning/support.py)
+        return [("1f1b", 1), *inter]
     if exhaustive:
         return [("1f1b", 1), *inter, ("zb-h1", 1)]
     # ZB-H1 is never slower than 1F1B or interleaved on one split, but its stash of deferred
@@ -453,8 +499,6 @@ def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int
     """Costs of all stages, or (``only``) of stage ``only`` of a ``pp_real``-stage pipeline."""
     model, training = spec.model, spec.training
     pp = len(units)
-    grad_layer = cost.layer_params(model) * 4.0
-    grad_embed = cost.embedding_params(model) * 4.0
     out, mems = [], []
     indices = list(enumerate(zip(units, tps, strict=True)))
     if only is not None:
@@ -464,11 +508,7 @@ def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int
         first, last = i == 0, i == pp - 1
         a = _layer_s(spec, u, mb, tp)
         b = _stage_fixed_s(spec, u, mb, tp, first, last)
-        lat, per_byte, _ = _dp_time_per_byte(u, dp, tp, inv, spec)
-        fixed_grad = grad_embed * (int(first) + int(last)) / cost.vocab_shards(model, tp)
-        c = grad_layer / tp * per_byte
-        e = (lat + fixed_grad * per_byte) if dp > 1 else 0.0
-        c, e = _dp_exposed(u, dp, tp, spec, c, e, lat, per_byte, a, b, first)
+        c, e = _dp_sync_coeffs(u, dp, tp, inv, spec, m, a, b, first, last)
         # the optimizer step follows the gradient sync on every stage: per layer and fixed
         opt_c, opt_e = _optimizer_coeffs(u, tp, dp, spec, first, last)
         c, e = c + opt_c, e + opt_e
@@ -681,11 +721,9 @@ def _unit_stats(unit: Unit, tp: int, dp: int, mb: int, inv: ClusterInventory,
     model, training = spec.model, spec.training
     a = _layer_s(spec, unit, mb, tp)
     head = _head_s(spec, unit, mb, tp)
-    lat, per_byte, _ = _dp_time_per_byte(unit, dp, tp, inv, spec)
-    dp_c = cost.layer_params(model) * 4.0 / tp * per_byte if dp > 1 else 0.0
-    dp_e = lat if dp > 1 else 0.0
     # a middle stage's exposed DP time: no stage's is lower (the bounds stay valid)
-    dp_c, dp_e = _dp_exposed(unit, dp, tp, spec, dp_c, dp_e, lat, per_byte, a, 0.0, False)
+    dp_c, dp_e = _dp_sync_coeffs(unit, dp, tp, inv, spec, _replica_batch(spec, dp) // mb, a,
+                                 0.0, False, False)
     dp_c += _optimizer_coeffs(unit, tp, dp, spec, False, False)[0]  # a middle stage's too
     cp = _cp(spec)
     mem = cost.stage_memory(model, training, tp=tp, dp=dp // cp, cp=cp, micro_batch=mb,
@@ -793,7 +831,7 @@ def _search_fast(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory
         built = {(p[1], p[2]) for p in pairs}
         pairs += [_pair(search, units, tp_opts, dp, mb, m, inv, window)
                   for _, dp, mb, m in cheap if (dp, mb) not in built]
-        _record_shortfall(search, units, spec, dp_values, pairs)
+        _record_shortfall(search, units, spec, dp_values, pairs, inv)
 
 
 def _cheap_root(search: _Search, units: Sequence[Unit], tp_opts: Sequence[Sequence[int]],
@@ -1363,30 +1401,63 @@ def _state_shortfall(search: _Search, units: Sequence[Unit], need_gib: float) ->
 
 
 def _record_shortfall(search: _Search, units: tuple[Unit, ...], spec: JobSpec,
-                      dp_values: Sequence[int], pairs: Sequence) -> None:
-    """When nothing fits: the per-device memory the most spread-out layouts would need."""
+                      dp_values: Sequence[int], pairs: Sequence, inv: ClusterInventory) -> None:
+    """When nothing fits: the real per-device peak of the most spread-out layout of each
+    ``(dp, mb)`` pair (:func:`_widest_shortfall`), or that the state alone does not fit."""
     if search.memory_shortfall is not None:
         return
     dropped: list[float] = []
     _candidates_outer(units, spec, dp_values, False, dropped)
     if dropped:
         _state_shortfall(search, units, min(dropped))
-    pinned_pp = spec.parallelism.pp
-    for _, dp, mb, _m, opts, _rest, _singles in pairs:
-        widest = [max(o, key=lambda c: (c.k * c.tp, c.tp)) for o in opts if o]
-        if not widest:
+    for _, dp, mb, m, *_ in pairs:
+        _widest_shortfall(search, units, dp, mb, m, inv)
+
+
+def _widest_shortfall(search: _Search, units: tuple[Unit, ...], dp: int, mb: int, m: int,
+                      inv: ClusterInventory) -> None:
+    """Record the memory miss of the most spread-out layout at ``(dp, mb)``: every unit at the
+    TP and stage count using most of its GPUs (``spec.parallelism`` pins and ``maxGPUs``
+    kept; a pinned ``pp`` takes the first stages of the fixed order), layers split evenly,
+    under the schedule needing the least memory. The need named is the real peak of the stage
+    furthest over its memory (embedding, head, in-flight microbatches and the schedule's
+    stash included, :func:`cost.stage_memory`), as :func:`_evaluate` reports it; nothing is
+    recorded when that layout fits (its miss was not memory)."""
+    spec = search.spec
+    layers = spec.model.layers
+    widest: dict[int, tuple[int, int]] = {}
+    for i, u in enumerate(units):
+        for tp in _tp_options(u, spec):
+            k = _max_stages(u, tp, dp, spec)
+            if k >= 1 and (i not in widest or (k * tp, tp) > (widest[i][1] * widest[i][0],
+                                                               widest[i][0])):
+                widest[i] = (tp, k)
+    if not widest:
+        return
+    order = _fixed_order(units, sorted(widest))
+    stage_units = [units[i] for i in order for _ in range(widest[i][1])]
+    stage_tps = [widest[i][0] for i in order for _ in range(widest[i][1])]
+    pp = min(len(stage_units), spec.parallelism.pp or layers, layers)
+    stage_units, stage_tps = stage_units[:pp], stage_tps[:pp]
+    per = math.ceil(layers / pp)
+    worst = None
+    for schedule, v in _schedule_options(spec, pp, layers):
+        if not _schedule_fits(schedule, v, pp, m, layers):
             continue
-        pp = min(sum(c.k for c in widest), pinned_pp or spec.model.layers)
-        per = math.ceil(spec.model.layers / pp)
-        for c in widest:  # relaxed (one microbatch in flight, no embedding): "at least"
-            dev = units[c.unit].device
-            usable = dev.hbm_gib * cost.MEMORY_HEADROOM
-            need = (c.stats.fixed_bytes + c.stats.layer_bytes * per) / cost.GIB
-            search.shortfall(need / usable, (
-                f"each of {pp} stages ({dev.name}, tp={c.tp}, {_dp_words(spec, dp)}, "
-                f"microBatch {mb}) needs "
-                f"at least {need:.1f} GiB per device for {per} layers; it has {usable:.1f} GiB "
-                f"usable ({cost.MEMORY_HEADROOM:.0%} of {dev.hbm_gib:.0f} GiB)"))
+        _, mems = _stage_costs(stage_units, stage_tps, dp, mb, m, schedule, inv, spec,
+                               search.stage_memo, v)
+        ratio, i = max((mem.bytes_for(per) / usable, i) for i, (mem, usable) in enumerate(mems))
+        if worst is None or ratio < worst[0]:
+            worst = (ratio, i, schedule, mems[i])
+    if worst is None or worst[0] <= 1.0:
+        return
+    ratio, i, schedule, (mem, usable) = worst
+    search.shortfall(ratio, (
+        f"stage {i} of {pp} ({stage_units[i].device.name}, tp={stage_tps[i]}, "
+        f"{_dp_words(spec, dp)}, microBatch {mb}, {schedule}) needs "
+        f"{mem.bytes_for(per) / cost.GIB:.1f} GiB per device for {per} layers; it has "
+        f"{usable / cost.GIB:.1f} GiB usable ({cost.MEMORY_HEADROOM:.0%} of "
+        f"{stage_units[i].device.hbm_gib:.0f} GiB)"))
 
 
 # ---------------------------------------------------------------- public API
@@ -1453,8 +1524,9 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
 
     With ``previous`` (a re-plan after failures) the global batch is kept (gradient
     accumulation absorbs a smaller ``dp``) and, among layouts within 2% of the best, the one
-    that moves the fewest surviving ranks to another stage wins. ``recompute: auto`` plans
-    each mode and keeps the fastest (:func:`_plan_recompute_auto`).
+    that moves the fewest surviving ranks to another stage wins. ``recompute: auto``,
+    ``crossDC.mode: auto`` and ``sharding: auto`` plan each option and keep the fastest
+    (:func:`_plan_auto`).
     """
     if spec.model.tie_embeddings:  # the runtime trains tied embeddings only without PP
         spec = replace(spec, parallelism=replace(spec.parallelism, pp=1))
@@ -1466,6 +1538,17 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
         modes = CROSS_DC_SEARCH if spec.cross_dc.compression != "none" else ("sync",)
         return _plan_auto(name, inventory, exhaustive, previous, "crossDC.mode", [
             (mode, replace(spec, cross_dc=replace(spec.cross_dc, mode=mode))) for mode in modes])
+    if spec.training.sharding == "auto":
+        # each option the rules allow (api.spec.sharding_options), least sharded first: the
+        # fastest that fits wins, ties the least sharded (exact: each search is). A variant's
+        # refusal does not try the stronger shardings (_sharding_that_fits): auto does
+        token = _PROBING.set(True)
+        try:
+            return _plan_auto(name, inventory, exhaustive, previous, "sharding", [
+                (mode, replace(spec, training=replace(spec.training, sharding=mode)))
+                for mode in sharding_options("auto", spec.model, spec.parallelism)])
+        finally:
+            _PROBING.reset(token)
     pools = filter_pools(inventory, spec.placement)
     if not pools:
         pl = spec.placement
@@ -1497,7 +1580,7 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
         if search.best is not None:
             best_by[grouping] = search.best
     if not best_by:
-        raise _explain_failure(spec, pools, searches)
+        raise _explain_failure(spec, pools, searches, inventory)
     ranked = sorted(best_by.values(), key=Candidate.sort_key)
     best = ranked[0]
     alt = ranked[1] if len(ranked) > 1 else None
@@ -1582,22 +1665,26 @@ def _place(c: Candidate, previous: Plan | None) -> tuple[RankPlan, ...]:
 
 def _plan_auto(name: str, inventory: ClusterInventory, exhaustive: bool,
                previous: Plan | None, field: str, variants: Sequence[tuple[str, JobSpec]]) -> Plan:
-    """An ``auto`` spec option (``recompute``, ``crossDC.mode``): the best plan over
-    ``variants``, each a concrete spec.
+    """An ``auto`` spec option (``recompute``, ``crossDC.mode``, ``sharding``): the best plan
+    over ``variants``, each a concrete spec.
 
     Exact: each variant's search is exact, and the fastest wins (ties: the first variant, the
-    least recomputation / exact gradients). A re-plan takes, among the variants' plans within
+    least recomputation / exact gradients / least sharding). The note names the choice, why
+    (the fastest, the fastest that fits, the only one that fits) and every variant's time or
+    that no layout fit it. A re-plan takes, among the variants' plans within
     ``REPLAN_TOLERANCE`` of the fastest, the one moving the fewest ranks. The plan carries the
     chosen mode: the runtime never sees ``auto``.
     """
     plans: list[tuple[str, Plan]] = []
     failures: list[PlanningError] = []
+    failed: list[str] = []
     for mode, concrete in variants:
         try:
             plans.append((mode, plan_job(name, concrete, inventory, exhaustive=exhaustive,
                                          previous=previous)))
         except PlanningError as exc:
             failures.append(exc)
+            failed.append(mode)
     if not plans:
         raise failures[-1]  # the last variant needs the least memory: the most telling refusal
     fastest = min(p.predicted.step_time_s for _, p in plans)
@@ -1605,8 +1692,11 @@ def _plan_auto(name: str, inventory: ClusterInventory, exhaustive: bool,
     if previous is not None:
         near = [(m, p) for m, p in plans if p.predicted.step_time_s <= fastest * REPLAN_TOLERANCE]
         chosen, best = min(near, key=lambda mp: moved_ranks(previous, mp[1].ranks))
-    tried = ", ".join(f"{m} {p.predicted.step_time_s:.4g}s" for m, p in plans)
-    return replace(best, notes=(*best.notes, f"{field}=auto chose {chosen} ({tried})"))
+    tried = ", ".join([f"{m} {p.predicted.step_time_s:.4g}s" for m, p in plans]
+                      + [f"{m}: no layout fits" for m in failed])
+    why = ("the only one that fits" if len(plans) == 1 and failed else
+           "the fastest that fits" if failed else "the fastest")
+    return replace(best, notes=(*best.notes, f"{field}=auto chose {chosen}, {why} ({tried})"))
 
 
 def _fewest_moves(best: Candidate, near: Sequence[Candidate], previous: Plan
@@ -1673,7 +1763,37 @@ def split_costs(spec: JobSpec, inventory: ClusterInventory, plan: Plan, split: S
     return stage_s, boundaries, max(s.dp(n) for s, n in zip(stages, split, strict=True))
 
 
-def _explain_failure(spec: JobSpec, pools: Sequence, searches: Sequence[_Search]) -> PlanningError:
+_PROBING: ContextVar[bool] = ContextVar("hettrain_planner_probing", default=False)
+SHARDING_ORDER = ("none", "optimizer", "gradients", "full")  # least to most sharded
+
+
+def _sharding_that_fits(spec: JobSpec, inventory: ClusterInventory) -> str | None:
+    """The least sharded ``spec.training.sharding`` beyond the spec's own that the rules allow
+    (``api.spec.sharding_options``; none with DiLoCo) and with which a plan is found (the fast
+    search, everything else unchanged), or None: a refusal suggests a sharding only where it
+    would help. Not from within another such probe (one level)."""
+    current = spec.training.sharding
+    if _PROBING.get() or current == "auto" or spec.cross_dc.mode == "diloco":
+        return None
+    allowed = sharding_options("auto", spec.model, spec.parallelism)
+    token = _PROBING.set(True)
+    try:
+        for alt in SHARDING_ORDER[SHARDING_ORDER.index(current) + 1:]:
+            if alt not in allowed:
+                continue
+            try:
+                plan_job("probe", replace(spec, training=replace(spec.training, sharding=alt)),
+                         inventory)
+            except PlanningError:
+                continue
+            return alt
+    finally:
+        _PROBING.reset(token)
+    return None
+
+
+def _explain_failure(spec: JobSpec, pools: Sequence, searches: Sequence[_Search],
+                     inventory: ClusterInventory) -> PlanningError:
     gb = spec.training.global_batch
     capped = sum(s.over_max_gpus for s in searches)
     if capped and spec.placement.max_gpus is not None:
@@ -1685,8 +1805,9 @@ def _explain_failure(spec: JobSpec, pools: Sequence, searches: Sequence[_Search]
     shortfall = min((s.memory_shortfall for s in searches if s.memory_shortfall),
                     default=None)
     if shortfall is not None:
+        helps = _sharding_that_fits(spec, inventory)
         return no_plan(f"model does not fit: in the closest layout tried, {shortfall[1]}; "
-                       + "; or ".join(_memory_suggestions(spec, shortfall[2])))
+                       + "; or ".join(_memory_suggestions(spec, shortfall[2], helps)))
     if spec.training.micro_batch is not None:
         return no_plan(
             f"spec.training.microBatch={spec.training.micro_batch} does not divide globalBatch "
@@ -1699,15 +1820,20 @@ def _explain_failure(spec: JobSpec, pools: Sequence, searches: Sequence[_Search]
     )
 
 
-def _memory_suggestions(spec: JobSpec, state_only: bool) -> list[str]:
+def _memory_suggestions(spec: JobSpec, state_only: bool, sharding: str | None = None
+                        ) -> list[str]:
     """Only the changes that would lower per-device memory and are not already in effect
-    (activation options only when activations, not the state alone, are the problem)."""
+    (activation options only when activations, not the state alone, are the problem);
+    ``sharding``: the least sharding with which a plan fits (:func:`_sharding_that_fits`),
+    suggested only then."""
     t, par, pl = spec.training, spec.parallelism, spec.placement
     out = []
     if t.recompute not in ("full", "auto") and not state_only:
         out.append(f"set spec.training.recompute: full (now {t.recompute})")
-    if not t.optimizer_sharding:
-        out.append("set spec.training.optimizerSharding: true")
+    if sharding is not None:
+        zero = {"optimizer": "ZeRO-1", "gradients": "ZeRO-2", "full": "ZeRO-3/FSDP"}[sharding]
+        out.append(f"set spec.training.sharding: {sharding} ({zero}; now {t.sharding}: a "
+                   "layout then fits)")
     if t.micro_batch is not None and t.micro_batch > 1 and not state_only:
         out.append(f"lower spec.training.microBatch (now {t.micro_batch}) or omit it")
     pins = [f"{k}={v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("dp", par.dp),
@@ -1755,9 +1881,11 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
                for u, tp in zip(c.units, c.tps, strict=True))
     tokens = gb * model.seq_len
     cross_bytes = 0.0
+    reduces, gathers, _ = cost.dp_sync_counts(spec.training.sharding, m)
     for i, (u, tp) in enumerate(zip(c.units, c.tps, strict=True)):
-        _, _, cross_per_byte = _dp_time_per_byte(u, c.dp, tp, inv, spec)
-        cross_bytes += cross_per_byte * (cost.layer_params(model) * c.split[i] / tp * 4.0)
+        _, _, _, x_red, x_gat = _dp_rates(u, c.dp, tp, inv, spec)
+        cross_bytes += ((reduces * x_red + gathers * x_gat)
+                        * (cost.layer_params(model) * c.split[i] / tp * 4.0))
     opt_s = []  # each stage's optimizer step (part of its stage_dp_s)
     for i, (u, tp) in enumerate(zip(c.units, c.tps, strict=True)):
         oc, oe = _optimizer_coeffs(u, tp, c.dp, spec, i == 0, i == c.pp - 1)

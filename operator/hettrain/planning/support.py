@@ -8,7 +8,7 @@ spec field that sets it.
 
 from __future__ import annotations
 
-from hettrain.api.spec import LR_SCHEDULES, PRECISIONS
+from hettrain.api.spec import LR_SCHEDULES, PRECISIONS, SHARDINGS
 from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan
 
@@ -24,16 +24,47 @@ def unsupported(plan: Plan) -> list[str]:
         out.append(f"plan.training.lr_schedule={t.lr_schedule!r}: must be one of "
                    f"{', '.join(LR_SCHEDULES)} (spec.training.lrSchedule)")
     mode = (plan.cross_dc or {}).get("mode", "sync")
+    if t.sharding not in SHARDINGS:
+        out.append(f"plan.training.sharding={t.sharding!r}: the runtime shards "
+                   f"{', '.join(SHARDINGS)}; set spec.training.sharding to one of them (the "
+                   "planner resolves auto)")
     if t.optimizer_sharding and mode == "diloco" and plan.dp > 1:
-        out.append("plan.training.optimizer_sharding=true with plan.cross_dc.mode=diloco: "
-                   "ZeRO-1 cannot combine with DiLoCo (each datacenter's replicas drift apart "
-                   "between outer steps); set spec.training.optimizerSharding: false")
+        out.append(f"plan.training.optimizer_sharding=true (sharding={t.sharding}) with "
+                   "plan.cross_dc.mode=diloco: "
+                   "ZeRO cannot combine with DiLoCo (each datacenter's replicas drift apart "
+                   "between outer steps); set spec.training.sharding: none (or "
+                   "optimizerSharding: false)")
+    out += sharding_errors(plan)
     if not plan.data:
         out.append("plan.data is empty (a spec without spec.data): the runtime trains only on "
                    "named data; set spec.data.uri, spec.data.pvc + path, or "
                    "spec.data.synthetic: true")
     out += context_parallel_errors(plan)
     out += replica_group_errors(plan)
+    return out
+
+
+def sharding_errors(plan: Plan) -> list[str]:
+    """Why the runtime cannot run this plan's ZeRO-2/3 (``training.sharding`` gradients or
+    full; empty: it can, or another sharding): not with the ZB-H1 schedule (its deferred
+    weight gradients), not with replica groups (they sum whole gradients after the backward),
+    and full not with tied embeddings (one parameter in two units)."""
+    s = plan.training.sharding
+    if s not in ("gradients", "full"):
+        return []
+    out = []
+    if plan.schedule == "zb-h1":
+        out.append(f"plan.training.sharding={s} with plan.schedule=zb-h1: ZeRO-2/3 sync each "
+                   "unit's gradients after its backward, which ZB-H1 splits; set "
+                   "spec.training.sharding: optimizer or spec.parallelism.schedule: 1f1b")
+    if plan.groups:
+        out.append(f"plan.training.sharding={s} with plan.groups: replica groups sum whole "
+                   "gradients after the backward; set spec.training.sharding: optimizer or "
+                   "spec.parallelism.replicaGroups: false")
+    if s == "full" and plan.model.tie_embeddings:
+        out.append("plan.training.sharding=full with plan.model.tie_embeddings: FSDP shards the "
+                   "shared embedding/output parameter in two units; set spec.training.sharding: "
+                   "gradients or spec.model.tieEmbeddings: false")
     return out
 
 

@@ -119,7 +119,7 @@ def sharding_of(training: TrainingSpec) -> str:
     """The plan's sharding (:data:`SHARDINGS`); plans without the field follow
     ``optimizer_sharding`` (true: ZeRO-1)."""
     mode = getattr(training, "sharding", None)
-    if mode is None:
+    if not mode:
         return "optimizer" if training.optimizer_sharding else "none"
     if mode not in SHARDINGS:
         raise ValueError(f"plan.training.sharding={mode!r}: must be one of {SHARDINGS}")
