@@ -126,8 +126,8 @@ def test_tied_embeddings_refuse_full_only() -> None:
 @pytest.mark.parametrize("precision,want", [
     # d = 4: none p+4+12, optimizer p+4+12/d, gradients p+(4+12)/d, full (p+4+12)/d
     ("bf16", {"none": 18.0, "optimizer": 9.0, "gradients": 6.0, "full": 4.5}),
-    # fp32: p = 4, master none, moments 8
-    ("fp32", {"none": 16.0, "optimizer": 10.0, "gradients": 7.0, "full": 4.0}),
+    # fp32: p = 4, master none, moments 8 (ZeRO-2: a master copy of its chunks, 4/d)
+    ("fp32", {"none": 16.0, "optimizer": 10.0, "gradients": 8.0, "full": 4.0}),
 ])
 def test_state_bytes_per_parameter_by_hand(precision: str, want: dict) -> None:
     for sharding, b in want.items():
@@ -149,9 +149,9 @@ def test_stage_memory_adds_one_units_transient_by_hand() -> None:
     # per layer: the state (bf16, d = 4: 9, 6, 4.5 bytes per parameter)
     assert grads.per_layer - opt.per_layer == pytest.approx(layer * (6.0 - 9.0))
     assert full.per_layer - opt.per_layer == pytest.approx(layer * (4.5 - 9.0))
-    # fixed: one layer's fp32 bucket and bf16 grads (4 + 2); full also two gathered layers (4)
+    # fixed: one layer's fp32 bucket and bf16 grads (4 + 2); full also the gathered layer (2)
     assert grads.fixed - opt.fixed == pytest.approx(6.0 * layer)
-    assert full.fixed - opt.fixed == pytest.approx(10.0 * layer)
+    assert full.fixed - opt.fixed == pytest.approx(8.0 * layer)
     assert mem("none").fixed == opt.fixed
 
 
@@ -162,8 +162,8 @@ def test_the_largest_unit_is_the_embedding_where_it_is() -> None:
     kw = dict(tp=1, dp=8, micro_batch=1, in_flight=1, first=True, last=False)
     t = {s: TrainingSpec(global_batch=8, steps=1, sharding=s) for s in ("optimizer", "full")}
     opt, full = (cost.stage_memory(model, t[s], **kw) for s in ("optimizer", "full"))
-    # the table's state: (2+4+12/8) vs 18/8 bytes; the transient: 10 bytes of the table
-    assert full.fixed - opt.fixed == pytest.approx(embed * (18 / 8 - 7.5) + 10.0 * embed)
+    # the table's state: (2+4+12/8) vs 18/8 bytes; the transient: 8 bytes of the table (bucket 4, grad 2, gathered 2)
+    assert full.fixed - opt.fixed == pytest.approx(embed * (18 / 8 - 7.5) + 8.0 * embed)
 
 
 # ---------------------------------------------------------------- time

@@ -261,7 +261,7 @@ def state_bytes_per_param(training: TrainingSpec, dp: int) -> float:
 
     - ``none``: ``p + 4 + 12``;
     - ``optimizer`` (ZeRO-1): ``p + 4 + 12/d``;
-    - ``gradients`` (ZeRO-2): ``p + (4 + 12)/d``;
+    - ``gradients`` (ZeRO-2): ``p + (4 + 12)/d`` (fp32 too: its master is a copy);
     - ``full`` (ZeRO-3/FSDP): ``(p + 4 + 12)/d``.
 
     The transient of one gathered unit (:func:`sharding_transient_bytes`) comes on top."""
@@ -273,7 +273,8 @@ def state_bytes_per_param(training: TrainingSpec, dp: int) -> float:
     if sharding == "optimizer":
         return weights + grads + optim / dp
     if sharding == "gradients":
-        return weights + (grads + optim) / dp
+        # fp32 too keeps a master of its chunks: the parameters' own chunks are not contiguous
+        return weights + (grads + max(optim, 12.0)) / dp
     if sharding == "full":
         return (weights + grads + optim) / dp
     return weights + grads + optim
@@ -282,15 +283,18 @@ def state_bytes_per_param(training: TrainingSpec, dp: int) -> float:
 def sharding_transient_bytes(training: TrainingSpec, unit_params: float) -> float:
     """Bytes ZeRO-2/3 hold beyond their sharded state while one unit (the embedding, one
     decoder layer or the head; ``unit_params``: the stage's largest, on one rank) is worked on:
-    its full fp32 gradient bucket (4 per parameter) and its gradients in the plan precision
-    (``p``) before they are reduce-scattered; ``full`` also two gathered units of parameters
-    (``2·p``: the unit running and the one being freed). None for none/optimizer (their
-    gradients are part of the state)."""
+    its full fp32 gradient bucket (4 per parameter) and autograd's gradient in the plan
+    precision (``p``; at most one parameter's, the embedding's the whole unit) before it is
+    folded in; ``full`` also the unit's gathered parameters (``p``). One unit is gathered at a
+    time: autograd runs a unit's gradient accumulations before the backward of the unit below
+    it starts (and so its gather), and the unit is freed once they are reduced
+    (``runtime.memory`` measures this peak). None for none/optimizer (their gradients are part
+    of the state)."""
     p = 4.0 if training.precision == "fp32" else 2.0
     if training.sharding == "gradients":
         return (4.0 + p) * unit_params
     if training.sharding == "full":
-        return (4.0 + p + 2.0 * p) * unit_params
+        return (4.0 + 2.0 * p) * unit_params
     return 0.0
 
 

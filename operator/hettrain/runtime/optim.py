@@ -372,11 +372,14 @@ class StageOptimizer:
         it, and reduce the bucket once the unit's last gradient has arrived."""
         if p.grad is None:
             return
+        grad_bytes = p.grad.numel() * p.grad.element_size()
+        self._hold(grad_bytes)  # autograd's low-precision gradient, alive until folded
         if u.bucket is None:
             u.bucket = torch.zeros(u.padded, dtype=torch.float32, device=p.grad.device)
             self._hold(u.bucket.numel() * 4)
         u.bucket[seg.start - u.start:seg.end - u.start].add_(p.grad.reshape(-1))
         p.grad = None
+        self._hold(-grad_bytes)
         u.arrived += 1
         if u.arrived == u.last - u.first:
             self._reduce_unit(u)
@@ -455,16 +458,15 @@ class StageOptimizer:
                 self._free(u)
 
     def state_bytes(self) -> tuple[int, int, int]:
-        """``(parameters, main grads, optimizer)`` bytes this rank holds between steps."""
+        """``(parameters, main grads, optimizer)`` bytes this rank holds between steps; a
+        master that IS the parameters (fp32) counts as parameters."""
         def size(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
         params = size(self.params_flat) + size(self.param_shard)
-        if self.param_shard is not None and self.param_shard.data_ptr() == self.master.data_ptr():
-            params -= size(self.param_shard)
         optim = size(self.exp_avg) + size(self.exp_avg_sq)
-        shares = (self.params_flat is not None and self.mode not in PER_UNIT
-                  and self.master.data_ptr() == self.params_flat[self.lo:self.hi].data_ptr())
-        if not shares:
+        held = [t.untyped_storage().data_ptr() for t in (self.params_flat, self.param_shard)
+                if t is not None]
+        if self.master.untyped_storage().data_ptr() not in held:
             optim += size(self.master)
         return params, size(self.main_grad), optim
 

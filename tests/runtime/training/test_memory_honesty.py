@@ -45,6 +45,13 @@ GRID = [
     (3, 1, 2, 1, 6, "1f1b", "fp16", False, GATED, "full"),
     (2, 1, 2, 2, 4, "interleaved", "bf16", True, MODEL, "full"),
     (3, 2, 1, 1, 6, "zb-h1", "bf16", False, GATED, "full"),
+    # ZeRO-2 / ZeRO-3 (FSDP): own chunks of the state, a unit's bucket and gathered weights
+    (2, 1, 4, 2, 4, "1f1b", "bf16", "gradients", GATED),
+    (2, 2, 2, 1, 4, "1f1b", "fp32", "gradients", MODEL, "selective"),
+    (1, 1, 4, 2, 2, "1f1b", "bf16", "full", GATED),
+    (2, 1, 4, 2, 4, "1f1b", "bf16", "full", MODEL, "full"),
+    (3, 2, 2, 1, 6, "1f1b", "fp16", "full", GATED, "selective"),
+    (2, 1, 2, 2, 4, "interleaved", "fp32", "full", MODEL),
 ]
 
 
@@ -53,8 +60,10 @@ def _plan(pp, tp, dp, mb, m, schedule, precision, sharding, model, recompute="no
     if schedule == "interleaved":  # v = 2 model chunks of one layer each per stage
         splits = [(2 * i, 2 * i + 2, p) for i, (_, _, p) in enumerate(SPLITS[3][:pp])]
         model = replace(model, layers=2 * pp)
+    # sharding: True/False (ZeRO-1 or none) or a spec.training.sharding value
+    mode = sharding if isinstance(sharding, str) else ("optimizer" if sharding else "none")
     plan = tiny_plan(splits, dp=dp, tp=tp, micro_batch=mb, num_microbatches=m, model=model,
-                     schedule=schedule, precision=precision, optimizer_sharding=sharding,
+                     schedule=schedule, precision=precision, sharding=mode,
                      recompute=recompute)
     return replace(plan, virtual_stages=2) if schedule == "interleaved" else plan
 
@@ -87,10 +96,13 @@ def test_measured_stage_bytes_match_the_plan_and_never_exceed_it(case):
 
 def test_state_bytes_are_exactly_the_cost_models_per_parameter_bytes():
     for precision, sharding, dp in (("bf16", True, 2), ("bf16", False, 2), ("fp32", True, 4),
-                                    ("fp16", False, 1)):
+                                    ("fp16", False, 1), ("bf16", "gradients", 4),
+                                    ("fp32", "gradients", 2), ("bf16", "full", 4),
+                                    ("fp32", "full", 3)):
         plan = _plan(2, 1, dp, 1, 2, "1f1b", precision, sharding, MODEL)
         got = measure_stage(plan, 1)  # the last stage: layers, final norm, head
-        n = got.grads / 4  # main grads are fp32: one per parameter
+        # main grads are fp32: one per parameter (ZeRO-2/3: one per owned parameter)
+        n = got.grads / 4 * (dp if isinstance(sharding, str) else 1)
         per = cost.state_bytes_per_param(plan.training, dp)
         assert got.params + got.grads + got.optimizer == pytest.approx(n * per, rel=1e-3)
 
