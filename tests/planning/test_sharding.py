@@ -18,7 +18,7 @@ from tests.planning.test_fast_vs_exhaustive import _assert_fast_equals_exhaustiv
 from hettrain.api.spec import SHARDING_SPEC_MODES, SpecError, TrainingSpec, parse_job_spec
 from hettrain.planning import cost
 from hettrain.planning import planner as P
-from hettrain.planning.errors import PlanningError
+from hettrain.planning.errors import NotFaster, PlanningError
 from hettrain.planning.inventory import load_cluster
 from hettrain.planning.plan import Plan
 from hettrain.planning.planner import plan_job
@@ -251,6 +251,21 @@ def test_auto_picks_optimizer_where_all_fit_and_it_is_fastest() -> None:
     assert auto.training.sharding == "optimizer"
     assert auto.predicted.step_time_s == times["optimizer"]
     assert auto.notes[-1].startswith("sharding=auto chose optimizer, the fastest (")
+    # the later options searched only below optimizer's time (the ceiling) and found nothing
+    assert "gradients: not faster, full: not faster" in auto.notes[-1]
+
+
+def test_a_ceiling_keeps_only_faster_layouts() -> None:
+    inv = load_cluster(_cluster("H100-SXM", 2, 8))
+    spec = parse_job_spec({"model": {"preset": "gpt3-1.3b"},
+                           "training": {"globalBatch": 32, "steps": 1, "sharding": "full"}})
+    free = plan_job("j", spec, inv)
+    t = free.predicted.step_time_s
+    assert plan_job("j", spec, inv, ceiling_s=t * 1.001).predicted.step_time_s == t
+    with pytest.raises(NotFaster):
+        plan_job("j", spec, inv, ceiling_s=t * 0.999)
+    with pytest.raises(NotFaster):
+        plan_job("j", spec, inv, ceiling_s=t * 0.5)
 
 
 def test_auto_with_tied_embeddings_never_tries_full() -> None:

@@ -22,6 +22,11 @@ class PlanningInputError(PlanningError):
         self.field = field_path
 
 
+class NotFaster(PlanningError):
+    """``plan_job(..., ceiling_s=...)`` found no layout faster than the ceiling (it may or may
+    not fit at all: the search stopped looking)."""
+
+
 def no_plan(message: str) -> PlanningError:
     """The common case: the job is valid but nothing fits."""
     return PlanningError(REASON_PLAN_FAILED, message)
