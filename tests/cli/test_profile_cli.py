@@ -40,7 +40,7 @@ def test_profile_writes_a_profile_the_planner_uses(tmp_path, capsys) -> None:
     assert [r["microBatch"] for r in doc["layer"]] == [1, 2]
     assert [r["microBatch"] for r in doc["stage"]] == [1, 2]  # the runtime's stage
     assert all(r[k] > 0 for r in doc["layer"]
-               for k in ("forwardS", "backwardS", "selectiveS", "fullS"))
+               for k in ("forwardS", "backwardS", "selectiveS", "fullS", "bS", "wS"))
     assert doc["software"]["torch"]
     # two local ranks timed the runtime's p2p and gloo's all-reduce, small to large messages
     comm = doc["comm"]
@@ -52,6 +52,7 @@ def test_profile_writes_a_profile_the_planner_uses(tmp_path, capsys) -> None:
     prof = load_profile(out)
     assert prof.beta > 0 and prof.alpha >= 0
     assert prof.precision == "fp32" and [m for m, _, _ in prof.recompute] == ["selective", "full"]
+    assert prof.weight_grad is not None and prof.zb_bubble_ratio(1, "none") is not None
     assert prof.comm is not None and prof.comm.p2p_bytes_per_s > 0
     assert prof.comm.bus_bytes_per_s > 0 and prof.comm.ring_step_latency_s >= 0
     # the planner takes it (the CPU pool's layer times and links are now the measured ones)
