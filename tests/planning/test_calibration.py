@@ -260,3 +260,14 @@ def test_a_refined_profile_keeps_the_measured_zb_split() -> None:
     assert again.input_grad == pytest.approx(prof.input_grad)
     old = {k: v for k, v in entry.items() if k not in ("bPass", "wPass")}
     assert _profile_from_status(old, spec).weight_grad is None
+
+
+def test_a_refined_profile_keeps_its_layer_measured_sharded() -> None:
+    """Calibration scales the tp-2 line with the layer's, and the store document keeps it."""
+    spec = parse_job_spec(JOB)
+    base = _true_profile(spec, "CPU-A")
+    tp2 = (2, base.alpha * 0.7, base.beta * 0.6)
+    prof = cal.scaled(dataclasses.replace(base, tp_layers=(tp2,)), 1.5)
+    assert prof.measured_tp(2) == pytest.approx((tp2[1] * 1.5, tp2[2] * 1.5))
+    back = profile_from_doc(cal.profile_to_doc(prof, spec.model, {"image": "img:1"}), "store")
+    assert back.measured_tp(2) == pytest.approx(prof.measured_tp(2))

@@ -218,7 +218,9 @@ def scaled(profile: LayerProfile, factor: float, source: str = "calibration") ->
                                                for m, a, b in profile.recompute),
                                source=source, concurrent=times(conc),
                                weight_grad=times(profile.weight_grad),
-                               input_grad=times(profile.input_grad))
+                               input_grad=times(profile.input_grad),
+                               tp_layers=tuple((t, a * factor, b * factor)
+                                               for t, a, b in profile.tp_layers))
 
 
 def refine_profiles(spec: JobSpec, plan: Plan, measured: Mapping[StageKey, StageMeasurement],
@@ -325,7 +327,12 @@ def profile_to_doc(profile: LayerProfile, model: ModelSpec, software: Mapping[st
                       comm_doc(profile.comm) if profile.comm is not None else None, stage,
                       concurrent, precision=profile.precision, modes=modes,
                       stage_layers=profile.stage.layers if profile.stage is not None else 1,
-                      split=split)
+                      split=split, tp=[
+                          {"tp": t, "layer": [
+                              (b, (a + s * b) * profile.forward_share,
+                               (a + s * b) * (1 - profile.forward_share))
+                              for b in CATALOG_FIT_MICRO_BATCHES]}
+                          for t, a, s in profile.tp_layers] or None)
     doc["source"] = profile.source.split(":")[0] or "calibration"
     return doc
 

@@ -188,9 +188,25 @@ def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceS
             + passes * KERNELS_PER_PASS * KERNEL_FIXED_S)
 
 
+def measured_tp_line(model: ModelSpec, training: TrainingSpec, tp: int, device: DeviceSpec
+                     ) -> tuple[float, float] | None:
+    """The device profile's line of this layer measured sharded at ``tp`` (compute and TP
+    all-reduces, ``LayerProfile.measured_tp``) where the profile matches the shape and
+    precision and the plan recomputes nothing (the measured mode); else None."""
+    prof = device.profile
+    if (tp < 2 or training.recompute != "none" or prof is None
+            or not prof.matches(model, precision_bytes(training))):
+        return None
+    return prof.measured_tp(tp)
+
+
 def layer_time_s(model: ModelSpec, training: TrainingSpec, micro_batch: int, tp: int,
                  device: DeviceSpec) -> float:
-    """Seconds of one layer per microbatch on a stage: compute plus exposed TP comm."""
+    """Seconds of one layer per microbatch on a stage: compute plus exposed TP comm, or the
+    device profile's layer measured at this TP degree (:func:`measured_tp_line`)."""
+    line = measured_tp_line(model, training, tp, device)
+    if line is not None:
+        return line[0] + line[1] * micro_batch
     eb = precision_bytes(training)
     return (layer_compute_s(model, micro_batch, tp, device, training.recompute, eb)
             + tp_comm_per_layer_s(model, micro_batch, tp, device, eb, training.recompute))
@@ -240,7 +256,8 @@ def min_seconds_per_flop(device: DeviceSpec, model: ModelSpec | None = None,
     attention core's FLOPs at up to ``attention_efficiency`` times that rate. Given the model,
     the attention core's share of a layer's FLOPs bounds that speed-up (the LM head's GEMMs
     only run at the GEMM rate); a matching profile's layer takes at least ``β·b/tp`` for
-    ``3·F(b)/tp`` FLOPs (the smallest ``β`` of its measured recompute modes)."""
+    ``3·F(b)/tp`` FLOPs (the smallest ``β`` of its measured recompute modes; a line measured
+    sharded at ``t`` ranks, ``β_t·b`` for ``3·F(b)/t``: counted as ``t·β_t``)."""
     speedup = max(1.0, attention_efficiency(device, elem_bytes))
     attn_share = 1.0
     if model is not None:
@@ -248,7 +265,9 @@ def min_seconds_per_flop(device: DeviceSpec, model: ModelSpec | None = None,
     bound = (1.0 - attn_share + attn_share / speedup) / device.matmul_flops(elem_bytes)
     prof = device.profile
     if model is not None and prof is not None and prof.matches(model, elem_bytes):
-        slope = min([prof.beta] + [b for _, _, b in prof.recompute])  # any measured mode
+        # any measured mode; a line measured at tp ranks does 3·F/tp per rank
+        slope = min([prof.beta] + [b for _, _, b in prof.recompute]
+                    + [tp * b for tp, _, b in prof.tp_layers])
         bound = min(bound, slope / (3.0 * layer_forward_flops(model, model.seq_len)))
     return bound
 

@@ -435,10 +435,19 @@ def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m:
     else:
         out, mems = _stage_costs_raw(units, tps, dp, mb, m, schedule, inv, spec, None, None, v)
     slow = _crowding(units, tps, dp, mb, spec)
-    if slow:
-        out = [StageCost(s.a * f, s.b * f, s.c, s.e, s.max_layers) if f != 1.0 else s
-               for s, f in zip(out, slow, strict=True)]
+    if slow:  # a layer measured sharded ran with its node's TP ranks busy: not slowed again
+        out = [StageCost(s.a if _measured_tp(spec, u, tp) else s.a * f, s.b * f, s.c, s.e,
+                         s.max_layers) if f != 1.0 else s
+               for s, f, u, tp in zip(out, slow, units, tps, strict=True)]
     return out, mems
+
+
+def _measured_tp(spec: JobSpec, unit: Unit, tp: int) -> bool:
+    """Whether ``unit``'s layer time at ``tp`` is its profile's layer measured sharded
+    (``cost.measured_tp_line``; not with CP: a CP rank's shorter sequence matches no
+    profile)."""
+    return _cp(spec) == 1 and cost.measured_tp_line(spec.model, spec.training, tp,
+                                                    unit.device) is not None
 
 
 def _crowding(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, spec: JobSpec
@@ -1496,6 +1505,13 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
                      "layers, the first stage's embedding, the last stage's head and loss)")
     if best.schedule == "zb-h1":
         notes.append(_zb_note(best, spec))
+    sharded = sorted({(u.device.name, tp) for u, tp in zip(best.units, best.tps, strict=True)
+                      if best.cp == 1 and cost.measured_tp_line(spec.model, spec.training, tp,
+                                                                u.device) is not None})
+    if sharded:
+        notes.append("layer times of " + ", ".join(f"{n} at tp={t}" for n, t in sharded)
+                     + " measured sharded (device profiles: compute and TP all-reduces as "
+                     "the runtime runs them); other TP degrees derived from tp 1")
     if comm:
         notes.append(f"collectives inside a node of {', '.join(comm)} from device profiles "
                      "(measured all-reduce and p2p); links between nodes from the catalog "

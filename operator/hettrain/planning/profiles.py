@@ -65,6 +65,13 @@ stage's microbatch and takes ``head`` for the catalog's LM head; the plan notes 
 Everything else (other devices, shapes and precisions, links between nodes) stays on the
 catalog model, and the plan notes say which devices were measured.
 
+``tp`` (optional) times the block sharded over ``tp`` local ranks exactly as the runtime
+shards it (``runtime/tp_profile.py``: column/row-parallel projections, replicated norms, the
+TP all-reduces of forward and backward over the node's backend), forward + backward per rank.
+Its fitted line replaces, for a plan of that TP degree without recompute, both the tp-1 line
+divided by ``tp`` and the modelled TP all-reduces (``cost.layer_time_s``); other degrees and
+recompute modes stay derived, and the plan notes say which.
+
 ``concurrent`` (measured on a CPU, whose "devices" are processes sharing one host's cores,
 caches and memory: ``runtime/concurrent_profile.py``) times the same layer with ``ranks``
 processes running it at once. Its fitted line over the single-rank one is the slowdown
@@ -217,6 +224,13 @@ class LayerProfile:
     # over ``bS`` (the backward with deferral on); None: not measured (the catalog rule)
     weight_grad: tuple[float, float] | None = None
     input_grad: tuple[float, float] | None = None
+    # the layer measured sharded as the runtime shards it, ``(tp, α, β)`` of its forward +
+    # backward per rank, the TP all-reduces included (version 2 ``tp``); empty: tp 1 only
+    tp_layers: tuple[tuple[int, float, float], ...] = ()
+
+    def measured_tp(self, tp: int) -> tuple[float, float] | None:
+        """The measured ``(α, β)`` of the layer at ``tp`` (TP comm included), or None."""
+        return next(((a, b) for t, a, b in self.tp_layers if t == tp), None)
 
     def slowdown(self, micro_batch: int) -> float:
         """Factor on a layer's seconds when several ranks of one node compute at once
@@ -318,9 +332,10 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
     if "concurrent" in doc:
         conc, conc_ranks = _concurrent_from_doc(doc["concurrent"], version,
                                                 f"{where}.concurrent")
+    tp_layers = _tp_from_doc(doc["tp"], version, f"{where}.tp") if "tp" in doc else ()
     return LayerProfile(device, shape, alpha, beta, fwd / total, software, where, float(opt),
                         comm, precision, recompute, stage, conc, conc_ranks, weight_grad,
-                        input_grad)
+                        input_grad, tp_layers)
 
 
 Points = list[tuple[float, float]]
@@ -376,6 +391,21 @@ def _split_points(rows: list, where: str) -> tuple[Points, Points] | None:
         b_pts.append((float(r["microBatch"]), bs))
         w_pts.append((float(r["microBatch"]), ws))
     return b_pts, w_pts
+
+
+def _tp_from_doc(doc: Any, version: int, where: str) -> tuple[tuple[int, float, float], ...]:
+    """The ``tp`` section: per measured TP degree its fitted forward + backward line."""
+    if version < 2 or not isinstance(doc, list):
+        raise PlanningInputError(where, "must be a list of {tp, layer} entries (version 2)")
+    out: dict[int, tuple[float, float]] = {}
+    for i, e in enumerate(doc):
+        tp = e.get("tp") if isinstance(e, Mapping) else None
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2 or tp in out:
+            raise PlanningInputError(f"{where}[{i}].tp", "must be an integer >= 2, each "
+                                     "degree once (the TP degree measured)")
+        points, _, _, _ = _layer_points(e.get("layer"), f"{where}[{i}].layer")
+        out[tp] = fit_line(points)
+    return tuple((tp, a, b) for tp, (a, b) in sorted(out.items()))
 
 
 def _concurrent_from_doc(doc: Any, version: int, where: str) -> tuple[tuple[float, float], int]:
@@ -512,13 +542,15 @@ def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
                 concurrent: Mapping[str, Any] | None = None, *, precision: str = "fp32",
                 modes: Mapping[str, Sequence[float]] | None = None,
                 stage_layers: int = 1,
-                split: Sequence[tuple[float, float]] | None = None) -> dict[str, Any]:
+                split: Sequence[tuple[float, float]] | None = None,
+                tp: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """The YAML document for measured ``(microBatch, forwardS, backwardS)`` rows in
     ``precision`` (and the measured optimizer bandwidth, ``comm`` section, ``(microBatch,
     middleS, firstS, lastS)`` stage rows, ``concurrent`` section ``{ranks, layer:
     [(microBatch, forwardS, backwardS)]}`` and recompute modes' forward+backward seconds per
-    row, ``{"selective": [...], "full": [...]}``, and the ZB-H1 backward split ``(bS, wS)``
-    per row, when given; the stage rows' stages held ``stage_layers`` layers)."""
+    row, ``{"selective": [...], "full": [...]}``, the ZB-H1 backward split ``(bS, wS)`` per
+    row and the layer measured sharded, ``[{tp, backend, layer: [(microBatch, forwardS,
+    backwardS)]}]``, when given; the stage rows' stages held ``stage_layers`` layers)."""
     modes = modes or {}
     if split is not None and len(split) != len(rows):
         raise ValueError("split: one (bS, wS) per row")
@@ -533,6 +565,10 @@ def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
     if stage:
         extra["stage"] = [{"microBatch": b, "layers": stage_layers, "middleS": mid,
                            "firstS": first, "lastS": last} for b, mid, first, last in stage]
+    if tp:
+        extra["tp"] = [{"tp": e["tp"], "backend": e.get("backend", ""), "layer": [
+            {"microBatch": b, "forwardS": f, "backwardS": bw} for b, f, bw in e["layer"]]}
+            for e in tp]
     if concurrent:
         extra["concurrent"] = {"ranks": concurrent["ranks"], "layer": [
             {"microBatch": b, "forwardS": f, "backwardS": bw} for b, f, bw in concurrent["layer"]]}

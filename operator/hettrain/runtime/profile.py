@@ -13,9 +13,10 @@ and a last stage (final norm, LM head, loss: ``stage``); on a CPU the layer agai
 the local ranks share the host's cores, caches and memory); the optimizer step over that
 block's parameters in the job's precision (``optimizerBytesPerS``); and, unless
 ``--no-comm``, two local ranks' pipeline transfers and all-reduce (``comm``:
-``runtime/comm_profile.py``; skipped on a node with one accelerator). Everything runs in the
-job's precision; it writes the versioned ``DeviceProfile`` YAML that ``planning/profiles.py``
-reads (``hettrain plan --profile FILE``).
+``runtime/comm_profile.py``) and the block sharded over them at tp 2 as the runtime shards it
+(``tp``: ``runtime/tp_profile.py``; both skipped on a node with one accelerator). Everything
+runs in the job's precision; it writes the versioned ``DeviceProfile`` YAML that
+``planning/profiles.py`` reads (``hettrain plan --profile FILE``).
 
 Usage: python -m hettrain.runtime.profile JOB.yaml --device-name CPU --out profile.yaml
        [--micro-batches 1,2,4] [--repeats 5] [--no-comm]
@@ -50,6 +51,7 @@ from hettrain.runtime.model import (
 )
 from hettrain.runtime.optim import DTYPES, StageOptimizer
 from hettrain.runtime.stage_timing import LayerClock
+from hettrain.runtime.tp_profile import measure_tp_layer
 
 WARMUP = 2  # untimed runs before the timed ones
 # a measurement runs at least ``repeats`` times and, up to MAX_RUNS, until its timed runs add
@@ -277,14 +279,16 @@ def profile(model: ModelSpec, device_name: str, micro_batches: Sequence[int], re
                   if device.type == "cpu" else None)
     software = {"torch": str(torch.__version__), "python": platform.python_version()}
     opt = measure_optimizer(model, training, repeats, device) if training is not None else 0.0
-    links = None
+    links, tp = None, None
     if comm:
         eb = cost.precision_bytes(training) if training is not None else 4
         links = measure_comm(comm_sizes(model, micro_batches, eb), max(COMM_REPEATS, repeats))
+        tp = measure_tp_layer(model, micro_batches, repeats, precision)
     return profile_doc(device_name, software, model, rows, opt, links, stage, concurrent,
                        precision=precision, modes=modes,
                        stage_layers=chain_length(model, device),
-                       split=[(sp.b, sp.w) for sp in splits])
+                       split=[(sp.b, sp.w) for sp in splits],
+                       tp=[tp] if tp is not None else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
