@@ -832,13 +832,16 @@ def _refined_entry(device: str, p: LayerProfile) -> dict[str, Any]:
     if p.input_grad is not None and p.weight_grad is not None:  # the ZB-H1 B/W split
         entry.update(bPass={"alphaS": p.input_grad[0], "betaS": p.input_grad[1]},
                      wPass={"alphaS": p.weight_grad[0], "betaS": p.weight_grad[1]})
+    if p.tp_layers:  # the layer measured sharded
+        entry["tp"] = [{"tp": t, "alphaS": a, "betaS": b} for t, a, b in p.tp_layers]
     return entry
 
 
 def _profile_from_status(entry: Mapping[str, Any], spec: JobSpec) -> LayerProfile:
     """A refined profile recorded in ``status.calibration.refined`` (an entry written before
     ``precision`` existed is the job's precision, without measured recompute modes; one
-    without ``bPass``/``wPass`` has no measured ZB-H1 split)."""
+    without ``bPass``/``wPass`` has no measured ZB-H1 split, one without ``tp`` no layer
+    measured sharded)."""
     modes = tuple((str(r["mode"]), float(r["alphaS"]), float(r["betaS"]))
                   for r in entry.get("recompute") or [])
 
@@ -850,7 +853,9 @@ def _profile_from_status(entry: Mapping[str, Any], spec: JobSpec) -> LayerProfil
                         float(entry["betaS"]), float(entry["forwardShare"]),
                         source="calibration",
                         precision=str(entry.get("precision") or spec.training.precision),
-                        recompute=modes, weight_grad=line("wPass"), input_grad=line("bPass"))
+                        recompute=modes, weight_grad=line("wPass"), input_grad=line("bPass"),
+                        tp_layers=tuple((int(r["tp"]), float(r["alphaS"]), float(r["betaS"]))
+                                        for r in entry.get("tp") or []))
 
 
 def yaml_dump(doc: Mapping[str, Any]) -> str:

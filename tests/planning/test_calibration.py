@@ -271,3 +271,7 @@ def test_a_refined_profile_keeps_its_layer_measured_sharded() -> None:
     assert prof.measured_tp(2) == pytest.approx((tp2[1] * 1.5, tp2[2] * 1.5))
     back = profile_from_doc(cal.profile_to_doc(prof, spec.model, {"image": "img:1"}), "store")
     assert back.measured_tp(2) == pytest.approx(prof.measured_tp(2))
+    from hettrain.reconcile import _profile_from_status, _refined_entry
+
+    again = _profile_from_status(_refined_entry("CPU-A", prof), spec)
+    assert again.measured_tp(2) == pytest.approx(prof.measured_tp(2))
