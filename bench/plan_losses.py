@@ -45,6 +45,7 @@ from hettrain.planning import context, cost
 from hettrain.planning.inventory import ClusterInventory
 from hettrain.planning.plan import Plan
 from hettrain.planning.planner import _boundary_s, _optimizer_coeffs, _stage_costs
+from hettrain.planning.replica_groups import plan_zb_div
 from hettrain.planning.units import build_units, filter_pools
 
 PARTS = ("idle whole", "idle part", "bubble", "imbalance", "boundary", "tp", "cp",
@@ -140,8 +141,9 @@ def breakdown(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> dict[str, flo
     oc, oe = _optimizer_coeffs(units[k], plan.stages[k].tp, plan.dp * plan.stages[0].cp,
                                concrete, k == 0, k == plan.pp - 1)
     opt = oc * split[k] + oe
-    with_b, _ = cost.pipeline_time_s(stage_s, bounds, m_solo, plan.schedule, v)
-    boundary = with_b - cost.pipeline_time_s(stage_s, [], m_solo, plan.schedule, v)[0]
+    zd = plan_zb_div(plan, [u.device for u in units])  # ZB-H1: measured B/W split or 3
+    with_b, _ = cost.pipeline_time_s(stage_s, bounds, m_solo, plan.schedule, v, zd)
+    boundary = with_b - cost.pipeline_time_s(stage_s, [], m_solo, plan.schedule, v, zd)[0]
     # (replicas, microbatches, StagePlans, stage units, stage seconds) per replica group
     groups = [(plan.dp, plan.num_microbatches, plan.stages, units, stage_s)]
     solo_units = build_units(filter_pools(inv, spec.placement), merged=False)
@@ -149,8 +151,9 @@ def breakdown(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> dict[str, flo
         ug = next(u for u in solo_units if g.stages[0].pools[0] in {p.name for p in u.pools})
         groups.append((g.dp, g.num_microbatches, g.stages, [ug] * g.pp,
                        [s.time_ms / 1e3 for s in g.stages]))
-    pipes = [cost.pipeline_time_s(ss, [], mg, plan.schedule, v)[0]
-             for _, mg, _, _, ss in groups]
+    pipes = [cost.pipeline_time_s(ss, [], mg, plan.schedule, v,
+                                  plan_zb_div(plan, [u.device for u in us]))[0]
+             for _, mg, _, us, ss in groups]
     # the step: the slowest group's pipeline + boundaries + the tail (with groups: + their
     # cross-DC gradient sums, replica_groups.groups_sync_s, whatever T leaves)
     recon = max(pipes) + boundary + max(tail)

@@ -826,21 +826,36 @@ def _calibration_verdict(job: JobRef, spec: JobSpec, b: _Builder, d: Decision, o
 
 def _refined_entry(device: str, p: LayerProfile) -> dict[str, Any]:
     """A refined profile as ``status.calibration.refined`` records it."""
-    return {"device": device, "alphaS": p.alpha, "betaS": p.beta,
-            "forwardShare": p.forward_share, "precision": p.precision,
-            "recompute": [{"mode": m, "alphaS": a, "betaS": b} for m, a, b in p.recompute]}
+    entry = {"device": device, "alphaS": p.alpha, "betaS": p.beta,
+             "forwardShare": p.forward_share, "precision": p.precision,
+             "recompute": [{"mode": m, "alphaS": a, "betaS": b} for m, a, b in p.recompute]}
+    if p.input_grad is not None and p.weight_grad is not None:  # the ZB-H1 B/W split
+        entry.update(bPass={"alphaS": p.input_grad[0], "betaS": p.input_grad[1]},
+                     wPass={"alphaS": p.weight_grad[0], "betaS": p.weight_grad[1]})
+    if p.tp_layers:  # the layer measured sharded
+        entry["tp"] = [{"tp": t, "alphaS": a, "betaS": b} for t, a, b in p.tp_layers]
+    return entry
 
 
 def _profile_from_status(entry: Mapping[str, Any], spec: JobSpec) -> LayerProfile:
     """A refined profile recorded in ``status.calibration.refined`` (an entry written before
-    ``precision`` existed is the job's precision, without measured recompute modes)."""
+    ``precision`` existed is the job's precision, without measured recompute modes; one
+    without ``bPass``/``wPass`` has no measured ZB-H1 split, one without ``tp`` no layer
+    measured sharded)."""
     modes = tuple((str(r["mode"]), float(r["alphaS"]), float(r["betaS"]))
                   for r in entry.get("recompute") or [])
+
+    def line(key: str) -> tuple[float, float] | None:
+        r = entry.get(key)
+        return None if not r else (float(r["alphaS"]), float(r["betaS"]))
+
     return LayerProfile(str(entry["device"]), model_shape(spec.model), float(entry["alphaS"]),
                         float(entry["betaS"]), float(entry["forwardShare"]),
                         source="calibration",
                         precision=str(entry.get("precision") or spec.training.precision),
-                        recompute=modes)
+                        recompute=modes, weight_grad=line("wPass"), input_grad=line("bPass"),
+                        tp_layers=tuple((int(r["tp"]), float(r["alphaS"]), float(r["betaS"]))
+                                        for r in entry.get("tp") or []))
 
 
 def yaml_dump(doc: Mapping[str, Any]) -> str:

@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from hettrain.api.spec import parse_job_spec
 from hettrain.planning.inventory import load_cluster
 from hettrain.planning.planner import plan_job
+from hettrain.planning.profiles import apply_profiles, profile_doc, profile_from_doc
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import plan_quality as pq  # noqa: E402
+from plan_losses import breakdown  # noqa: E402
 
 
 def test_the_case_set_is_fixed_and_within_its_bounds():
@@ -103,3 +106,26 @@ def test_compare_plans_every_case_both_ways_in_one_run():
     text = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert text.returncode == 0, text.stderr[-2000:]
     assert "plain (before) → spec.parallelism.replicaGroups (after), same run:" in text.stdout
+
+
+@pytest.mark.parametrize("w_frac", [None, 0.05, 0.6])
+def test_loss_breakdown_rebuilds_a_zb_h1_step_with_a_measured_split(w_frac) -> None:
+    """A pinned ZB-H1 plan on a device whose profile measured the B/W split (small W: the
+    bubble is most of 1F1B's; large W: a tenth): ``plan_losses.breakdown`` rebuilds its step
+    from the same divisor (``step_err`` 0), as with the catalog's third."""
+    job = {"model": {"layers": 6, "hidden": 1024, "heads": 16, "seqLen": 512, "vocab": 8000},
+           "training": {"globalBatch": 8, "steps": 1, "recompute": "none", "microBatch": 2},
+           "parallelism": {"tp": 1, "pp": 2, "dp": 1, "schedule": "zb-h1"},
+           "placement": {"pools": ["h"]}}
+    spec = parse_job_spec(job)
+    rows = [(b, 0.5e-3 * (1 + b), 1e-3 * (1 + b)) for b in (1, 2, 4)]
+    split = None if w_frac is None else [((1 - w_frac) * bw, w_frac * bw) for *_, bw in rows]
+    doc = profile_doc("H100-SXM", {}, spec.model, rows, precision="bf16", split=split)
+    cluster = {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
+               "metadata": {"name": "t"}, "datacenters": [{"name": "a"}],
+               "pools": [{"name": "h", "datacenter": "a", "device": "H100-SXM", "nodes": 1,
+                          "gpusPerNode": 4, "nicGbps": 400}]}
+    inv = apply_profiles(load_cluster(cluster), [profile_from_doc(doc, "p")])
+    plan = plan_job("j", spec, inv)
+    assert plan.schedule == "zb-h1" and plan.pp == 2
+    assert breakdown(spec, inv, plan)["step_err"] == pytest.approx(0.0, abs=1e-12)

@@ -40,7 +40,7 @@ def test_profile_writes_a_profile_the_planner_uses(tmp_path, capsys) -> None:
     assert [r["microBatch"] for r in doc["layer"]] == [1, 2]
     assert [r["microBatch"] for r in doc["stage"]] == [1, 2]  # the runtime's stage
     assert all(r[k] > 0 for r in doc["layer"]
-               for k in ("forwardS", "backwardS", "selectiveS", "fullS"))
+               for k in ("forwardS", "backwardS", "selectiveS", "fullS", "bS", "wS"))
     assert doc["software"]["torch"]
     # two local ranks timed the runtime's p2p and gloo's all-reduce, small to large messages
     comm = doc["comm"]
@@ -52,6 +52,10 @@ def test_profile_writes_a_profile_the_planner_uses(tmp_path, capsys) -> None:
     prof = load_profile(out)
     assert prof.beta > 0 and prof.alpha >= 0
     assert prof.precision == "fp32" and [m for m, _, _ in prof.recompute] == ["selective", "full"]
+    assert prof.weight_grad is not None and prof.zb_bubble_ratio(1, "none") is not None
+    # the two ranks also timed the block sharded at tp 2 (runtime/tp_profile.py)
+    assert doc["tp"][0]["tp"] == 2 and [r["microBatch"] for r in doc["tp"][0]["layer"]] == [1, 2]
+    assert prof.measured_tp(2) is not None
     assert prof.comm is not None and prof.comm.p2p_bytes_per_s > 0
     assert prof.comm.bus_bytes_per_s > 0 and prof.comm.ring_step_latency_s >= 0
     # the planner takes it (the CPU pool's layer times and links are now the measured ones)
@@ -82,6 +86,7 @@ def test_profile_without_comm(tmp_path) -> None:
     _, out = _profile_without_comm(tmp_path, JOB, "1")
     assert "comm" not in yaml.safe_load(out.read_text())
     assert load_profile(out).comm is None
+    assert load_profile(out).tp_layers == ()  # no ranks: no sharded layer either
 
 
 def test_profile_bad_input_exits_2(tmp_path, capsys) -> None:

@@ -236,3 +236,42 @@ def test_profile_document_round_trip_keeps_the_measured_stage_parts() -> None:
         (conc[0] + 2 * conc[1]) / (base.alpha + 2 * base.beta))
     for part in ("overhead", "embedding", "head"):
         assert getattr(back.stage, part) == pytest.approx(getattr(stage, part), abs=1e-12)
+
+
+def test_a_refined_profile_keeps_the_measured_zb_split() -> None:
+    """Calibration scales the ZB-H1 B and W lines with the layer's (ZB-H1's bubble share is
+    kept), the store document carries them, and the job status entry reads back with them
+    (one written before them has none)."""
+    from hettrain.reconcile import _profile_from_status, _refined_entry
+
+    spec = parse_job_spec(JOB)
+    base = _true_profile(spec, "CPU-A")
+    b_line, w_line = (base.alpha * 0.5, base.beta * 0.5), (base.alpha * 0.2, base.beta * 0.2)
+    prof = cal.scaled(dataclasses.replace(base, input_grad=b_line, weight_grad=w_line), 1.5)
+    assert prof.weight_grad == pytest.approx((w_line[0] * 1.5, w_line[1] * 1.5))
+    # W is 0.2 of the layer before and after: (F + B − W)/(F + B + W) = 1 − 0.4
+    assert prof.zb_bubble_ratio(2, "none") == pytest.approx(0.6)
+    back = profile_from_doc(cal.profile_to_doc(prof, spec.model, {"image": "img:1"}), "store")
+    assert back.weight_grad == pytest.approx(prof.weight_grad)
+    assert back.input_grad == pytest.approx(prof.input_grad)
+    entry = _refined_entry("CPU-A", prof)
+    again = _profile_from_status(entry, spec)
+    assert again.weight_grad == pytest.approx(prof.weight_grad)
+    assert again.input_grad == pytest.approx(prof.input_grad)
+    old = {k: v for k, v in entry.items() if k not in ("bPass", "wPass")}
+    assert _profile_from_status(old, spec).weight_grad is None
+
+
+def test_a_refined_profile_keeps_its_layer_measured_sharded() -> None:
+    """Calibration scales the tp-2 line with the layer's, and the store document keeps it."""
+    spec = parse_job_spec(JOB)
+    base = _true_profile(spec, "CPU-A")
+    tp2 = (2, base.alpha * 0.7, base.beta * 0.6)
+    prof = cal.scaled(dataclasses.replace(base, tp_layers=(tp2,)), 1.5)
+    assert prof.measured_tp(2) == pytest.approx((tp2[1] * 1.5, tp2[2] * 1.5))
+    back = profile_from_doc(cal.profile_to_doc(prof, spec.model, {"image": "img:1"}), "store")
+    assert back.measured_tp(2) == pytest.approx(prof.measured_tp(2))
+    from hettrain.reconcile import _profile_from_status, _refined_entry
+
+    again = _profile_from_status(_refined_entry("CPU-A", prof), spec)
+    assert again.measured_tp(2) == pytest.approx(prof.measured_tp(2))

@@ -162,7 +162,8 @@ def test_the_largest_unit_is_the_embedding_where_it_is() -> None:
     kw = dict(tp=1, dp=8, micro_batch=1, in_flight=1, first=True, last=False)
     t = {s: TrainingSpec(global_batch=8, steps=1, sharding=s) for s in ("optimizer", "full")}
     opt, full = (cost.stage_memory(model, t[s], **kw) for s in ("optimizer", "full"))
-    # the table's state: (2+4+12/8) vs 18/8 bytes; the transient: 8 bytes of the table (bucket 4, grad 2, gathered 2)
+    # the table's state: (2+4+12/8) vs 18/8 bytes; the transient: 8 bytes of the table
+    # (bucket 4, grad 2, gathered 2)
     assert full.fixed - opt.fixed == pytest.approx(embed * (18 / 8 - 7.5) + 8.0 * embed)
 
 

@@ -207,13 +207,20 @@ def layer_scale(spec: JobSpec, plan: Plan, measured: Mapping[StageKey, StageMeas
 def scaled(profile: LayerProfile, factor: float, source: str = "calibration") -> LayerProfile:
     """``profile`` with its layer seconds (every measured recompute mode's) multiplied by
     ``factor`` (the line measured with the node's ranks busy too: the slowdown between them is
-    kept)."""
+    kept; and the ZB-H1 B and W passes: the measured split is kept)."""
     conc = profile.concurrent
+
+    def times(line: tuple[float, float] | None) -> tuple[float, float] | None:
+        return None if line is None else (line[0] * factor, line[1] * factor)
+
     return dataclasses.replace(profile, alpha=profile.alpha * factor, beta=profile.beta * factor,
                                recompute=tuple((m, a * factor, b * factor)
                                                for m, a, b in profile.recompute),
-                               source=source, concurrent=None if conc is None else (
-                                   conc[0] * factor, conc[1] * factor))
+                               source=source, concurrent=times(conc),
+                               weight_grad=times(profile.weight_grad),
+                               input_grad=times(profile.input_grad),
+                               tp_layers=tuple((t, a * factor, b * factor)
+                                               for t, a, b in profile.tp_layers))
 
 
 def refine_profiles(spec: JobSpec, plan: Plan, measured: Mapping[StageKey, StageMeasurement],
@@ -312,10 +319,20 @@ def profile_to_doc(profile: LayerProfile, model: ModelSpec, software: Mapping[st
         concurrent = {"ranks": profile.concurrent_ranks, "layer": [
             (b, (ca + cb * b) * profile.forward_share, (ca + cb * b) * (1 - profile.forward_share))
             for b in CATALOG_FIT_MICRO_BATCHES]}
+    split = None  # the ZB-H1 B and W passes' lines, as exact rows
+    if profile.weight_grad is not None and profile.input_grad is not None:
+        (ba, bb), (wa, wb) = profile.input_grad, profile.weight_grad
+        split = [(ba + bb * b, wa + wb * b) for b in CATALOG_FIT_MICRO_BATCHES]
     doc = profile_doc(profile.device, software, model, rows, profile.optimizer_bytes_per_s,
                       comm_doc(profile.comm) if profile.comm is not None else None, stage,
                       concurrent, precision=profile.precision, modes=modes,
-                      stage_layers=profile.stage.layers if profile.stage is not None else 1)
+                      stage_layers=profile.stage.layers if profile.stage is not None else 1,
+                      split=split, tp=[
+                          {"tp": t, "layer": [
+                              (b, (a + s * b) * profile.forward_share,
+                               (a + s * b) * (1 - profile.forward_share))
+                              for b in CATALOG_FIT_MICRO_BATCHES]}
+                          for t, a, s in profile.tp_layers] or None)
     doc["source"] = profile.source.split(":")[0] or "calibration"
     return doc
 

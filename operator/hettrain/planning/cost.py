@@ -36,6 +36,8 @@ Communication Operations in MPICH", 2005): a ring all-reduce of ``n`` bytes over
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hettrain.api.spec import ModelSpec, TrainingSpec
@@ -47,6 +49,7 @@ FRAMEWORK_OVERHEAD_BYTES = 3 * GIB  # CUDA/ROCm context, allocator, comm buffers
 MEMORY_HEADROOM = 0.92  # fraction of HBM the planner is allowed to fill (fragmentation)
 COLLECTIVE_LATENCY_S = 20e-6  # α for one ring step inside a datacenter
 HOST_STAGING_LATENCY_S = 50e-6  # extra per transfer for device->host->device staging
+ZB_CATALOG_DIVISOR = 3.0  # ZB-H1's bubble: a third of 1F1B's without a measured B/W split
 
 
 def precision_bytes(training: TrainingSpec) -> int:
@@ -185,9 +188,25 @@ def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceS
             + passes * KERNELS_PER_PASS * KERNEL_FIXED_S)
 
 
+def measured_tp_line(model: ModelSpec, training: TrainingSpec, tp: int, device: DeviceSpec
+                     ) -> tuple[float, float] | None:
+    """The device profile's line of this layer measured sharded at ``tp`` (compute and TP
+    all-reduces, ``LayerProfile.measured_tp``) where the profile matches the shape and
+    precision and the plan recomputes nothing (the measured mode); else None."""
+    prof = device.profile
+    if (tp < 2 or training.recompute != "none" or prof is None
+            or not prof.matches(model, precision_bytes(training))):
+        return None
+    return prof.measured_tp(tp)
+
+
 def layer_time_s(model: ModelSpec, training: TrainingSpec, micro_batch: int, tp: int,
                  device: DeviceSpec) -> float:
-    """Seconds of one layer per microbatch on a stage: compute plus exposed TP comm."""
+    """Seconds of one layer per microbatch on a stage: compute plus exposed TP comm, or the
+    device profile's layer measured at this TP degree (:func:`measured_tp_line`)."""
+    line = measured_tp_line(model, training, tp, device)
+    if line is not None:
+        return line[0] + line[1] * micro_batch
     eb = precision_bytes(training)
     return (layer_compute_s(model, micro_batch, tp, device, training.recompute, eb)
             + tp_comm_per_layer_s(model, micro_batch, tp, device, eb, training.recompute))
@@ -237,7 +256,8 @@ def min_seconds_per_flop(device: DeviceSpec, model: ModelSpec | None = None,
     attention core's FLOPs at up to ``attention_efficiency`` times that rate. Given the model,
     the attention core's share of a layer's FLOPs bounds that speed-up (the LM head's GEMMs
     only run at the GEMM rate); a matching profile's layer takes at least ``β·b/tp`` for
-    ``3·F(b)/tp`` FLOPs (the smallest ``β`` of its measured recompute modes)."""
+    ``3·F(b)/tp`` FLOPs (the smallest ``β`` of its measured recompute modes; a line measured
+    sharded at ``t`` ranks, ``β_t·b`` for ``3·F(b)/t``: counted as ``t·β_t``)."""
     speedup = max(1.0, attention_efficiency(device, elem_bytes))
     attn_share = 1.0
     if model is not None:
@@ -245,7 +265,9 @@ def min_seconds_per_flop(device: DeviceSpec, model: ModelSpec | None = None,
     bound = (1.0 - attn_share + attn_share / speedup) / device.matmul_flops(elem_bytes)
     prof = device.profile
     if model is not None and prof is not None and prof.matches(model, elem_bytes):
-        slope = min([prof.beta] + [b for _, _, b in prof.recompute])  # any measured mode
+        # any measured mode; a line measured at tp ranks does 3·F/tp per rank
+        slope = min([prof.beta] + [b for _, _, b in prof.recompute]
+                    + [tp * b for tp, _, b in prof.tp_layers])
         bound = min(bound, slope / (3.0 * layer_forward_flops(model, model.seq_len)))
     return bound
 
@@ -797,15 +819,36 @@ def pipeline_bytes_per_step(model: ModelSpec, micro_batch: int, elem_bytes: int,
 # ---------------------------------------------------------------- schedules
 
 
+def zb_bubble_divisor(devices: Sequence[DeviceSpec], model: ModelSpec,
+                      training: TrainingSpec, micro_batch: int) -> float:
+    """What ZB-H1 divides 1F1B's bubble by on a pipeline of ``devices``' stages: per device
+    the inverse of its profile's measured share ``(F + B − W)/(F + B + W)`` where the profile
+    matches this layer shape and precision and measured the backward split
+    (``LayerProfile.zb_bubble_ratio``), else the catalog rule, 3 (``F = B = W``); over the
+    stages the smallest (one divisor for the pipeline, so the layer split stays exact:
+    ``planning/layers.py``; the stage that fills least of its bubble bounds the pipeline)."""
+    eb = precision_bytes(training)
+    out = math.inf
+    for d in devices:
+        prof = d.profile
+        r = (prof.zb_bubble_ratio(micro_batch, training.recompute)
+             if prof is not None and prof.matches(model, eb) else None)
+        out = min(out, ZB_CATALOG_DIVISOR if r is None else 1.0 / r)
+    return ZB_CATALOG_DIVISOR if out == math.inf else out
+
+
 def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, schedule: str,
-                    virtual_stages: int = 1) -> tuple[float, float]:
+                    virtual_stages: int = 1, zb_div: float = ZB_CATALOG_DIVISOR
+                    ) -> tuple[float, float]:
     """Time of the pipelined part of a step and its bubble, for heterogeneous stages.
 
     1F1B: ``(m−1)·max + Σ`` over stages and boundary transfers (a slow link is a stage of its
     own). Interleaved with ``v`` chunks divides the bubble ``Σ − max`` by ``v`` (Narayanan §2.2.2)
     at ``v``× the boundary traffic. ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism",
-    ICLR'24) splits backward into input- and weight-gradient passes and fills about two thirds
-    of the 1F1B bubble at the same peak memory: bubble ``(Σ − max)/3``.
+    ICLR'24) splits backward into input- (B) and weight-gradient (W) passes and, at the same
+    peak memory, leaves ``(p − 1)(F + B − W)`` of 1F1B's ``(p − 1)(F + B + W)``: bubble
+    ``(Σ − max)/zb_div`` with ``zb_div`` from measured B/W (:func:`zb_bubble_divisor`) or,
+    by default, the catalog's 3 (``F = B = W``).
     Returns (total seconds, bubble seconds).
     """
     boundaries = list(boundary_s)
@@ -817,5 +860,5 @@ def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, sched
     if schedule == "interleaved":
         bubble /= virtual_stages
     elif schedule == "zb-h1":
-        bubble /= 3.0
+        bubble /= zb_div
     return m * slowest + bubble, bubble

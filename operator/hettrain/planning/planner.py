@@ -31,7 +31,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
@@ -51,6 +51,7 @@ from hettrain.planning.bounds import (
     partial_lower_bound,
 )
 from hettrain.planning.capsrows import CapsRows
+from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.errors import NotFaster, PlanningError, no_plan
 from hettrain.planning.inventory import ClusterInventory
 from hettrain.planning.layers import (
@@ -61,7 +62,11 @@ from hettrain.planning.layers import (
 )
 from hettrain.planning.placement import moved_ranks, place_ranks
 from hettrain.planning.plan import Plan, Prediction, RankPlan, StagePlan
-from hettrain.planning.replica_groups import plan_with_replica_group
+from hettrain.planning.replica_groups import (
+    plan_devices,
+    plan_with_replica_group,
+    plan_zb_div,
+)
 from hettrain.planning.units import Unit, build_units, filter_pools, spans_datacenters
 
 K_FULL_WINDOW = 1
@@ -115,13 +120,16 @@ class _Search:
     """State of one planning run (best so far, the reasons things did not fit)."""
 
     def __init__(self, spec: JobSpec, exhaustive: bool, slack: float = 1.0,
-                 ceiling: float = math.inf) -> None:
+                 ceiling: float = math.inf, devices: Iterable[DeviceSpec] = ()) -> None:
         self.spec = spec
         # an outside incumbent (sharding: auto's faster variant): only layouts below it count
         self.ceiling = ceiling
         self.slack = slack  # prune only what is worse than best·slack (re-plans keep near ones)
+        # at least ZB-H1's divisor of every layout on ``devices`` (measured B/W splits)
+        self.zb_div = _zb_div_bound(spec, devices)
         # the largest bubble divisor among the schedules the search may pick (bounds.py)
-        self.bubble_div = max(_bubble_divisor(s, v) for s, v in _schedule_options(spec, 2, None))
+        self.bubble_div = max(_bubble_divisor(s, v, self.zb_div)
+                              for s, v in _schedule_options(spec, 2, None))
         self.exhaustive = exhaustive
         self.best: Candidate | None = None
         self.near: list[Candidate] = []  # within REPLAN_TOLERANCE of the best (for re-plans)
@@ -380,9 +388,32 @@ def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_b
 
 
 
-def _bubble_divisor(schedule: str, v: int) -> float:
-    """What a schedule divides the 1F1B bubble by (:func:`cost.pipeline_time_s`)."""
-    return {"1f1b": 1.0, "zb-h1": 3.0}.get(schedule, float(v))
+def _bubble_divisor(schedule: str, v: int, zb_div: float = cost.ZB_CATALOG_DIVISOR) -> float:
+    """What a schedule divides the 1F1B bubble by (:func:`cost.pipeline_time_s`); ZB-H1's is
+    ``zb_div`` (:func:`_zb_div` of a layout, or a bound on it: :attr:`_Search.zb_div`)."""
+    return {"1f1b": 1.0, "zb-h1": zb_div}.get(schedule, float(v))
+
+
+def _zb_div(spec: JobSpec, devices: Iterable[DeviceSpec], mb: int) -> float:
+    """ZB-H1's bubble divisor for a pipeline of ``devices`` at microbatch ``mb``
+    (:func:`cost.zb_bubble_divisor`: the devices' measured B/W split, else 3); with context
+    parallelism a CP rank's shorter sequence matches no profile: the catalog's."""
+    if _cp(spec) > 1:
+        return cost.ZB_CATALOG_DIVISOR
+    return cost.zb_bubble_divisor(list(devices), spec.model, spec.training, mb)
+
+
+def _zb_div_bound(spec: JobSpec, devices: Iterable[DeviceSpec]) -> float:
+    """At least every layout's ZB-H1 divisor over ``devices`` (the inventory's): a layout's is
+    the smallest of its devices' (:func:`cost.zb_bubble_divisor`), so the largest of one
+    device's over the microbatch sizes the search may take, and never below the catalog's 3
+    (a CP rank's). A measured divisor is ``1/(1 − 2·W(b)/t(b))``, both lines affine and
+    positive in ``b``: monotone, every size up to ``MAX_MICRO_BATCH`` (and a pinned one) is
+    taken anyway."""
+    top = max(MAX_MICRO_BATCH, spec.training.micro_batch or 0)
+    return max([cost.ZB_CATALOG_DIVISOR] + [
+        cost.zb_bubble_divisor([d], spec.model, spec.training, b)
+        for d in devices for b in range(1, top + 1)])
 
 
 def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
@@ -459,10 +490,19 @@ def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m:
     else:
         out, mems = _stage_costs_raw(units, tps, dp, mb, m, schedule, inv, spec, None, None, v)
     slow = _crowding(units, tps, dp, mb, spec)
-    if slow:
-        out = [StageCost(s.a * f, s.b * f, s.c, s.e, s.max_layers) if f != 1.0 else s
-               for s, f in zip(out, slow, strict=True)]
+    if slow:  # a layer measured sharded ran with its node's TP ranks busy: not slowed again
+        out = [StageCost(s.a if _measured_tp(spec, u, tp) else s.a * f, s.b * f, s.c, s.e,
+                         s.max_layers) if f != 1.0 else s
+               for s, f, u, tp in zip(out, slow, units, tps, strict=True)]
     return out, mems
+
+
+def _measured_tp(spec: JobSpec, unit: Unit, tp: int) -> bool:
+    """Whether ``unit``'s layer time at ``tp`` is its profile's layer measured sharded
+    (``cost.measured_tp_line``; not with CP: a CP rank's shorter sequence matches no
+    profile)."""
+    return _cp(spec) == 1 and cost.measured_tp_line(spec.model, spec.training, tp,
+                                                    unit.device) is not None
 
 
 def _crowding(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, spec: JobSpec
@@ -667,7 +707,9 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
                                 v)
     boundaries = [_boundary_memo(search, units[i], units[i + 1], tps[i], tps[i + 1], dp, mb, inv)
                   * v for i in range(pp - 1)]
-    f = _bubble_divisor(schedule, v)
+    zb_div = (_zb_div(spec, (u.device for u in units), mb) if schedule == "zb-h1"
+              else cost.ZB_CATALOG_DIVISOR)
+    f = _bubble_divisor(schedule, v, zb_div)
     scaled = [StageCost(s.a, s.b, s.c * f, s.e * f, s.max_layers) for s in stages]
     p_max, p_sum = max(boundaries, default=0.0), sum(boundaries)
     search.evaluated += 1
@@ -696,7 +738,8 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
     _, split = result
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
     stage_dp = [s.dp(n) for s, n in zip(stages, split, strict=True)]
-    pipe, bubble = cost.pipeline_time_s(stage_s, [b / v for b in boundaries], m, schedule, v)
+    pipe, bubble = cost.pipeline_time_s(stage_s, [b / v for b in boundaries], m, schedule, v,
+                                        zb_div)
     t = pipe + max(stage_dp)
     memory = tuple(mem.bytes_for(n) / cost.GIB for (mem, _), n in zip(mems, split, strict=True))
     search.offer(Candidate(t, dp, mb, schedule, tuple(units), tuple(tps), tuple(split),
@@ -1168,7 +1211,7 @@ def _refine_leaf(search: _Search, chosen: tuple[Choice, ...], m: int, units: tup
     for schedule, v in _schedule_options(search.spec, pp, layers, exhaustive=False):
         if not _schedule_fits(schedule, v, pp, m, layers):
             continue
-        div = _bubble_divisor(schedule, v)
+        div = _bubble_divisor(schedule, v, search.zb_div)
         cutoff = min(best, search.bound())
         lb = leaf.bound(bounds, last, div, cutoff)
         if lb < cutoff:  # else its term is at least lb whether it fits or not: skip the caps
@@ -1239,7 +1282,7 @@ def _refine_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Choic
     for schedule, v in _schedule_options(search.spec, pp, layers, exhaustive=False):
         if not (_schedule_fits(schedule, v, pp, m, layers) and rows.fits(blocks, schedule, v)):
             continue
-        div = _bubble_divisor(schedule, v)
+        div = _bubble_divisor(schedule, v, search.zb_div)
         lb = leaf.bound(boundaries, ordered[-1], div, min(best, cutoff))
         if lb < best and lb < cutoff:
             groups = _caps_groups(ordered, rows.caps(blocks, schedule, v), layers - (pp - 1))
@@ -1358,11 +1401,13 @@ def _evaluate_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Cho
     """One stage order of ``choices`` under the schedules that can win.
 
     Dominance (exact in this cost model): with ``X`` the slowest of stages and boundaries and
-    ``Σ`` their sum, 1F1B costs ``m·X + (Σ − X)`` and ZB-H1 ``m·X + (Σ − X)/3``, so ZB-H1 ≤
-    1F1B on every split both fit. Interleaved with ``v ≤ AUTO_MAX_CHUNKS = 3`` chunks
-    multiplies boundary traffic by ``v`` (``X_v ≥ X``, ``Σ_v ≥ Σ``) and costs
-    ``(m − 1/v)·X_v + Σ_v/v ≥ (m − 1/3)·X + Σ/3 + (Σ − X)·(1/v − 1/3)``, the last term ≥ 0, so
-    ZB-H1 ≤ interleaved on every split both fit. The stage times do not depend on the
+    ``Σ`` their sum, 1F1B costs ``m·X + (Σ − X)`` and ZB-H1 ``m·X + (Σ − X)/z``, ``z ≥ 1`` its
+    divisor on this layout (3, or from measured B/W splits: :func:`_zb_div`), so ZB-H1 ≤
+    1F1B on every split both fit. Interleaved with ``v`` chunks multiplies boundary traffic by
+    ``v`` (``X_v ≥ X``, ``Σ_v ≥ Σ``) and costs ``(m − 1/v)·X_v + Σ_v/v ≥ m·X + (Σ − X)/z +
+    (Σ − X)·(1/v − 1/z)``, the last term ≥ 0 where ``v ≤ z`` (``v ≤ AUTO_MAX_CHUNKS = 3``
+    with the catalog's ``z = 3``), so ZB-H1 ≤ interleaved on every split both fit. Only those
+    (divisor ``≤ z``) are skipped. The stage times do not depend on the
     schedule; memory does, and only through each stage's layer cap (``max_layers``). So a
     schedule whose caps are all ≤ ZB-H1's (and whose splits need ≥ 1 layer per stage, as ZB-H1's
     do) fits only splits ZB-H1 fits and never wins: it is skipped. Any other (1F1B, or
@@ -1380,14 +1425,16 @@ def _evaluate_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Cho
     stage_units = tuple(units[i] for i in order for _ in range(ks[i]))
     stage_tps = tuple(tps[i] for i in order for _ in range(ks[i]))
     zb_caps: list[int] | None = None
+    zb_div = 0.0  # ZB-H1's divisor of this layout, once it ran
     for schedule, v in schedules:
-        if zb_caps is not None and all(
+        if zb_caps is not None and _bubble_divisor(schedule, v) <= zb_div and all(
                 c <= z for c, z in zip(_layer_caps(search, stage_units, stage_tps, dp, mb,
                                                    schedule, v, inv), zb_caps, strict=True)):
             continue  # dominated by ZB-H1 (docstring)
         _evaluate(search, stage_units, stage_tps, dp, mb, schedule, inv, grouping, v)
         if schedule == "zb-h1" and spec.parallelism.schedule == "auto":
             zb_caps = _layer_caps(search, stage_units, stage_tps, dp, mb, "zb-h1", 1, inv)
+            zb_div = _zb_div(spec, (u.device for u in stage_units), mb)
 
 
 def _layer_caps(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int,
@@ -1473,6 +1520,25 @@ def _widest_shortfall(search: _Search, units: tuple[Unit, ...], dp: int, mb: int
 # ---------------------------------------------------------------- public API
 
 
+def _zb_note(best: Candidate, spec: JobSpec) -> str:
+    """Where ZB-H1's bubble came from: the measured B/W split of the devices whose profile
+    has one (:func:`_zb_div`), or the catalog rule."""
+    eb = cost.precision_bytes(spec.training)
+    split = sorted({u.device.name for u in best.units if u.device.profile is not None
+                    and u.device.profile.weight_grad is not None
+                    and u.device.profile.matches(spec.model, eb)})
+    if best.cp > 1 or not split:
+        return ("ZB-H1 bubble from the catalog rule: a third of 1F1B's (no measured B/W "
+                "split of this layer)")
+    rest = ("" if len(split) == len({u.device.name for u in best.units})
+            else "; other devices from the catalog rule (a third)")
+    div = cost.zb_bubble_divisor([u.device for u in best.units], spec.model, spec.training,
+                                 best.micro_batch)
+    return (f"ZB-H1 bubble from the measured B/W split of {', '.join(split)} (device profiles: "
+            f"(F + B - W)/(F + B + W) = {1 / div:.3f} of 1F1B's at microBatch "
+            f"{best.micro_batch}{rest})")
+
+
 def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: ClusterInventory,
            spec: JobSpec) -> list[str]:
     notes = [
@@ -1517,6 +1583,15 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
         notes.append(f"the runtime's stage machinery of {', '.join(staged)} per microbatch "
                      "from device profiles (measured: every stage's overhead around its "
                      "layers, the first stage's embedding, the last stage's head and loss)")
+    if best.schedule == "zb-h1":
+        notes.append(_zb_note(best, spec))
+    sharded = sorted({(u.device.name, tp) for u, tp in zip(best.units, best.tps, strict=True)
+                      if best.cp == 1 and cost.measured_tp_line(spec.model, spec.training, tp,
+                                                                u.device) is not None})
+    if sharded:
+        notes.append("layer times of " + ", ".join(f"{n} at tp={t}" for n, t in sharded)
+                     + " measured sharded (device profiles: compute and TP all-reduces as "
+                     "the runtime runs them); other TP degrees derived from tp 1")
     if comm:
         notes.append(f"collectives inside a node of {', '.join(comm)} from device profiles "
                      "(measured all-reduce and p2p); links between nodes from the catalog "
@@ -1578,7 +1653,8 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     cps = _cp_options(spec, pools)
     for grouping, units in groupings:
         search = _Search(spec, exhaustive, REPLAN_TOLERANCE if previous is not None else 1.0,
-                         math.inf if ceiling_s is None else ceiling_s)
+                         math.inf if ceiling_s is None else ceiling_s,
+                         [p.device for p in pools])
         # one incumbent over every CP degree, which prunes the next: the widest first (where
         # CP is searched it usually wins, and its plan bounds the narrower degrees tightly;
         # measured: 2-8x less planning than narrowest first on the plan-quality 32k/128k jobs)
@@ -1757,7 +1833,8 @@ def step_time_for_split(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
         return None
     stage_s, boundaries, dp_s = costs
     pipe, _ = cost.pipeline_time_s(stage_s, boundaries, plan.num_microbatches, plan.schedule,
-                                   plan.virtual_stages)
+                                   plan.virtual_stages,
+                                   plan_zb_div(plan, plan_devices(plan, inventory)))
     return pipe + dp_s
 
 

@@ -13,8 +13,10 @@ document::
     model: {hidden: 64, heads: 4, kvHeads: 4, ffnHidden: 256, seqLen: 64, gatedMlp: false,
             vocab: 256}               # vocab: the stage rows' embedding and head
     layer:                            # one layer, tp 1; medians of repeats
-      - {microBatch: 1, forwardS: 0.0011, backwardS: 0.0023, selectiveS: 0.0035, fullS: 0.0046}
-      - {microBatch: 2, forwardS: 0.0019, backwardS: 0.0041, selectiveS: 0.0062, fullS: 0.0080}
+      - {microBatch: 1, forwardS: 0.0011, backwardS: 0.0023, selectiveS: 0.0035, fullS: 0.0046,
+         bS: 0.0013, wS: 0.0011}      # optional: the ZB-H1 backward split (B and W passes)
+      - {microBatch: 2, forwardS: 0.0019, backwardS: 0.0041, selectiveS: 0.0062, fullS: 0.0080,
+         bS: 0.0022, wS: 0.0020}
     stage:                            # optional: the runtime's stage around `layers` layers
       - {microBatch: 1, layers: 1, middleS: 0.0036, firstS: 0.0038, lastS: 0.0045}
       - {microBatch: 2, layers: 1, middleS: 0.0063, firstS: 0.0066, lastS: 0.0075}
@@ -41,6 +43,16 @@ model: the device's collectives inside a node (TP, CP, a DP group within a node)
 measured all-reduce, and every pipeline transfer of the device takes at least the measured p2p
 latency and at most its bandwidth (the same library on every path).
 
+``bS`` and ``wS`` (optional, on every row or none) split the block's backward as the
+runtime's ZB-H1 schedule runs it: ``bS`` the backward inside ``defer_weight_grads`` (input
+gradients; the linears stash their inputs and output gradients), ``wS`` the W pass that
+follows (``WeightGradStore.flush``: every linear's weight gradient). The planner fits a line to
+``wS`` and takes ZB-H1's bubble as ``(F + B − W)/(F + B + W)`` of 1F1B's (Qi et al., "Zero
+Bubble Pipeline Parallelism", ICLR'24: ZB-H1 leaves ``(p − 1)(F + B − W)`` of 1F1B's
+``(p − 1)(F + B + W)``), i.e. ``1 − 2·W(b)/t(b)`` with ``t`` the fitted line of the job's
+recompute mode (:meth:`LayerProfile.zb_bubble_ratio`; never below ``ZB_MIN_BUBBLE_RATIO``);
+without them the catalog rule, a third of 1F1B's (``W`` a third of the layer).
+
 ``stage`` times the runtime's own pipeline stage (``runtime.model.StageModel``) around
 ``layers`` layers (the chain the layer rows were timed in), forward + loss + backward of one
 microbatch as ``runtime/pipeline.py`` runs it: a middle stage (the layers only), a first stage
@@ -52,6 +64,13 @@ precision match, the planner adds ``overhead`` (and ``embedding`` on the first s
 stage's microbatch and takes ``head`` for the catalog's LM head; the plan notes say so.
 Everything else (other devices, shapes and precisions, links between nodes) stays on the
 catalog model, and the plan notes say which devices were measured.
+
+``tp`` (optional) times the block sharded over ``tp`` local ranks exactly as the runtime
+shards it (``runtime/tp_profile.py``: column/row-parallel projections, replicated norms, the
+TP all-reduces of forward and backward over the node's backend), forward + backward per rank.
+Its fitted line replaces, for a plan of that TP degree without recompute, both the tp-1 line
+divided by ``tp`` and the modelled TP all-reduces (``cost.layer_time_s``); other degrees and
+recompute modes stay derived, and the plan notes say which.
 
 ``concurrent`` (measured on a CPU, whose "devices" are processes sharing one host's cores,
 caches and memory: ``runtime/concurrent_profile.py``) times the same layer with ``ranks``
@@ -87,6 +106,10 @@ PROFILE_KIND = "DeviceProfile"
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE_MODES = ("selective", "full")  # measured besides "none" (version 2)
 MODE_FIELDS = {"selective": "selectiveS", "full": "fullS"}
+SPLIT_FIELDS = ("bS", "wS")  # optional (version 2): the ZB-H1 backward's B and W passes
+# the least share of 1F1B's bubble a measured split may give ZB-H1 (a W pass of half the layer
+# would leave no bubble at all; the schedule still waits for each stage's first forward)
+ZB_MIN_BUBBLE_RATIO = 0.1
 
 Shape = tuple[int, int, int, int, int, bool]
 
@@ -197,6 +220,17 @@ class LayerProfile:
     # once (version 2 ``concurrent``; CPU nodes); None: not measured
     concurrent: tuple[float, float] | None = None
     concurrent_ranks: int = 0
+    # the ZB-H1 W pass (weight gradients) fitted as (α, β) over the rows' ``wS``; the B pass's
+    # over ``bS`` (the backward with deferral on); None: not measured (the catalog rule)
+    weight_grad: tuple[float, float] | None = None
+    input_grad: tuple[float, float] | None = None
+    # the layer measured sharded as the runtime shards it, ``(tp, α, β)`` of its forward +
+    # backward per rank, the TP all-reduces included (version 2 ``tp``); empty: tp 1 only
+    tp_layers: tuple[tuple[int, float, float], ...] = ()
+
+    def measured_tp(self, tp: int) -> tuple[float, float] | None:
+        """The measured ``(α, β)`` of the layer at ``tp`` (TP comm included), or None."""
+        return next(((a, b) for t, a, b in self.tp_layers if t == tp), None)
 
     def slowdown(self, micro_batch: int) -> float:
         """Factor on a layer's seconds when several ranks of one node compute at once
@@ -224,6 +258,17 @@ class LayerProfile:
         element size)."""
         return (self.stage is not None and self.matches(model, elem_bytes)
                 and self.stage.vocab == model.vocab)
+
+    def zb_bubble_ratio(self, micro_batch: int, recompute: str) -> float | None:
+        """ZB-H1's bubble as a share of 1F1B's from the measured W pass: ``(F + B − W)/(F + B
+        + W) = 1 − 2·W(b)/t(b)``, ``t`` the layer's fitted seconds in ``recompute`` (a
+        recompute's forward runs in the B pass), clamped to ``[ZB_MIN_BUBBLE_RATIO, 1]``;
+        None without a measured split."""
+        if self.weight_grad is None:
+            return None
+        w = max(0.0, self.weight_grad[0] + self.weight_grad[1] * micro_batch)
+        t = self.layer_s(micro_batch, 1, recompute)
+        return min(1.0, max(ZB_MIN_BUBBLE_RATIO, 1.0 - 2.0 * w / t)) if t > 0 else None
 
     def layer_s(self, micro_batch: int, tp: int, recompute: str) -> float:
         """Seconds of one layer and microbatch on one of ``tp`` ranks (compute only); an
@@ -265,6 +310,8 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
     points, fwd, total, modes = _layer_points(doc.get("layer"), f"{where}.layer", version)
     alpha, beta = fit_line(points)
     recompute = tuple((m, *fit_line(pts)) for m, pts in modes.items() if pts)
+    split = _split_points(doc.get("layer"), f"{where}.layer") if version >= 2 else None
+    input_grad, weight_grad = (fit_line(split[0]), fit_line(split[1])) if split else (None, None)
     sw = doc.get("software") or {}
     software = tuple(sorted((str(k), str(v)) for k, v in sw.items())) if isinstance(
         sw, Mapping) else ()
@@ -285,8 +332,10 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
     if "concurrent" in doc:
         conc, conc_ranks = _concurrent_from_doc(doc["concurrent"], version,
                                                 f"{where}.concurrent")
+    tp_layers = _tp_from_doc(doc["tp"], version, f"{where}.tp") if "tp" in doc else ()
     return LayerProfile(device, shape, alpha, beta, fwd / total, software, where, float(opt),
-                        comm, precision, recompute, stage, conc, conc_ranks)
+                        comm, precision, recompute, stage, conc, conc_ranks, weight_grad,
+                        input_grad, tp_layers)
 
 
 Points = list[tuple[float, float]]
@@ -321,6 +370,42 @@ def _layer_points(rows: Any, where: str, version: int = 1
             raise PlanningInputError(where, f"{MODE_FIELDS[m]} must be given on every row or "
                                      "on none")
     return points, fwd, total, modes
+
+
+def _split_points(rows: list, where: str) -> tuple[Points, Points] | None:
+    """The ``(b, bS)`` and ``(b, wS)`` points of layer rows (already checked by
+    :func:`_layer_points`), or None when no row has them; on some rows only, or not
+    positive: an error naming the row."""
+    have = [any(k in r for k in SPLIT_FIELDS) for r in rows]
+    if not any(have):
+        return None
+    b_pts, w_pts = [], []
+    for i, r in enumerate(rows):
+        try:
+            bs, ws = float(r["bS"]), float(r["wS"])
+        except (KeyError, TypeError, ValueError):
+            raise PlanningInputError(f"{where}[{i}]", "bS and wS must be numbers on every row "
+                                     "or on none") from None
+        if not (bs > 0 and ws > 0 and math.isfinite(bs) and math.isfinite(ws)):
+            raise PlanningInputError(f"{where}[{i}]", "bS and wS must be positive seconds")
+        b_pts.append((float(r["microBatch"]), bs))
+        w_pts.append((float(r["microBatch"]), ws))
+    return b_pts, w_pts
+
+
+def _tp_from_doc(doc: Any, version: int, where: str) -> tuple[tuple[int, float, float], ...]:
+    """The ``tp`` section: per measured TP degree its fitted forward + backward line."""
+    if version < 2 or not isinstance(doc, list):
+        raise PlanningInputError(where, "must be a list of {tp, layer} entries (version 2)")
+    out: dict[int, tuple[float, float]] = {}
+    for i, e in enumerate(doc):
+        tp = e.get("tp") if isinstance(e, Mapping) else None
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2 or tp in out:
+            raise PlanningInputError(f"{where}[{i}].tp", "must be an integer >= 2, each "
+                                     "degree once (the TP degree measured)")
+        points, _, _, _ = _layer_points(e.get("layer"), f"{where}[{i}].layer")
+        out[tp] = fit_line(points)
+    return tuple((tp, a, b) for tp, (a, b) in sorted(out.items()))
 
 
 def _concurrent_from_doc(doc: Any, version: int, where: str) -> tuple[tuple[float, float], int]:
@@ -456,14 +541,19 @@ def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
                 stage: Sequence[tuple[int, float, float, float]] = (),
                 concurrent: Mapping[str, Any] | None = None, *, precision: str = "fp32",
                 modes: Mapping[str, Sequence[float]] | None = None,
-                stage_layers: int = 1) -> dict[str, Any]:
+                stage_layers: int = 1,
+                split: Sequence[tuple[float, float]] | None = None,
+                tp: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """The YAML document for measured ``(microBatch, forwardS, backwardS)`` rows in
     ``precision`` (and the measured optimizer bandwidth, ``comm`` section, ``(microBatch,
     middleS, firstS, lastS)`` stage rows, ``concurrent`` section ``{ranks, layer:
     [(microBatch, forwardS, backwardS)]}`` and recompute modes' forward+backward seconds per
-    row, ``{"selective": [...], "full": [...]}``, when given; the stage rows' stages held
-    ``stage_layers`` layers)."""
+    row, ``{"selective": [...], "full": [...]}``, the ZB-H1 backward split ``(bS, wS)`` per
+    row and the layer measured sharded, ``[{tp, backend, layer: [(microBatch, forwardS,
+    backwardS)]}]``, when given; the stage rows' stages held ``stage_layers`` layers)."""
     modes = modes or {}
+    if split is not None and len(split) != len(rows):
+        raise ValueError("split: one (bS, wS) per row")
     for m, ts in modes.items():
         if m not in MODE_FIELDS or len(ts) != len(rows):
             raise ValueError(f"modes[{m!r}]: one of {list(MODE_FIELDS)}, a time per row")
@@ -475,6 +565,10 @@ def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
     if stage:
         extra["stage"] = [{"microBatch": b, "layers": stage_layers, "middleS": mid,
                            "firstS": first, "lastS": last} for b, mid, first, last in stage]
+    if tp:
+        extra["tp"] = [{"tp": e["tp"], "backend": e.get("backend", ""), "layer": [
+            {"microBatch": b, "forwardS": f, "backwardS": bw} for b, f, bw in e["layer"]]}
+            for e in tp]
     if concurrent:
         extra["concurrent"] = {"ranks": concurrent["ranks"], "layer": [
             {"microBatch": b, "forwardS": f, "backwardS": bw} for b, f, bw in concurrent["layer"]]}
@@ -485,7 +579,8 @@ def profile_doc(device: str, software: Mapping[str, str], model: ModelSpec,
                   "ffnHidden": model.ffn_hidden, "seqLen": model.seq_len,
                   "gatedMlp": model.gated_mlp, "vocab": model.vocab},
         "layer": [{"microBatch": b, "forwardS": f, "backwardS": bw,
-                   **{MODE_FIELDS[m]: ts[i] for m, ts in modes.items()}}
+                   **{MODE_FIELDS[m]: ts[i] for m, ts in modes.items()},
+                   **(dict(zip(SPLIT_FIELDS, split[i], strict=True)) if split else {})}
                   for i, (b, f, bw) in enumerate(rows)],
         **extra,
     }

@@ -95,11 +95,28 @@ class GroupOption:
         return len(self.splits)
 
 
-def affine(stage_s: list[float] | tuple[float, ...], schedule: str) -> Line:
-    """``(a, b)`` with pipeline time ``a + b·M`` for ``M`` microbatches (cost.pipeline_time_s)."""
-    one, _ = cost.pipeline_time_s(list(stage_s), [], 1, schedule)
-    two, _ = cost.pipeline_time_s(list(stage_s), [], 2, schedule)
+def affine(stage_s: list[float] | tuple[float, ...], schedule: str,
+           zb_div: float = cost.ZB_CATALOG_DIVISOR) -> Line:
+    """``(a, b)`` with pipeline time ``a + b·M`` for ``M`` microbatches (cost.pipeline_time_s;
+    ``zb_div``: ZB-H1's bubble divisor, :func:`plan_zb_div`)."""
+    one, _ = cost.pipeline_time_s(list(stage_s), [], 1, schedule, zb_div=zb_div)
+    two, _ = cost.pipeline_time_s(list(stage_s), [], 2, schedule, zb_div=zb_div)
     return one - (two - one), two - one
+
+
+def plan_zb_div(plan: Plan, devices: Sequence[DeviceSpec]) -> float:
+    """ZB-H1's bubble divisor of a pipeline of ``plan``'s model, training and microbatch on
+    ``devices`` (:func:`cost.zb_bubble_divisor`: measured B/W splits, else the catalog's 3;
+    a CP rank's shorter sequence matches no profile); the catalog's for other schedules."""
+    if plan.schedule != "zb-h1" or (plan.stages and plan.stages[0].cp > 1):
+        return cost.ZB_CATALOG_DIVISOR
+    return cost.zb_bubble_divisor(devices, plan.model, plan.training, plan.micro_batch)
+
+
+def plan_devices(plan: Plan, inv: ClusterInventory,
+                 stages: Sequence[StagePlan] | None = None) -> list[DeviceSpec]:
+    """The device of each of ``stages`` (default ``plan.stages``)."""
+    return [inv.pool(s.pools[0]).device for s in (plan.stages if stages is None else stages)]
 
 
 def split_time(lines: Sequence[Line], *ms: int) -> float:
@@ -389,8 +406,8 @@ def _layout_options(plan: Plan, pool: Pool, idle: tuple[str, ...],
         most = max_microbatches(plan, splits, tps, dp, pool.device, top, memo) if top else 0
         if most >= 1:
             stage_s = tuple(group_stage_s(plan, splits, tps, pool.device))
-            out.append(GroupOption(pool, idle, tps, dp, splits, stage_s, most,
-                                   affine(stage_s, plan.schedule)))
+            line = affine(stage_s, plan.schedule, plan_zb_div(plan, [pool.device]))
+            out.append(GroupOption(pool, idle, tps, dp, splits, stage_s, most, line))
     return out
 
 
@@ -443,7 +460,9 @@ def evaluate_groups(plan: Plan, options: Sequence[GroupOption],
     """``(predicted step seconds, (M_0, M_1, ...))`` of ``plan`` (group 0) plus ``options``
     at their best split (:func:`best_split_n`), plus :func:`groups_sync_s` when ``inv`` is
     given; None when no split gives every group a microbatch."""
-    lines = [affine([s.time_ms / 1000 for s in plan.stages], plan.schedule),
+    div = (plan_zb_div(plan, plan_devices(plan, inv)) if inv is not None
+           else cost.ZB_CATALOG_DIVISOR)
+    lines = [affine([s.time_ms / 1000 for s in plan.stages], plan.schedule, div),
              *(o.line for o in options)]
     split = best_split_n(lines, [plan.dp, *(o.dp for o in options)],
                          plan.dp * plan.num_microbatches,
@@ -484,13 +503,15 @@ def grouped_step_s(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> float | 
     if costs is None:
         return None
     stage_s0, boundaries, dp_s = costs
+    div = plan_zb_div(base, plan_devices(base, inv))
     pipe, _ = cost.pipeline_time_s(stage_s0, boundaries, m_orig, plan.schedule,
-                                   plan.virtual_stages)
-    lines = [affine(stage_s0, plan.schedule)]
+                                   plan.virtual_stages, div)
+    lines = [affine(stage_s0, plan.schedule, div)]
     for g in extra:
         device = inv.pool(g.stages[0].pools[0]).device
         lines.append(affine(group_stage_s(plan, [(s.layer_start, s.layer_end) for s in g.stages],
-                                          [s.tp for s in g.stages], device), plan.schedule))
+                                          [s.tp for s in g.stages], device), plan.schedule,
+                            plan_zb_div(plan, [device])))
     rest = pipe + dp_s - (lines[0][0] + lines[0][1] * m_orig)
     sync = groups_sync_s(base, inv, [g.stages[0].datacenters[0] for g in extra])
     return rest + sync + split_time(lines, *(g.num_microbatches for g in plan.groups))
@@ -591,9 +612,12 @@ def with_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption
     peak = sum(inv.pool(r.pool).device.peak_matmul_flops(eb) for r in ranks)
     mfu = cost.model_flops_per_step(plan.model, plan.global_batch) / (step_time_s * peak)
     # compute and bubble of the group whose pipeline ends last (the step waits for it)
-    timed = [(cost.pipeline_time_s(stage_s, [], m, plan.schedule), m, stage_s)
-             for m, stage_s in zip(split, [[st.time_ms / 1000 for st in plan.stages],
-                                           *(list(o.stage_s) for o in options)], strict=True)]
+    divs = [plan_zb_div(plan, plan_devices(plan, inv)),
+            *(plan_zb_div(plan, [o.pool.device]) for o in options)]
+    timed = [(cost.pipeline_time_s(stage_s, [], m, plan.schedule, zb_div=d), m, stage_s)
+             for m, stage_s, d in zip(split, [[st.time_ms / 1000 for st in plan.stages],
+                                              *(list(o.stage_s) for o in options)], divs,
+                                      strict=True)]
     (_, bubble), m, stage_s = max(timed, key=lambda g: g[0][0])
     predicted = replace(plan.predicted, step_time_s=step_time_s,
                         tokens_per_s=tokens / step_time_s, mfu=mfu,

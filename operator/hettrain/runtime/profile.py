@@ -3,7 +3,9 @@
 For one model shape (a job's ``spec.model``) and a few microbatch sizes, times one
 :class:`hettrain.runtime.model.LlamaDecoderLayer` in the job's precision (tp 1; the median of
 ``repeats`` runs after two warm-up runs): forward and backward without recompute, and forward +
-backward with the runtime's selective and full recompute (``set_recompute``); the runtime's
+backward with the runtime's selective and full recompute (``set_recompute``); the backward
+split as the ZB-H1 schedule runs it, its B pass (inside ``defer_weight_grads``) and W pass
+(``WeightGradStore.flush``) timed apart (``bS``, ``wS``: ``measure_split``); the runtime's
 pipeline stage around one such layer (:class:`hettrain.runtime.model.StageModel`, forward +
 loss + backward as ``runtime/pipeline.py`` runs a microbatch) as a middle, a first (embedding)
 and a last stage (final norm, LM head, loss: ``stage``); on a CPU the layer again with every
@@ -11,9 +13,10 @@ and a last stage (final norm, LM head, loss: ``stage``); on a CPU the layer agai
 the local ranks share the host's cores, caches and memory); the optimizer step over that
 block's parameters in the job's precision (``optimizerBytesPerS``); and, unless
 ``--no-comm``, two local ranks' pipeline transfers and all-reduce (``comm``:
-``runtime/comm_profile.py``; skipped on a node with one accelerator). Everything runs in the
-job's precision; it writes the versioned ``DeviceProfile`` YAML that ``planning/profiles.py``
-reads (``hettrain plan --profile FILE``).
+``runtime/comm_profile.py``) and the block sharded over them at tp 2 as the runtime shards it
+(``tp``: ``runtime/tp_profile.py``; both skipped on a node with one accelerator). Everything
+runs in the job's precision; it writes the versioned ``DeviceProfile`` YAML that
+``planning/profiles.py`` reads (``hettrain plan --profile FILE``).
 
 Usage: python -m hettrain.runtime.profile JOB.yaml --device-name CPU --out profile.yaml
        [--micro-batches 1,2,4] [--repeats 5] [--no-comm]
@@ -39,9 +42,16 @@ from hettrain.planning.profiles import RECOMPUTE_MODES, profile_doc
 from hettrain.profile_cli import add_arguments
 from hettrain.runtime.comm_profile import RANKS, measure_comm
 from hettrain.runtime.concurrent_profile import measure_concurrent
-from hettrain.runtime.model import LlamaDecoderLayer, StageModel, rope_cos_sin
+from hettrain.runtime.model import (
+    LlamaDecoderLayer,
+    StageModel,
+    defer_weight_grads,
+    rope_cos_sin,
+    set_weight_grad_deferral,
+)
 from hettrain.runtime.optim import DTYPES, StageOptimizer
 from hettrain.runtime.stage_timing import LayerClock
+from hettrain.runtime.tp_profile import measure_tp_layer
 
 WARMUP = 2  # untimed runs before the timed ones
 # a measurement runs at least ``repeats`` times and, up to MAX_RUNS, until its timed runs add
@@ -84,17 +94,55 @@ def measure_layer(model: ModelSpec, micro_batch: int, repeats: int, device: torc
     chain of ``chain`` distinct blocks (default :func:`chain_length`), their parameters and
     input in ``precision`` (as the runtime holds them) and ``recompute`` set as the runtime
     sets it (the recomputation runs inside the backward); timed runs until :func:`enough`."""
+    fwd, bwd, _, _ = _time_layer(model, micro_batch, repeats, device, precision, recompute,
+                                 min_seconds, chain, split=False)
+    return fwd, bwd
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSplit:
+    """One block's ZB-H1 passes (median seconds per block): ``forward``, ``b`` (the backward
+    inside ``defer_weight_grads``: input gradients) and ``w`` (``WeightGradStore.flush``: the
+    deferred weight gradients); ``deferred``: weight-gradient items each block's B pass
+    stashed for its W pass (one per linear)."""
+
+    forward: float
+    b: float
+    w: float
+    deferred: int
+
+
+def measure_split(model: ModelSpec, micro_batch: int, repeats: int, device: torch.device,
+                  precision: str = "fp32", min_seconds: float = MIN_TIMED_S,
+                  chain: int | None = None) -> LayerSplit:
+    """:func:`measure_layer`'s chain with its backward split as the runtime's ZB-H1 schedule
+    runs it (``runtime/pipeline.py``: B inside ``defer_weight_grads``, then W, the store's
+    ``flush``), in ``precision``, without recompute."""
+    fwd, b, w, items = _time_layer(model, micro_batch, repeats, device, precision, "none",
+                                   min_seconds, chain, split=True)
+    return LayerSplit(fwd, b, w, items)
+
+
+def _time_layer(model: ModelSpec, micro_batch: int, repeats: int, device: torch.device,
+                precision: str, recompute: str, min_seconds: float, chain: int | None,
+                split: bool) -> tuple[float, float, float, int]:
+    """Median (forward, backward, W pass) seconds per block and the weight-gradient items a
+    block deferred per run (``split``: the backward deferred, then flushed; else the plain
+    backward, W 0)."""
     torch.manual_seed(0)
     dtype = DTYPES[precision]
     k = chain or chain_length(model, device)
     blocks = [LlamaDecoderLayer(model).to(device=device, dtype=dtype) for _ in range(k)]
     for block in blocks:
         block.set_recompute(recompute)
+        if split:  # as the pipeline sets it for ZB-H1
+            set_weight_grad_deferral(block, True)
     cos, sin = rope_cos_sin(model, model.seq_len, device)
     x = torch.randn(micro_batch, model.seq_len, model.hidden, device=device, dtype=dtype,
                     requires_grad=True)
 
-    fwd, bwd, total = [], [], []
+    fwd, bwd, wgt, total = [], [], [], []
+    items = 0
     i = 0
     while not enough(total, repeats, min_seconds):  # after WARMUP runs: allocator, caches
         _sync(device)
@@ -104,18 +152,30 @@ def measure_layer(model: ModelSpec, micro_batch: int, repeats: int, device: torc
             y = block(y, cos, sin)
         _sync(device)
         t1 = time.perf_counter()
-        y.sum().backward()
+        if split:
+            with defer_weight_grads() as store:
+                y.sum().backward()
+            _sync(device)
+            t2 = time.perf_counter()
+            items = len(store.items)
+            store.flush()
+        else:
+            y.sum().backward()
+            _sync(device)
+            t2 = time.perf_counter()
         _sync(device)
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         if i >= WARMUP:
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
-            total.append(t2 - t0)
+            wgt.append(t3 - t2)
+            total.append(t3 - t0)
         i += 1
         x.grad = None
         for block in blocks:
             block.zero_grad(set_to_none=True)
-    return statistics.median(fwd) / k, statistics.median(bwd) / k
+    return (statistics.median(fwd) / k, statistics.median(bwd) / k,
+            statistics.median(wgt) / k if split else 0.0, items // k)
 
 
 def measure_stage(model: ModelSpec, micro_batch: int, repeats: int, device: torch.device,
@@ -211,6 +271,7 @@ def profile(model: ModelSpec, device_name: str, micro_batches: Sequence[int], re
     rows = [(b, *measure_layer(model, b, repeats, device, precision)) for b in micro_batches]
     modes = {mode: [sum(measure_layer(model, b, repeats, device, precision, mode))
                     for b in micro_batches] for mode in RECOMPUTE_MODES}
+    splits = [measure_split(model, b, repeats, device, precision) for b in micro_batches]
     stage = [(b, *measure_stage(model, b, repeats, device, precision)) for b in micro_batches]
     # a CPU node's ranks share one host; a GPU's compute is its own
     concurrent = ({"ranks": RANKS, "layer": measure_concurrent(model, micro_batches, repeats,
@@ -218,13 +279,16 @@ def profile(model: ModelSpec, device_name: str, micro_batches: Sequence[int], re
                   if device.type == "cpu" else None)
     software = {"torch": str(torch.__version__), "python": platform.python_version()}
     opt = measure_optimizer(model, training, repeats, device) if training is not None else 0.0
-    links = None
+    links, tp = None, None
     if comm:
         eb = cost.precision_bytes(training) if training is not None else 4
         links = measure_comm(comm_sizes(model, micro_batches, eb), max(COMM_REPEATS, repeats))
+        tp = measure_tp_layer(model, micro_batches, repeats, precision)
     return profile_doc(device_name, software, model, rows, opt, links, stage, concurrent,
                        precision=precision, modes=modes,
-                       stage_layers=chain_length(model, device))
+                       stage_layers=chain_length(model, device),
+                       split=[(sp.b, sp.w) for sp in splits],
+                       tp=[tp] if tp is not None else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
