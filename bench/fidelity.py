@@ -204,14 +204,15 @@ CPU_TARGET = 0.15  # median |error| target (issue #15)
 # A model whose step is dominated by its blocks (what the profile measures): small vocabulary,
 # hidden 128, 4 layers; fp32 (the profile runs the block in fp32), no recompute.
 CPU_MODEL = {"layers": 4, "hidden": 128, "heads": 4, "seqLen": 128, "vocab": 256}
-# (name, pp, dp, microBatch, global batch, schedule); tp 1. ZB-H1's bubble comes from the
-# profile's measured B/W split (bS/wS)
+# (name, pp, dp, microBatch, global batch, schedule, sharding); tp 1. ZB-H1's bubble comes
+# from the profile's measured B/W split (bS/wS); ZeRO-3 (sharding: full) syncs every microbatch
 CPU_LAYOUTS = (
-    ("pp1 dp1 mb2", 1, 1, 2, 8, "1f1b"),
-    ("pp1 dp1 mb4", 1, 1, 4, 8, "1f1b"),
-    ("pp2 dp1 mb2", 2, 1, 2, 8, "1f1b"),
-    ("pp2 zb-h1", 2, 1, 2, 8, "zb-h1"),
-    ("pp1 dp2 mb2", 1, 2, 2, 8, "1f1b"),
+    ("pp1 dp1 mb2", 1, 1, 2, 8, "1f1b", "none"),
+    ("pp1 dp1 mb4", 1, 1, 4, 8, "1f1b", "none"),
+    ("pp2 dp1 mb2", 2, 1, 2, 8, "1f1b", "none"),
+    ("pp2 zb-h1", 2, 1, 2, 8, "zb-h1", "none"),
+    ("pp1 dp2 mb2", 1, 2, 2, 8, "1f1b", "none"),
+    ("pp1 dp2 zero3", 1, 2, 2, 8, "1f1b", "full"),
 )
 CPU_CLUSTER = {
     "apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "local-cpu"},
@@ -241,14 +242,14 @@ class CpuRow:
 
 
 def cpu_job(pp: int, dp: int, micro_batch: int, global_batch: int, steps: int,
-            schedule: str = "1f1b") -> dict:
+            schedule: str = "1f1b", sharding: str = "none") -> dict:
     """The HetTrainingJob of one CPU layout (layout pinned)."""
     return {"apiVersion": "hettrain.dev/v1alpha1", "kind": "HetTrainingJob",
-            "metadata": {"name": f"cpu-pp{pp}-dp{dp}-mb{micro_batch}-{schedule}"},
+            "metadata": {"name": f"cpu-pp{pp}-dp{dp}-mb{micro_batch}-{schedule}-{sharding}"},
             "spec": {"model": dict(CPU_MODEL), "data": {"synthetic": True},
                      "training": {"globalBatch": global_batch, "steps": steps,
                                   "microBatch": micro_batch, "precision": "fp32",
-                                  "recompute": "none", "optimizerSharding": False},
+                                  "recompute": "none", "sharding": sharding},
                      "parallelism": {"tp": 1, "pp": pp, "dp": dp, "schedule": schedule}}}
 
 
@@ -270,9 +271,9 @@ def cpu_profile(workdir: Path, repeats: int) -> Path:
 
 
 def cpu_plan(pp: int, dp: int, micro_batch: int, global_batch: int, steps: int, profile: Path,
-             schedule: str = "1f1b"):
+             schedule: str = "1f1b", sharding: str = "none"):
     """Plan one CPU layout with the measured profile (``hettrain plan --profile``)."""
-    doc = cpu_job(pp, dp, micro_batch, global_batch, steps, schedule)
+    doc = cpu_job(pp, dp, micro_batch, global_batch, steps, schedule, sharding)
     name, spec = parse_job_manifest(doc)
     inventory = apply_profiles(load_cluster(CPU_CLUSTER), [load_profile(profile)])
     return plan_job(name, spec, inventory)
@@ -310,11 +311,12 @@ def cpu_rows(repeats: int = 3, steps: int = 8) -> list[CpuRow]:
             work = Path(tmp) / f"round-{r}"
             work.mkdir()
             profile = cpu_profile(work, repeats)
-            for name, pp, dp, mb, gb, schedule in CPU_LAYOUTS:
-                plan = cpu_plan(pp, dp, mb, gb, steps, profile, schedule)
+            for name, pp, dp, mb, gb, schedule, sharding in CPU_LAYOUTS:
+                plan = cpu_plan(pp, dp, mb, gb, steps, profile, schedule, sharding)
                 split = "+".join(str(s.layer_end - s.layer_start) for s in plan.stages)
                 layouts[name] = (f"pp={plan.pp} dp={plan.dp} mb={plan.micro_batch} "
-                                 f"m={plan.num_microbatches} {plan.schedule} split {split}")
+                                 f"m={plan.num_microbatches} {plan.schedule} split {split} "
+                                 f"sharding {plan.training.sharding}")
                 predicted[name].append(plan.predicted.step_time_s)
                 wall, cpu = measure_run(plan, work / name.replace(" ", "-"))
                 runs[name].append(wall)

@@ -66,10 +66,11 @@ def test_plan_table_lists_stages_summary_and_notes(capsys: pytest.CaptureFixture
     assert f"Plan for {plan.job}" in out
     for s in plan.stages:
         assert s.device in out and s.pools[0] in out
-    for key in ("world size", "DP×PP×TP", "microbatch", "schedule", "step time", "tokens/s",
-                "MFU", "cross-DC / step"):
+    for key in ("world size", "DP×PP×TP", "microbatch", "schedule", "training", "step time",
+                "tokens/s", "MFU", "cross-DC / step"):
         assert key in out
     assert plan.schedule in out and plan.fingerprint() in out
+    assert f"sharding {plan.training.sharding}" in out
     for note in plan.notes:
         assert note in out
 

@@ -111,6 +111,24 @@ def stage_table(plan: Plan) -> Table:
     return table
 
 
+SHARDING_WORDS = {
+    "none": "nothing sharded",
+    "optimizer": "ZeRO-1: optimizer state",
+    "gradients": "ZeRO-2: gradients and optimizer state",
+    "full": "ZeRO-3/FSDP: parameters, gradients and optimizer state",
+}
+
+
+def training_summary(plan: Plan) -> str:
+    """Precision, activation recompute and what data parallelism shards (over how many)."""
+    t = plan.training
+    sharding = t.sharding or ("optimizer" if t.optimizer_sharding else "none")
+    group = plan.dp * max(s.cp for s in plan.stages) if plan.stages else plan.dp
+    over = f" over {group} ranks" if sharding != "none" and group > 1 else ""
+    return (f"{t.precision}, recompute {t.recompute}, sharding {sharding} "
+            f"({SHARDING_WORDS.get(sharding, sharding)}{over})")
+
+
 def summary_table(plan: Plan) -> Table:
     """Key/value summary of the whole plan and its predicted performance."""
     p = plan.predicted
@@ -125,6 +143,7 @@ def summary_table(plan: Plan) -> Table:
             if plan.groups else f"{plan.num_microbatches}")
             + f" per replica (global batch {plan.global_batch})"),
         ("schedule", schedule_summary(plan)),
+        ("training", training_summary(plan)),
         ("step time", f"{p.step_time_s:.3f} s"
                       f" (compute {p.compute_s:.3f}, bubble {p.bubble_s:.3f}, "
                       f"TP {p.tp_comm_s:.3f}, PP {p.pp_comm_s:.3f}, DP {p.dp_comm_s:.3f})"),
