@@ -182,7 +182,8 @@ def test_dp_sync_counts_per_option() -> None:
 def test_dp_sync_seconds_by_hand(sharding: str, reduces: int, gathers: int) -> None:
     """A100 node, dp = 4, tp = 2 (one node: NVLink at 300 GB/s), bf16, m = 4 microbatches,
     overlap off so ZeRO-1's all-reduce is exposed too: R = n·(4·L/2)·2·3/4/300e9 + 2·3·20us,
-    G = eb/8 of R's bytes; the stage pays reduces·R + gathers·G."""
+    G = eb/8 of R's bytes; the stage pays reduces·R + gathers·G. ZeRO-2/3 run them unit by
+    unit: a latency per layer (an all-gather's is half an all-reduce's) and per fixed unit."""
     inv = load_cluster(_cluster("A100-80GB", 1, 8))
     unit = build_units(inv.pools, merged=False)[0]
     assert cost.measured_comm(unit.device) is None and unit.device.intra_node_gbps == 300
@@ -190,16 +191,35 @@ def test_dp_sync_seconds_by_hand(sharding: str, reduces: int, gathers: int) -> N
     layer = cost.layer_params(spec.model)
     ring = 2 * 3 / 4 / 300e9
     lat = 2 * 3 * 20e-6
+    per_unit = sharding != "optimizer"
     c, e = P._dp_sync_coeffs(unit, 4, 2, inv, spec, 4, 1.0, 0.0, False, False)
     red_c, gat_c = layer * 4.0 / 2 * ring, layer * 4.0 / 2 * ring * 2 / 8
+    if per_unit:
+        red_c, gat_c = red_c + lat, gat_c + lat / 2
     assert c == pytest.approx(reduces * red_c + gathers * gat_c, rel=1e-12)
-    assert e == pytest.approx(reduces * lat, rel=1e-12)
+    assert e == pytest.approx(0.0 if per_unit else reduces * lat, abs=1e-15)
     # the last stage also syncs the head: its fp32 grads (vocab·h / tp) in both collectives
+    # (per unit: the final norm's and the head's collectives, two latencies each)
     c2, e2 = P._dp_sync_coeffs(unit, 4, 2, inv, spec, 4, 1.0, 0.0, False, True)
     head = 1000 * 1024 * 4.0 / 2
     assert c2 == c
-    assert e2 == pytest.approx(reduces * (lat + head * ring) + gathers * head * ring / 4,
+    units = 2 if per_unit else 1
+    assert e2 == pytest.approx(reduces * (units * lat + head * ring)
+                               + gathers * (head * ring / 4 + (lat if per_unit else 0.0)),
                                rel=1e-12)
+
+
+def test_measured_all_reduce_is_interpolated_between_its_sizes() -> None:
+    from hettrain.planning.profiles import CommProfile
+    rows = (("allReduce", 1000, 1e-4), ("allReduce", 100_000, 3e-3),
+            ("allReduce", 1_000_000, 4e-3), ("p2p", 1000, 1e-5))
+    comm = CommProfile(1e-5, 1e9, 5e-5, 1e9, ranks=2, rows=rows)
+    assert comm.all_reduce_s(100_000) == pytest.approx(3e-3)
+    assert comm.all_reduce_s(550_000) == pytest.approx(3.5e-3)  # halfway, linear
+    # outside the measured sizes, the fitted line: 2 steps of latency + bytes·2·1/2 / bus
+    assert comm.all_reduce_s(2_000_000) == pytest.approx(2 * 5e-5 + 2_000_000 / 1e9)
+    # 4 ranks move 3/4 of the bytes per rank where 2 moved 1/2
+    assert comm.all_reduce_s(100_000, 4) == pytest.approx(3e-3 * 1.5)
 
 
 def test_zero2_and_3_are_never_overlapped() -> None:

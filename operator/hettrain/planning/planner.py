@@ -304,7 +304,8 @@ def _dp_sync_coeffs(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: J
     (:func:`_dp_exposed`), optimizer then one exposed all-gather; gradients ``m`` exposed
     all-reduces (after every microbatch's backward) and one all-gather; full ``m``
     all-reduces and ``2·m`` all-gathers (each unit before its forward and its backward), all
-    exposed. ``dp`` is the gradient group (``dp·cp``)."""
+    exposed; these two run them unit by unit, a latency per unit and collective. ``dp`` is
+    the gradient group (``dp·cp``)."""
     if dp <= 1:
         return 0.0, 0.0
     model = spec.model
@@ -314,6 +315,19 @@ def _dp_sync_coeffs(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: J
                   / cost.vocab_shards(model, tp))
     c_red, e_red = grad_layer * red, lat + fixed_grad * red
     c_gat, e_gat = grad_layer * gat, fixed_grad * gat
+    if cost.sharded_grads(spec.training):
+        # ZeRO-2/3 run one collective per unit (each layer; the embedding, the final norm and
+        # the head), each paying its latency; a ring all-gather has half an all-reduce's steps
+        fixed_units = int(first) + 2 * int(last)
+        c_red, e_red = c_red + lat, e_red + (fixed_units - 1) * lat
+        c_gat, e_gat = c_gat + lat / 2, e_gat + fixed_units * lat / 2
+        comm = cost.measured_comm(unit.device)
+        if comm is not None and dp * tp <= unit.gpus_per_node:
+            # inside a node, the measured all-reduce of each unit's size where it is slower
+            table = fixed_grad / max(1, int(first) + int(last))
+            c_red = max(c_red, comm.all_reduce_s(grad_layer, dp))
+            e_red = max(e_red, (int(first) + int(last)) * comm.all_reduce_s(table, dp)
+                        + int(last) * comm.all_reduce_s(4.0 * model.hidden, dp))
     reduces, gathers, overlap = cost.dp_sync_counts(spec.training.sharding, m)
     if overlap:
         c_red, e_red = _dp_exposed(unit, dp, tp, spec, c_red, e_red, lat, red, layer_s,
