@@ -160,3 +160,29 @@ def test_a_slow_measured_all_reduce_moves_the_plan_off_tensor_parallelism() -> N
     plan = plan_job("j", spec, apply_profiles(load_cluster(_cluster()), [slow]))
     assert plan.stages[0].tp == 1
     assert plan.predicted.step_time_s > fast.predicted.step_time_s
+
+
+def test_zero2_layers_pay_the_measured_all_reduce_of_their_size() -> None:
+    """ZeRO-2/3 all-reduce each layer's gradient alone: inside a node the planner takes the
+    profile's measured all-reduce at that size (interpolated) where it is slower than the
+    fitted line -- here a measured bump 10x above the line at exactly one layer's bytes."""
+    model = parse_job_spec(JOB).model
+    layer_bytes = cost.layer_params(model) * 4.0
+    comm = _comm()
+    bump = 10 * (2 * STEP_LAT + layer_bytes / BUS_BW)
+    comm["allReduce"] = sorted(comm["allReduce"] + [{"bytes": int(layer_bytes),
+                                                     "seconds": bump}],
+                               key=lambda r: r["bytes"])
+    inv = apply_profiles(load_cluster(_cluster()), [_profile(comm)])
+    unit = build_units(inv.pools, merged=False)[0]
+    per_unit = {}
+    for sharding in ("optimizer", "gradients"):
+        spec = parse_job_spec({**JOB, "training": {**JOB["training"], "sharding": sharding,
+                                                   "overlapGradReduce": False}})
+        per_unit[sharding] = P._dp_sync_coeffs(unit, 2, 1, inv, spec, 1, 1.0, 0.0, False,
+                                               False)
+        lat, red, gat, _, _ = P._dp_rates(unit, 2, 1, inv, spec)
+    # gradients: the measured bump per layer plus one per-unit all-gather (half a latency)
+    assert per_unit["gradients"][0] == pytest.approx(bump + layer_bytes * gat + lat / 2)
+    # ZeRO-1 reduces the whole stage at once: the fitted line, no per-layer bump
+    assert per_unit["optimizer"][0] == pytest.approx(layer_bytes * (red + gat))
