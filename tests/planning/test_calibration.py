@@ -275,3 +275,32 @@ def test_a_refined_profile_keeps_its_layer_measured_sharded() -> None:
 
     again = _profile_from_status(_refined_entry("CPU-A", prof), spec)
     assert again.measured_tp(2) == pytest.approx(prof.measured_tp(2))
+
+
+def test_a_tp_stages_layers_are_compared_with_compute_plus_their_tp_collectives() -> None:
+    """The runtime's layer clock times the layers with the TP all-reduces inside them: a
+    tp = 2 stage measured at exactly its predicted compute + TP comm reads scale 1 (compared
+    with compute alone it would read the device as slower by the TP share, and the planner
+    would then add the TP comm a second time)."""
+    inv = load_cluster({
+        "apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "t"},
+        "datacenters": [{"name": "a"}],
+        "pools": [{"name": "h", "datacenter": "a", "device": "A100-80GB", "nodes": 1,
+                   "gpusPerNode": 8, "nicGbps": 400}]})
+    spec = parse_job_spec({"model": {"layers": 8, "hidden": 4096, "heads": 32, "seqLen": 4096,
+                                     "vocab": 32000},
+                           "training": {"globalBatch": 8, "steps": 1, "recompute": "none"},
+                           "parallelism": {"tp": 2, "pp": 1, "dp": 4}})
+    plan = plan_job("j", spec, inv)
+    devices = cal.devices_of(inv)
+    s = plan.stages[0]
+    dev = devices[s.device]
+    eb = cost.precision_bytes(spec.training)
+    tp_comm = cost.tp_comm_per_layer_s(spec.model, plan.micro_batch, 2, dev, eb, "none")
+    compute = cost.layer_compute_s(spec.model, plan.micro_batch, 2, dev, "none", eb)
+    assert s.tp == 2 and tp_comm > 0.02 * compute
+    for k in (1.0, 1.5):
+        measured = {(0, 0): cal.StageMeasurement(0, s.time_ms / 1e3, 0.0, 5,
+                                                 layers_s=k * s.layers * (compute + tp_comm))}
+        assert cal.layer_scale(spec, plan, measured, devices) == pytest.approx(
+            {s.device: k})

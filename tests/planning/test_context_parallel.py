@@ -165,8 +165,9 @@ def test_step_time_for_split_prices_a_cp_plan_like_the_search():
 
 def test_calibration_prices_a_cp_stage_on_its_own_tokens():
     """Closed-loop calibration (``calibration.layer_scale``) compares a CP stage's measured
-    layers with the CP rank's predicted compute: measured = predicted gives scale 1, twice
-    it gives 2 (with the whole sequence's compute it would read the device as cp× faster)."""
+    layers with the CP rank's predicted compute (plus its TP collectives, which the layer clock
+    measures too): measured = predicted gives scale 1, twice it gives 2 (with the whole
+    sequence's compute it would read the device as cp× faster)."""
     from hettrain.planning import calibration as cal
     inv = load_cluster(_cluster("H100-SXM", 2))
     spec = parse_job_spec(_job(32768, 32, 16, "none", pp=2))
@@ -176,9 +177,11 @@ def test_calibration_prices_a_cp_stage_on_its_own_tokens():
     for k in (1.0, 2.0):
         measured = {}
         for s in plan.stages:
-            part = s.layers * context.cp_layer_compute_s(
-                spec.model, plan.micro_batch, s.tp, s.cp, devices[s.device], "none",
-                cost.precision_bytes(spec.training))
+            eb = cost.precision_bytes(spec.training)
+            part = s.layers * (context.cp_layer_compute_s(
+                spec.model, plan.micro_batch, s.tp, s.cp, devices[s.device], "none", eb)
+                + cost.tp_comm_per_layer_s(spec.model, plan.micro_batch, s.tp,
+                                           devices[s.device], eb, "none"))
             measured[(0, s.index)] = cal.StageMeasurement(s.index, s.time_ms / 1e3, 0.0, 5,
                                                      layers_s=k * part)
         assert cal.layer_scale(spec, plan, measured, devices) == pytest.approx({"H100-SXM": k})

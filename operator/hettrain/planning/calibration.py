@@ -177,10 +177,11 @@ def layer_scale(spec: JobSpec, plan: Plan, measured: Mapping[StageKey, StageMeas
                 devices: Mapping[str, DeviceSpec]) -> dict[str, float]:
     """Per device of the plan: measured / predicted time of its layers (see the module doc).
 
-    Where the runtime measured the layers alone (``layers_s``) that is compared with the
-    layers' predicted time; otherwise the part of a stage's predicted time outside its layers
-    (head, embedding, TP comm) is taken as right and what remains of the measurement is laid
-    on the layers."""
+    Where the runtime measured the layers alone (``layers_s``: compute and the TP
+    collectives inside them) that is compared with the layers' predicted time
+    (``cost.layer_time_s``: compute plus TP comm, or the profile's measured TP line);
+    otherwise the part of a stage's predicted time outside its layers (head, embedding) is
+    taken as right and what remains of the measurement is laid on the layers."""
     eb = cost.precision_bytes(spec.training)
     num: dict[str, float] = {}
     den: dict[str, float] = {}
@@ -190,9 +191,17 @@ def layer_scale(spec: JobSpec, plan: Plan, measured: Mapping[StageKey, StageMeas
         if m is None or dev is None:
             continue
         layers = s.layer_end - s.layer_start
-        # a CP stage's rank computes its s/cp tokens (planning/context.py)
-        part = layers * context.cp_layer_compute_s(spec.model, plan.micro_batch, s.tp, s.cp,
-                                                   dev, plan.training.recompute, eb)
+        # what the runtime's layer clock measures: the layers' compute AND their TP
+        # collectives (inside the layers); a CP stage's rank computes its s/cp tokens
+        # (planning/context.py)
+        if s.cp == 1:
+            part = layers * cost.layer_time_s(spec.model, plan.training, plan.micro_batch, s.tp,
+                                              dev)
+        else:
+            part = layers * (context.cp_layer_compute_s(spec.model, plan.micro_batch, s.tp,
+                                                        s.cp, dev, plan.training.recompute, eb)
+                             + cost.tp_comm_per_layer_s(spec.model, plan.micro_batch, s.tp,
+                                                        dev, eb, plan.training.recompute))
         if part <= 0:
             continue
         if m.layers_s > 0:
