@@ -52,27 +52,36 @@ def measure_comm(sizes: Sequence[int], repeats: int) -> dict | None:
     if _devices_available() < RANKS:
         return None
     _release_device_memory()
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # as launch_local runs every rank
+    doc = run_local_ranks("hettrain.runtime.comm_profile",
+                          ["--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats)],
+                          "the communication measurement")
+    return {"ranks": RANKS, "backend": doc["backend"], "p2p": doc["p2p"],
+            "allReduce": doc["allReduce"]}
+
+
+def run_local_ranks(module: str, args: Sequence[str], what: str) -> dict:
+    """Run ``python -m module --rank r --store S --out O *args`` as :data:`RANKS` local
+    processes (one thread each, as ``launch_local`` runs every rank) and return rank 0's JSON
+    output; a rank's failure or the deadline raises naming ``what`` and the rank's last log
+    line (the backends' chatter is shown only then)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         outs = [Path(tmp) / f"rank-{r}.json" for r in range(RANKS)]
         logs = [Path(tmp) / f"rank-{r}.log" for r in range(RANKS)]
         procs = []
         for r in range(RANKS):
-            with logs[r].open("wb") as log:  # the backends' chatter; shown only on failure
+            with logs[r].open("wb") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "hettrain.runtime.comm_profile", "--rank", str(r),
-                     "--store", str(Path(tmp) / "store"), "--sizes", ",".join(map(str, sizes)),
-                     "--repeats", str(repeats), "--out", str(outs[r])],
+                    [sys.executable, "-m", module, "--rank", str(r),
+                     "--store", str(Path(tmp) / "store"), *args, "--out", str(outs[r])],
                     env=env, stdout=log, stderr=subprocess.STDOUT))
         failed = _wait_all(procs, TIMEOUT_S)
         if failed is not None:
             rank, why = failed
             tail = logs[rank].read_text(errors="replace").strip()
-            raise RuntimeError(f"the communication measurement failed: rank {rank} {why}"
+            raise RuntimeError(f"{what} failed: rank {rank} {why}"
                                + (f": {tail.splitlines()[-1]}" if tail else ""))
-        doc = json.loads(outs[0].read_text())
-    return {"ranks": RANKS, "backend": doc["backend"], "p2p": doc["p2p"],
-            "allReduce": doc["allReduce"]}
+        return json.loads(outs[0].read_text())
 
 
 def _release_device_memory() -> None:

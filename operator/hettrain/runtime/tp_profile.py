@@ -28,11 +28,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,10 +37,9 @@ from pathlib import Path
 from hettrain.api.spec import ModelSpec
 from hettrain.runtime.comm_profile import (
     RANKS,
-    TIMEOUT_S,
     _devices_available,
     _release_device_memory,
-    _wait_all,
+    run_local_ranks,
 )
 
 CHECK_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 1e-2}  # sharded vs unsharded output
@@ -62,28 +58,11 @@ def measure_tp_layer(model: ModelSpec, micro_batches: Sequence[int], repeats: in
     if _devices_available() < RANKS or not shardable(model):
         return None
     _release_device_memory()
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # as launch_local runs every rank
-    with tempfile.TemporaryDirectory() as tmp:
-        outs = [Path(tmp) / f"rank-{r}.json" for r in range(RANKS)]
-        logs = [Path(tmp) / f"rank-{r}.log" for r in range(RANKS)]
-        procs = []
-        for r in range(RANKS):
-            with logs[r].open("wb") as log:  # the backends' chatter; shown only on failure
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "hettrain.runtime.tp_profile", "--rank", str(r),
-                     "--store", str(Path(tmp) / "store"),
-                     "--model", json.dumps(dataclasses.asdict(model)),
-                     "--micro-batches", ",".join(map(str, micro_batches)),
-                     "--repeats", str(repeats), "--precision", precision,
-                     "--out", str(outs[r])],
-                    env=env, stdout=log, stderr=subprocess.STDOUT))
-        failed = _wait_all(procs, TIMEOUT_S)
-        if failed is not None:
-            rank, why = failed
-            tail = logs[rank].read_text(errors="replace").strip()
-            raise RuntimeError(f"the tensor-parallel layer measurement failed: rank {rank} "
-                               f"{why}" + (f": {tail.splitlines()[-1]}" if tail else ""))
-        doc = json.loads(outs[0].read_text())
+    doc = run_local_ranks("hettrain.runtime.tp_profile",
+                          ["--model", json.dumps(dataclasses.asdict(model)),
+                           "--micro-batches", ",".join(map(str, micro_batches)),
+                           "--repeats", str(repeats), "--precision", precision],
+                          "the tensor-parallel layer measurement")
     if not doc["maxAbsDiff"] <= CHECK_TOLERANCE[precision]:
         raise RuntimeError("the tensor-parallel layer measurement failed: the sharded block's "
                            f"output differs from the unsharded one by {doc['maxAbsDiff']:.3g}")
