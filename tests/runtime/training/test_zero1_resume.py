@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 from tests.runtime.checkpoints import rewind
 from tests.runtime.training.plans import tiny_plan
+from tests.runtime.training.runs import run_losses
 
-from hettrain.runtime.launch import launch_local, wait_all
 from hettrain.runtime.trainer import reference_losses
 
 pytestmark = pytest.mark.slow
@@ -23,20 +22,6 @@ STEPS, AT = 6, 3
 # rounding of a parameter. Measured max relative loss difference: 2e-8 (pp2 dp2 and the pp1
 # dp1 resume), 1.6e-5 (the tp2 dp2 resume); the tolerance keeps a 10x margin
 RTOL = 2e-4
-
-
-def _losses(path: Path) -> dict[int, float]:
-    return {d["step"]: d["loss"] for d in map(json.loads, path.read_text().splitlines())}
-
-
-def _logs(workdir: Path) -> str:
-    return "\n".join(p.read_text()[-2000:] for p in sorted(workdir.glob("rank-*.log")))
-
-
-def _run(plan, workdir: Path, env: dict[str, str], log: Path) -> dict[int, float]:
-    codes = wait_all(launch_local(plan, workdir, {**env, "HETTRAIN_LOSS_LOG": str(log)}), 300)
-    assert codes == [0] * plan.world_size, _logs(workdir)
-    return _losses(log)
 
 
 def _optim_elements_per_file(manifest: dict) -> dict[str, int]:
@@ -56,7 +41,7 @@ def test_zero1_dp2_checkpoint_is_written_per_rank_and_resumes_on_other_layouts(t
     env = {"HETTRAIN_CHECKPOINT_URI": f"file://{ck}", "HETTRAIN_CHECKPOINT_INTERVAL": str(AT),
            "HETTRAIN_METRICS_PORT": "0"}
     ref = reference_losses(first, STEPS)
-    got = _run(first, tmp_path / "run1", env, tmp_path / "run1.jsonl")
+    got = run_losses(first, tmp_path / "run1", env, tmp_path / "run1.jsonl")
     assert sorted(got) == list(range(STEPS))
     for step in range(STEPS):
         assert got[step] == pytest.approx(ref[step], rel=RTOL), step
@@ -82,7 +67,7 @@ def test_zero1_dp2_checkpoint_is_written_per_rank_and_resumes_on_other_layouts(t
     }
     for name, plan in layouts.items():
         rewind(ck, AT)
-        after = _run(plan, tmp_path / name.replace(" ", "-"), env,
+        after = run_losses(plan, tmp_path / name.replace(" ", "-"), env,
                      tmp_path / f"{name.replace(' ', '-')}.jsonl")
         assert sorted(after) == list(range(AT, STEPS)), name
         for step in range(AT, STEPS):

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 from tests.runtime.checkpoints import rewind
 from tests.runtime.cp.plans import cp_plan
 from tests.runtime.training.plans import tiny_plan
+from tests.runtime.training.runs import run_losses
 
-from hettrain.runtime.launch import launch_local, wait_all
 from hettrain.runtime.trainer import reference_losses
 
 pytestmark = pytest.mark.slow
@@ -23,20 +22,6 @@ STEPS, AT = 6, 3
 # the summation order of fp32 gradients (here: per microbatch and unit instead of per step)
 RTOL = 2e-4
 FP32_RTOL = 1e-5
-
-
-def _losses(path: Path) -> dict[int, float]:
-    return {d["step"]: d["loss"] for d in map(json.loads, path.read_text().splitlines())}
-
-
-def _logs(workdir: Path) -> str:
-    return "\n".join(p.read_text()[-3000:] for p in sorted(workdir.glob("rank-*.log")))
-
-
-def _run(plan, workdir: Path, env: dict[str, str], log: Path) -> dict[int, float]:
-    codes = wait_all(launch_local(plan, workdir, {**env, "HETTRAIN_LOSS_LOG": str(log)}), 300)
-    assert codes == [0] * plan.world_size, _logs(workdir)
-    return _losses(log)
 
 
 def _elements_per_file(manifest: dict, prefix: str = "") -> dict[str, int]:
@@ -53,7 +38,7 @@ def test_zero2_tp2_dp2_selective_matches_the_reference(tmp_path):
     plan = tiny_plan([(0, 4, "pool-a")], dp=2, tp=2, steps=4, sharding="gradients",
                      recompute="selective", lr_schedule="constant")
     ref = reference_losses(plan, 4)
-    got = _run(plan, tmp_path / "run", {"HETTRAIN_METRICS_PORT": "0"}, tmp_path / "l.jsonl")
+    got = run_losses(plan, tmp_path / "run", {"HETTRAIN_METRICS_PORT": "0"}, tmp_path / "l.jsonl")
     assert sorted(got) == list(range(4))
     for step in range(4):
         assert got[step] == pytest.approx(ref[step], rel=FP32_RTOL), step
@@ -67,7 +52,7 @@ def test_zero3_pp2_dp2_full_recompute_checkpoints_chunks_and_resumes_elsewhere(t
     env = {"HETTRAIN_CHECKPOINT_URI": f"file://{ck}", "HETTRAIN_CHECKPOINT_INTERVAL": str(AT),
            "HETTRAIN_METRICS_PORT": "0"}
     ref = reference_losses(first, STEPS)
-    got = _run(first, tmp_path / "run1", env, tmp_path / "run1.jsonl")
+    got = run_losses(first, tmp_path / "run1", env, tmp_path / "run1.jsonl")
     assert sorted(got) == list(range(STEPS))
     for step in range(STEPS):
         assert got[step] == pytest.approx(ref[step], rel=RTOL), step
@@ -94,7 +79,7 @@ def test_zero3_pp2_dp2_full_recompute_checkpoints_chunks_and_resumes_elsewhere(t
     for name, plan in layouts.items():
         rewind(ck, AT)
         slug = name.replace(" ", "-")
-        after = _run(plan, tmp_path / slug, env, tmp_path / f"{slug}.jsonl")
+        after = run_losses(plan, tmp_path / slug, env, tmp_path / f"{slug}.jsonl")
         assert sorted(after) == list(range(AT, STEPS)), name
         for step in range(AT, STEPS):
             assert after[step] == pytest.approx(ref[step], rel=RTOL), (name, step)
@@ -107,7 +92,7 @@ def test_zero23_over_the_dp_x_cp_group_matches_the_reference(tmp_path, sharding,
     plan = cp_plan([(0, 4, "pool-a")], dp=2, cp=2, steps=steps, tp=tp, num_microbatches=2,
                    sharding=sharding, recompute="selective")
     summary = tmp_path / "summary"
-    got = _run(plan, tmp_path / "run", {"HETTRAIN_METRICS_PORT": "0",
+    got = run_losses(plan, tmp_path / "run", {"HETTRAIN_METRICS_PORT": "0",
                                         "HETTRAIN_SUMMARY_DIR": str(summary)},
                tmp_path / "l.jsonl")
     for step, want in enumerate(reference_losses(plan, steps)):
