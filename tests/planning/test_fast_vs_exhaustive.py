@@ -67,8 +67,12 @@ def _step_or_error(spec, inv, exhaustive: bool) -> float | str:
 def _assert_fast_equals_exhaustive(instance: tuple[dict, dict]) -> None:
     """The pruned search finds the exhaustive search's step time, or the same refusal."""
     cluster, job = instance
-    inv = load_cluster(cluster)
-    spec = parse_job_spec(job)
+    assert_fast_equals_exhaustive_on(parse_job_spec(job), load_cluster(cluster))
+
+
+def assert_fast_equals_exhaustive_on(spec, inv) -> None:
+    """:func:`_assert_fast_equals_exhaustive` for a parsed spec and inventory (profiled
+    inventories of the profile tests)."""
     full = _step_or_error(spec, inv, exhaustive=True)
     fast = _step_or_error(spec, inv, exhaustive=False)
     if isinstance(full, str):

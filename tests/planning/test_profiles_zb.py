@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tests.planning.test_fast_vs_exhaustive import assert_fast_equals_exhaustive_on
 
 from hettrain.api.spec import parse_job_spec
 from hettrain.planning import cost
-from hettrain.planning.errors import PlanningError, PlanningInputError
+from hettrain.planning.errors import PlanningInputError
 from hettrain.planning.inventory import load_cluster
 from hettrain.planning.planner import plan_job, split_costs
 from hettrain.planning.profiles import apply_profiles, profile_doc, profile_from_doc
@@ -230,15 +231,4 @@ def _job(layers: int, hidden: int, seq: int, gb: int, recompute: str, **par) -> 
 def test_fast_equals_exhaustive_with_random_splits(instance: Instance) -> None:
     """The pruned search finds the exhaustive step time (or both refuse), whatever ZB-H1's
     measured divisor on each device."""
-    spec, inv = _profiled(*instance)
-    out = []
-    for exhaustive in (False, True):
-        try:
-            out.append(plan_job("j", spec, inv, exhaustive=exhaustive).predicted.step_time_s)
-        except PlanningError as exc:
-            out.append(exc.reason)
-    fast, full = out
-    if isinstance(full, str):
-        assert fast == full
-    else:
-        assert fast == pytest.approx(full, rel=1e-9)
+    assert_fast_equals_exhaustive_on(*_profiled(*instance))
