@@ -122,7 +122,7 @@ SHARDING_WORDS = {
 def training_summary(plan: Plan) -> str:
     """Precision, activation recompute and what data parallelism shards (over how many)."""
     t = plan.training
-    sharding = t.sharding or ("optimizer" if t.optimizer_sharding else "none")
+    sharding = t.sharding
     group = plan.dp * max(s.cp for s in plan.stages) if plan.stages else plan.dp
     over = f" over {group} ranks" if sharding != "none" and group > 1 else ""
     return (f"{t.precision}, recompute {t.recompute}, sharding {sharding} "

@@ -63,7 +63,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -116,11 +116,9 @@ class ShardGroup:
 
 
 def sharding_of(training: TrainingSpec) -> str:
-    """The plan's sharding (:data:`SHARDINGS`); plans without the field follow
-    ``optimizer_sharding`` (true: ZeRO-1)."""
-    mode = getattr(training, "sharding", None)
-    if not mode:
-        return "optimizer" if training.optimizer_sharding else "none"
+    """The plan's sharding (:data:`SHARDINGS`; ``TrainingSpec`` resolves an unset one from
+    ``optimizer_sharding``), refused with the field named when the runtime has no such mode."""
+    mode = training.sharding
     if mode not in SHARDINGS:
         raise ValueError(f"plan.training.sharding={mode!r}: must be one of {SHARDINGS}")
     return mode
@@ -150,7 +148,6 @@ class Unit:
     gathered: bool = True
     bucket: torch.Tensor | None = None  # this microbatch's fp32 gradient sum
     arrived: int = 0
-    hooks: list = field(default_factory=list)
 
 
 def unit_layout(segments: list[Segment], size: int) -> tuple[list[Segment], list[Unit]]:
@@ -354,8 +351,8 @@ class StageOptimizer:
                         f"plan.training.sharding=full: {u.key} uses parameters of another unit "
                         "(tied input/output embeddings); set spec.model.tieEmbeddings: false "
                         "or spec.training.sharding: gradients")
-                u.hooks = [mod.register_forward_pre_hook(partial(self._before_forward, u)),
-                           mod.register_forward_hook(partial(self._after_forward, u))]
+                mod.register_forward_pre_hook(partial(self._before_forward, u))
+                mod.register_forward_hook(partial(self._after_forward, u))
         self._transient = self.peak_transient_bytes = 0
 
     def _owned_parts(self, seg: Segment) -> Iterator[tuple[int, int, int, int]]:
