@@ -30,8 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 WARMUP = 2
 RANKS = 2
@@ -134,8 +135,10 @@ def _timed(fn, repeats: int, sync) -> float:
     return statistics.median(times)
 
 
-def run_rank(rank: int, store: str, sizes: Sequence[int], repeats: int) -> dict:
-    """One rank's measurements (rank 0's are reported)."""
+def join_ranks(rank: int, store: str) -> tuple[Any, str, Callable[[], None]]:
+    """Join the :data:`RANKS` local ranks' process group as ``rank`` (CUDA device ``rank``
+    with NCCL where there is CUDA, else the CPU with gloo); ``(device, backend, sync)``, where
+    ``sync()`` waits for the device's queued work before a timer is read."""
     import torch
     import torch.distributed as dist
 
@@ -150,6 +153,16 @@ def run_rank(rank: int, store: str, sizes: Sequence[int], repeats: int) -> dict:
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize(device)
+
+    return device, backend, sync
+
+
+def run_rank(rank: int, store: str, sizes: Sequence[int], repeats: int) -> dict:
+    """One rank's measurements (rank 0's are reported)."""
+    import torch
+    import torch.distributed as dist
+
+    device, backend, sync = join_ranks(rank, store)
 
     peer = 1 - rank
     out: dict = {"backend": backend, "p2p": [], "allReduce": []}

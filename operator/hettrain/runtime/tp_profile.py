@@ -39,6 +39,7 @@ from hettrain.runtime.comm_profile import (
     RANKS,
     _devices_available,
     _release_device_memory,
+    join_ranks,
     run_local_ranks,
 )
 
@@ -81,17 +82,7 @@ def run_rank(rank: int, store: str, model: ModelSpec, micro_batches: Sequence[in
     from hettrain.runtime.profile import WARMUP, chain_length, enough
     from hettrain.runtime.tensor_parallel import shard_stage_
 
-    cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    if cuda:
-        torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
-                            world_size=RANKS, device_id=device if cuda else None)
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
+    device, backend, sync = join_ranks(rank, store)
 
     dtype = DTYPES[precision]
     k = chain_length(model, device)
