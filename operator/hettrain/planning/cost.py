@@ -384,15 +384,14 @@ def optimizer_step_s(params: float, training: TrainingSpec, dp: int,
 # its fp32 log-sum-exp per head). Fitted to the Llama block of ``runtime.model`` (measured with
 # ``runtime.memory``, tests/runtime/training/test_memory_honesty.py). Per token, recompute
 # ``none``, ``eb`` = bytes of the plan precision:
-#   replicated on every TP rank, per RMSNorm (two per layer; the norm runs in fp32):
-#     its input as fp32 (4h bytes: the ``x.float()`` copy, or x itself in fp32), the normalised
-#     tensor cast back to the plan precision (eb·h, saved by the scale multiply), the output
-#     (eb·h, the next linear's input) and the fp32 reciprocal RMS (4 bytes);
+#   replicated on every TP rank, per RMSNorm (two per layer; it normalises in fp32 but keeps
+#     only its input, eb·h, and recomputes the rest in the backward) and its output (eb·h, the
+#     next linear's input);
 #   TP-sharded (/tp), in the plan precision: q and k after RoPE and v as SDPA sees them (GQA
 #     heads repeated: 3h), the attention output (h; flash/SDPA returns it token-major, so the
-#     output projection's input is a view of it), and the MLP's ffn-wide tensors (GELU: input
-#     and output, 2f; SwiGLU: gate, silu(gate), up and their product, 4f); plus the fp32
-#     log-sum-exp (4 bytes per head);
+#     output projection's input is a view of it), and the MLP's ffn-wide projection outputs
+#     (GELU: up, f; SwiGLU: gate and up, 2f; the activation and the down projection's input
+#     are recomputed in the backward); plus the fp32 log-sum-exp (4 bytes per head);
 #   per layer and microbatch, not per token: RoPE's cos and sin cast to the plan precision for
 #     q and for k (4 tables of s x head_dim; fp32 keeps the 2 cached fp32 tables: as many bytes).
 # ``selective`` recomputes the attention core but keeps its inputs q, k, v (before the GQA
@@ -402,18 +401,18 @@ def optimizer_step_s(params: float, training: TrainingSpec, dp: int,
 # counted once per stage in ``stage_memory``'s fixed part (:func:`recompute_working_set_bytes`).
 FP32_BYTES = 4.0
 NORMS_PER_LAYER = 2
-NORM_STATS_BYTES = 4.0  # fp32 reciprocal RMS per token
 LAYER_SHARDED_H = 4  # q, k, v (repeated) and the attention output, in units of h
-GELU_FFN = 2  # ffn-wide tensors of a GELU MLP, in units of f
-SWIGLU_FFN = 4  # ... of a SwiGLU MLP
+GELU_FFN = 1  # ffn-wide tensors a GELU MLP keeps, in units of f (up)
+SWIGLU_FFN = 2  # ... a SwiGLU MLP keeps (gate, up)
 LSE_BYTES_PER_HEAD = 4.0  # fp32 log-sum-exp of the flash/SDPA kernel
 ROPE_TABLE_BYTES = 8.0  # per position x head_dim per layer: cos, sin for q and k (2 bytes each)
 
 
 def rms_norm_saved_bytes_per_token(hidden: int, elem_bytes: float) -> float:
-    """Bytes one fp32 RMSNorm keeps per token: fp32 input, normalised (plan precision), output
-    (plan precision, the next op's saved input) and the fp32 statistic."""
-    return FP32_BYTES * hidden + 2 * elem_bytes * hidden + NORM_STATS_BYTES
+    """Bytes one RMSNorm and the op after it keep per token: the norm's input and its output
+    (the next linear's saved input), both in the plan precision (``runtime.model.RMSNorm``
+    recomputes its fp32 work in the backward)."""
+    return 2 * elem_bytes * hidden
 
 
 def activation_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, recompute: str,

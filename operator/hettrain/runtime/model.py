@@ -208,8 +208,41 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g.to(ctx.dtype), None, None, None
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm (as HF): normalised in fp32, cast back, then scaled."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class _LeanRMSNorm(torch.autograd.Function):
+    """:func:`rms_norm` that keeps only its input for the backward (the fp32 copy, the
+    normalised tensor and the statistic are recomputed there: elementwise work, the same ops,
+    so the same gradients as autograd's)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            xr = x.detach().requires_grad_(ctx.needs_input_grad[0])
+            wr = weight.detach().requires_grad_(ctx.needs_input_grad[1])
+            out = rms_norm(xr, wr, ctx.eps)
+            wanted = [t for t in (xr, wr) if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        gx = next(grads) if xr.requires_grad else None
+        gw = next(grads) if wr.requires_grad else None
+        return gx, gw, None
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale, computed in fp32 (as Llama / HF)."""
+    """Root-mean-square norm with a learned scale, computed in fp32 (as Llama / HF); keeps
+    only its input for the backward (:class:`_LeanRMSNorm`)."""
 
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
@@ -217,9 +250,48 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _LeanRMSNorm.apply(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def _mlp_act(gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+    """The MLP's down-projection input: ``silu(gate) * up`` (SwiGLU) or ``gelu(up)``."""
+    return F.gelu(up) if gate is None else F.silu(gate) * up
+
+
+class _ActDown(torch.autograd.Function):
+    """``down(act(gate, up))`` keeping only the projections' outputs (``gate`` and ``up``;
+    ``up`` alone for GELU) for the backward: the activation and the down projection's input are
+    recomputed there (elementwise), as Megatron's fused bias-SwiGLU does. The down weight's
+    gradient is deferred to the W pass inside :func:`defer_weight_grads` (ZB-H1), like
+    :class:`Linear`'s."""
+
+    @staticmethod
+    def forward(ctx, up: torch.Tensor, weight: torch.Tensor,
+                gate: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(up, weight, gate)
+        ctx.param = weight  # the Parameter itself, for the W pass (see _SplitLinear)
+        return F.linear(_mlp_act(gate, up), weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        up, weight, gate = ctx.saved_tensors
+        with torch.enable_grad():
+            ur = up.detach().requires_grad_()
+            gr = None if gate is None else gate.detach().requires_grad_()
+            act = _mlp_act(gr, ur)
+        gact = grad.matmul(weight)
+        inputs = (ur,) if gr is None else (ur, gr)
+        grads = torch.autograd.grad(act, inputs, gact)
+        gw = None
+        if ctx.needs_input_grad[1]:
+            if _STORE:
+                _STORE[-1].items.append((ctx.param, act.detach(), grad.detach()))
+            else:
+                gw = grad.reshape(-1, grad.shape[-1]).t().mm(act.detach().reshape(
+                    -1, act.shape[-1]))
+        return grads[0], gw, (grads[1] if gr is not None else None)
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -321,10 +393,12 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.tp_group)
-        if self.gated:
-            y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x) if self.gated else None
+        up = self.up_proj(x)
+        if torch.is_grad_enabled():
+            y = _ActDown.apply(up, self.down_proj.weight, gate)
         else:
-            y = self.down_proj(F.gelu(self.up_proj(x)))
+            y = self.down_proj(_mlp_act(gate, up))
         return reduce_from_tp(y, self.tp_group)
 
 

@@ -27,6 +27,7 @@ def test_cp2_stage_holds_about_half_the_activations(recompute):
         assert two.optimizer * 2 == one.optimizer  # ZeRO-1 over the DP×CP group (1×2)
         assert two.loss_buffers * 2 == one.loss_buffers  # logits of half the tokens
         # token-local activations halve; the gathered full-sequence K/V kept for the
-        # attention backward adds the rest (measured 0.51-0.64)
+        # attention backward adds the rest (measured 0.52-0.73; the most with recompute none,
+        # whose GQA-repeated K/V copy is the largest next to the lean token-local part)
         ratio = two.activations / one.activations
-        assert 0.5 < ratio < 0.7, (recompute, stage, ratio)
+        assert 0.5 < ratio < 0.75, (recompute, stage, ratio)
