@@ -386,7 +386,9 @@ def optimizer_step_s(params: float, training: TrainingSpec, dp: int,
 # ``none``, ``eb`` = bytes of the plan precision:
 #   replicated on every TP rank, per RMSNorm (two per layer; it normalises in fp32 but keeps
 #     only its input, eb·h, and recomputes the rest in the backward) and its output (eb·h, the
-#     next linear's input);
+#     next linear's input); with sequence parallelism (:func:`sequence_shards`) both are a
+#     1/tp token shard (the column-parallel group keeps its input's shard and gathers it again
+#     in the backward);
 #   TP-sharded (/tp), in the plan precision: q and k after RoPE and v as SDPA sees them (GQA
 #     heads repeated: 3h), the attention output (h; flash/SDPA returns it token-major, so the
 #     output projection's input is a view of it), and the MLP's ffn-wide projection outputs
@@ -417,11 +419,13 @@ def rms_norm_saved_bytes_per_token(hidden: int, elem_bytes: float) -> float:
 
 def activation_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, recompute: str,
                                elem_bytes: int = 2) -> float:
-    """Bytes one layer keeps for the backward for one microbatch (see the table above)."""
+    """Bytes one layer keeps for the backward for one microbatch (see the table above);
+    sequence parallelism (:func:`sequence_shards`) divides the replicated terms by ``tp``."""
     s, b, h, a = model.seq_len, micro_batch, model.hidden, model.heads
     eb = float(elem_bytes)
+    sp = sequence_shards(model, tp)
     if recompute == "full":
-        return s * b * h * eb
+        return s * b * h * eb / sp
     ffn = (SWIGLU_FFN if model.gated_mlp else GELU_FFN) * model.ffn_hidden
     replicated = NORMS_PER_LAYER * rms_norm_saved_bytes_per_token(h, eb)
     if recompute == "selective":
@@ -430,7 +434,7 @@ def activation_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, reco
     else:
         sharded = (LAYER_SHARDED_H * h + ffn) * eb + LSE_BYTES_PER_HEAD * a
     rope = ROPE_TABLE_BYTES * s * model.head_dim
-    return s * b * (replicated + sharded / tp) + rope
+    return s * b * (replicated / sp + sharded / tp) + rope
 
 
 def cp_local_model(model: ModelSpec, cp: int) -> ModelSpec:
@@ -496,6 +500,13 @@ def embedding_params(model: ModelSpec) -> int:
     """Token embedding (first stage) or LM head (last stage) parameters of the whole model; a
     TP rank holds ``1/`` :func:`vocab_shards` of them."""
     return model.vocab * model.hidden
+
+
+def sequence_shards(model: ModelSpec, tp: int, cp: int = 1) -> int:
+    """Megatron sequence parallelism (``runtime.model``): with ``tp > 1`` the residual stream
+    and the RMSNorms of a layer work on ``1/tp`` of the rank's ``seq_len / cp`` tokens when
+    those divide by ``tp`` (returns ``tp``); otherwise they are replicated (returns 1)."""
+    return tp if tp > 1 and (model.seq_len // max(cp, 1)) % tp == 0 else 1
 
 
 def vocab_shards(model: ModelSpec, tp: int) -> int:
@@ -645,9 +656,13 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
         unit = max(unit, head)
         fixed += head * per_param
         logits = s * b * model.vocab / vs  # this rank's logit columns
-        # per microbatch in flight: the final (fp32) RMSNorm's saved tensors; the saved fp32
-        # log-softmax (vocab-parallel: softmax); the int64 targets
-        fixed += head_in_flight * (s * b * rms_norm_saved_bytes_per_token(h, eb)
+        # per microbatch in flight: the final RMSNorm's saved input and output (sequence
+        # parallel: a token shard; the output whole when the head is replicated, as the
+        # gathered sequence is then the head's saved input); the saved fp32 log-softmax
+        # (vocab-parallel: softmax); the int64 targets
+        sp = sequence_shards(model, tp)
+        norm_saved = s * b * eb * h * (1.0 / sp + (1.0 / sp if vs > 1 else 1.0))
+        fixed += head_in_flight * (norm_saved
                                    + logits * 4.0 + s * b * (8.0 + mask) + LOSS_SCALAR_BYTES)
         # transient while the loss runs: the logits, their gradient and, below fp32, the fp32
         # copy the loss computes in (8 bytes a logit in bf16 and fp32, measured on an H200:

@@ -21,12 +21,13 @@ activations and gradients standing in for its pipeline peers. It reports:
   ``activations``): counted from the logits' size, as the CPU has no allocator peak; the CUDA
   peak of ``bench/gpu_check.py`` on an H200 showed this sum.
 
-TP is measured on the local shard without the TP collectives (their buffers are transient and
-their saved tensors are the same as without them). Context parallelism (``stages[s].cp > 1``)
-is measured on CP rank 0's ``seq_len / cp`` tokens, the other ranks' keys/values stand-ins
-(``context_parallel.StandInContextParallel``), ZeRO over the DP×CP group (a stand-in group: the
-other ranks' chunks of a gathered unit are zeros, nothing is reduced). Nothing here talks
-to other processes.
+TP is measured on the local shard with a stand-in TP group: its collectives move nothing but
+keep their shapes (a sequence-parallel all-gather repeats the shard), as their buffers are
+transient and their saved tensors are the same as with real peers. Context parallelism
+(``stages[s].cp > 1``) is measured on CP rank 0's ``seq_len / cp`` tokens, the other ranks'
+keys/values stand-ins (``context_parallel.StandInContextParallel``), ZeRO over the DP×CP group
+(a stand-in group: the other ranks' chunks of a gathered unit are zeros, nothing is reduced).
+Nothing here talks to other processes.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from hettrain.runtime.context_parallel import StandInContextParallel, enable_
 from hettrain.runtime.model import StageModel, WeightGradStore, defer_weight_grads
 from hettrain.runtime.optim import ShardGroup, StageOptimizer, sharding_of
 from hettrain.runtime.schedules import chunk_actions
-from hettrain.runtime.tensor_parallel import shard_stage_
+from hettrain.runtime.tensor_parallel import TPGroup, shard_stage_
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,10 +135,16 @@ def build_stage(plan: Plan, stage: int, tp_index: int = 0) -> tuple[StageModel, 
     model = StageModel(plan.model, st.layer_start, st.layer_end, has_embedding=stage == 0,
                        has_head=stage == plan.pp - 1, seed=plan.training.seed,
                        chunks=chunk_layer_ranges(plan)[stage], **kwargs)
-    tp = shard_stage_(model, plan.model, st.tp, tp_index, None, list(range(st.tp)))
-    for mod in model.modules():  # local shard only: no TP collectives
-        if hasattr(mod, "tp_group"):
-            mod.tp_group = None
+    tp = shard_stage_(model, plan.model, st.tp, tp_index, None, list(range(st.tp)), cp=st.cp)
+    # local shard only: a stand-in TP group moves nothing (collectives keep their shapes)
+    stand_in = TPGroup(None, None, st.tp, tp_index, tuple(range(st.tp)))
+    for mod in model.modules():
+        if getattr(mod, "tp_group", None) is not None:
+            mod.tp_group = stand_in
+        if getattr(mod, "gather", None) is not None:
+            mod.gather = stand_in
+    if model.sp is not None:
+        model.sp = stand_in
     return model, set(tp.shards)
 
 
@@ -195,9 +202,11 @@ def _recompute_working_set(plan: Plan, model: StageModel, opt: StageOptimizer) -
     spec = plan.model
     gen = torch.Generator().manual_seed(1)
     seq = spec.seq_len // plan.stages[0].cp  # context parallel: this rank's tokens
+    cos, sin = model._cos_sin(torch.empty((plan.micro_batch, seq)))
+    if model.sp is not None:  # sequence parallel: the layer's input is a token shard
+        seq //= model.sp.size
     x = torch.randn((plan.micro_batch, seq, spec.hidden), generator=gen)
     x = x.to(opt.dtype).requires_grad_()
-    cos, sin = model._cos_sin(x)
     with opt.gathered([f"model.layers.{key}"]):  # ZeRO-3: as the re-run finds it
         tracker = _Tracker(_parameter_storages(opt))
         with _saved_tensors(tracker):

@@ -59,7 +59,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hettrain.api.spec import RECOMPUTE_MODES, ModelSpec
-from hettrain.runtime.tensor_parallel import all_reduce_in_tp, copy_to_tp, reduce_from_tp
+from hettrain.runtime.tensor_parallel import (
+    TPGroup,
+    _seq_gather,
+    all_reduce_in_tp,
+    copy_to_tp,
+    gather_sequence,
+    reduce_from_tp,
+    scatter_sequence,
+    start_seq_gather,
+    start_seq_reduce_scatter,
+)
 
 EMBED_SEED_OFFSET = 997
 HEAD_SEED_OFFSET = 998
@@ -137,8 +147,12 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
+        # sequence parallelism: x is a token shard, gathered here (:class:`_GatherLinears`)
+        self.gather: TPGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gather is not None:
+            return _GatherLinears.apply(x, self.gather, self.weight)[0]
         if self.deferrable:
             return _SplitLinear.apply(x, self.weight)
         return F.linear(x, self.weight)
@@ -152,6 +166,54 @@ def set_weight_grad_deferral(model: nn.Module, on: bool) -> None:
             mod.deferrable = on
 
 
+class _GatherLinears(torch.autograd.Function):
+    """Sequence parallelism's column-parallel group: all-gather the sequence shard ``x`` over
+    the TP group and apply each weight to the whole sequence. Keeps only the shard for the
+    backward and gathers it again there (Megatron's choice: a second all-gather instead of
+    a replica of the input per layer) while the input gradient's GEMMs run; the input
+    gradient's reduce-scatter then runs during the weight gradients' GEMMs. So the backward
+    exposes at most what plain TP's does: the output gradient's all-gather and the input
+    gradient's reduce-scatter, one all-reduce's bytes. Weight gradients are deferred to the
+    W pass inside :func:`defer_weight_grads`, as :class:`Linear`'s."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPGroup, *weights: torch.Tensor):
+        ctx.save_for_backward(x, *weights)
+        ctx.tp, ctx.params = tp, weights  # the Parameters themselves (see _SplitLinear)
+        full = _seq_gather(x, tp)
+        return tuple(F.linear(full, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        gathering = start_seq_gather(x, ctx.tp)  # overlaps the input gradient's GEMMs
+        gx = None
+        for g, w in zip(grads, weights, strict=True):
+            if g is not None:
+                part = g.matmul(w)
+                gx = part if gx is None else gx.add_(part)
+        # the input gradient leaves while the weight gradients' GEMMs run
+        scattering = None if gx is None else start_seq_reduce_scatter(gx, ctx.tp)
+        full = gathering.wait()
+        gws: list[torch.Tensor | None] = []
+        for i, g in enumerate(grads):
+            if g is None or not ctx.needs_input_grad[2 + i]:
+                gws.append(None)
+            elif _STORE:
+                _STORE[-1].items.append((ctx.params[i], full, g.detach()))
+                gws.append(None)
+            else:
+                gws.append(g.reshape(-1, g.shape[-1]).t().mm(full.reshape(-1, full.shape[-1])))
+        return (None if scattering is None else scattering.wait(), None, *gws)
+
+
+def gather_linears(x: torch.Tensor, tp: TPGroup, linears: Sequence[nn.Linear]
+                   ) -> tuple[torch.Tensor, ...]:
+    """Each linear applied to the whole sequence gathered from the shards ``x``
+    (:class:`_GatherLinears`)."""
+    return _GatherLinears.apply(x, tp, *(lin.weight for lin in linears))
+
+
 class Embedding(nn.Embedding):
     """Token embedding (``nn.Embedding``: same parameter and init); after
     :func:`hettrain.runtime.tensor_parallel.shard_stage_` shards the vocabulary it holds rows
@@ -163,13 +225,16 @@ class Embedding(nn.Embedding):
         self.vocab_sharded = False
         self.tp_group = None  # set by tensor_parallel.shard_stage_ with the vocabulary shard
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """The embeddings of ``ids``; vocabulary-parallel with ``reduce`` off: this rank's
+        partial lookup, for the caller to sum (sequence parallelism reduce-scatters it)."""
         if not self.vocab_sharded:
             return super().forward(ids)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_embeddings)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp_group)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.tp_group) if reduce else out
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -248,11 +313,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))
         self.eps = eps
+        # sequence parallelism (tensor_parallel.shard_stage_): this rank normalises its shard
+        # of the tokens, so its weight gradient is partial: summed over the TP group
+        self.tp_group: TPGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return _LeanRMSNorm.apply(x, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps)
+        w = self.weight if self.tp_group is None else copy_to_tp(self.weight, self.tp_group)
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+            return _LeanRMSNorm.apply(x, w, self.eps)
+        return rms_norm(x, w, self.eps)
 
 
 def _mlp_act(gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
@@ -358,15 +427,21 @@ class LlamaAttention(nn.Module):
         self.v_proj = Linear(spec.hidden, spec.kv_heads * spec.head_dim)
         self.o_proj = Linear(spec.heads * spec.head_dim, spec.hidden)
         self.tp_group = None  # set by tensor_parallel.shard_stage_ (heads are then local)
+        self.sp = False  # sequence parallelism: x is this rank's shard of the tokens
         self.recompute_core = False  # selective recompute: redo the attention core in backward
         self.cp = None  # context_parallel.ContextParallel: the sequence is sharded (enable_)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        x = copy_to_tp(x, self.tp_group)
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.sp:
+            q, k, v = gather_linears(x, self.tp_group, (self.q_proj, self.k_proj, self.v_proj))
+            t *= self.tp_group.size
+        else:
+            x = copy_to_tp(x, self.tp_group)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.cp is not None:  # keys/values of the whole sequence gathered over the CP group
             y = self.cp.attention(q, k, v, self.recompute_core and torch.is_grad_enabled())
@@ -375,6 +450,8 @@ class LlamaAttention(nn.Module):
         else:
             y = _attention_core(q, k, v)
         y = self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        if self.sp:
+            return scatter_sequence(y, self.tp_group, summed=True)
         return reduce_from_tp(y, self.tp_group)
 
 
@@ -390,15 +467,23 @@ class LlamaMLP(nn.Module):
         self.up_proj = Linear(spec.hidden, spec.ffn_hidden)
         self.down_proj = Linear(spec.ffn_hidden, spec.hidden)
         self.tp_group = None  # set by tensor_parallel.shard_stage_ (ffn columns are then local)
+        self.sp = False  # sequence parallelism: x is this rank's shard of the tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.tp_group)
-        gate = self.gate_proj(x) if self.gated else None
-        up = self.up_proj(x)
+        if self.sp:
+            *gate, up = gather_linears(x, self.tp_group, ((self.gate_proj, self.up_proj)
+                                                          if self.gated else (self.up_proj,)))
+            gate = gate[0] if gate else None
+        else:
+            x = copy_to_tp(x, self.tp_group)
+            gate = self.gate_proj(x) if self.gated else None
+            up = self.up_proj(x)
         if torch.is_grad_enabled():
             y = _ActDown.apply(up, self.down_proj.weight, gate)
         else:
             y = self.down_proj(_mlp_act(gate, up))
+        if self.sp:
+            return scatter_sequence(y, self.tp_group, summed=True)
         return reduce_from_tp(y, self.tp_group)
 
 
@@ -504,6 +589,7 @@ class StageModel(nn.Module):
         self.vocab_start = 0  # first vocabulary row of this rank's lm_head shard
         self.vocab_sharded = False
         self.tp_group = None  # the head's TP group (vocabulary-parallel output layer)
+        self.sp: TPGroup | None = None  # sequence parallelism: the layers see a token shard
         self.set_recompute(recompute)
         self._rope: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.positions: torch.Tensor | None = None  # context parallel: this shard's positions
@@ -529,9 +615,15 @@ class StageModel(nn.Module):
     def forward_chunk(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
         """Run model chunk ``chunk`` only (embedding first if chunk 0, head last if last)."""
         a, b = self.chunks[chunk]
-        if chunk == 0 and self.model.embed_tokens is not None:
-            x = self.model.embed_tokens(x)
-        cos, sin = self._cos_sin(x)
+        sp = self.sp
+        cos, sin = self._cos_sin(x)  # the whole (CP-local) sequence: attention gathers it
+        emb = self.model.embed_tokens if chunk == 0 else None
+        if emb is not None and sp is not None and emb.vocab_sharded:
+            x = scatter_sequence(emb(x, reduce=False), sp, summed=True)
+        elif emb is not None:
+            x = emb(x)
+        if sp is not None and not (emb is not None and emb.vocab_sharded):
+            x = scatter_sequence(x, sp, summed=False)
         clock = self.layer_clock if torch.is_grad_enabled() else None
         if clock is not None:
             x, t0 = clock.enter(x), time.perf_counter()
@@ -542,9 +634,15 @@ class StageModel(nn.Module):
             x = clock.leave(x)
         if chunk == len(self.chunks) - 1 and self.lm_head is not None:
             x = self.model.norm(x)
-            if self.vocab_sharded:
+            if sp is not None and self.vocab_sharded:  # the head gathers (Linear.gather)
+                return self.lm_head(x)
+            if sp is not None:  # a replicated head: every rank computes the same loss
+                x = gather_sequence(x, sp, grads_partial=False)
+            elif self.vocab_sharded:
                 x = copy_to_tp(x, self.tp_group)
-            x = self.lm_head(x)
+            return self.lm_head(x)
+        if sp is not None:  # the stage's output, whole, for the next stage or chunk
+            x = gather_sequence(x, sp, grads_partial=False)
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

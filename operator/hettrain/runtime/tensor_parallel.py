@@ -29,12 +29,14 @@ import torch.distributed as dist
 from torch import nn
 
 from hettrain.api.spec import ModelSpec
-from hettrain.planning.cost import vocab_shards
+from hettrain.planning.cost import sequence_shards, vocab_shards
 from hettrain.runtime.collectives import CommStats, Tier
 
 
 def _all_reduce(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     out = t.contiguous().clone()
+    if tp.group is None:  # a stand-in (runtime.memory): this shard alone
+        return out
     g = dist.get_world_size(tp.group)
     t0 = time.perf_counter()
     dist.all_reduce(out, group=tp.group)
@@ -59,10 +61,153 @@ def all_reduce_in_tp(t: torch.Tensor, tp: TPGroup | None, op=dist.ReduceOp.SUM) 
 
 @dataclass(frozen=True)
 class TPGroup:
-    """The TP process group of a layer and where its traffic is accounted."""
+    """The TP process group of a layer and where its traffic is accounted.
 
-    group: dist.ProcessGroup
+    ``group`` None is a stand-in (``runtime.memory`` measures one shard alone): collectives
+    then keep the shapes they would have and move nothing (an all-gather repeats this rank's
+    part). ``size``, ``index`` and ``members`` (the TP index of each group member, in
+    group-rank order) place this rank's sequence shard under sequence parallelism."""
+
+    group: dist.ProcessGroup | None
     stats: CommStats | None = None
+    size: int = 1
+    index: int = 0
+    members: tuple[int, ...] = (0,)
+
+    def account(self, nbytes: int, t0: float) -> None:
+        """Count ``nbytes`` sent since ``t0`` (tier ``intra_pool``)."""
+        if self.stats is not None:
+            self.stats.add(Tier.INTRA_POOL, nbytes, time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------------ sequence parallelism
+#
+# Megatron's sequence parallelism (Korthikanti et al. 2023): between a block's row-parallel
+# output and the next column-parallel input, the residual stream and the RMSNorms work on
+# this rank's 1/tp of the tokens (dim 1 of ``(batch, seq, hidden)``) instead of a replica of
+# all of them. The all-reduce after a row-parallel layer becomes a reduce-scatter over the
+# sequence, the identity before a column-parallel group an all-gather (the same bytes).
+
+class SeqGather:
+    """An all-gather of sequence shards in flight (:func:`start_seq_gather`); :meth:`wait`
+    gives the whole sequence."""
+
+    def __init__(self, x: torch.Tensor, tp: TPGroup) -> None:
+        self.shape, self.tp = x.shape, tp
+        self.work = None
+        if tp.group is None:
+            self.parts = x.unsqueeze(0).expand(tp.size, *x.shape)
+            return
+        x = x.contiguous()
+        self.nbytes = (tp.size - 1) * x.numel() * x.element_size()
+        self.parts = torch.empty((tp.size, *x.shape), dtype=x.dtype, device=x.device)
+        self.t0 = time.perf_counter()
+        self.work = dist.all_gather_into_tensor(self.parts.view(-1), x.view(-1),
+                                                group=tp.group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        """The gathered ``(batch, tp·seq_shard, ...)`` tensor, in TP-index order."""
+        tp, parts = self.tp, self.parts
+        if self.work is not None:
+            self.work.wait()
+            tp.account(self.nbytes, self.t0)
+            if list(tp.members) != list(range(tp.size)):
+                parts = parts[[tp.members.index(i) for i in range(tp.size)]]
+        b, n = self.shape[0], self.shape[1]
+        return parts.movedim(0, 1).reshape(b, tp.size * n, *self.shape[2:])
+
+
+def start_seq_gather(x: torch.Tensor, tp: TPGroup) -> SeqGather:
+    """Start the all-gather of the sequence shards of ``x`` (dim 1); the caller may compute
+    while it runs."""
+    return SeqGather(x, tp)
+
+
+def _seq_gather(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """All-gather the sequence shards of ``x`` (dim 1) in TP-index order."""
+    return SeqGather(x, tp).wait()
+
+
+def _seq_shard(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's sequence shard of ``x``: a copy (a view would keep all of ``x`` alive)."""
+    n = x.shape[1] // tp.size
+    return x[:, tp.index * n:(tp.index + 1) * n].clone(memory_format=torch.contiguous_format)
+
+
+class SeqReduceScatter:
+    """A reduce-scatter over the sequence in flight (:func:`start_seq_reduce_scatter`);
+    :meth:`wait` gives this rank's summed shard."""
+
+    def __init__(self, x: torch.Tensor, tp: TPGroup) -> None:
+        self.tp, self.work = tp, None
+        if tp.group is None:
+            self.out = _seq_shard(x, tp)
+            return
+        b, n = x.shape[0], x.shape[1] // tp.size
+        parts = x.reshape(b, tp.size, n, *x.shape[2:]).movedim(1, 0)
+        self.parts = parts[list(tp.members)].contiguous()  # group-rank order
+        self.out = torch.empty((b, n, *x.shape[2:]), dtype=x.dtype, device=x.device)
+        self.t0 = time.perf_counter()
+        self.work = dist.reduce_scatter_tensor(self.out.view(-1), self.parts.view(-1),
+                                               group=tp.group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        """This rank's shard of the sum."""
+        if self.work is not None:
+            self.work.wait()
+            self.tp.account((self.tp.size - 1) * self.out.numel() * self.out.element_size(),
+                            self.t0)
+            self.work = self.parts = None
+        return self.out
+
+
+def start_seq_reduce_scatter(x: torch.Tensor, tp: TPGroup) -> SeqReduceScatter:
+    """Start summing ``x`` over the TP group into this rank's sequence shard."""
+    return SeqReduceScatter(x, tp)
+
+
+def _seq_reduce_scatter(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Sum ``x`` over the TP group and keep this rank's sequence shard."""
+    return SeqReduceScatter(x, tp).wait()
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPGroup, summed: bool) -> torch.Tensor:
+        ctx.tp, ctx.summed = tp, summed
+        return _seq_gather(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.summed:
+            return _seq_reduce_scatter(grad, ctx.tp), None, None
+        return _seq_shard(grad, ctx.tp), None, None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPGroup, summed: bool) -> torch.Tensor:
+        ctx.tp = tp
+        return _seq_reduce_scatter(x, tp) if summed else _seq_shard(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _seq_gather(grad, ctx.tp), None, None
+
+
+def gather_sequence(x: torch.Tensor, tp: TPGroup, grads_partial: bool) -> torch.Tensor:
+    """The whole sequence from every rank's shard. Backward: this rank's shard of the gradient,
+    summed over the TP group when ``grads_partial`` (each rank's consumer saw only part of the
+    computation, e.g. its vocabulary columns), else taken as is (every rank holds the same
+    gradient, e.g. a stage output's, received from the next stage)."""
+    return _GatherSeq.apply(x, tp, grads_partial)
+
+
+def scatter_sequence(x: torch.Tensor, tp: TPGroup, summed: bool) -> torch.Tensor:
+    """This rank's sequence shard: of the sum over the TP group (``summed``: after a
+    row-parallel layer, replacing its all-reduce) or of ``x`` itself (a replicated input).
+    Backward: the gradient's all-gather."""
+    return _ScatterSeq.apply(x, tp, summed)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -171,15 +316,25 @@ class TPShards:
 
 def shard_stage_(model: nn.Module, spec: ModelSpec, tp: int, index: int,
                  group: dist.ProcessGroup | None, member_index: Sequence[int],
-                 stats: CommStats | None = None) -> TPShards:
+                 stats: CommStats | None = None, cp: int = 1) -> TPShards:
     """Replace each block's weights by TP rank ``index``'s slice (in place); returns the map.
 
     The model must have been built full-size (seeded init), so slices equal the reference.
-    TP all-reduces are accounted in ``stats`` (tier ``intra_pool``).
+    TP collectives are accounted in ``stats`` (tier ``intra_pool``). Sequence parallelism is
+    on when the rank's ``seq_len / cp`` tokens divide by ``tp``
+    (:func:`hettrain.planning.cost.sequence_shards`, the rule the planner's memory model uses).
     """
     info = TPShards(tp=tp, index=index, group=group, member_index=tuple(member_index))
     if tp == 1:
         return info
+    tp_group = TPGroup(group, stats, tp, index, tuple(member_index))
+    sp = sequence_shards(spec, tp, cp) == tp
+    if sp:
+        model.sp = tp_group
+        if model.model.norm is not None:
+            model.model.norm.tp_group = tp_group
+        if model.lm_head is not None and vocab_shards(spec, tp) == tp:
+            model.lm_head.gather = tp_group
     layout = shard_layout(spec, tp)
     for li, blk in model.model.layers.items():
         for suffix, (dim, idx) in layout.items():
@@ -191,9 +346,12 @@ def shard_stage_(model: nn.Module, spec: ModelSpec, tp: int, index: int,
             info.shards[f"model.layers.{li}.{suffix}"] = (dim, idx)
         blk.self_attn.heads //= tp
         blk.self_attn.kv_heads //= tp
-        blk.self_attn.tp_group = blk.mlp.tp_group = TPGroup(group, stats)
+        blk.self_attn.tp_group = blk.mlp.tp_group = tp_group
+        blk.self_attn.sp = blk.mlp.sp = sp
+        if sp:
+            blk.input_layernorm.tp_group = blk.post_attention_layernorm.tp_group = tp_group
     if vocab_shards(spec, tp) == tp:
-        _shard_vocabulary_(model, spec, tp, index, TPGroup(group, stats), info)
+        _shard_vocabulary_(model, spec, tp, index, tp_group, info)
     return info
 
 

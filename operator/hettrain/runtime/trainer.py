@@ -208,7 +208,7 @@ class Trainer:
         tp_members = ([plan.ranks[g].tp for g in dist.get_process_group_ranks(self.comm.tp_group)]
                       if st.tp > 1 else [0])
         self.tp = shard_stage_(self.model, plan.model, st.tp, self.me.tp, self.comm.tp_group,
-                               tp_members, self.comm.stats)
+                               tp_members, self.comm.stats, cp=st.cp)
         if self.cp is not None:
             enable_(self.model, self.cp)
         if plan.model.pretrained:  # a checkpoint, when resuming, overrides these in train()

@@ -120,13 +120,18 @@ def test_tp2_pp2_matches_reference_and_resumes_on_another_tp_layout(tmp_path):
     # stage 0 = embedding + 2 blocks, stage 1 = 2 blocks + head; blocks split 2 ways
     assert sum(s["param_elements"] for s in sums) < 2 * whole
     assert sums[0]["param_elements"] == sums[1]["param_elements"]
-    # per block and microbatch 4 TP all-reduces (attn, mlp; forward and backward), plus per
-    # microbatch one all-gather of the received 1/tp slice (activation or gradient); the
-    # vocab-parallel embedding sums its lookups (1), the head's input gradient is summed (1)
-    # and its cross-entropy reduces the max, the exponential sums and the target logit (3)
-    assert TINY.vocab % 2 == 0
+    # sequence parallel (seq divides by tp). Per block and microbatch 12 TP collectives: the
+    # attention's and the MLP's all-gather + reduce-scatter forward (4), backward the
+    # reduce-scatter's all-gather, the input's re-gather and the input gradient's
+    # reduce-scatter (6), the two norms' weight-gradient all-reduces (2). Per microbatch: one
+    # all-gather of the received 1/tp slice (activation or gradient). Stage 0: the
+    # vocab-parallel embedding's reduce-scatter and its backward's all-gather (2), the stage
+    # output's all-gather (1). Stage 1: the input shard's backward all-gather (1), the final
+    # norm's weight gradient (1), the head's gather, re-gather and reduce-scatter (3) and the
+    # cross-entropy's max, exponential sums and target logit (3)
+    assert TINY.vocab % 2 == 0 and TINY.seq_len % 2 == 0
     assert [s["ops"]["intra_pool"] for s in sums] == [
-        (4 * 2 + 1 + 1) * 4 * steps] * 2 + [(4 * 2 + 1 + 1 + 3) * 4 * steps] * 2
+        (12 * 2 + 1 + 2 + 1) * 4 * steps] * 2 + [(12 * 2 + 1 + 1 + 1 + 3 + 3) * 4 * steps] * 2
     ref = reference_losses(first, steps)
     assert sorted(got) == list(range(steps))
     for step, want in enumerate(ref):
@@ -143,10 +148,15 @@ def test_tp2_pp2_matches_reference_and_resumes_on_another_tp_layout(tmp_path):
 
 
 @pytest.mark.slow
-def test_tp2_times_dp2_matches_reference(tmp_path):
-    """DP all-reduces per TP index ((stage, tp) groups); replicated weights stay identical."""
+@pytest.mark.parametrize("seq_len", [32, 31])
+def test_tp2_times_dp2_matches_reference(tmp_path, seq_len):
+    """DP all-reduces per TP index ((stage, tp) groups); replicated weights stay identical.
+    Sequence parallel at seq 32, plain TP (replicated norms) at 31, which 2 does not divide."""
     steps = 4
-    plan = tiny_plan([(0, 4, "pool-a")], dp=2, steps=steps, tp=2, num_microbatches=2)
+    model = dataclasses.replace(TINY, seq_len=seq_len)
+    assert cost.sequence_shards(model, 2) == (2 if seq_len % 2 == 0 else 1)
+    plan = tiny_plan([(0, 4, "pool-a")], dp=2, steps=steps, tp=2, num_microbatches=2,
+                     model=model)
     summary = tmp_path / "summary"
     got = _run(tmp_path / "run", plan, {"HETTRAIN_SUMMARY_DIR": str(summary)})
     for step, want in enumerate(reference_losses(plan, steps)):
