@@ -105,19 +105,23 @@ def test_pcie_long_sequence_cp_beats_every_cp1_layout_exhaustively():
 
 def test_memory_forces_cp_at_32k_on_80gb_gpus():
     """llama3-8b (all 32 layers) at 32k tokens on 2 x 8 H100-SXM (80 GB), two pipeline
-    stages, no recomputation: no cp = 1 layout fits (a full sequence's activations), CP ones
-    do; the fast search equals the exhaustive one and the best pinned CP degree."""
+    stages, no recomputation, TP pinned to 1 (with sequence parallelism tp = 8 alone would
+    fit): no cp = 1 layout fits (a full sequence's activations), CP ones do; the fast search
+    equals the exhaustive one and the best pinned CP degree."""
     inv = load_cluster(_cluster("H100-SXM", 2))
     with pytest.raises(PlanningError, match="does not fit"):
-        plan_job("j", parse_job_spec(_job(32768, 32, 16, "none", pp=2, cp=1)), inv)
-    job = _job(32768, 32, 16, "none", pp=2)
+        plan_job("j", parse_job_spec(_job(32768, 32, 16, "none", pp=2, tp=1, cp=1)), inv)
+    assert plan_job("j", parse_job_spec(_job(32768, 32, 16, "none", pp=2, cp=1)),
+                    inv).stages[0].tp > 1  # TP unpinned: TP + SP shards the activations
+    job = _job(32768, 32, 16, "none", pp=2, tp=1)
     fast = plan_job("j", parse_job_spec(job), inv)
     full = plan_job("j", parse_job_spec(job), inv, exhaustive=True)
     assert fast.predicted.step_time_s == pytest.approx(full.predicted.step_time_s, rel=1e-9)
     times = []
     for cp in (2, 4, 8):
         with contextlib.suppress(PlanningError):  # a degree may not fit either
-            times.append(plan_job("j", parse_job_spec(_job(32768, 32, 16, "none", pp=2, cp=cp)),
+            times.append(plan_job("j", parse_job_spec(_job(32768, 32, 16, "none", pp=2, tp=1,
+                                                           cp=cp)),
                                   inv, exhaustive=True).predicted.step_time_s)
     assert full.predicted.step_time_s == pytest.approx(min(times), rel=1e-9)
     assert fast.stages[0].cp > 1

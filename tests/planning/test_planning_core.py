@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -40,16 +41,24 @@ def test_layer_flops_match_6n_tokens_within_a_few_percent() -> None:
 
 def test_activation_bytes_count_the_runtimes_saved_tensors() -> None:
     """The per-layer table of cost.py (fitted by tests/runtime/training/test_memory_honesty.py):
-    bf16 bytes per token, no s x s scores (flash/SDPA), fp32 RMSNorms replicated over TP."""
+    bf16 bytes per token, no s x s scores (flash/SDPA), each RMSNorm's input and output kept
+    (its fp32 work and the MLP's activation recomputed in the backward), replicated over TP
+    unless sequence parallelism shards them (tp divides the tokens)."""
     model = _spec("gpt3-175b").model  # GELU MLP, f = 4h, MHA
     s, h, a, f, d = model.seq_len, model.hidden, model.heads, model.ffn_hidden, model.head_dim
-    norms = 2 * (4 * h + 2 * 2 * h + 4)  # per norm: fp32 input, bf16 normalised + output, rstd
+    norms = 2 * (2 * h + 2 * h)  # per norm: bf16 input and output
     rope = 8 * s * d  # bf16 cos, sin for q and k
     assert cost.activation_bytes_per_layer(model, 1, 1, "none") == \
-        s * (norms + (4 * h + 2 * f) * 2 + 4 * a) + rope  # q, k, v, attention out, MLP; lse
+        s * (norms + (4 * h + f) * 2 + 4 * a) + rope  # q, k, v, attention out, MLP up; lse
+    assert cost.sequence_shards(model, 8) == 8
     assert cost.activation_bytes_per_layer(model, 1, 8, "selective") == \
-        s * (norms + (h + 2 * h + h + 2 * f) * 2 / 8) + rope
-    assert cost.activation_bytes_per_layer(model, 1, 8, "full") == s * h * 2
+        s * (norms + (h + 2 * h + h + f) * 2) / 8 + rope
+    assert cost.activation_bytes_per_layer(model, 1, 8, "full") == s * h * 2 / 8
+    odd = replace(model, seq_len=2047)  # 8 does not divide it: plain TP, norms replicated
+    assert cost.sequence_shards(odd, 8) == 1
+    assert cost.activation_bytes_per_layer(odd, 1, 8, "selective") == \
+        2047 * (norms + (h + 2 * h + h + f) * 2 / 8) + 8 * 2047 * d
+    assert cost.activation_bytes_per_layer(odd, 1, 8, "full") == 2047 * h * 2
     # full recompute re-runs one layer in the backward: counted once per stage, not per layer
     assert cost.recompute_working_set_bytes(model, 1, 8, "full") == \
         cost.activation_bytes_per_layer(model, 1, 8, "none") + 2 * 4 * s * d
