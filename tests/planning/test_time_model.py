@@ -318,11 +318,18 @@ def test_dp_sync_charges_the_runtimes_zero1_all_reduce_and_all_gather(precision:
         spec = parse_job_spec({"model": {"preset": "gpt3-1.3b"},
                                "training": {"globalBatch": 16, "steps": 1,
                                             "precision": precision,
-                                            "optimizerSharding": sharding}})
-        per[sharding] = P._dp_time_per_byte(unit, 4, 4, inv, spec)[1]
-    nic = unit.nic_gbytes_per_gpu * 1e9  # dp·tp = 16 GPUs span 2 nodes: the NIC
-    assert per[False] == pytest.approx(2 * 3 / 4 / nic)
-    assert per[True] == pytest.approx(factor * per[False])
+                                            "optimizerSharding": sharding,
+                                            "overlapGradReduce": False}})
+        per[sharding] = P._dp_sync_coeffs(unit, 4, 4, inv, spec, 1, 1.0, 0.0, False, False)
+        red = P._dp_rates(unit, 4, 4, inv, spec)[1]
+    # dp·tp = 16 GPUs span 2 nodes, 2 members of the DP group per node: reduce-scatter and
+    # all-gather over NVLink, each member's half between the nodes over its own NIC share
+    nic = unit.nic_gbytes_per_gpu * 1e9
+    intra = unit.device.intra_node_gbps * 1e9
+    assert red == pytest.approx(2 * 1 / 2 / intra + 2 * 1 / 2 / 2 / nic)
+    grad_layer = cost.layer_params(spec.model) * 4.0 / 4
+    assert per[False][0] == pytest.approx(grad_layer * red)
+    assert per[True][0] == pytest.approx(factor * per[False][0])
 
 
 def test_prediction_reports_the_bottleneck_stages_tp_comm() -> None:
@@ -364,17 +371,16 @@ def test_cross_dc_bytes_count_zero1s_uncompressed_all_gather(mode: str, codec: f
     inv = load_cluster(cluster)
     unit = build_units(inv.pools, merged=True)[0]
     assert len(unit.datacenters) == 2
-    out = {}
-    for sharding in (False, True):
-        spec = parse_job_spec({"model": {"preset": "gpt3-1.3b"},
-                               "training": {"globalBatch": 16, "steps": 1, "precision": "bf16",
-                                            "optimizerSharding": sharding},
-                               "crossDC": {"mode": mode, "compression": "bf16"}})
-        out[sharding] = P._dp_time_per_byte(unit, 2, 1, inv, spec)
-    assert out[False][2] == pytest.approx(codec)
-    assert out[True][2] == pytest.approx(codec + 2 / 8)  # bf16 parameters: eb = 2
+    spec = parse_job_spec({"model": {"preset": "gpt3-1.3b"},
+                           "training": {"globalBatch": 16, "steps": 1, "precision": "bf16",
+                                        "optimizerSharding": True},
+                           "crossDC": {"mode": mode, "compression": "bf16"}})
+    _, red, gat, x_red, x_gat = P._dp_rates(unit, 2, 1, inv, spec)
+    assert x_red == pytest.approx(codec)
+    assert x_gat == pytest.approx(2 / 8)  # bf16 parameters: eb = 2
     link = 10 / 8 * 1e9  # bytes/s; dp 2 = one GPU per DC: no intra-DC term
-    assert out[True][1] == pytest.approx((codec + 2 / 8) / link)
+    assert red == pytest.approx(codec / link)
+    assert gat == pytest.approx(2 / 8 / link)
 
 
 def _llama_layer_s(device: DeviceSpec, elem_bytes: int) -> float:

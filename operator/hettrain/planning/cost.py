@@ -679,6 +679,43 @@ def ring_reduce_scatter_s(nbytes: float, ranks: int, gbytes_per_s: float,
     return (ranks - 1) * latency_s + (ranks - 1) / ranks * nbytes / (gbytes_per_s * 1e9)
 
 
+def dp_members_per_node(ranks: int, tp: int, gpus_per_node: int) -> int:
+    """Members of one stage DP group (of ``ranks``) on one node: the node's GPUs hold
+    ``gpus_per_node // tp`` TP groups side by side, one member of the DP group each (the
+    planner places a stage's replicas on consecutive GPUs, TP innermost); 1 when a TP group
+    fills a node or more."""
+    return max(1, min(ranks, gpus_per_node // max(1, tp)))
+
+
+def node_hierarchical_all_reduce(ranks: int, per_node: int, intra_gbytes: float,
+                                 intra_latency_s: float, nic_gbytes: float,
+                                 nic_latency_s: float) -> tuple[float, float]:
+    """``(latency seconds, seconds per byte)`` of an all-reduce of a DP group of ``ranks``
+    with ``per_node`` members per node, per byte each rank holds (α–β):
+
+    1. reduce-scatter inside the node over its ``per_node`` members (``per_node − 1`` steps of
+       ``M/per_node`` over the intra-node link);
+    2. ``per_node`` all-reduces side by side, one per shard, each over ``⌈ranks/per_node⌉``
+       nodes (``2(N − 1)`` steps of ``M/(per_node·N)`` over each GPU's own NIC share: the
+       node's ``per_node`` NIC shares carry the node's one ring member's bytes together);
+    3. all-gather inside the node (as 1).
+
+    That is the runtime's hierarchical all-reduce (``runtime/collectives/hierarchical.py``:
+    intra reduce-scatter, inter all-reduce among the shard owners, intra all-gather) with
+    nodes as blocks, and what NCCL's ring reaches inside one pool with a channel per NIC (the
+    node boundary carries one ring member's ``2(N − 1)/N·M``, spread over the node's NICs).
+    One node (``ranks ≤ per_node``): a ring over the intra-node link; one member per node: a
+    ring over the NICs."""
+    if ranks <= 1:
+        return 0.0, 0.0
+    g = max(1, min(ranks, per_node))
+    nodes = -(-ranks // g)
+    lat = 2 * (g - 1) * intra_latency_s + 2 * (nodes - 1) * nic_latency_s
+    per_byte = (2 * (g - 1) / g / (intra_gbytes * 1e9)
+                + 2 * (nodes - 1) / nodes / g / (nic_gbytes * 1e9))
+    return lat, per_byte
+
+
 def transfer_s(nbytes: float, gbytes_per_s: float, latency_s: float) -> float:
     """Point-to-point transfer time."""
     return latency_s + nbytes / (gbytes_per_s * 1e9)
