@@ -131,11 +131,11 @@ def test_min_seconds_per_flop_is_a_lower_bound(device: str) -> None:
 def test_hopper_attention_runs_at_the_causal_flash_rate_in_bf16_only() -> None:
     """bf16 attention on H100/H200 is SDPA's causal flash kernel: half the pairs the model
     counts at the GEMMs' efficiency (HOPPER_FLASH_ATTENTION_EFFICIENCY); fp32 (no flash
-    kernel) and other devices keep the fitted ATTENTION_EFFICIENCY."""
+    kernel) FP32_ATTENTION_EFFICIENCY, other devices the fitted ATTENTION_EFFICIENCY."""
     from hettrain.planning.catalog import CATALOG, HOPPER_FLASH_ATTENTION_EFFICIENCY
     for name in ("H100-SXM", "H200"):
         assert cost.attention_efficiency(CATALOG[name]) == HOPPER_FLASH_ATTENTION_EFFICIENCY
-        assert cost.attention_efficiency(CATALOG[name], 4) == cost.ATTENTION_EFFICIENCY
+        assert cost.attention_efficiency(CATALOG[name], 4) == cost.FP32_ATTENTION_EFFICIENCY
     for name in ("A100-80GB", "MI300X", "Gaudi3", "CPU"):
         assert cost.attention_efficiency(CATALOG[name]) == cost.ATTENTION_EFFICIENCY
     m = parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": 8192},
@@ -399,7 +399,7 @@ def test_fp32_layers_run_at_the_fp32_matrix_rate_not_the_bf16_one() -> None:
     assert h200.matmul_flops(2) == h200.effective_flops
     assert h200.matmul_flops(4) == pytest.approx(67e12 * h200.fp32_efficiency)
     # with one attention efficiency for both (fp32 has no flash kernel; bf16 does on Hopper)
-    plain = dataclasses.replace(h200, attention_efficiency=0.0)
+    plain = dataclasses.replace(h200, attention_efficiency=cost.FP32_ATTENTION_EFFICIENCY)
     ratio = _llama_layer_s(plain, 4) / _llama_layer_s(plain, 2)
     assert 7.0 < ratio < (989 * h200.efficiency) / (67 * h200.fp32_efficiency)
     # measured on the H200 (fwd+bwd of the stage without its optimizer step): about 9.7
@@ -430,8 +430,11 @@ def test_a_declared_device_takes_its_fp32_rate_and_an_fp32_plan_is_slower() -> N
                                             "precision": precision},
                                "parallelism": {"tp": 1, "pp": 1, "dp": 8}})
         times[precision] = plan_job("j", spec, inv).predicted.step_time_s
-    # the GEMMs alone: 500·0.45 / (100·0.85) = 2.65x; the rest (HBM, DP) grows less
-    assert 2.0 < times["fp32"] / times["bf16"] <= 2.65
+    # the GEMMs alone: 500·0.45 / (100·0.85) = 2.65x; the attention core (no fp32 flash
+    # kernel: FP32_ATTENTION_EFFICIENCY vs ATTENTION_EFFICIENCY) at most 2.65·0.75/0.5; the
+    # rest (HBM, DP) grows less
+    att = cost.ATTENTION_EFFICIENCY / cost.FP32_ATTENTION_EFFICIENCY
+    assert 2.0 < times["fp32"] / times["bf16"] <= 2.65 * att
     bad = {**base, "devices": [{**base["devices"][0], "fp32Tflops": 0}]}
     with pytest.raises(PlanningError, match="fp32Tflops"):
         load_cluster(bad)
