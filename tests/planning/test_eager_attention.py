@@ -55,6 +55,26 @@ def test_a_bad_attention_exits_2_naming_the_field(tmp_path: Path,
     assert "spec.training.attention" in err and "flash, eager" in err
 
 
+def test_planning_an_eager_job_in_the_cli_exits_2_naming_the_field(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``hettrain plan`` refuses what the runtime would refuse at start-up."""
+    path = tmp_path / "job.yaml"
+    path.write_text(textwrap.dedent("""\
+        apiVersion: hettrain.dev/v1alpha1
+        kind: HetTrainingJob
+        metadata: {name: tiny}
+        spec:
+          model: {preset: gpt-tiny}
+          training: {globalBatch: 8, steps: 10, attention: eager}
+          data: {synthetic: true}
+        """))
+    code = cli.main(["plan", str(path), "--cluster",
+                     str(ROOT / "examples/clusters/local-cpu.yaml")], out=io.StringIO())
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "plan.training.attention='eager'" in err and "spec.training.attention" in err
+
+
 @pytest.mark.parametrize("recompute,forwards", [("none", 1), ("selective", 2), ("full", 2)])
 def test_eager_score_bytes_hand_count(recompute: str, forwards: int) -> None:
     m = _spec().model  # 16 heads, s 512
