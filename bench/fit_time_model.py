@@ -2,9 +2,12 @@
 
 The free constants are the A100's large-GEMM efficiency (``catalog.CATALOG["A100-80GB"]``),
 ``cost.ATTENTION_EFFICIENCY`` and ``cost.TP_BUS_EFFICIENCY``; everything else in the time model
-is counted or estimated (``planning/cost.py``). Coordinate descent on a grid, minimising
-``max |error| + median |error|`` of :mod:`bench.fidelity` over the fitted rows (only those:
-checked rows never enter the fit). Prints the best constants; copy them into the sources.
+is counted or estimated (``planning/cost.py``; the Table 1 rows' eager attention, pinned in
+their job.yaml as ``spec.training.attention: eager``, adds the materialised scores' counted
+memory traffic, ``cost.EAGER_SCORE_ACCESSES_*``: no constant of its own is fitted).
+Coordinate descent on a grid, minimising ``max |error| + median |error|`` of
+:mod:`bench.fidelity` over the fitted rows (only those: checked rows never enter the fit).
+Prints the best constants; copy them into the sources.
 
 Usage: python bench/fit_time_model.py [--sweeps 3]
 """

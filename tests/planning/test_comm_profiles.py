@@ -126,17 +126,21 @@ def test_time_model_uses_the_measured_links() -> None:
     assert cost.p2p_link(dev, 50.0, 20e-6) == pytest.approx((P2P_BW / 1e9, P2P_LAT))
     assert cost.p2p_link(dev, 1.0, 1e-3) == pytest.approx((1.0, 1e-3))
     assert cost.p2p_link(plain, 50.0, 20e-6) == (50.0, 20e-6)
-    # DP inside a node: the measured ring; across nodes: the NIC, floored by the measurement
+    # DP inside a node: the measured ring; across nodes: hierarchical, the measured ring
+    # inside each node and the NIC (floored by the measurement) between them
     spec = parse_job_spec({**JOB, "training": {**JOB["training"], "optimizerSharding": False}})
     unit = build_units(inv.pools, merged=False)[0]
-    lat, per_byte, _ = P._dp_time_per_byte(unit, 4, 1, inv, spec)
+    lat, per_byte, *_ = P._dp_rates(unit, 4, 1, inv, spec)
     assert (lat, per_byte) == pytest.approx((6 * STEP_LAT, 2 * 3 / 4 / BUS_BW))
     wide = apply_profiles(load_cluster(_cluster(gpus_per_node=2, nodes=2)), [_profile()])
     unit = build_units(wide.pools, merged=False)[0]
-    lat, per_byte, _ = P._dp_time_per_byte(unit, 4, 1, wide, spec)
+    lat, per_byte, *_ = P._dp_rates(unit, 4, 1, wide, spec)
     nic = min(unit.nic_gbytes_per_gpu * 1e9, BUS_BW)
-    assert (lat, per_byte) == pytest.approx((6 * max(STEP_LAT, cost.COLLECTIVE_LATENCY_S),
-                                             2 * 3 / 4 / nic))
+    # 2 members per node: reduce-scatter + all-gather of 1 step each inside the node, then
+    # each member's half crosses between the 2 nodes over its own NIC share
+    assert (lat, per_byte) == pytest.approx(
+        (2 * STEP_LAT + 2 * max(STEP_LAT, cost.COLLECTIVE_LATENCY_S),
+         2 * 1 / 2 / BUS_BW + 2 * 1 / 2 / 2 / nic))
 
 
 def test_plan_notes_say_which_links_were_measured() -> None:

@@ -88,8 +88,9 @@ def _random_case(seed: int) -> tuple[list[dict], object, int]:
 
 
 # seeds where the fastest plan on the survivors would move more ranks than a near-best one
-# found for the time model (seeds 0-88; the optimizer step's time moved the earlier ones)
-@pytest.mark.parametrize("seed", [16, 38, 56, 69, 88])
+# found for the time model (seeds 0-88; the optimizer step's time moved the earlier ones, the
+# hierarchical DP all-reduce across nodes seed 16: 2, 9, 25, 31, 42, 58, 70 also qualify now)
+@pytest.mark.parametrize("seed", [9, 38, 56, 69, 88])
 def test_replan_prefers_fewer_moves_within_tolerance(seed: int) -> None:
     pools, spec, pick = _random_case(seed)
     inv = load_cluster(_cluster(pools))

@@ -202,11 +202,20 @@ def test_replan_after_a_failure_in_an_extra_group():
     assert replica_group_errors(again) == [] and unsupported(again) == []
     assert len(again.groups) >= 3  # the other idle pools still get their groups
     assert again.predicted.step_time_s == grouped_step_s(spec, survivors, again)
-    # group 0 searched on one pool alone (per_pool_plans) stays there: its pool lost nothing
+    # group 0 searched on one pool alone (per_pool_plans): its pool lost nothing, so the re-plan
+    # weighs that same layout (the home pool's only) against the search over every pool and
+    # keeps the faster; the home layout's stages are unchanged where it wins (today the search
+    # wins by 0.9%: 1.013 s vs the a100 layout's 1.023 s, which the old flat-ring DP model
+    # priced the other way round)
     home = {p for s in grouped.groups[0].stages for p in s.pools}
     if len(home) == 1 and failed not in {r.node for r in grouped.group_ranks(0)}:
-        assert again.groups[0].stages == grouped.groups[0].stages
-        assert any(n.startswith("re-plan: ") for n in again.notes)
+        from hettrain.planning.replica_groups import per_pool_plans
+        alts = per_pool_plans(again, spec, survivors, next(iter(home)))
+        assert alts and all(a.groups[0].stages == grouped.groups[0].stages for a in alts)
+        assert again.predicted.step_time_s <= min(a.predicted.step_time_s for a in alts)
+        if {p for s in again.groups[0].stages for p in s.pools} == home:
+            assert again.groups[0].stages == grouped.groups[0].stages
+            assert any(n.startswith("re-plan: ") for n in again.notes)
 
 
 def test_max_gpus_stops_adding_groups_and_says_so():

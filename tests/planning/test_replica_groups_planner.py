@@ -235,9 +235,10 @@ def test_plan_job_notes_why_idle_nodes_stay_idle():
     assert allowed.groups == () and allowed.notes == plain.notes
 
 
-@pytest.mark.parametrize("cluster", [25, 36])
+@pytest.mark.parametrize("cluster", [25, 4])
 def test_mixed_tp_plans_get_groups_that_follow_their_tp_runs_or_one_tp(cluster):
-    # bench/plan_quality's fixed clusters 25 (TP runs 1/2/1) and 36 (8/4), llama3-8b
+    # bench/plan_quality's fixed clusters 25 (TP runs 1/2/4/2/1) and 4 (8/2/4/2), llama3-8b
+    # (36's 8/4 plan gets no group since the DP all-reduce across nodes is hierarchical)
     inv = load_cluster(pq.clusters(40)[cluster])
     plain = plan_job("q", pq.job("llama3-8b"), inv)
     grouped = plan_job("q", pq.job("llama3-8b", replica_groups=True), inv)

@@ -131,11 +131,11 @@ def test_min_seconds_per_flop_is_a_lower_bound(device: str) -> None:
 def test_hopper_attention_runs_at_the_causal_flash_rate_in_bf16_only() -> None:
     """bf16 attention on H100/H200 is SDPA's causal flash kernel: half the pairs the model
     counts at the GEMMs' efficiency (HOPPER_FLASH_ATTENTION_EFFICIENCY); fp32 (no flash
-    kernel) and other devices keep the fitted ATTENTION_EFFICIENCY."""
+    kernel) FP32_ATTENTION_EFFICIENCY, other devices the fitted ATTENTION_EFFICIENCY."""
     from hettrain.planning.catalog import CATALOG, HOPPER_FLASH_ATTENTION_EFFICIENCY
     for name in ("H100-SXM", "H200"):
         assert cost.attention_efficiency(CATALOG[name]) == HOPPER_FLASH_ATTENTION_EFFICIENCY
-        assert cost.attention_efficiency(CATALOG[name], 4) == cost.ATTENTION_EFFICIENCY
+        assert cost.attention_efficiency(CATALOG[name], 4) == cost.FP32_ATTENTION_EFFICIENCY
     for name in ("A100-80GB", "MI300X", "Gaudi3", "CPU"):
         assert cost.attention_efficiency(CATALOG[name]) == cost.ATTENTION_EFFICIENCY
     m = parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": 8192},
@@ -318,11 +318,18 @@ def test_dp_sync_charges_the_runtimes_zero1_all_reduce_and_all_gather(precision:
         spec = parse_job_spec({"model": {"preset": "gpt3-1.3b"},
                                "training": {"globalBatch": 16, "steps": 1,
                                             "precision": precision,
-                                            "optimizerSharding": sharding}})
-        per[sharding] = P._dp_time_per_byte(unit, 4, 4, inv, spec)[1]
-    nic = unit.nic_gbytes_per_gpu * 1e9  # dp·tp = 16 GPUs span 2 nodes: the NIC
-    assert per[False] == pytest.approx(2 * 3 / 4 / nic)
-    assert per[True] == pytest.approx(factor * per[False])
+                                            "optimizerSharding": sharding,
+                                            "overlapGradReduce": False}})
+        per[sharding] = P._dp_sync_coeffs(unit, 4, 4, inv, spec, 1, 1.0, 0.0, False, False)
+        red = P._dp_rates(unit, 4, 4, inv, spec)[1]
+    # dp·tp = 16 GPUs span 2 nodes, 2 members of the DP group per node: reduce-scatter and
+    # all-gather over NVLink, each member's half between the nodes over its own NIC share
+    nic = unit.nic_gbytes_per_gpu * 1e9
+    intra = unit.device.intra_node_gbps * 1e9
+    assert red == pytest.approx(2 * 1 / 2 / intra + 2 * 1 / 2 / 2 / nic)
+    grad_layer = cost.layer_params(spec.model) * 4.0 / 4
+    assert per[False][0] == pytest.approx(grad_layer * red)
+    assert per[True][0] == pytest.approx(factor * per[False][0])
 
 
 def test_prediction_reports_the_bottleneck_stages_tp_comm() -> None:
@@ -364,17 +371,16 @@ def test_cross_dc_bytes_count_zero1s_uncompressed_all_gather(mode: str, codec: f
     inv = load_cluster(cluster)
     unit = build_units(inv.pools, merged=True)[0]
     assert len(unit.datacenters) == 2
-    out = {}
-    for sharding in (False, True):
-        spec = parse_job_spec({"model": {"preset": "gpt3-1.3b"},
-                               "training": {"globalBatch": 16, "steps": 1, "precision": "bf16",
-                                            "optimizerSharding": sharding},
-                               "crossDC": {"mode": mode, "compression": "bf16"}})
-        out[sharding] = P._dp_time_per_byte(unit, 2, 1, inv, spec)
-    assert out[False][2] == pytest.approx(codec)
-    assert out[True][2] == pytest.approx(codec + 2 / 8)  # bf16 parameters: eb = 2
+    spec = parse_job_spec({"model": {"preset": "gpt3-1.3b"},
+                           "training": {"globalBatch": 16, "steps": 1, "precision": "bf16",
+                                        "optimizerSharding": True},
+                           "crossDC": {"mode": mode, "compression": "bf16"}})
+    _, red, gat, x_red, x_gat = P._dp_rates(unit, 2, 1, inv, spec)
+    assert x_red == pytest.approx(codec)
+    assert x_gat == pytest.approx(2 / 8)  # bf16 parameters: eb = 2
     link = 10 / 8 * 1e9  # bytes/s; dp 2 = one GPU per DC: no intra-DC term
-    assert out[True][1] == pytest.approx((codec + 2 / 8) / link)
+    assert red == pytest.approx(codec / link)
+    assert gat == pytest.approx(2 / 8 / link)
 
 
 def _llama_layer_s(device: DeviceSpec, elem_bytes: int) -> float:
@@ -393,7 +399,7 @@ def test_fp32_layers_run_at_the_fp32_matrix_rate_not_the_bf16_one() -> None:
     assert h200.matmul_flops(2) == h200.effective_flops
     assert h200.matmul_flops(4) == pytest.approx(67e12 * h200.fp32_efficiency)
     # with one attention efficiency for both (fp32 has no flash kernel; bf16 does on Hopper)
-    plain = dataclasses.replace(h200, attention_efficiency=0.0)
+    plain = dataclasses.replace(h200, attention_efficiency=cost.FP32_ATTENTION_EFFICIENCY)
     ratio = _llama_layer_s(plain, 4) / _llama_layer_s(plain, 2)
     assert 7.0 < ratio < (989 * h200.efficiency) / (67 * h200.fp32_efficiency)
     # measured on the H200 (fwd+bwd of the stage without its optimizer step): about 9.7
@@ -424,8 +430,11 @@ def test_a_declared_device_takes_its_fp32_rate_and_an_fp32_plan_is_slower() -> N
                                             "precision": precision},
                                "parallelism": {"tp": 1, "pp": 1, "dp": 8}})
         times[precision] = plan_job("j", spec, inv).predicted.step_time_s
-    # the GEMMs alone: 500·0.45 / (100·0.85) = 2.65x; the rest (HBM, DP) grows less
-    assert 2.0 < times["fp32"] / times["bf16"] <= 2.65
+    # the GEMMs alone: 500·0.45 / (100·0.85) = 2.65x; the attention core (no fp32 flash
+    # kernel: FP32_ATTENTION_EFFICIENCY vs ATTENTION_EFFICIENCY) at most 2.65·0.75/0.5; the
+    # rest (HBM, DP) grows less
+    att = cost.ATTENTION_EFFICIENCY / cost.FP32_ATTENTION_EFFICIENCY
+    assert 2.0 < times["fp32"] / times["bf16"] <= 2.65 * att
     bad = {**base, "devices": [{**base["devices"][0], "fp32Tflops": 0}]}
     with pytest.raises(PlanningError, match="fp32Tflops"):
         load_cluster(bad)

@@ -25,6 +25,11 @@ SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1")
 CROSS_DC_MODES = ("sync", "compress", "diloco")
 CROSS_DC_SPEC_MODES = (*CROSS_DC_MODES, "auto")  # spec only: the planner picks sync|compress
 COMPRESSIONS = ("none", "bf16", "int8")
+# spec.training.attention: the attention kernel. flash = fused (the runtime's torch SDPA: the
+# s×s scores never reach memory); eager = unfused, the scores materialised in memory (QKᵀ,
+# masked softmax, dropout, ·V as separate kernels: Megatron-LM 2021); the planner prices its
+# score traffic, the runtime trains flash only (planning/support.py)
+ATTENTION_KERNELS = ("flash", "eager")
 # spec.training.sharding: what the data-parallel group shards (runtime/optim.py). optimizer =
 # ZeRO-1 (fp32 master + AdamW moments), gradients = ZeRO-2 (+ the fp32 main grads), full =
 # ZeRO-3 / FSDP (+ the parameters, gathered unit by unit)
@@ -157,6 +162,8 @@ class TrainingSpec:
     # none | optimizer (ZeRO-1) | gradients (ZeRO-2) | full (ZeRO-3/FSDP); "auto" only in a
     # spec (a plan's is always resolved). "" (unset): follows ``optimizer_sharding``.
     sharding: str = ""
+    # flash | eager (ATTENTION_KERNELS): eager prices the materialised s×s scores (cost.py)
+    attention: str = "flash"
 
     def __post_init__(self) -> None:
         # one truth for both fields: unset follows the flag; otherwise "off" wins, so
@@ -506,12 +513,14 @@ def _parse_training(f: _Fields) -> TrainingSpec:
     precision = f.str_("precision", "bf16", PRECISIONS)
     sharding = _parse_sharding(f)
     overlap = f.bool_("overlapGradReduce", True)
+    attention = f.str_("attention", "flash", ATTENTION_KERNELS)
     recompute = f.str_("recompute", "selective", RECOMPUTE_SPEC_MODES)
     lr = f.float_("learningRate", 3e-4)
     seed = f.int_("seed", 1234, minimum=0)
     loop = _parse_training_loop(f)
     f.reject_unknown()
-    assert gb is not None and steps is not None and precision and recompute and seed is not None
+    assert (gb is not None and steps is not None and precision and recompute and attention
+            and seed is not None)
     if mb is not None and gb % mb:
         raise SpecError(
             f"{f.path}.microBatch",
@@ -521,7 +530,7 @@ def _parse_training(f: _Fields) -> TrainingSpec:
     return TrainingSpec(
         global_batch=gb, steps=steps, micro_batch=mb, precision=precision,
         optimizer_sharding=sharding != "none", sharding=sharding, recompute=recompute,
-        learning_rate=lr, seed=seed, **loop, overlap_grad_reduce=overlap,
+        learning_rate=lr, seed=seed, **loop, overlap_grad_reduce=overlap, attention=attention,
     )
 
 

@@ -14,7 +14,7 @@ Numbers are vendor datasheet values for dense (non-sparse) BF16 math:
 Achievable efficiency is never the peak: ``efficiency`` is the fraction of peak a large,
 well-shaped GEMM reaches on the device (the asymptote of the time model's saturating GEMM curve;
 attention, memory-bound operators and kernel overheads are costed on top, ``cost.py``). It is
-explicit and overridable per cluster. A100-80GB's 0.63 is FITTED to Megatron-LM SC'21 Table 1
+explicit and overridable per cluster. A100-80GB's 0.68 is FITTED to Megatron-LM SC'21 Table 1
 (``bench/fit_time_model.py``); the other devices' values are estimates not yet checked against
 published runs.
 Unknown devices must be declared in the cluster YAML ``devices:``; they are never guessed.
@@ -106,7 +106,7 @@ CATALOG: dict[str, DeviceSpec] = {
                    fp32_tflops=67, attention_efficiency=HOPPER_FLASH_ATTENTION_EFFICIENCY),
         DeviceSpec("H200", "nvidia", 989, 141 * _GB, 4.8, 450, "nccl", 0.47, 55, fp32_tflops=67,
                    attention_efficiency=HOPPER_FLASH_ATTENTION_EFFICIENCY),
-        DeviceSpec("A100-80GB", "nvidia", 312, 80 * _GB, 2.04, 300, "nccl", 0.63, 25,
+        DeviceSpec("A100-80GB", "nvidia", 312, 80 * _GB, 2.04, 300, "nccl", 0.68, 25,
                    fp32_tflops=19.5),
         DeviceSpec("L40S", "nvidia", 362, 48 * _GB, 0.864, 32, "nccl", 0.40, 25, fp32_tflops=91.6),
         DeviceSpec("MI300X", "amd", 1307, 192 * _GB, 5.3, 448, "nccl", 0.35, 55,

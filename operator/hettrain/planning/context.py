@@ -110,7 +110,12 @@ def cp_layer_time_s(model: ModelSpec, training: TrainingSpec, micro_batch: int, 
     if cp <= 1:
         return cost.layer_time_s(model, training, micro_batch, tp, device)
     local = cost.cp_local_model(model, cp)
+    # eager attention: the rank's share of the materialised scores (attention_share of s²)
+    eager = (cost.eager_score_bytes(model, micro_batch, tp, training.recompute, eb)
+             * attention_share(cp) / (device.hbm_tbps * 1e12)
+             if training.attention == "eager" else 0.0)
     return (cp_layer_compute_s(model, micro_batch, tp, cp, device, training.recompute, eb)
+            + eager
             + cost.tp_comm_per_layer_s(local, micro_batch, tp, device, eb, training.recompute)
             + cp_comm_per_layer_s(model, micro_batch, tp, cp, eb, training.recompute, *link))
 

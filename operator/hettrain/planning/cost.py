@@ -123,12 +123,28 @@ def model_flops_per_step(model: ModelSpec, global_batch: int) -> float:
 # fitted (to Megatron-LM SC'21 Table 1, ``bench/fidelity.py``; A100 only).
 
 KERNEL_FIXED_S = 8e-6  # launch latency (~5 us) + wave-quantisation tail per kernel; estimate
-ATTENTION_EFFICIENCY = 0.50  # attention core vs large GEMMs; FITTED (Table 1)
+# attention core vs large GEMMs; FITTED (Table 1, whose eager attention's score traffic is
+# priced apart: EAGER_SCORE_ACCESSES_*; 0.50 before that, when it absorbed that traffic)
+ATTENTION_EFFICIENCY = 0.75
+# fp32 attention (no flash kernel) vs the fp32 GEMMs: the 0.50 the fp32 rate
+# (catalog.FP32_EFFICIENCY, one H200, docs/runtime.md) was fitted with; not refitted
+FP32_ATTENTION_EFFICIENCY = 0.50
 ELEMENTWISE_BYTES_PER_HIDDEN = 24.0  # counted: 2 norms, 2 bias+dropout+residual, bf16
 ELEMENTWISE_BYTES_PER_FFN = 4.0  # counted: the MLP activation reads + writes f, bf16
 KERNELS_PER_PASS = 14  # counted: 4-5 GEMMs, attention, ~8 elementwise per layer forward
-TP_BUS_EFFICIENCY = 0.85  # NCCL ring bus bandwidth / link bandwidth on NVLink; FITTED (Table 1)
+TP_BUS_EFFICIENCY = 0.75  # NCCL ring bus bandwidth / link bandwidth on NVLink; FITTED (Table 1)
 TP_LATENCY_S = 5e-6  # α of one ring step over NVLink (NCCL small-message latency); estimate
+# eager (unfused) attention, ``spec.training.attention: eager``: element reads + writes of the
+# materialised s×s scores per query head, counted on Megatron-LM's 2021 core attention
+# (baddbmm QKᵀ, fused scale-mask-softmax, dropout, bmm ·V): forward 6 (the scores written;
+# read and written by the softmax; read and written by the dropout; read by ·V) plus the
+# dropout's 1-byte mask written; backward 9 (the probabilities' gradient written, the dropped
+# probabilities read for ·V's weight gradient; dropout backward read + write; softmax backward
+# reads the gradient and its output, writes; QKᵀ's two gradients read it) plus the mask read.
+# Memory-bound: at the HBM bandwidth. The GEMMs of QKᵀ and ·V stay in the attention term.
+EAGER_SCORE_ACCESSES_FORWARD = 6
+EAGER_SCORE_ACCESSES_BACKWARD = 9
+EAGER_MASK_BYTES = 1  # dropout mask per score element, written forward, read backward
 
 
 def compute_passes(recompute: str) -> int:
@@ -145,10 +161,23 @@ def attention_passes(recompute: str) -> int:
 def attention_efficiency(device: DeviceSpec, elem_bytes: int = 2) -> float:
     """The attention core's rate relative to the GEMMs' (on the full ``s²`` pair count): the
     device's own (causal flash on Hopper; bf16/fp16 only, flash has no fp32 kernel) or the
-    fitted ``ATTENTION_EFFICIENCY``."""
+    fitted ``ATTENTION_EFFICIENCY``; fp32 ``FP32_ATTENTION_EFFICIENCY``."""
     if elem_bytes == 4:
-        return ATTENTION_EFFICIENCY
+        return FP32_ATTENTION_EFFICIENCY
     return device.attention_efficiency or ATTENTION_EFFICIENCY
+
+
+def eager_score_bytes(model: ModelSpec, micro_batch: int, tp: int, recompute: str,
+                      elem_bytes: int = 2) -> float:
+    """HBM bytes of one layer's materialised attention scores per microbatch on one TP rank
+    with eager attention (forward and backward; the forward again where the recompute mode
+    redoes the attention core): ``b·(a/t)·s²`` score elements per pass, the counted accesses
+    of each (``EAGER_SCORE_ACCESSES_*``) at the plan precision plus the dropout mask."""
+    scores = micro_batch * model.heads / tp * float(model.seq_len) ** 2
+    forwards = attention_passes(recompute) - 2  # 1, or 2 when the core is recomputed
+    per = (forwards * (EAGER_SCORE_ACCESSES_FORWARD * elem_bytes + EAGER_MASK_BYTES)
+           + EAGER_SCORE_ACCESSES_BACKWARD * elem_bytes + EAGER_MASK_BYTES)
+    return scores * per
 
 
 def gemm_efficiency(device: DeviceSpec, gemm_flops: float) -> float:
@@ -159,14 +188,18 @@ def gemm_efficiency(device: DeviceSpec, gemm_flops: float) -> float:
 
 
 def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
-                    recompute: str, elem_bytes: int = 2) -> float:
+                    recompute: str, elem_bytes: int = 2, attention: str = "flash") -> float:
     """Compute seconds of one layer for one microbatch on one TP rank (no communication).
 
     A device profile that measured this layer shape in this precision
     (``planning/profiles.py``) replaces the model: its fitted seconds of the recompute mode
     (a version-1 profile without a measured selective mode: plus one modelled attention
-    forward).
+    forward). ``attention`` ``eager`` adds the materialised scores' memory traffic
+    (:func:`eager_score_bytes`) at the HBM bandwidth, on the model and on a profile (which
+    measured the runtime's fused attention).
     """
+    eager = (eager_score_bytes(model, micro_batch, tp, recompute, elem_bytes)
+             / (device.hbm_tbps * 1e12) if attention == "eager" else 0.0)
     tokens = micro_batch * model.seq_len
     prof = device.profile
     if prof is not None and prof.matches(model, elem_bytes):
@@ -175,7 +208,7 @@ def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceS
             t += (4.0 * tokens * model.seq_len * model.hidden / tp
                   / (device.matmul_flops(elem_bytes)
                      * attention_efficiency(device, elem_bytes)))
-        return t
+        return t + eager
     passes = compute_passes(recompute)
     gemm = passes * 2.0 * tokens * layer_matmul_params(model) / tp
     attn = attention_passes(recompute) * 4.0 * tokens * model.seq_len * model.hidden / tp
@@ -184,7 +217,7 @@ def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceS
                                       + ELEMENTWISE_BYTES_PER_FFN * model.ffn_hidden)
                    / tp * elem_bytes / 2)
     return (gemm / peak + attn / (peak * attention_efficiency(device, elem_bytes))
-            + elementwise / (device.hbm_tbps * 1e12)
+            + elementwise / (device.hbm_tbps * 1e12) + eager
             + passes * KERNELS_PER_PASS * KERNEL_FIXED_S)
 
 
@@ -208,7 +241,8 @@ def layer_time_s(model: ModelSpec, training: TrainingSpec, micro_batch: int, tp:
     if line is not None:
         return line[0] + line[1] * micro_batch
     eb = precision_bytes(training)
-    return (layer_compute_s(model, micro_batch, tp, device, training.recompute, eb)
+    return (layer_compute_s(model, micro_batch, tp, device, training.recompute, eb,
+                            training.attention)
             + tp_comm_per_layer_s(model, micro_batch, tp, device, eb, training.recompute))
 
 
@@ -691,6 +725,43 @@ def ring_reduce_scatter_s(nbytes: float, ranks: int, gbytes_per_s: float,
     if ranks <= 1 or nbytes <= 0:
         return 0.0
     return (ranks - 1) * latency_s + (ranks - 1) / ranks * nbytes / (gbytes_per_s * 1e9)
+
+
+def dp_members_per_node(ranks: int, tp: int, gpus_per_node: int) -> int:
+    """Members of one stage DP group (of ``ranks``) on one node: the node's GPUs hold
+    ``gpus_per_node // tp`` TP groups side by side, one member of the DP group each (the
+    planner places a stage's replicas on consecutive GPUs, TP innermost); 1 when a TP group
+    fills a node or more."""
+    return max(1, min(ranks, gpus_per_node // max(1, tp)))
+
+
+def node_hierarchical_all_reduce(ranks: int, per_node: int, intra_gbytes: float,
+                                 intra_latency_s: float, nic_gbytes: float,
+                                 nic_latency_s: float) -> tuple[float, float]:
+    """``(latency seconds, seconds per byte)`` of an all-reduce of a DP group of ``ranks``
+    with ``per_node`` members per node, per byte each rank holds (α–β):
+
+    1. reduce-scatter inside the node over its ``per_node`` members (``per_node − 1`` steps of
+       ``M/per_node`` over the intra-node link);
+    2. ``per_node`` all-reduces side by side, one per shard, each over ``⌈ranks/per_node⌉``
+       nodes (``2(N − 1)`` steps of ``M/(per_node·N)`` over each GPU's own NIC share: the
+       node's ``per_node`` NIC shares carry the node's one ring member's bytes together);
+    3. all-gather inside the node (as 1).
+
+    That is the runtime's hierarchical all-reduce (``runtime/collectives/hierarchical.py``:
+    intra reduce-scatter, inter all-reduce among the shard owners, intra all-gather) with
+    nodes as blocks, and what NCCL's ring reaches inside one pool with a channel per NIC (the
+    node boundary carries one ring member's ``2(N − 1)/N·M``, spread over the node's NICs).
+    One node (``ranks ≤ per_node``): a ring over the intra-node link; one member per node: a
+    ring over the NICs."""
+    if ranks <= 1:
+        return 0.0, 0.0
+    g = max(1, min(ranks, per_node))
+    nodes = -(-ranks // g)
+    lat = 2 * (g - 1) * intra_latency_s + 2 * (nodes - 1) * nic_latency_s
+    per_byte = (2 * (g - 1) / g / (intra_gbytes * 1e9)
+                + 2 * (nodes - 1) / nodes / g / (nic_gbytes * 1e9))
+    return lat, per_byte
 
 
 def transfer_s(nbytes: float, gbytes_per_s: float, latency_s: float) -> float:

@@ -238,30 +238,36 @@ def _dp_rates(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: JobSpec
     bytes per byte of each)`` of a stage's DP sync, per byte of its fp32 gradients: the
     gradient all-reduce, and one all-gather of the parameters at the training precision
     (ZeRO's: ``eb`` bytes vs the all-reduce's ``2·4`` per element, so ``eb/8`` of an
-    all-reduce), whatever ``spec.training.sharding`` (:func:`_dp_sync_coeffs` counts them)."""
+    all-reduce), whatever ``spec.training.sharding`` (:func:`_dp_sync_coeffs` counts them).
+
+    Inside a datacenter the all-reduce is hierarchical over nodes
+    (:func:`cost.node_hierarchical_all_reduce`): with ``g`` members of the group per node
+    (:func:`cost.dp_members_per_node`) the intra-node link reduce-scatters and all-gathers,
+    and only ``1/g`` of each rank's bytes crosses the node boundary, over each GPU's NIC
+    share side by side (a flat ring charged at one GPU's NIC share was ``g×`` too slow)."""
     if dp <= 1:
         return 0.0, 0.0, 0.0, 0.0, 0.0
-    same_node = dp * tp <= unit.gpus_per_node
-    bw = unit.device.intra_node_gbps if same_node else unit.nic_gbytes_per_gpu
     dcs = unit.datacenters
     # the runtime reduces its fp32 main grads with an all-reduce (the hierarchical and
     # compressed paths are all-reduce only); ZeRO all-gathers parameters at the training
     # precision
     eb = cost.precision_bytes(spec.training)
-    step_lat = cost.COLLECTIVE_LATENCY_S
+    intra_bw, intra_lat = unit.device.intra_node_gbps, cost.COLLECTIVE_LATENCY_S
+    nic_bw, nic_lat = unit.nic_gbytes_per_gpu, cost.COLLECTIVE_LATENCY_S
     if cost.measured_comm(unit.device) is not None:
         # measured inside a node (hettrain profile); no path between nodes beats it
         node_bw, node_lat = cost.node_ring_link(unit.device)
-        bw, step_lat = (node_bw, node_lat) if same_node else (min(bw, node_bw),
-                                                              max(step_lat, node_lat))
-    if len(dcs) == 1:
-        lat = 2 * (dp - 1) * step_lat
-        ring = 2 * (dp - 1) / dp / (bw * 1e9)
-        return lat, ring, eb / 8.0 * ring, 0.0, 0.0
-    # hierarchical: intra-DC reduce-scatter, inter-DC all-reduce of shards, intra-DC all-gather
+        intra_bw, intra_lat = node_bw, node_lat
+        nic_bw, nic_lat = min(nic_bw, node_bw), max(nic_lat, node_lat)
     k = len(dcs)
-    local = max(1, dp // k)
-    intra = 2 * (local - 1) / local / (bw * 1e9) if local > 1 else 0.0
+    local = dp if k == 1 else max(1, dp // k)
+    per_node = cost.dp_members_per_node(local, tp, unit.gpus_per_node)
+    lat, intra = cost.node_hierarchical_all_reduce(local, per_node, intra_bw, intra_lat,
+                                                   nic_bw, nic_lat)
+    if k == 1:
+        return lat, intra, eb / 8.0 * intra, 0.0, 0.0
+    # hierarchical: intra-DC reduce-scatter, inter-DC all-reduce of shards, intra-DC all-gather
+    # (the intra-DC part itself hierarchical over the DC's nodes, as above)
     link = min((inv.link(a, b) for a, b in itertools.combinations(dcs, 2)),
                key=lambda lk: lk.gbytes)
     cross = 2 * (k - 1) / k  # bytes crossing per byte of one DC's gradient
@@ -274,20 +280,9 @@ def _dp_rates(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: JobSpec
     gather = eb / 8.0
     # every TP rank's shard owners share the link: tp·(1/tp of the grads) = the whole stage
     inter = tp / (link.gbytes * 1e9)
-    lat = 2 * (local - 1) * step_lat + 2 * (k - 1) * link.latency_ms / 1e3
+    lat += 2 * (k - 1) * link.latency_ms / 1e3
     return (lat, intra + cross * shrink * inter, gather * intra + cross * gather * inter,
             cross * shrink * tp, cross * gather * tp)
-
-
-def _dp_time_per_byte(unit: Unit, dp: int, tp: int, inv: ClusterInventory,
-                      spec: JobSpec) -> tuple[float, float, float]:
-    """(latency seconds, seconds per byte, cross-DC bytes per byte) of one pass of a stage's
-    grad sync: the all-reduce, plus ZeRO-1's parameter all-gather with any sharding
-    (``1 + eb/8`` all-reduces). :func:`_dp_sync_coeffs` counts the passes per step."""
-    lat, red, gat, x_red, x_gat = _dp_rates(unit, dp, tp, inv, spec)
-    if not spec.training.optimizer_sharding:
-        return lat, red, x_red
-    return lat, red + gat, x_red + x_gat
 
 
 def _dp_sync_coeffs(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: JobSpec,

@@ -23,6 +23,10 @@ def unsupported(plan: Plan) -> list[str]:
     if t.lr_schedule not in LR_SCHEDULES:
         out.append(f"plan.training.lr_schedule={t.lr_schedule!r}: must be one of "
                    f"{', '.join(LR_SCHEDULES)} (spec.training.lrSchedule)")
+    if t.attention != "flash":
+        out.append(f"plan.training.attention={t.attention!r}: the runtime's attention is "
+                   "fused (torch SDPA, flash); eager attention is only priced, for published "
+                   "runs that used it; set spec.training.attention: flash (or omit it)")
     mode = (plan.cross_dc or {}).get("mode", "sync")
     if t.sharding not in SHARDINGS:
         out.append(f"plan.training.sharding={t.sharding!r}: the runtime shards "

@@ -24,7 +24,7 @@ ZeRO-1 reduces the gradients with an all-reduce and keeps its own slice rather t
 reduce-scatter: the communicator's hierarchical (pool / datacenter) and compressed paths exist
 for all-reduce only, and gloo (CPU, host-staged cross-vendor groups) has no reduce-scatter. The
 all-reduce moves twice the bytes of a reduce-scatter; the planner charges it (``planner.
-_dp_time_per_byte``).
+_dp_rates``).
 
 Checkpoints (:meth:`StageOptimizer.checkpoint_state`): each rank saves and loads views of its
 own slice, as boxes of the global (unsharded, TP-gathered) per-parameter tensors; nothing is

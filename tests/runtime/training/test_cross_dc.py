@@ -75,7 +75,7 @@ def test_zero1_all_gather_crosses_the_dc_link_once_per_byte(tmp_path, sync_run):
     per_step = gather / STEPS
     # each DC receives the other DC's 2 slices once per step
     assert per_step == k * (dp - dp // k) * slice_bytes, (per_step, slice_bytes)
-    # planner (planning/planner.py _dp_time_per_byte): per DC, eb/8 of a ring all-reduce's
+    # planner (planning/planner.py _dp_rates): per DC, eb/8 of a ring all-reduce's
     # 2(k-1)/k bytes per fp32 byte of the stage's parameters (padding aside)
     planned = eb / 8 * 2 * (k - 1) / k * 4 * n
     assert per_step / k == pytest.approx(planned, rel=1e-3)
