@@ -302,21 +302,32 @@ def state_bytes_per_param(training: TrainingSpec, dp: int) -> float:
     return weights + grads + optim
 
 
+# ZeRO-2/3 overlapped (runtime/grad_sync.UnitGradSync): per-unit gradient reductions in flight
+# while the backward fills the next unit's bucket; one is double buffering (unit i reduces while
+# unit i-1 computes its backward), the memory FSDP's reduce-scatter also holds
+SHARDING_REDUCES_IN_FLIGHT = 1
+
+
 def sharding_transient_bytes(training: TrainingSpec, unit_params: float) -> float:
     """Bytes ZeRO-2/3 hold beyond their sharded state while one unit (the embedding, one
     decoder layer or the head; ``unit_params``: the stage's largest, on one rank) is worked on:
     its full fp32 gradient bucket (4 per parameter) and autograd's gradient in the plan
     precision (``p``; at most one parameter's, the embedding's the whole unit) before it is
-    folded in; ``full`` also the unit's gathered parameters (``p``). One unit is gathered at a
-    time: autograd runs a unit's gradient accumulations before the backward of the unit below
-    it starts (and so its gather), and the unit is freed once they are reduced
-    (``runtime.memory`` measures this peak). None for none/optimizer (their gradients are part
-    of the state)."""
+    folded in; ``full`` also the unit's gathered parameters (``p``). Synchronously
+    (``overlapGradReduce: false``) one unit is gathered at a time: autograd runs a unit's
+    gradient accumulations before the backward of the unit below it starts (and so its
+    gather), and the unit is freed once they are reduced. Overlapped (the default; charged
+    also where the stage's DP group spans pools and the runtime stays synchronous) add
+    ``SHARDING_REDUCES_IN_FLIGHT`` buckets still being reduced (4 each) and, for ``full``,
+    the next unit's prefetched parameters (``p``). ``runtime.memory`` measures this peak.
+    None for none/optimizer (their gradients are part of the state)."""
     p = 4.0 if training.precision == "fp32" else 2.0
+    overlap = training.overlap_grad_reduce
+    in_flight = 4.0 * SHARDING_REDUCES_IN_FLIGHT if overlap else 0.0
     if training.sharding == "gradients":
-        return (4.0 + p) * unit_params
+        return (4.0 + p + in_flight) * unit_params
     if training.sharding == "full":
-        return (4.0 + 2.0 * p) * unit_params
+        return (4.0 + 2.0 * p + in_flight + (p if overlap else 0.0)) * unit_params
     return 0.0
 
 
