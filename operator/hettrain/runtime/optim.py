@@ -298,7 +298,7 @@ class StageOptimizer:
         self._norm = _merge_ranges(sorted(self._norm))
         self.grad_sync: BucketedGradSync | UnitGradSync | None = None  # enable_overlap()
         self.prefetch = False  # ZeRO-3: gather the next unit while this one computes
-        self.prefetched = 0  # ZeRO-3: gathers launched ahead of their unit (tests, stats)
+        self.prefetched = 0  # ZeRO-3: gathers launched ahead of their unit this step
 
     def _init_flat(self, device: torch.device) -> None:
         """No sharding or ZeRO-1: one flat buffer of every parameter, full main grads."""
@@ -603,6 +603,7 @@ class StageOptimizer:
         """Arm the overlapped sync for a step of ``microbatches`` backwards (no-op without)."""
         if self.grad_sync is not None:
             self.grad_sync.begin(microbatches)
+        self.prefetched = 0
 
     # ------------------------------------------------------------ the step
 
