@@ -345,17 +345,21 @@ def dp_sync_counts(sharding: str, microbatches: int) -> tuple[int, int, bool]:
     - ``none``: 1 all-reduce after the last microbatch (overlapped with its backward);
     - ``optimizer`` (ZeRO-1): that all-reduce, then 1 all-gather of the updated parameters
       (exposed);
-    - ``gradients`` (ZeRO-2): the all-reduce after EVERY microbatch's backward, unit by unit,
-      synchronously (``microbatches``, fully exposed), then ZeRO-1's all-gather once;
-    - ``full`` (ZeRO-3/FSDP): the all-reduce after every microbatch as ZeRO-2, no step-end
+    - ``gradients`` (ZeRO-2): the all-reduce in EVERY microbatch's backward, unit by unit
+      (``microbatches``), then ZeRO-1's all-gather once (exposed);
+    - ``full`` (ZeRO-3/FSDP): the all-reduce in every microbatch as ZeRO-2, no step-end
       all-gather, but each unit's parameters gathered twice per microbatch (before its forward
-      and before its backward): ``2·microbatches`` all-gathers, exposed.
+      and before its backward): ``2·microbatches`` all-gathers.
 
-    ``overlappable``: whether the all-reduce may overlap the backward (none, optimizer)."""
+    ``overlappable``: whether they may overlap compute -- every sharding's: none and optimizer
+    the all-reduce with the last microbatch's backward (``grad_sync.BucketedGradSync``),
+    gradients and full each unit's all-reduce and (full) prefetched all-gather with every
+    microbatch's backward and forward (``grad_sync.UnitGradSync``); the planner's
+    ``_dp_sync_coeffs`` prices what stays exposed."""
     if sharding == "gradients":
-        return microbatches, 1, False
+        return microbatches, 1, True
     if sharding == "full":
-        return microbatches, 2 * microbatches, False
+        return microbatches, 2 * microbatches, True
     return 1, int(sharding == "optimizer"), True
 
 
