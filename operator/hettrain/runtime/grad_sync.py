@@ -176,8 +176,9 @@ class UnitGradSync:
     beside the one it fills (``planning.cost.sharding_transient_bytes`` counts them).
     :meth:`finish` (before the optimizer step) completes every one, oldest first. Every DP
     rank launches the same reductions in the same order (the same units, the same schedule).
-    ``account(bytes, seconds)`` gets each reduction's wire bytes at launch and the seconds
-    waited (the exposed part): by the bound during the backward and by :meth:`finish`."""
+    ``account(bytes, seconds)`` gets each reduction's wire bytes at launch and, from
+    :meth:`finish`, the seconds the step waited on them (the exposed part): by the bound
+    during the backward and by :meth:`finish` itself."""
 
     def __init__(self, launch: Callable[[torch.Tensor], Work], group_size: int, limit: int,
                  account: Callable[[int, float], None] | None = None,
@@ -219,13 +220,12 @@ class UnitGradSync:
         work, bucket, done = self._work.pop(0)
         t0 = time.perf_counter()
         work.wait()
-        secs = time.perf_counter() - t0
-        self.wait_s += secs
-        if self.account is not None:
-            self.account(0, secs)
+        self.wait_s += time.perf_counter() - t0
         done(bucket)
 
     def finish(self) -> None:
-        """Complete every reduction in flight, oldest first."""
+        """Complete every reduction in flight, oldest first; account the step's waits."""
         while self._work:
             self._complete_oldest()
+        if self.account is not None:
+            self.account(0, self.wait_s)
