@@ -39,10 +39,14 @@ of ``d`` and split into ``d`` equal chunks; a rank owns chunk ``index`` of every
 master weights, moments and fp32 main grads exist for those chunks only (``(4 + 12) / d`` bytes
 per parameter). Every microbatch's backward sums each unit's low-precision gradients into a
 transient fp32 bucket; when the unit's last gradient has arrived the bucket is averaged over
-the group (``reduce_grads``: the communicator's hierarchical / compressed all-reduce, as for
-ZeRO-1) and the rank adds its own chunk into its main grads, then frees the bucket. So the DP
+the group and the rank adds its own chunk into its main grads, then frees the bucket. So the DP
 sync runs once per microbatch, not once per step -- the price of never holding a full fp32
-gradient (the planner charges it). ``gradients`` keeps the full parameters (``p`` bytes) and
+gradient (the planner charges it). Overlapped (:meth:`StageOptimizer.enable_overlap`, a DP
+group in one pool) the reduction is launched asynchronously and completed later, one in flight
+(``grad_sync.UnitGradSync``), and ``full`` prefetches the all-gather of the unit that runs next
+(forward: the next unit of the model chunk; backward: the one before); else it is averaged
+synchronously right there (``reduce_grads``: the communicator's hierarchical / compressed
+all-reduce, as for ZeRO-1). ``gradients`` keeps the full parameters (``p`` bytes) and
 all-gathers the updated chunks after the step, unit by unit. ``full`` keeps only its chunk of
 the parameters too: a unit's parameters are all-gathered (into a buffer whose storage is freed
 between uses, so the parameters stay views of it and autograd's saved references stay valid)
