@@ -345,6 +345,7 @@ class StageOptimizer:
                                 else self.master.to(self.dtype))
         owner = {id(p): u.key for u in self.units for p in self.params[u.first:u.last]}
         self._forward_order = self._run_order()
+        self._position = {id(u): j for j, u in enumerate(self._forward_order)}
         for u in self.units:
             block = (self.params_flat[u.start:u.start + u.padded] if self.params_flat is not None
                      else torch.zeros(u.padded, dtype=self.dtype, device=device))
@@ -522,7 +523,7 @@ class StageOptimizer:
         the one that runs next in the forward or the backward (None at a chunk's end: what
         runs next then depends on the schedule)."""
         order = self._forward_order
-        j = order.index(u) + step
+        j = self._position[id(u)] + step
         if 0 <= j < len(order) and order[j].chunk_id == u.chunk_id:
             return order[j]
         return None
