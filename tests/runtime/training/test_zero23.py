@@ -4,6 +4,7 @@ checkpoints written as each rank's chunks and resumed on other layouts and shard
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -13,6 +14,7 @@ from tests.runtime.cp.plans import cp_plan
 from tests.runtime.training.plans import TINY, tiny_plan
 from tests.runtime.training.runs import run_losses
 
+from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.runtime.trainer import reference_losses
 
 pytestmark = pytest.mark.slow
@@ -135,3 +137,29 @@ def test_zero23_overlapped_sync_equals_the_synchronous_one(tmp_path, sharding):
         # ZeRO-3: every gather but each forward's and backward's first was launched ahead
         assert ov["prefetched"] == (2 * m * (units - 1) if sharding == "full" else 0)
     assert all(s["dp_overlap"] == {} for s in off_sum)
+
+
+def test_zero3_interleaved_prefetch_stays_inside_each_chunk_and_matches_the_reference(tmp_path):
+    """Interleaved pp2×dp2, v = 2 (each stage's units in two model chunks): the prefetch never
+    crosses a chunk's end (what runs next depends on the schedule), results equal the
+    single-process reference."""
+    steps, m = 3, 4
+    plan = dataclasses.replace(tiny_plan([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=2,
+                                         steps=steps, num_microbatches=m,
+                                         schedule="interleaved", sharding="full"),
+                               virtual_stages=2)
+    summary = tmp_path / "summary"
+    got = run_losses(plan, tmp_path / "run", {"HETTRAIN_METRICS_PORT": "0",
+                                             "HETTRAIN_SUMMARY_DIR": str(summary)},
+                     tmp_path / "l.jsonl")
+    for step, want in enumerate(reference_losses(plan, steps)):
+        assert got[step] == pytest.approx(want, rel=FP32_RTOL), step
+    for r in plan.ranks:
+        ov = json.loads((summary / f"rank-{r.rank}.json").read_text())["dp_overlap"]
+        chunks = chunk_layer_ranges(plan)[r.stage]
+        assert len(chunks) == 2
+        # per chunk of k units: k - 1 prefetches in its forward and k - 1 in its backward
+        units = [b - a + (c == 0 and r.stage == 0) + 2 * (c == 1 and r.stage == plan.pp - 1)
+                 for c, (a, b) in enumerate(chunks)]
+        assert ov["prefetched"] == 2 * m * sum(k - 1 for k in units), (r, ov)
+        assert ov["max_in_flight"] == 1
