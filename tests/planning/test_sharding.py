@@ -478,3 +478,18 @@ def test_crd_copies_are_identical_and_list_every_sharding() -> None:
     field = schema["properties"]["spec"]["properties"]["training"]["properties"]["sharding"]
     assert tuple(field["enum"]) == SHARDING_SPEC_MODES
     assert "ZeRO-3" in field["description"]
+
+
+@pytest.mark.parametrize("sharding", ["optimizer", "gradients", "full"])
+def test_a_cpu_hides_no_dp_sync(sharding: str) -> None:
+    """gloo's collectives are CPU work on the ranks' own cores: on a CPU the overlapped
+    sync is charged as the synchronous one (cost.dp_overlap_share), whatever the window."""
+    inv = load_cluster(_cluster("CPU", 1, 4))
+    unit = build_units(inv.pools, merged=False)[0]
+    assert cost.dp_overlap_share(unit.device) == 0.0
+    on = _spec({"sharding": sharding, "globalBatch": 16})
+    off = _spec({"sharding": sharding, "globalBatch": 16, "overlapGradReduce": False})
+    for first, last in ((False, False), (True, False), (False, True)):
+        got = P._dp_sync_coeffs(unit, 2, 1, inv, on, 4, 1.0, 0.5, first, last)
+        want = P._dp_sync_coeffs(unit, 2, 1, inv, off, 4, 1.0, 0.5, first, last)
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-18), (first, last)

@@ -713,6 +713,14 @@ DP_BUCKET_BYTES = 25 * 2**20  # the runtime's gradient bucket (runtime/grad_sync
 DP_OVERLAP_SHARE = 0.8
 
 
+def dp_overlap_share(device: DeviceSpec) -> float:
+    """The share of a compute window ``device``'s DP collectives can run in
+    (:data:`DP_OVERLAP_SHARE`); none on a CPU (vendor ``cpu``): gloo's collectives are CPU
+    work on the same cores as the ranks' compute, so launching them early hides nothing but
+    the waiting (``bench/fidelity.py --cpu``'s ZeRO-3 row, docs/planning.md)."""
+    return 0.0 if device.vendor == "cpu" else DP_OVERLAP_SHARE
+
+
 def backward_fraction(recompute: str) -> float:
     """Share of a layer's fwd+bwd compute spent in its backward (incl. a full recompute's
     forward, which runs inside the backward): 2/3, or 3/4 with full recompute."""

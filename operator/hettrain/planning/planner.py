@@ -331,9 +331,11 @@ def _dp_sync_coeffs(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: J
             e_red = max(e_red, (int(first) + int(last)) * comm.all_reduce_s(table, dp)
                         + int(last) * comm.all_reduce_s(4.0 * model.hidden, dp))
             table_red = max(table_red, comm.all_reduce_s(table, dp))
-        if spec.training.overlap_grad_reduce and len(unit.pools) == 1:
+        if (spec.training.overlap_grad_reduce and len(unit.pools) == 1
+                and cost.dp_overlap_share(unit.device) > 0.0):
             # (seconds, whether it is a layer's) of the collectives that stay exposed
-            return _per_unit_exposed(spec, m, (c_red, e_red), (c_gat, e_gat),
+            return _per_unit_exposed(spec, m, cost.dp_overlap_share(unit.device),
+                                     (c_red, e_red), (c_gat, e_gat),
                                      (table_red, False) if first else (c_red, True),
                                      (table_gat, False) if first else (c_gat, True),
                                      (table_gat, False) if last else (c_gat, True),
@@ -345,7 +347,7 @@ def _dp_sync_coeffs(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: J
     return reduces * c_red + gathers * c_gat, reduces * e_red + gathers * e_gat
 
 
-def _per_unit_exposed(spec: JobSpec, m: int, reduce: tuple[float, float],
+def _per_unit_exposed(spec: JobSpec, m: int, share: float, reduce: tuple[float, float],
                       gather: tuple[float, float], first_red: tuple[float, bool],
                       first_gat: tuple[float, bool], last_gat: tuple[float, bool],
                       layer_s: float, head_s: float) -> tuple[float, float]:
@@ -364,7 +366,8 @@ def _per_unit_exposed(spec: JobSpec, m: int, reduce: tuple[float, float],
     backward ends last (``first_red``: the embedding's on the first stage, else a layer's)
     and, full, the gather of the unit whose backward starts first (``last_gat``: the head's
     on the last stage, else a layer's): :func:`cost.dp_exposed_coeffs` with those as its
-    exposed ``last``. ZeRO-3's forward gathers ``G`` run in the forward's window in the same
+    exposed ``last`` (``share``: :func:`cost.dp_overlap_share`, none on a CPU). ZeRO-3's
+    forward gathers ``G`` run in the forward's window in the same
     way, the first unit's (``first_gat``) exposed. ZeRO-2's all-gather after the step stays
     exposed.
 
@@ -381,8 +384,8 @@ def _per_unit_exposed(spec: JobSpec, m: int, reduce: tuple[float, float],
     def exposed(c: float, e: float, w: float, wf: float,
                 last: list[tuple[float, bool]]) -> tuple[float, float]:
         fixed = sum(x for x, layer in last if not layer)
-        cc, ee = cost.dp_exposed_coeffs(c, e, w, wf, fixed)
-        return cc, ee + min(sum(x for x, layer in last if layer), cost.DP_OVERLAP_SHARE * w)
+        cc, ee = cost.dp_exposed_coeffs(c, e, w, wf, fixed, share)
+        return cc, ee + min(sum(x for x, layer in last if layer), share * w)
 
     if spec.training.sharding == "full":
         bc, be = exposed(c_r + c_g, e_r + e_g, layer_s * back, head_s * 2.0 / 3.0,
@@ -402,7 +405,8 @@ def _dp_exposed(unit: Unit, dp: int, tp: int, spec: JobSpec, c: float, e: float,
 
     The runtime overlaps only a DP group inside one pool (``HetCommunicator.dp_overlappable``);
     a unit of several pools may place a stage's replicas in more than one, so there (and across
-    datacenters, and with ``overlapGradReduce: false``) the sync stays fully exposed. Else the
+    datacenters, and with ``overlapGradReduce: false``) the sync stays fully exposed; on a CPU
+    too (:func:`cost.dp_overlap_share`: gloo's work shares the ranks' cores). Else the
     gradient all-reduce runs in buckets during the last microbatch's backward
     (:func:`cost.dp_exposed_coeffs`): the window is the backward share of the layers' time
     (plus the head's on the last stage); the last bucket, at most ``cost.DP_BUCKET_BYTES`` (or
@@ -410,7 +414,8 @@ def _dp_exposed(unit: Unit, dp: int, tp: int, spec: JobSpec, c: float, e: float,
     parameter all-gather follows the optimizer step: always exposed (the caller adds it).
     ``dp`` is the gradient group: ``dp·cp`` with context parallelism, so cp > 1 syncs even at
     dp = 1."""
-    if dp <= 1 or not spec.training.overlap_grad_reduce or len(unit.pools) != 1:
+    if (dp <= 1 or not spec.training.overlap_grad_reduce or len(unit.pools) != 1
+            or cost.dp_overlap_share(unit.device) == 0.0):  # a CPU hides nothing
         return c, e
     model, training = spec.model, spec.training
     embed = cost.embedding_params(model) * 4.0 / cost.vocab_shards(model, tp)
@@ -420,7 +425,8 @@ def _dp_exposed(unit: Unit, dp: int, tp: int, spec: JobSpec, c: float, e: float,
     last_bytes = min(max(cost.DP_BUCKET_BYTES, embed if first else 0.0), whole)
     last_s = lat + last_bytes * per_byte
     back = cost.backward_fraction(training.recompute)
-    return cost.dp_exposed_coeffs(c, e, layer_s * back, head_s * 2.0 / 3.0, last_s)
+    return cost.dp_exposed_coeffs(c, e, layer_s * back, head_s * 2.0 / 3.0, last_s,
+                                  cost.dp_overlap_share(unit.device))
 
 
 def _optimizer_coeffs(unit: Unit, tp: int, dp: int, spec: JobSpec, first: bool,
