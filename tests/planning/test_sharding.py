@@ -135,23 +135,27 @@ def test_state_bytes_per_parameter_by_hand(precision: str, want: dict) -> None:
         assert cost.state_bytes_per_param(t, 4) == b, sharding
 
 
-def test_stage_memory_adds_one_units_transient_by_hand() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stage_memory_adds_one_units_transient_by_hand(overlap: bool) -> None:
     model = _spec().model  # h 1024, f 4096: 12,582,912 matmul + 2·1024 norm params per layer
     layer = 12_582_912 + 2 * 1024
     assert cost.layer_matmul_params(model) == 12_582_912
+    assert cost.SHARDING_REDUCES_IN_FLIGHT == 1
     kw = dict(tp=1, dp=4, micro_batch=1, in_flight=1, first=False, last=False)
 
     def mem(sharding: str) -> cost.StageMemory:
-        t = TrainingSpec(global_batch=8, steps=1, sharding=sharding, recompute="none")
+        t = TrainingSpec(global_batch=8, steps=1, sharding=sharding, recompute="none",
+                         overlap_grad_reduce=overlap)
         return cost.stage_memory(model, t, **kw)
 
     opt, grads, full = mem("optimizer"), mem("gradients"), mem("full")
     # per layer: the state (bf16, d = 4: 9, 6, 4.5 bytes per parameter)
     assert grads.per_layer - opt.per_layer == pytest.approx(layer * (6.0 - 9.0))
     assert full.per_layer - opt.per_layer == pytest.approx(layer * (4.5 - 9.0))
-    # fixed: one layer's fp32 bucket and bf16 grads (4 + 2); full also the gathered layer (2)
-    assert grads.fixed - opt.fixed == pytest.approx(6.0 * layer)
-    assert full.fixed - opt.fixed == pytest.approx(8.0 * layer)
+    # fixed: one layer's fp32 bucket and bf16 grads (4 + 2); full also the gathered layer (2);
+    # overlapped, one more bucket in flight (4) and, full, the prefetched layer (2)
+    assert grads.fixed - opt.fixed == pytest.approx((6.0 + 4.0 * overlap) * layer)
+    assert full.fixed - opt.fixed == pytest.approx((8.0 + 6.0 * overlap) * layer)
     assert mem("none").fixed == opt.fixed
 
 
@@ -162,9 +166,9 @@ def test_the_largest_unit_is_the_embedding_where_it_is() -> None:
     kw = dict(tp=1, dp=8, micro_batch=1, in_flight=1, first=True, last=False)
     t = {s: TrainingSpec(global_batch=8, steps=1, sharding=s) for s in ("optimizer", "full")}
     opt, full = (cost.stage_memory(model, t[s], **kw) for s in ("optimizer", "full"))
-    # the table's state: (2+4+12/8) vs 18/8 bytes; the transient: 8 bytes of the table
-    # (bucket 4, grad 2, gathered 2)
-    assert full.fixed - opt.fixed == pytest.approx(embed * (18 / 8 - 7.5) + 8.0 * embed)
+    # the table's state: (2+4+12/8) vs 18/8 bytes; the transient: 14 bytes of the table
+    # (bucket 4, grad 2, gathered 2; overlapped: a bucket in flight 4, a prefetched unit 2)
+    assert full.fixed - opt.fixed == pytest.approx(embed * (18 / 8 - 7.5) + 14.0 * embed)
 
 
 # ---------------------------------------------------------------- time
@@ -173,8 +177,8 @@ def test_the_largest_unit_is_the_embedding_where_it_is() -> None:
 def test_dp_sync_counts_per_option() -> None:
     assert cost.dp_sync_counts("none", 8) == (1, 0, True)
     assert cost.dp_sync_counts("optimizer", 8) == (1, 1, True)
-    assert cost.dp_sync_counts("gradients", 8) == (8, 1, False)
-    assert cost.dp_sync_counts("full", 8) == (8, 16, False)
+    assert cost.dp_sync_counts("gradients", 8) == (8, 1, True)
+    assert cost.dp_sync_counts("full", 8) == (8, 16, True)
 
 
 @pytest.mark.parametrize("sharding,reduces,gathers", [
@@ -222,15 +226,63 @@ def test_measured_all_reduce_is_interpolated_between_its_sizes() -> None:
     assert comm.all_reduce_s(100_000, 4) == pytest.approx(3e-3 * 1.5)
 
 
-def test_zero2_and_3_are_never_overlapped() -> None:
+@pytest.mark.parametrize("sharding", ["gradients", "full"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("layer_s,head_s", [(1.0, 0.0), (1e-4, 3e-4), (1e-6, 1e-6)])
+@pytest.mark.parametrize("first,last", [(False, False), (True, False), (False, True)])
+def test_zero23_expose_only_what_the_overlap_cannot_hide(sharding, recompute, layer_s,
+                                                         head_s, first, last) -> None:
+    """A100 node, dp = 4, tp = 2, m = 4: overlapped (the default, one pool), each
+    microbatch's per-unit reductions (full: and backward gathers) run in its backward
+    window, full's forward gathers in its forward window, by hand with cost.dp_exposed_coeffs;
+    the unit whose reduction starts after the backward (and full's first gathers) exposed.
+    Never more than the synchronous charge (overlapGradReduce: false), equal to it when
+    there is no compute to hide behind."""
     inv = load_cluster(_cluster("A100-80GB", 1, 8))
     unit = build_units(inv.pools, merged=False)[0]
-    out = {}
-    for s in ("optimizer", "gradients"):
-        spec = _spec({"sharding": s, "globalBatch": 16})  # overlap on (default)
-        out[s] = P._dp_sync_coeffs(unit, 4, 2, inv, spec, 1, 1.0, 0.0, False, False)
-    # m = 1: the same bytes, but ZeRO-1 hides its all-reduce behind the backward
-    assert out["optimizer"][0] < out["gradients"][0]
+    m, share = 4, cost.DP_OVERLAP_SHARE
+    on = _spec({"sharding": sharding, "globalBatch": 16, "recompute": recompute})
+    off = _spec({"sharding": sharding, "globalBatch": 16, "recompute": recompute,
+                 "overlapGradReduce": False})
+    args = (unit, 4, 2, inv)
+    c_on, e_on = P._dp_sync_coeffs(*args, on, m, layer_s, head_s, first, last)
+    c_off, e_off = P._dp_sync_coeffs(*args, off, m, layer_s, head_s, first, last)
+    for n in range(1, 9):  # a stage of n >= 1 layers
+        assert c_on * n + e_on <= (c_off * n + e_off) * (1 + 1e-12)
+    # by hand from the rates (no device profile here)
+    lat, red, gat, _, _ = P._dp_rates(unit, 4, 2, inv, on)
+    layer = cost.layer_params(on.model) * 4.0 / 2
+    table = cost.embedding_params(on.model) * 4.0 / cost.vocab_shards(on.model, 2)
+    n_fixed = int(first) + 2 * int(last)  # units beside the layers: embedding; norm, head
+    c_r, c_g = layer * red + lat, layer * gat + lat / 2
+    e_r = lat + table * red * (first + last) + (n_fixed - 1) * lat
+    e_g = table * gat * (first + last) + n_fixed * lat / 2
+    back = cost.backward_fraction(recompute)
+    wb, wf = share * layer_s * back, share * layer_s * (1 - back)
+    # exposed: a fixed unit's collective whole; a layer's beyond c' (at most the hidden share)
+    first_red = lat + table * red if first else 0.0
+    layer_red = 0.0 if first else min(c_r, wb)
+    if sharding == "full":
+        first_gat = lat / 2 + table * gat if first else 0.0
+        last_gat = lat / 2 + table * gat if last else 0.0
+        layer_b = layer_red if last else min(c_r * (not first) + c_g, wb)
+        bc = max(0.0, c_r + c_g - wb)
+        be = (first_red + last_gat + layer_b
+              + max(0.0, e_r + e_g - first_red - last_gat - share * head_s * 2 / 3))
+        fc = max(0.0, c_g - wf)
+        fe = (first_gat + (0.0 if first else min(c_g, wf))
+              + max(0.0, e_g - first_gat - share * head_s / 3))
+        want = m * (bc + fc), m * (be + fe)
+    else:
+        bc = max(0.0, c_r - wb)
+        be = first_red + layer_red + max(0.0, e_r - first_red - share * head_s * 2 / 3)
+        want = m * bc + c_g, m * be + e_g
+    assert (c_on, e_on) == pytest.approx(want, rel=1e-12, abs=1e-18)
+    if layer_s >= 1.0:  # a second of compute per layer hides every per-layer collective
+        assert c_on == (0.0 if sharding == "full" else c_g)
+    if layer_s == head_s == 1e-6:  # nothing to hide behind: all but share·window exposed
+        assert c_on == pytest.approx(c_off - m * share * layer_s
+                                     * (1.0 if sharding == "full" else back), rel=1e-9)
 
 
 # ---------------------------------------------------------------- auto
@@ -426,3 +478,18 @@ def test_crd_copies_are_identical_and_list_every_sharding() -> None:
     field = schema["properties"]["spec"]["properties"]["training"]["properties"]["sharding"]
     assert tuple(field["enum"]) == SHARDING_SPEC_MODES
     assert "ZeRO-3" in field["description"]
+
+
+@pytest.mark.parametrize("sharding", ["optimizer", "gradients", "full"])
+def test_a_cpu_hides_no_dp_sync(sharding: str) -> None:
+    """gloo's collectives are CPU work on the ranks' own cores: on a CPU the overlapped
+    sync is charged as the synchronous one (cost.dp_overlap_share), whatever the window."""
+    inv = load_cluster(_cluster("CPU", 1, 4))
+    unit = build_units(inv.pools, merged=False)[0]
+    assert cost.dp_overlap_share(unit.device) == 0.0
+    on = _spec({"sharding": sharding, "globalBatch": 16})
+    off = _spec({"sharding": sharding, "globalBatch": 16, "overlapGradReduce": False})
+    for first, last in ((False, False), (True, False), (False, True)):
+        got = P._dp_sync_coeffs(unit, 2, 1, inv, on, 4, 1.0, 0.5, first, last)
+        want = P._dp_sync_coeffs(unit, 2, 1, inv, off, 4, 1.0, 0.5, first, last)
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-18), (first, last)

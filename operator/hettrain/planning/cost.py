@@ -336,21 +336,32 @@ def state_bytes_per_param(training: TrainingSpec, dp: int) -> float:
     return weights + grads + optim
 
 
+# ZeRO-2/3 overlapped (runtime/grad_sync.UnitGradSync): per-unit gradient reductions in flight
+# while the backward fills the next unit's bucket; one is double buffering (unit i reduces while
+# unit i-1 computes its backward), the memory FSDP's reduce-scatter also holds
+SHARDING_REDUCES_IN_FLIGHT = 1
+
+
 def sharding_transient_bytes(training: TrainingSpec, unit_params: float) -> float:
     """Bytes ZeRO-2/3 hold beyond their sharded state while one unit (the embedding, one
     decoder layer or the head; ``unit_params``: the stage's largest, on one rank) is worked on:
     its full fp32 gradient bucket (4 per parameter) and autograd's gradient in the plan
     precision (``p``; at most one parameter's, the embedding's the whole unit) before it is
-    folded in; ``full`` also the unit's gathered parameters (``p``). One unit is gathered at a
-    time: autograd runs a unit's gradient accumulations before the backward of the unit below
-    it starts (and so its gather), and the unit is freed once they are reduced
-    (``runtime.memory`` measures this peak). None for none/optimizer (their gradients are part
-    of the state)."""
+    folded in; ``full`` also the unit's gathered parameters (``p``). Synchronously
+    (``overlapGradReduce: false``) one unit is gathered at a time: autograd runs a unit's
+    gradient accumulations before the backward of the unit below it starts (and so its
+    gather), and the unit is freed once they are reduced. Overlapped (the default; charged
+    also where the stage's DP group spans pools and the runtime stays synchronous) add
+    ``SHARDING_REDUCES_IN_FLIGHT`` buckets still being reduced (4 each) and, for ``full``,
+    the next unit's prefetched parameters (``p``). ``runtime.memory`` measures this peak.
+    None for none/optimizer (their gradients are part of the state)."""
     p = 4.0 if training.precision == "fp32" else 2.0
+    overlap = training.overlap_grad_reduce
+    in_flight = 4.0 * SHARDING_REDUCES_IN_FLIGHT if overlap else 0.0
     if training.sharding == "gradients":
-        return (4.0 + p) * unit_params
+        return (4.0 + p + in_flight) * unit_params
     if training.sharding == "full":
-        return (4.0 + 2.0 * p) * unit_params
+        return (4.0 + 2.0 * p + in_flight + (p if overlap else 0.0)) * unit_params
     return 0.0
 
 
@@ -368,17 +379,21 @@ def dp_sync_counts(sharding: str, microbatches: int) -> tuple[int, int, bool]:
     - ``none``: 1 all-reduce after the last microbatch (overlapped with its backward);
     - ``optimizer`` (ZeRO-1): that all-reduce, then 1 all-gather of the updated parameters
       (exposed);
-    - ``gradients`` (ZeRO-2): the all-reduce after EVERY microbatch's backward, unit by unit,
-      synchronously (``microbatches``, fully exposed), then ZeRO-1's all-gather once;
-    - ``full`` (ZeRO-3/FSDP): the all-reduce after every microbatch as ZeRO-2, no step-end
+    - ``gradients`` (ZeRO-2): the all-reduce in EVERY microbatch's backward, unit by unit
+      (``microbatches``), then ZeRO-1's all-gather once (exposed);
+    - ``full`` (ZeRO-3/FSDP): the all-reduce in every microbatch as ZeRO-2, no step-end
       all-gather, but each unit's parameters gathered twice per microbatch (before its forward
-      and before its backward): ``2·microbatches`` all-gathers, exposed.
+      and before its backward): ``2·microbatches`` all-gathers.
 
-    ``overlappable``: whether the all-reduce may overlap the backward (none, optimizer)."""
+    ``overlappable``: whether they may overlap compute -- every sharding's: none and optimizer
+    the all-reduce with the last microbatch's backward (``grad_sync.BucketedGradSync``),
+    gradients and full each unit's all-reduce and (full) prefetched all-gather with every
+    microbatch's backward and forward (``grad_sync.UnitGradSync``); the planner's
+    ``_dp_sync_coeffs`` prices what stays exposed."""
     if sharding == "gradients":
-        return microbatches, 1, False
+        return microbatches, 1, True
     if sharding == "full":
-        return microbatches, 2 * microbatches, False
+        return microbatches, 2 * microbatches, True
     return 1, int(sharding == "optimizer"), True
 
 
@@ -781,6 +796,14 @@ DP_BUCKET_BYTES = 25 * 2**20  # the runtime's gradient bucket (runtime/grad_sync
 # (the collective's kernels and the GEMMs contend for SMs and memory bandwidth); an estimate,
 # not fitted: no published row overlaps its DP sync (Megatron SC'21 reduced after the backward)
 DP_OVERLAP_SHARE = 0.8
+
+
+def dp_overlap_share(device: DeviceSpec) -> float:
+    """The share of a compute window ``device``'s DP collectives can run in
+    (:data:`DP_OVERLAP_SHARE`); none on a CPU (vendor ``cpu``): gloo's collectives are CPU
+    work on the same cores as the ranks' compute, so launching them early hides nothing but
+    the waiting (``bench/fidelity.py --cpu``'s ZeRO-3 row, docs/planning.md)."""
+    return 0.0 if device.vendor == "cpu" else DP_OVERLAP_SHARE
 
 
 def backward_fraction(recompute: str) -> float:

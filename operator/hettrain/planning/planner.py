@@ -296,11 +296,12 @@ def _dp_sync_coeffs(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: J
     one all-gather of its parameters ``G = c_g·n + e_g`` (no latency: ZeRO-1's model).
     :func:`cost.dp_sync_counts` says how many of each a step runs: none and optimizer one
     all-reduce, overlapped with the last microbatch's backward as the runtime does
-    (:func:`_dp_exposed`), optimizer then one exposed all-gather; gradients ``m`` exposed
-    all-reduces (after every microbatch's backward) and one all-gather; full ``m``
-    all-reduces and ``2·m`` all-gathers (each unit before its forward and its backward), all
-    exposed; these two run them unit by unit, a latency per unit and collective. ``dp`` is
-    the gradient group (``dp·cp``)."""
+    (:func:`_dp_exposed`), optimizer then one exposed all-gather; gradients ``m`` all-reduces
+    (one per microbatch's backward) and one all-gather after the step; full ``m`` all-reduces
+    and ``2·m`` all-gathers (each unit before its forward and its backward); these two run
+    them unit by unit, a latency per unit and collective, overlapped with each microbatch's
+    forward and backward where the runtime overlaps them (:func:`_per_unit_exposed`). ``dp``
+    is the gradient group (``dp·cp``)."""
     if dp <= 1:
         return 0.0, 0.0
     model = spec.model
@@ -316,18 +317,78 @@ def _dp_sync_coeffs(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: J
         fixed_units = int(first) + 2 * int(last)
         c_red, e_red = c_red + lat, e_red + (fixed_units - 1) * lat
         c_gat, e_gat = c_gat + lat / 2, e_gat + fixed_units * lat / 2
+        table = fixed_grad / max(1, int(first) + int(last))  # the embedding's or head's
+        table_red, table_gat = lat + table * red, lat / 2 + table * gat
         comm = cost.measured_comm(unit.device)
         if comm is not None and dp * tp <= unit.gpus_per_node:
             # inside a node, the measured all-reduce of each unit's size where it is slower
-            table = fixed_grad / max(1, int(first) + int(last))
             c_red = max(c_red, comm.all_reduce_s(grad_layer, dp))
             e_red = max(e_red, (int(first) + int(last)) * comm.all_reduce_s(table, dp)
                         + int(last) * comm.all_reduce_s(4.0 * model.hidden, dp))
+            table_red = max(table_red, comm.all_reduce_s(table, dp))
+        if (spec.training.overlap_grad_reduce and len(unit.pools) == 1
+                and cost.dp_overlap_share(unit.device) > 0.0):
+            # (seconds, whether it is a layer's) of the collectives that stay exposed
+            return _per_unit_exposed(spec, m, cost.dp_overlap_share(unit.device),
+                                     (c_red, e_red), (c_gat, e_gat),
+                                     (table_red, False) if first else (c_red, True),
+                                     (table_gat, False) if first else (c_gat, True),
+                                     (table_gat, False) if last else (c_gat, True),
+                                     layer_s, head_s)
     reduces, gathers, overlap = cost.dp_sync_counts(spec.training.sharding, m)
-    if overlap:
+    if overlap and not cost.sharded_grads(spec.training):
         c_red, e_red = _dp_exposed(unit, dp, tp, spec, c_red, e_red, lat, red, layer_s,
                                    head_s, first)
     return reduces * c_red + gathers * c_gat, reduces * e_red + gathers * e_gat
+
+
+def _per_unit_exposed(spec: JobSpec, m: int, share: float, reduce: tuple[float, float],
+                      gather: tuple[float, float], first_red: tuple[float, bool],
+                      first_gat: tuple[float, bool], last_gat: tuple[float, bool],
+                      layer_s: float, head_s: float) -> tuple[float, float]:
+    """``(c, e)``: the EXPOSED seconds per step of ZeRO-2/3's per-unit sync as the runtime
+    overlaps it (``grad_sync.UnitGradSync``, ``optim.StageOptimizer`` prefetch) -- on a DP
+    group inside one pool with ``overlapGradReduce`` (else :func:`_dp_sync_coeffs` charges
+    it all).
+
+    ``reduce = (c_r, e_r)``: a stage's per-unit all-reduces of one microbatch, ``gather``
+    its per-unit all-gathers (per layer, fixed). Every microbatch's backward launches each
+    unit's reduction as its gradients are complete, one in flight while the next unit's
+    backward computes; ZeRO-3 also prefetches the next-to-run unit's gather there. So per
+    microbatch the backward's comm ``R (+ G)`` runs in its window (the backward share of the
+    layers' time, ``cost.backward_fraction``, and 2/3 of the head's), except what can only
+    start when the backward ends or must precede it: the reduction of the unit whose
+    backward ends last (``first_red``: the embedding's on the first stage, else a layer's)
+    and, full, the gather of the unit whose backward starts first (``last_gat``: the head's
+    on the last stage, else a layer's): :func:`cost.dp_exposed_coeffs` with those as its
+    exposed ``last`` (``share``: :func:`cost.dp_overlap_share`, none on a CPU). ZeRO-3's
+    forward gathers ``G`` run in the forward's window in the same
+    way, the first unit's (``first_gat``) exposed. ZeRO-2's all-gather after the step stays
+    exposed.
+
+    Each exposed collective is ``(seconds, is a layer's)``: a fixed unit's is the exposed
+    ``last`` of :func:`cost.dp_exposed_coeffs`; a layer's is one of the ``n`` layers, of which
+    ``c'`` already charges the part the window does not hide, so the fixed part adds the rest,
+    ``min(seconds, share·window)``: ``(n − 1)·c' + seconds`` for a stage whose exposed
+    collectives are all its layers', never more than the synchronous ``n·c + e`` for
+    ``n >= 1``."""
+    c_r, e_r = reduce
+    c_g, e_g = gather
+    back = cost.backward_fraction(spec.training.recompute)
+
+    def exposed(c: float, e: float, w: float, wf: float,
+                last: list[tuple[float, bool]]) -> tuple[float, float]:
+        fixed = sum(x for x, layer in last if not layer)
+        cc, ee = cost.dp_exposed_coeffs(c, e, w, wf, fixed, share)
+        return cc, ee + min(sum(x for x, layer in last if layer), share * w)
+
+    if spec.training.sharding == "full":
+        bc, be = exposed(c_r + c_g, e_r + e_g, layer_s * back, head_s * 2.0 / 3.0,
+                         [first_red, last_gat])
+        fc, fe = exposed(c_g, e_g, layer_s * (1.0 - back), head_s / 3.0, [first_gat])
+        return m * (bc + fc), m * (be + fe)
+    bc, be = exposed(c_r, e_r, layer_s * back, head_s * 2.0 / 3.0, [first_red])
+    return m * bc + c_g, m * be + e_g
 
 
 def _dp_exposed(unit: Unit, dp: int, tp: int, spec: JobSpec, c: float, e: float, lat: float,
@@ -339,7 +400,8 @@ def _dp_exposed(unit: Unit, dp: int, tp: int, spec: JobSpec, c: float, e: float,
 
     The runtime overlaps only a DP group inside one pool (``HetCommunicator.dp_overlappable``);
     a unit of several pools may place a stage's replicas in more than one, so there (and across
-    datacenters, and with ``overlapGradReduce: false``) the sync stays fully exposed. Else the
+    datacenters, and with ``overlapGradReduce: false``) the sync stays fully exposed; on a CPU
+    too (:func:`cost.dp_overlap_share`: gloo's work shares the ranks' cores). Else the
     gradient all-reduce runs in buckets during the last microbatch's backward
     (:func:`cost.dp_exposed_coeffs`): the window is the backward share of the layers' time
     (plus the head's on the last stage); the last bucket, at most ``cost.DP_BUCKET_BYTES`` (or
@@ -347,7 +409,8 @@ def _dp_exposed(unit: Unit, dp: int, tp: int, spec: JobSpec, c: float, e: float,
     parameter all-gather follows the optimizer step: always exposed (the caller adds it).
     ``dp`` is the gradient group: ``dp·cp`` with context parallelism, so cp > 1 syncs even at
     dp = 1."""
-    if dp <= 1 or not spec.training.overlap_grad_reduce or len(unit.pools) != 1:
+    if (dp <= 1 or not spec.training.overlap_grad_reduce or len(unit.pools) != 1
+            or cost.dp_overlap_share(unit.device) == 0.0):  # a CPU hides nothing
         return c, e
     model, training = spec.model, spec.training
     embed = cost.embedding_params(model) * 4.0 / cost.vocab_shards(model, tp)
@@ -357,7 +420,8 @@ def _dp_exposed(unit: Unit, dp: int, tp: int, spec: JobSpec, c: float, e: float,
     last_bytes = min(max(cost.DP_BUCKET_BYTES, embed if first else 0.0), whole)
     last_s = lat + last_bytes * per_byte
     back = cost.backward_fraction(training.recompute)
-    return cost.dp_exposed_coeffs(c, e, layer_s * back, head_s * 2.0 / 3.0, last_s)
+    return cost.dp_exposed_coeffs(c, e, layer_s * back, head_s * 2.0 / 3.0, last_s,
+                                  cost.dp_overlap_share(unit.device))
 
 
 def _optimizer_coeffs(unit: Unit, tp: int, dp: int, spec: JobSpec, first: bool,

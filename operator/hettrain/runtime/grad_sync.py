@@ -154,3 +154,78 @@ class BucketedGradSync:
         self.wait_s = time.perf_counter() - t0
         if self.account is not None:
             self.account(0, self.wait_s)
+
+
+class Completed:
+    """A collective that is already complete (a stand-in DP group has no peers to wait for)."""
+
+    def wait(self) -> None:
+        return None
+
+
+class UnitGradSync:
+    """ZeRO-2/3's per-unit gradient reductions, launched asynchronously with the same
+    ``launch`` as :class:`BucketedGradSync` (``HetCommunicator.dp_all_reduce_async``: one
+    flat sum all-reduce on the pool's group) and waited only when needed.
+
+    ``runtime/optim.py`` fills one fp32 bucket per unit and microbatch and calls
+    :meth:`launch` when the unit's last gradient has arrived, with ``done(bucket)``, which
+    keeps the rank's chunk (averaged by ``group_size``) and frees the bucket. At most
+    ``limit`` reductions are in flight: launching one more first completes the oldest (waits
+    on its handle and runs its ``done``), so the backward holds ``limit`` buckets in flight
+    beside the one it fills (``planning.cost.sharding_transient_bytes`` counts them).
+    :meth:`finish` (before the optimizer step) completes every one, oldest first. Every DP
+    rank launches the same reductions in the same order (the same units, the same schedule).
+    ``account(bytes, seconds)`` gets each reduction's wire bytes at launch and, from
+    :meth:`finish`, the seconds the step waited on them (the exposed part): by the bound
+    during the backward and by :meth:`finish` itself."""
+
+    def __init__(self, launch: Callable[[torch.Tensor], Work], group_size: int, limit: int,
+                 account: Callable[[int, float], None] | None = None,
+                 wire_bytes: Callable[[int], int] | None = None) -> None:
+        if limit < 1:
+            raise ValueError(f"reductions in flight must be >= 1, got {limit}")
+        self.launch_fn, self.group_size, self.limit = launch, group_size, limit
+        self.account, self.wire_bytes = account, wire_bytes
+        self._work: list[tuple[Work, torch.Tensor, Callable[[torch.Tensor], None]]] = []
+        self.buckets: list[int] = []  # elements of each reduction launched this step
+        self.launched_early = 0  # launched before finish(): all of them
+        self.wait_s = 0.0  # seconds waited this step (bound + finish)
+        self.max_in_flight = 0
+
+    def begin(self, expected: int) -> None:
+        """A new step (``expected``: unused, :class:`BucketedGradSync`'s interface)."""
+        if self._work:
+            raise RuntimeError("begin() before the previous step's finish()")
+        self.buckets, self.launched_early, self.wait_s = [], 0, 0.0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._work)
+
+    def launch(self, bucket: torch.Tensor, done: Callable[[torch.Tensor], None]) -> None:
+        """Start the sum all-reduce of ``bucket`` (after completing the oldest while
+        ``limit`` are in flight); ``done(bucket)`` runs once it has completed."""
+        while len(self._work) >= self.limit:
+            self._complete_oldest()
+        self._work.append((self.launch_fn(bucket), bucket, done))
+        self.max_in_flight = max(self.max_in_flight, len(self._work))
+        self.buckets.append(bucket.numel())
+        self.launched_early += 1
+        if self.account is not None:
+            nbytes = bucket.numel() * bucket.element_size()
+            self.account(self.wire_bytes(nbytes) if self.wire_bytes else nbytes, 0.0)
+
+    def _complete_oldest(self) -> None:
+        work, bucket, done = self._work.pop(0)
+        t0 = time.perf_counter()
+        work.wait()
+        self.wait_s += time.perf_counter() - t0
+        done(bucket)
+
+    def finish(self) -> None:
+        """Complete every reduction in flight, oldest first; account the step's waits."""
+        while self._work:
+            self._complete_oldest()
+        if self.account is not None:
+            self.account(0, self.wait_s)

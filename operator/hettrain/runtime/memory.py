@@ -9,7 +9,8 @@ activations and gradients standing in for its pipeline peers. It reports:
 - ``grads``: the fp32 main-grad buffer (ZeRO-2/3: the own chunks);
 - ``optimizer``: the fp32 master slice (when it is not the parameters) and the AdamW moments;
 - ``transient`` (ZeRO-2/3): the peak of what the per-unit sync holds at once -- each unit's
-  fp32 gradient bucket until it is reduced and, ZeRO-3, the gathered units' parameters;
+  fp32 gradient bucket until its reduction has completed (overlapped: the ones in flight
+  too) and, ZeRO-3, the gathered units' parameters (overlapped: with the prefetched one);
 - ``activations``: the PEAK bytes kept for the backward pass over the step, from
   ``torch.autograd.graph.saved_tensors_hooks`` (each storage counted once, parameters excluded),
   plus, for full recompute, one layer's forward working set re-run in the backward, plus what
@@ -43,6 +44,7 @@ from hettrain.planning import cost
 from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan
 from hettrain.runtime.context_parallel import StandInContextParallel, enable_
+from hettrain.runtime.grad_sync import Completed
 from hettrain.runtime.model import StageModel, WeightGradStore, defer_weight_grads
 from hettrain.runtime.optim import ShardGroup, StageOptimizer, sharding_of
 from hettrain.runtime.schedules import chunk_actions
@@ -171,6 +173,11 @@ def measure_stage(plan: Plan, stage: int) -> StageBytes:
     shard = (ShardGroup(None, 0, zero, torch.device("cpu"), stand_in=True)
              if sharding_of(plan.training) != "none" and zero > 1 else None)
     opt = StageOptimizer(model, plan.training, shard=shard, tp_sharded=sharded, tp=st.tp)
+    if shard is not None and opt.units and plan.training.overlap_grad_reduce:
+        # ZeRO-2/3 as an overlapping rank: reductions in flight, ZeRO-3's prefetched unit
+        # (stand-in collectives complete at once; the buffers live as long as on a rank)
+        opt.enable_overlap(lambda view: Completed(), zero)
+        opt.begin_step(plan.num_microbatches)
     params, grads, optim = opt.state_bytes()
     tracker = _Tracker(_parameter_storages(opt))
     loss_buffers = _run_schedule(plan, stage, model, opt, tracker)
@@ -260,5 +267,7 @@ def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer
             store, holds = stash.pop(i)
             store.flush()
             del holds
+    if opt.grad_sync is not None:
+        opt.grad_sync.finish()  # the step waits on the reductions still in flight
     opt.zero_grad()
     return loss_buffers

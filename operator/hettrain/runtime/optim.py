@@ -39,10 +39,14 @@ of ``d`` and split into ``d`` equal chunks; a rank owns chunk ``index`` of every
 master weights, moments and fp32 main grads exist for those chunks only (``(4 + 12) / d`` bytes
 per parameter). Every microbatch's backward sums each unit's low-precision gradients into a
 transient fp32 bucket; when the unit's last gradient has arrived the bucket is averaged over
-the group (``reduce_grads``: the communicator's hierarchical / compressed all-reduce, as for
-ZeRO-1) and the rank adds its own chunk into its main grads, then frees the bucket. So the DP
+the group and the rank adds its own chunk into its main grads, then frees the bucket. So the DP
 sync runs once per microbatch, not once per step -- the price of never holding a full fp32
-gradient (the planner charges it). ``gradients`` keeps the full parameters (``p`` bytes) and
+gradient (the planner charges it). Overlapped (:meth:`StageOptimizer.enable_overlap`, a DP
+group in one pool) the reduction is launched asynchronously and completed later, one in flight
+(``grad_sync.UnitGradSync``), and ``full`` prefetches the all-gather of the unit that runs next
+(forward: the next unit of the model chunk; backward: the one before); else it is averaged
+synchronously right there (``reduce_grads``: the communicator's hierarchical / compressed
+all-reduce, as for ZeRO-1). ``gradients`` keeps the full parameters (``p`` bytes) and
 all-gathers the updated chunks after the step, unit by unit. ``full`` keeps only its chunk of
 the parameters too: a unit's parameters are all-gathered (into a buffer whose storage is freed
 between uses, so the parameters stay views of it and autograd's saved references stay valid)
@@ -71,8 +75,15 @@ import torch.distributed as dist
 from torch import nn
 
 from hettrain.api.spec import TrainingSpec
+from hettrain.planning.cost import SHARDING_REDUCES_IN_FLIGHT
 from hettrain.runtime.checkpoint_format import ShardedTensor, local_range_pieces
-from hettrain.runtime.grad_sync import DEFAULT_BUCKET_BYTES, BucketedGradSync, Work
+from hettrain.runtime.grad_sync import (
+    DEFAULT_BUCKET_BYTES,
+    BucketedGradSync,
+    Completed,
+    UnitGradSync,
+    Work,
+)
 from hettrain.runtime.lr_schedule import lr_at
 from hettrain.runtime.tensor_parallel import TPShards
 
@@ -148,6 +159,8 @@ class Unit:
     gathered: bool = True
     bucket: torch.Tensor | None = None  # this microbatch's fp32 gradient sum
     arrived: int = 0
+    chunk_id: int = 0  # the model chunk it runs in (interleaved schedules: several)
+    pending: Callable[[], None] | None = None  # ZeRO-3 prefetch: completes the async gather
 
 
 def unit_layout(segments: list[Segment], size: int) -> tuple[list[Segment], list[Unit]]:
@@ -287,7 +300,9 @@ class StageOptimizer:
             self._norm = []
         # one reduction per contiguous run, not per param
         self._norm = _merge_ranges(sorted(self._norm))
-        self.grad_sync: BucketedGradSync | None = None  # enable_overlap()
+        self.grad_sync: BucketedGradSync | UnitGradSync | None = None  # enable_overlap()
+        self.prefetch = False  # ZeRO-3: gather the next unit while this one computes
+        self.prefetched = 0  # ZeRO-3: gathers launched ahead of their unit this step
 
     def _init_flat(self, device: torch.device) -> None:
         """No sharding or ZeRO-1: one flat buffer of every parameter, full main grads."""
@@ -329,6 +344,8 @@ class StageOptimizer:
             self.param_shard = (self.master if self.dtype == torch.float32
                                 else self.master.to(self.dtype))
         owner = {id(p): u.key for u in self.units for p in self.params[u.first:u.last]}
+        self._forward_order = self._run_order()
+        self._position = {id(u): j for j, u in enumerate(self._forward_order)}
         for u in self.units:
             block = (self.params_flat[u.start:u.start + u.padded] if self.params_flat is not None
                      else torch.zeros(u.padded, dtype=self.dtype, device=device))
@@ -382,26 +399,44 @@ class StageOptimizer:
             self._reduce_unit(u)
 
     def _reduce_unit(self, u: Unit) -> None:
-        """Average ``u``'s bucket over the group, keep the own chunk, free it (ZeRO-3: and
-        the gathered parameters)."""
+        """Average ``u``'s bucket over the group and keep the own chunk (ZeRO-3: free the
+        gathered parameters first, the reduction does not read them): overlapped, launch it
+        asynchronously (:class:`grad_sync.UnitGradSync`, :meth:`_reduced` once it has
+        completed); else synchronously here."""
         bucket, u.bucket, u.arrived = u.bucket, None, 0
         assert bucket is not None and self.shard is not None
-        if self.reduce_grads is not None and not self.shard.stand_in:
-            self.reduce_grads(bucket)
-        i = self.shard.index
-        self.main_grad[u.local:u.local + u.chunk].add_(bucket[i * u.chunk:(i + 1) * u.chunk])
-        self._hold(-bucket.numel() * 4)
-        del bucket
         if self.mode == "full":
             self._free(u)
+        if isinstance(self.grad_sync, UnitGradSync):
+            self.grad_sync.launch(bucket, partial(self._reduced, u,
+                                                  divide=self.grad_sync.group_size))
+            return
+        if self.reduce_grads is not None and not self.shard.stand_in:
+            self.reduce_grads(bucket)
+        self._reduced(u, bucket)
+
+    def _reduced(self, u: Unit, bucket: torch.Tensor, divide: int = 1) -> None:
+        """``u``'s bucket summed (``divide``: over that many ranks) or averaged over the group:
+        add this rank's chunk into the main grads and free the bucket."""
+        assert self.shard is not None
+        i = self.shard.index
+        mine = bucket[i * u.chunk:(i + 1) * u.chunk]
+        if divide > 1:
+            mine.div_(divide)
+        self.main_grad[u.local:u.local + u.chunk].add_(mine)
+        self._hold(-bucket.numel() * 4)
 
     def _hold(self, nbytes: int) -> None:
         self._transient += nbytes
         self.peak_transient_bytes = max(self.peak_transient_bytes, self._transient)
 
-    def _gather(self, u: Unit) -> None:
-        """ZeRO-3: all-gather ``u``'s parameters over the group (no-op when they are)."""
+    def _gather(self, u: Unit, wait: bool = True) -> None:
+        """ZeRO-3: all-gather ``u``'s parameters over the group (no-op when they are; a
+        prefetched gather still in flight is completed). ``wait=False`` (prefetch): start it
+        asynchronously where the group allows (:meth:`enable_overlap`), complete it on use."""
         if u.gathered:
+            if wait and u.pending is not None:
+                self._complete_gather(u)
             return
         assert u.full is not None and self.param_shard is not None and self.shard is not None
         nbytes = u.padded * u.full.element_size()
@@ -414,14 +449,27 @@ class StageOptimizer:
                 u.full.zero_()
             u.full[i * u.chunk:(i + 1) * u.chunk].copy_(
                 self.param_shard[u.local:u.local + u.chunk])
-            if not self.shard.stand_in:
+            if not wait:
+                self.prefetched += 1
+            if self.shard.stand_in:
+                return
+            if not wait and self.prefetch:
+                u.pending = self._all_gather_async(u.full, u.chunk)
+            else:
                 self._all_gather(u.full, u.chunk)
+
+    def _complete_gather(self, u: Unit) -> None:
+        done, u.pending = u.pending, None
+        assert done is not None
+        done()
 
     def _free(self, u: Unit) -> None:
         """ZeRO-3: release ``u``'s gathered parameters (their views stay, storage empty)."""
         if not u.gathered:
             return
         assert u.full is not None
+        if u.pending is not None:  # never free memory a collective still writes into
+            self._complete_gather(u)
         if u.full.untyped_storage().nbytes():
             self._hold(-u.full.untyped_storage().nbytes())
             u.full.untyped_storage().resize_(0)
@@ -429,6 +477,11 @@ class StageOptimizer:
 
     def _before_forward(self, u: Unit, module: nn.Module, args) -> None:
         self._gather(u)
+        # prefetch the unit that runs next (not in full recompute's re-run inside the backward)
+        if self.prefetch and torch._C._current_graph_task_id() == -1:
+            nxt = self._neighbour(u, +1)
+            if nxt is not None:
+                self._gather(nxt, wait=False)
 
     def _after_forward(self, u: Unit, module: nn.Module, args, out) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -439,6 +492,61 @@ class StageOptimizer:
 
     def _before_backward(self, u: Unit, grad: torch.Tensor) -> None:
         self._gather(u)
+        if self.prefetch:  # the unit whose backward runs next
+            prev = self._neighbour(u, -1)
+            if prev is not None:
+                self._gather(prev, wait=False)
+
+    def _run_order(self) -> list[Unit]:
+        """The units in the order the stage's forward runs them (not the parameters' order:
+        the decoder layers are registered before the embedding): per model chunk (decoder
+        layer ``i`` in the chunk whose range holds it, the embedding in the first, the final
+        norm and the head in the last), the embedding, the layers by index, the norm, the
+        head. Sets each unit's ``chunk_id``."""
+        chunks = list(getattr(self.model, "chunks", None) or [])
+        rank: dict[str, tuple[int, int, int]] = {}
+        for u in self.units:
+            parts = u.key.split(".")
+            if parts[:2] == ["model", "layers"] and len(parts) == 3 and parts[2].isdigit():
+                i = int(parts[2])
+                u.chunk_id = next((c for c, (a, b) in enumerate(chunks) if a <= i < b), 0)
+                rank[u.key] = (u.chunk_id, 1, i)
+            elif parts[-1] == "embed_tokens":
+                rank[u.key] = (0, 0, 0)
+            else:  # the final norm, then the head (and anything else) in the last chunk
+                u.chunk_id = max(0, len(chunks) - 1)
+                rank[u.key] = (u.chunk_id, 2 if parts[-1] == "norm" else 3, 0)
+        return sorted(self.units, key=lambda u: rank[u.key])
+
+    def _neighbour(self, u: Unit, step: int) -> Unit | None:
+        """The unit after (``step`` +1, forward order) or before (-1) ``u`` in its model chunk:
+        the one that runs next in the forward or the backward (None at a chunk's end: what
+        runs next then depends on the schedule)."""
+        order = self._forward_order
+        j = self._position[id(u)] + step
+        if 0 <= j < len(order) and order[j].chunk_id == u.chunk_id:
+            return order[j]
+        return None
+
+    def _all_gather_async(self, flat: torch.Tensor, chunk: int) -> Callable[[], None]:
+        """Start :meth:`_all_gather` asynchronously (``async_op``); the returned callable
+        waits for it, copies host-staged data back and accounts the bytes and the wait."""
+        sh = self.shard
+        assert sh is not None and sh.gather is None
+        staged = flat if flat.device == sh.staging else flat.to(sh.staging)
+        parts = list(staged.split(chunk))
+        mine = parts[sh.index].clone()
+        work = dist.all_gather(parts, mine, group=sh.group, async_op=True)
+
+        def complete() -> None:
+            t0 = time.perf_counter()
+            work.wait()
+            if staged is not flat:
+                flat.copy_(staged)
+            if sh.account is not None:
+                sh.account((sh.size - 1) * mine.numel() * mine.element_size(),
+                           time.perf_counter() - t0)
+        return complete
 
     @contextmanager
     def gathered(self, keys: Sequence[str] | None = None) -> Iterator[None]:
@@ -470,10 +578,27 @@ class StageOptimizer:
     def enable_overlap(self, launch: Callable[[torch.Tensor], Work], group_size: int,
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                        account: Callable[[int, float], None] | None = None,
-                       wire_bytes: Callable[[int], int] | None = None) -> BucketedGradSync:
+                       wire_bytes: Callable[[int], int] | None = None
+                       ) -> BucketedGradSync | UnitGradSync:
         """Sync the main grads in buckets during the backward instead of ``reduce_grads``
         after it (``grad_sync`` module doc): ``launch(view)`` starts one bucket's sum
-        all-reduce over the DP group. Call :meth:`begin_step` after :meth:`zero_grad`."""
+        all-reduce over the DP group. Call :meth:`begin_step` after :meth:`zero_grad`.
+
+        ZeRO-2/3: each unit's per-microbatch reduction is launched with ``launch`` as its
+        bucket fills and completed later (:class:`grad_sync.UnitGradSync`, at most
+        ``cost.SHARDING_REDUCES_IN_FLIGHT`` in flight; ``bucket_bytes`` unused), and ZeRO-3
+        prefetches the next unit's gather (an ``async_op`` all-gather; the DC-aware gather
+        across datacenters stays synchronous). A stand-in group (``runtime/memory.py``) only
+        keeps the same buffers alive as long."""
+        if self.mode in PER_UNIT:
+            assert self.shard is not None
+            if self.shard.stand_in:
+                def launch(view: torch.Tensor) -> Work:
+                    return Completed()
+            self.grad_sync = UnitGradSync(launch, group_size, SHARDING_REDUCES_IN_FLIGHT,
+                                          account, wire_bytes)
+            self.prefetch = self.mode == "full" and self.shard.gather is None
+            return self.grad_sync
         self.grad_sync = BucketedGradSync(
             self.params, [(s.start, s.end) for s in self.segments], self.main_grad, launch,
             group_size, bucket_bytes, account, wire_bytes)
@@ -483,6 +608,7 @@ class StageOptimizer:
         """Arm the overlapped sync for a step of ``microbatches`` backwards (no-op without)."""
         if self.grad_sync is not None:
             self.grad_sync.begin(microbatches)
+        self.prefetched = 0
 
     # ------------------------------------------------------------ the step
 
@@ -580,6 +706,8 @@ class StageOptimizer:
             assert self.param_shard is not None
             if self.param_shard.data_ptr() != self.master.data_ptr():
                 self.param_shard.copy_(self.master)
+            for u in self.units:  # a gathered copy (a prefetch nobody used) is stale now
+                self._free(u)
             return
         if self.mode == "gradients":
             assert self.params_flat is not None and self.shard is not None

@@ -21,6 +21,7 @@ from hettrain.runtime.config import ENV_OPTIMIZER, OPTIMIZERS, RuntimeConfig
 from hettrain.runtime.context_parallel import ContextParallel, comm_view, enable_
 from hettrain.runtime.dataset import DataSource, open_data, replica_rows, rows_microbatches
 from hettrain.runtime.devices import activate, select_device
+from hettrain.runtime.grad_sync import UnitGradSync
 from hettrain.runtime.metrics import RuntimeMetrics
 from hettrain.runtime.model import StageModel, check_layout, lm_loss, whole_model
 from hettrain.runtime.optim import PER_UNIT, ShardGroup, StageOptimizer, sharding_of
@@ -279,9 +280,10 @@ class Trainer:
             tp_sharded=set(self.tp.shards), tp=plan.stages[self.me.stage].tp,
             tp_index=self.me.tp, norm_slot=(slot, len(dcs) if scope == "dc" else 1),
             counts_norm=self.me.dp == min(r.dp for r in peers), device=self.device)
-        # ZeRO-2/3 reduce each unit's gradients as its backward ends (optim.py), every microbatch
+        # ZeRO-2/3 reduce each unit's gradients as its backward ends (optim.py), every
+        # microbatch: overlapped, the same async all-reduce launched per unit (UnitGradSync)
         self.dp_overlap = (plan.dp > 1 and t.overlap_grad_reduce and self.replica is None
-                           and sharding not in PER_UNIT and comm.dp_overlappable(scope))
+                           and comm.dp_overlappable(scope))
         if self.dp_overlap:
             # one pool: bucketed async all-reduces during the last microbatch's backward
             # (runtime/grad_sync.py); across pools/DCs the hierarchical sync stays after it
@@ -291,9 +293,13 @@ class Trainer:
                 bucket_bytes=self.cfg.dp_bucket_bytes,
                 account=lambda nbytes, secs: comm.stats.add(Tier.INTRA_POOL, nbytes, secs),
                 wire_bytes=lambda nbytes: int(2 * (n - 1) / n * nbytes))
-        log.info("rank %d: DP gradient sync %s", self.rank,
-                 f"overlapped with the backward (buckets of {self.cfg.dp_bucket_bytes} bytes)"
-                 if self.dp_overlap else "after the backward")
+        how = "after the backward"
+        if self.dp_overlap and sharding in PER_UNIT:
+            how = ("per unit, asynchronous during the backward"
+                   + (", next unit's gather prefetched" if opt.prefetch else ""))
+        elif self.dp_overlap:
+            how = f"overlapped with the backward (buckets of {self.cfg.dp_bucket_bytes} bytes)"
+        log.info("rank %d: DP gradient sync %s", self.rank, how)
         return opt
 
     def _checkpointer(self, cfg: RuntimeConfig) -> ckpt.Checkpointer | None:
@@ -522,8 +528,11 @@ class Trainer:
         gs = self.opt.grad_sync
         if gs is None:
             return {}
-        return {"buckets": len(gs.buckets), "launched_in_backward": gs.launched_early,
-                "wait_s": gs.wait_s}
+        out = {"buckets": len(gs.buckets), "launched_in_backward": gs.launched_early,
+               "wait_s": gs.wait_s}
+        if isinstance(gs, UnitGradSync):  # ZeRO-2/3: per-unit reductions, prefetched gathers
+            out.update(max_in_flight=gs.max_in_flight, prefetched=self.opt.prefetched)
+        return out
 
     def _param_checksum(self) -> float:
         """Sum of every parameter element (ZeRO-3: gathered unit by unit, a collective)."""

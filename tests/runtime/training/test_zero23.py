@@ -4,15 +4,17 @@ checkpoints written as each rank's chunks and resumed on other layouts and shard
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
 from tests.runtime.checkpoints import rewind
 from tests.runtime.cp.plans import cp_plan
-from tests.runtime.training.plans import tiny_plan
+from tests.runtime.training.plans import TINY, tiny_plan
 from tests.runtime.training.runs import run_losses
 
+from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.runtime.trainer import reference_losses
 
 pytestmark = pytest.mark.slow
@@ -103,3 +105,61 @@ def test_zero23_over_the_dp_x_cp_group_matches_the_reference(tmp_path, sharding,
     for r, s in zip(plan.ranks, sums, strict=True):
         by_shard.setdefault((r.stage, r.tp), set()).add(s["param_checksum"])
     assert all(len(v) == 1 for v in by_shard.values()), by_shard
+
+
+@pytest.mark.parametrize("sharding", ["full", "gradients"])
+def test_zero23_overlapped_sync_equals_the_synchronous_one(tmp_path, sharding):
+    """dp2 in one pool: the per-unit reductions run asynchronously (one in flight) and ZeRO-3
+    prefetches the next unit's gather; losses and weights equal the synchronous run's
+    (``overlapGradReduce: false``) bit for bit (with two replicas the same fp32 sums) and the
+    single-process reference."""
+    steps, m = 3, 4
+    runs = {}
+    for overlap in (True, False):
+        plan = tiny_plan([(0, 4, "pool-a")], dp=2, steps=steps, num_microbatches=m,
+                         sharding=sharding, overlap_grad_reduce=overlap)
+        summary = tmp_path / f"summary-{overlap}"
+        got = run_losses(plan, tmp_path / f"run-{overlap}",
+                         {"HETTRAIN_METRICS_PORT": "0", "HETTRAIN_SUMMARY_DIR": str(summary)},
+                         tmp_path / f"l-{overlap}.jsonl")
+        runs[overlap] = got, [json.loads((summary / f"rank-{r}.json").read_text())
+                              for r in range(plan.world_size)]
+    (on, on_sum), (off, off_sum) = runs[True], runs[False]
+    assert on == off
+    assert [s["param_checksum"] for s in on_sum] == [s["param_checksum"] for s in off_sum]
+    for step, want in enumerate(reference_losses(plan, steps)):
+        assert on[step] == pytest.approx(want, rel=FP32_RTOL), step
+    units = TINY.layers + 3  # the embedding, the layers, the final norm, the head
+    for s in on_sum:
+        ov = s["dp_overlap"]
+        assert ov["buckets"] == ov["launched_in_backward"] == units * m  # per unit, microbatch
+        assert ov["max_in_flight"] == 1
+        # ZeRO-3: every gather but each forward's and backward's first was launched ahead
+        assert ov["prefetched"] == (2 * m * (units - 1) if sharding == "full" else 0)
+    assert all(s["dp_overlap"] == {} for s in off_sum)
+
+
+def test_zero3_interleaved_prefetch_stays_inside_each_chunk_and_matches_the_reference(tmp_path):
+    """Interleaved pp2×dp2, v = 2 (each stage's units in two model chunks): the prefetch never
+    crosses a chunk's end (what runs next depends on the schedule), results equal the
+    single-process reference."""
+    steps, m = 3, 4
+    plan = dataclasses.replace(tiny_plan([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=2,
+                                         steps=steps, num_microbatches=m,
+                                         schedule="interleaved", sharding="full"),
+                               virtual_stages=2)
+    summary = tmp_path / "summary"
+    got = run_losses(plan, tmp_path / "run", {"HETTRAIN_METRICS_PORT": "0",
+                                             "HETTRAIN_SUMMARY_DIR": str(summary)},
+                     tmp_path / "l.jsonl")
+    for step, want in enumerate(reference_losses(plan, steps)):
+        assert got[step] == pytest.approx(want, rel=FP32_RTOL), step
+    for r in plan.ranks:
+        ov = json.loads((summary / f"rank-{r.rank}.json").read_text())["dp_overlap"]
+        chunks = chunk_layer_ranges(plan)[r.stage]
+        assert len(chunks) == 2
+        # per chunk of k units: k - 1 prefetches in its forward and k - 1 in its backward
+        units = [b - a + (c == 0 and r.stage == 0) + 2 * (c == 1 and r.stage == plan.pp - 1)
+                 for c, (a, b) in enumerate(chunks)]
+        assert ov["prefetched"] == 2 * m * sum(k - 1 for k in units), (r, ov)
+        assert ov["max_in_flight"] == 1
