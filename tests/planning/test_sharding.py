@@ -254,13 +254,17 @@ def test_zero23_expose_only_what_the_overlap_cannot_hide(sharding, recompute, la
     layer = cost.layer_params(on.model) * 4.0 / 2
     table = cost.embedding_params(on.model) * 4.0 / cost.vocab_shards(on.model, 2)
     n_fixed = int(first) + 2 * int(last)  # units beside the layers: embedding; norm, head
-    c_r, c_g = layer * red + lat, layer * gat + lat / 2
-    e_r = lat + table * red * (first + last) + (n_fixed - 1) * lat
+    # overlapped on NCCL the reductions are reduce-scatters: half an all-reduce's bytes and
+    # steps (synchronous, off: all-reduces)
+    rs = 0.5
+    c_r, c_g = (layer * red + lat) * rs, layer * gat + lat / 2
+    e_r = (lat + table * red * (first + last) + (n_fixed - 1) * lat) * rs
     e_g = table * gat * (first + last) + n_fixed * lat / 2
+    c_ar = layer * red + lat  # the synchronous all-reduce's
     back = cost.backward_fraction(recompute)
     wb, wf = share * layer_s * back, share * layer_s * (1 - back)
     # exposed: a fixed unit's collective whole; a layer's beyond c' (at most the hidden share)
-    first_red = lat + table * red if first else 0.0
+    first_red = (lat + table * red) * rs if first else 0.0
     layer_red = 0.0 if first else min(c_r, wb)
     if sharding == "full":
         first_gat = lat / 2 + table * gat if first else 0.0
@@ -281,8 +285,32 @@ def test_zero23_expose_only_what_the_overlap_cannot_hide(sharding, recompute, la
     if layer_s >= 1.0:  # a second of compute per layer hides every per-layer collective
         assert c_on == (0.0 if sharding == "full" else c_g)
     if layer_s == head_s == 1e-6:  # nothing to hide behind: all but share·window exposed
-        assert c_on == pytest.approx(c_off - m * share * layer_s
+        assert c_on == pytest.approx(c_off - m * (c_ar - c_r) - m * share * layer_s
                                      * (1.0 if sharding == "full" else back), rel=1e-9)
+
+
+@pytest.mark.parametrize("sharding", ["gradients", "full"])
+def test_zero23_reductions_are_reduce_scatters_on_nccl_and_all_reduces_on_gloo(sharding):
+    """The runtime reduce-scatters ZeRO-2/3's overlapped reductions on NCCL/HCCL and
+    all-reduces them on gloo (whose reduce-scatter measured slower): with no compute to hide
+    behind, the per-layer reduction the plan charges on an NCCL pool is half the same device's
+    on gloo; the gathers are the same."""
+    def coeffs(backend: str) -> tuple[float, float]:
+        doc = _cluster("X", 1, 8)
+        doc["devices"] = [{"name": "X", "vendor": "nvidia", "bf16Tflops": 300, "hbmGiB": 80,
+                           "hbmTBps": 2.0, "intraNodeGBps": 300, "backend": backend}]
+        inv = load_cluster(doc)
+        unit = build_units(inv.pools, merged=False)[0]
+        spec = _spec({"sharding": sharding, "globalBatch": 16})
+        lat, red, gat, _, _ = P._dp_rates(unit, 4, 2, inv, spec)
+        layer = cost.layer_params(spec.model) * 4.0 / 2
+        gathers = (2 * 4 if sharding == "full" else 1) * (layer * gat + lat / 2)
+        c, _ = P._dp_sync_coeffs(unit, 4, 2, inv, spec, 4, 0.0, 0.0, False, False)
+        return c - gathers, layer * red + lat
+    (nccl, ar), (gloo, ar_gloo) = coeffs("nccl"), coeffs("gloo")
+    assert ar == pytest.approx(ar_gloo, rel=1e-12)  # the same link either way
+    assert gloo == pytest.approx(4 * ar, rel=1e-9)  # m = 4 all-reduces
+    assert nccl == pytest.approx(4 * ar / 2, rel=1e-9)  # m = 4 reduce-scatters
 
 
 # ---------------------------------------------------------------- auto

@@ -313,21 +313,28 @@ def _dp_sync_coeffs(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: J
     c_gat, e_gat = grad_layer * gat, fixed_grad * gat
     if cost.sharded_grads(spec.training):
         # ZeRO-2/3 run one collective per unit (each layer; the embedding, the final norm and
-        # the head), each paying its latency; a ring all-gather has half an all-reduce's steps
+        # the head), each paying its latency; a ring all-gather has half an all-reduce's steps.
+        # Where the runtime overlaps the reductions on NCCL/HCCL it reduce-scatters them
+        # (each rank keeps one chunk): half an all-reduce's bytes and steps
+        # (runtime/trainer.py; gloo keeps the all-reduce, its reduce-scatter is slower)
+        overlapped = spec.training.overlap_grad_reduce and len(unit.pools) == 1
+        half = 0.5 if overlapped and unit.device.backend != "gloo" else 1.0
+        c_red, e_red, lat_red = c_red * half, lat * half + fixed_grad * red * half, lat * half
         fixed_units = int(first) + 2 * int(last)
-        c_red, e_red = c_red + lat, e_red + (fixed_units - 1) * lat
+        c_red, e_red = c_red + lat_red, e_red + (fixed_units - 1) * lat_red
         c_gat, e_gat = c_gat + lat / 2, e_gat + fixed_units * lat / 2
         table = fixed_grad / max(1, int(first) + int(last))  # the embedding's or head's
-        table_red, table_gat = lat + table * red, lat / 2 + table * gat
+        table_red, table_gat = (lat + table * red) * half, lat / 2 + table * gat
         comm = cost.measured_comm(unit.device)
         if comm is not None and dp * tp <= unit.gpus_per_node:
             # inside a node, the measured all-reduce of each unit's size where it is slower
-            c_red = max(c_red, comm.all_reduce_s(grad_layer, dp))
-            e_red = max(e_red, (int(first) + int(last)) * comm.all_reduce_s(table, dp)
-                        + int(last) * comm.all_reduce_s(4.0 * model.hidden, dp))
-            table_red = max(table_red, comm.all_reduce_s(table, dp))
-        if (spec.training.overlap_grad_reduce and len(unit.pools) == 1
-                and cost.dp_overlap_share(unit.device) > 0.0):
+            # (a reduce-scatter: half of it)
+            c_red = max(c_red, half * comm.all_reduce_s(grad_layer, dp))
+            e_red = max(e_red, half * ((int(first) + int(last)) * comm.all_reduce_s(table, dp)
+                                       + int(last) * comm.all_reduce_s(4.0 * model.hidden,
+                                                                       dp)))
+            table_red = max(table_red, half * comm.all_reduce_s(table, dp))
+        if overlapped and cost.dp_overlap_share(unit.device) > 0.0:
             # (seconds, whether it is a layer's) of the collectives that stay exposed
             return _per_unit_exposed(spec, m, cost.dp_overlap_share(unit.device),
                                      (c_red, e_red), (c_gat, e_gat),

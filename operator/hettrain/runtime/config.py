@@ -29,6 +29,11 @@ ENV_DATA_CACHE = "HETTRAIN_DATA_CACHE"  # download dir for object-store token se
 # bucket size of the overlapped DP gradient sync in MiB (default 25, planning.cost.DP_BUCKET_BYTES;
 # tests and benchmarks: the planner assumes the default)
 ENV_DP_BUCKET_MB = "HETTRAIN_DP_BUCKET_MB"
+# ZeRO-2/3's overlapped per-unit gradient reduction: auto (default: a reduce-scatter where the DP
+# group's backend is NCCL/HCCL, an all-reduce on gloo, whose reduce-scatter measured slower than
+# its all-reduce) | reduce_scatter | all_reduce (tests run the reduce-scatter on gloo with it)
+ENV_DP_REDUCTION = "HETTRAIN_DP_REDUCTION"
+DP_REDUCTIONS = ("auto", "reduce_scatter", "all_reduce")
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -84,6 +89,7 @@ class RuntimeConfig:
     checkpoint_async: bool = True
     termination_log: str = ""
     dp_bucket_bytes: int = DP_BUCKET_BYTES
+    dp_reduction: str = "auto"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> RuntimeConfig:
@@ -120,7 +126,11 @@ class RuntimeConfig:
             data_verify=env.get(ENV_DATA_VERIFY, "") or "full",
             data_cache=env.get(ENV_DATA_CACHE, ""),
             dp_bucket_bytes=_bucket_bytes(env),
+            dp_reduction=env.get(ENV_DP_REDUCTION, "") or "auto",
         )
+        if cfg.dp_reduction not in DP_REDUCTIONS:
+            raise ValueError(f"env {ENV_DP_REDUCTION}={cfg.dp_reduction!r}: must be one of "
+                             f"{', '.join(DP_REDUCTIONS)}")
         if cfg.checkpoint_keep < 1:
             raise ValueError(f"env {ENV_CHECKPOINT_KEEP}={cfg.checkpoint_keep} must be >= 1 "
                              "(spec.checkpoint.keep)")

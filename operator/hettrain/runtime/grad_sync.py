@@ -192,12 +192,14 @@ class UnitGradSync:
         self.launched_early = 0  # launched before finish(): all of them
         self.wait_s = 0.0  # seconds waited this step (bound + finish)
         self.max_in_flight = 0
+        self.sent_bytes = 0  # wire bytes of this step's reductions (``wire_bytes``)
 
     def begin(self, expected: int) -> None:
         """A new step (``expected``: unused, :class:`BucketedGradSync`'s interface)."""
         if self._work:
             raise RuntimeError("begin() before the previous step's finish()")
         self.buckets, self.launched_early, self.wait_s = [], 0, 0.0
+        self.sent_bytes = 0
 
     @property
     def in_flight(self) -> int:
@@ -212,9 +214,11 @@ class UnitGradSync:
         self.max_in_flight = max(self.max_in_flight, len(self._work))
         self.buckets.append(bucket.numel())
         self.launched_early += 1
+        nbytes = bucket.numel() * bucket.element_size()
+        wire = self.wire_bytes(nbytes) if self.wire_bytes else nbytes
+        self.sent_bytes += wire
         if self.account is not None:
-            nbytes = bucket.numel() * bucket.element_size()
-            self.account(self.wire_bytes(nbytes) if self.wire_bytes else nbytes, 0.0)
+            self.account(wire, 0.0)
 
     def _complete_oldest(self) -> None:
         work, bucket, done = self._work.pop(0)

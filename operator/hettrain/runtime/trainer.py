@@ -284,18 +284,30 @@ class Trainer:
         # microbatch: overlapped, the same async all-reduce launched per unit (UnitGradSync)
         self.dp_overlap = (plan.dp > 1 and t.overlap_grad_reduce and self.replica is None
                            and comm.dp_overlappable(scope))
+        self.dp_reduction = "all_reduce"  # hierarchical / synchronous unless overlapped
         if self.dp_overlap:
             # one pool: bucketed async all-reduces during the last microbatch's backward
             # (runtime/grad_sync.py); across pools/DCs the hierarchical sync stays after it
             n = comm.dp_scope_size(scope)
+            # ZeRO-2/3 keep one chunk of each unit's bucket: a reduce-scatter (half an
+            # all-reduce's bytes) into the chunk of the rank's place in the group, which is
+            # its shard index (both are its rank in comm.dp_group); on gloo an all-reduce
+            # (gloo's reduce-scatter measured slower than its all-reduce: docs/runtime.md)
+            want = self.cfg.dp_reduction
+            if want == "auto":
+                want = "all_reduce" if comm.backend(comm.dp_group) == "gloo" else "reduce_scatter"
+            scatter = sharding in PER_UNIT and scope == "global" and want == "reduce_scatter"
+            self.dp_reduction = "reduce_scatter" if scatter else "all_reduce"
             opt.enable_overlap(
-                lambda view: comm.dp_all_reduce_async(view, scope), n,
+                (lambda view: comm.dp_reduce_scatter_async(view, scope)) if scatter else
+                (lambda view: comm.dp_all_reduce_async(view, scope)), n,
                 bucket_bytes=self.cfg.dp_bucket_bytes,
                 account=lambda nbytes, secs: comm.stats.add(Tier.INTRA_POOL, nbytes, secs),
-                wire_bytes=lambda nbytes: int(2 * (n - 1) / n * nbytes))
+                wire_bytes=(lambda nbytes: int((n - 1) / n * nbytes)) if scatter else
+                (lambda nbytes: int(2 * (n - 1) / n * nbytes)))
         how = "after the backward"
         if self.dp_overlap and sharding in PER_UNIT:
-            how = ("per unit, asynchronous during the backward"
+            how = ("per unit, reduce-scattered asynchronously during the backward"
                    + (", next unit's gather prefetched" if opt.prefetch else ""))
         elif self.dp_overlap:
             how = f"overlapped with the backward (buckets of {self.cfg.dp_bucket_bytes} bytes)"
@@ -531,7 +543,8 @@ class Trainer:
         out = {"buckets": len(gs.buckets), "launched_in_backward": gs.launched_early,
                "wait_s": gs.wait_s}
         if isinstance(gs, UnitGradSync):  # ZeRO-2/3: per-unit reductions, prefetched gathers
-            out.update(max_in_flight=gs.max_in_flight, prefetched=self.opt.prefetched)
+            out.update(max_in_flight=gs.max_in_flight, prefetched=self.opt.prefetched,
+                       reduction=self.dp_reduction, sent_bytes=gs.sent_bytes)
         return out
 
     def _param_checksum(self) -> float:

@@ -93,6 +93,9 @@ def test_config_reads_the_env_contract(tmp_path):
     assert cfg.dp_bucket_bytes == 25 * 2**20  # planning.cost.DP_BUCKET_BYTES
     assert RuntimeConfig.from_env(_env(tmp_path, HETTRAIN_DP_BUCKET_MB="0.5")
                                   ).dp_bucket_bytes == 2**19
+    assert cfg.dp_reduction == "auto"
+    assert RuntimeConfig.from_env(_env(tmp_path, HETTRAIN_DP_REDUCTION="reduce_scatter")
+                                  ).dp_reduction == "reduce_scatter"
 
 
 @pytest.mark.parametrize("over,field", [
@@ -104,6 +107,7 @@ def test_config_reads_the_env_contract(tmp_path):
     ({"HETTRAIN_DP_BUCKET_MB": "big"}, "HETTRAIN_DP_BUCKET_MB"),
     ({"HETTRAIN_DP_BUCKET_MB": "0"}, "HETTRAIN_DP_BUCKET_MB"),
     ({"HETTRAIN_DP_BUCKET_MB": "nan"}, "HETTRAIN_DP_BUCKET_MB"),
+    ({"HETTRAIN_DP_REDUCTION": "ring"}, "HETTRAIN_DP_REDUCTION"),
 ])
 def test_config_errors_name_the_variable(tmp_path, over, field):
     with pytest.raises(ValueError, match=field):

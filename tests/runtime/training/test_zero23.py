@@ -15,6 +15,8 @@ from tests.runtime.training.plans import TINY, tiny_plan
 from tests.runtime.training.runs import run_losses
 
 from hettrain.planning.layers import chunk_layer_ranges
+from hettrain.runtime.model import whole_model
+from hettrain.runtime.optim import unit_key
 from hettrain.runtime.trainer import reference_losses
 
 pytestmark = pytest.mark.slow
@@ -24,6 +26,14 @@ STEPS, AT = 6, 3
 # the summation order of fp32 gradients (here: per microbatch and unit instead of per step)
 RTOL = 2e-4
 FP32_RTOL = 1e-5
+
+
+def _unit_sizes() -> list[int]:
+    """Elements of each ZeRO-2/3 unit of the whole TINY model (``optim.unit_key``)."""
+    sizes: dict[str, int] = {}
+    for name, p in whole_model(TINY, 0).named_parameters():
+        sizes[unit_key(name)] = sizes.get(unit_key(name), 0) + p.numel()
+    return list(sizes.values())
 
 
 def _elements_per_file(manifest: dict, prefix: str = "") -> dict[str, int]:
@@ -119,8 +129,11 @@ def test_zero23_overlapped_sync_equals_the_synchronous_one(tmp_path, sharding):
         plan = tiny_plan([(0, 4, "pool-a")], dp=2, steps=steps, num_microbatches=m,
                          sharding=sharding, overlap_grad_reduce=overlap)
         summary = tmp_path / f"summary-{overlap}"
+        # gloo's default is an all-reduce (auto); the NCCL default, a reduce-scatter, is
+        # forced here so that its path runs against the synchronous all-reduce
         got = run_losses(plan, tmp_path / f"run-{overlap}",
-                         {"HETTRAIN_METRICS_PORT": "0", "HETTRAIN_SUMMARY_DIR": str(summary)},
+                         {"HETTRAIN_METRICS_PORT": "0", "HETTRAIN_SUMMARY_DIR": str(summary),
+                          "HETTRAIN_DP_REDUCTION": "reduce_scatter"},
                          tmp_path / f"l-{overlap}.jsonl")
         runs[overlap] = got, [json.loads((summary / f"rank-{r}.json").read_text())
                               for r in range(plan.world_size)]
@@ -134,6 +147,12 @@ def test_zero23_overlapped_sync_equals_the_synchronous_one(tmp_path, sharding):
         ov = s["dp_overlap"]
         assert ov["buckets"] == ov["launched_in_backward"] == units * m  # per unit, microbatch
         assert ov["max_in_flight"] == 1
+        # each rank keeps one chunk: a reduce-scatter sends (n-1)/n = 1/2 of each unit's
+        # padded fp32 bucket (an all-reduce would send all of it)
+        assert ov["reduction"] == "reduce_scatter"
+        padded = [-(-n // 2) * 2 for n in _unit_sizes()]
+        assert len(padded) == units
+        assert ov["sent_bytes"] == m * sum(4 * n // 2 for n in padded)
         # ZeRO-3: every gather but each forward's and backward's first was launched ahead
         assert ov["prefetched"] == (2 * m * (units - 1) if sharding == "full" else 0)
     assert all(s["dp_overlap"] == {} for s in off_sum)
@@ -163,3 +182,4 @@ def test_zero3_interleaved_prefetch_stays_inside_each_chunk_and_matches_the_refe
                  for c, (a, b) in enumerate(chunks)]
         assert ov["prefetched"] == 2 * m * sum(k - 1 for k in units), (r, ov)
         assert ov["max_in_flight"] == 1
+        assert ov["reduction"] == "all_reduce"  # auto on gloo: its reduce-scatter is slower

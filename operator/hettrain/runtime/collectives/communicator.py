@@ -428,6 +428,23 @@ class HetCommunicator:
                              "dp_all_reduce_ (hierarchical, synchronous)")
         return dist.all_reduce(flat, group=self._levels[scope].full, async_op=True)
 
+    def dp_reduce_scatter_async(self, flat: torch.Tensor, scope: str = "global"):
+        """Start a SUM reduce-scatter of the contiguous ``flat`` over this rank's stage DP group
+        (``async_op=True``), in place: ``flat`` splits into one equal chunk per group rank and
+        this rank's chunk (its group rank's) receives the sum; the rest is left as it was.
+        Half an all-reduce's bytes, for ZeRO-2/3, where a rank keeps only its chunk. Only for a
+        group that :meth:`dp_overlappable`."""
+        if not self.dp_overlappable(scope):
+            raise ValueError("dp_reduce_scatter_async: the stage DP group spans pools; use "
+                             "dp_all_reduce_ (hierarchical, synchronous)")
+        group = self._levels[scope].full
+        n = dist.get_world_size(group)
+        if flat.numel() % n:
+            raise ValueError(f"dp_reduce_scatter_async: {flat.numel()} elements do not split "
+                             f"into {n} equal chunks")
+        mine = flat.view(n, -1)[dist.get_rank(group)]
+        return dist.reduce_scatter_tensor(mine, flat, group=group, async_op=True)
+
     def cross_dc_all_reduce_(self, tensors: list[torch.Tensor], average: bool = True,
                              compress: bool = False) -> str:
         """Sum/average over the stage DP group, arranged by datacenter (DiLoCo outer step)."""
