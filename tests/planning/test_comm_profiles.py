@@ -190,3 +190,36 @@ def test_zero2_layers_pay_the_measured_all_reduce_of_their_size() -> None:
     assert per_unit["gradients"][0] == pytest.approx(bump + layer_bytes * gat + lat / 2)
     # ZeRO-1 reduces the whole stage at once: the fitted line, no per-layer bump
     assert per_unit["optimizer"][0] == pytest.approx(layer_bytes * (red + gat))
+
+
+def test_zero3_gathers_pay_the_measured_all_gather_of_each_units_parameters() -> None:
+    """Where the profile measured all-gathers (``allGather``: the gathered bytes), ZeRO-3's
+    per-layer parameter gather inside a node costs the measured all-gather of one layer's
+    parameters (plan precision) -- here as slow as the all-reduce of those bytes, as gloo's
+    measured, not the half a ring would take; the rows read back unchanged, and a profile
+    without them keeps pricing a gather at half the all-reduce."""
+    model = parse_job_spec(JOB).model
+    comm = _comm()
+    ar = {r["bytes"]: r["seconds"] for r in comm["allReduce"]}
+    comm["allGather"] = [{"bytes": b, "seconds": t} for b, t in ar.items()]
+    prof = _profile(comm)
+    assert prof.comm.measures_all_gather and not _profile().comm.measures_all_gather
+    assert comm_doc(prof.comm)["allGather"] == comm["allGather"]
+    assert "allGather" not in comm_doc(_profile().comm)
+    layer_p = cost.layer_params(model) * 2.0  # bf16 parameters
+    assert prof.comm.all_gather_s(layer_p) == pytest.approx(prof.comm.all_reduce_s(layer_p))
+    assert _profile().comm.all_gather_s(layer_p) == pytest.approx(
+        _profile().comm.all_reduce_s(layer_p) / 2)
+    spec = parse_job_spec({**JOB, "training": {**JOB["training"], "sharding": "full",
+                                               "overlapGradReduce": False}})
+    coeffs = {}
+    for name, p in (("measured", prof), ("half", _profile())):
+        inv = apply_profiles(load_cluster(_cluster()), [p])
+        unit = build_units(inv.pools, merged=False)[0]
+        coeffs[name] = P._dp_sync_coeffs(unit, 2, 1, inv, spec, 1, 1.0, 0.0, False, False)[0]
+        lat, red, _, _, _ = P._dp_rates(unit, 2, 1, inv, spec)
+        c_red = max(cost.layer_params(model) * 4.0 * red + lat,
+                    prof.comm.all_reduce_s(cost.layer_params(model) * 4.0))
+    # full, m = 1: one reduction and two gathers per layer
+    assert coeffs["measured"] == pytest.approx(c_red + 2 * prof.comm.all_gather_s(layer_p))
+    assert coeffs["half"] < coeffs["measured"]

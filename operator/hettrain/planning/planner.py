@@ -334,6 +334,15 @@ def _dp_sync_coeffs(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: J
                                        + int(last) * comm.all_reduce_s(4.0 * model.hidden,
                                                                        dp)))
             table_red = max(table_red, half * comm.all_reduce_s(table, dp))
+        if comm is not None and dp * tp <= unit.gpus_per_node and comm.measures_all_gather:
+            # ... and its measured all-gather of each unit's parameters (plan precision;
+            # gloo's all-gather costs about its all-reduce at these sizes, not half)
+            eb = cost.precision_bytes(spec.training)
+            layer_p, table_p = grad_layer * eb / 4.0, table * eb / 4.0
+            c_gat = max(c_gat, comm.all_gather_s(layer_p, dp))
+            e_gat = max(e_gat, (int(first) + int(last)) * comm.all_gather_s(table_p, dp)
+                        + int(last) * comm.all_gather_s(eb * model.hidden, dp))
+            table_gat = max(table_gat, comm.all_gather_s(table_p, dp))
         if overlapped and cost.dp_overlap_share(unit.device) > 0.0:
             # (seconds, whether it is a layer's) of the collectives that stay exposed
             return _per_unit_exposed(spec, m, cost.dp_overlap_share(unit.device),

@@ -29,6 +29,7 @@ document::
       backend: gloo
       p2p: [{bytes: 4096, seconds: 0.00012}, {bytes: 1048576, seconds: 0.00067}]
       allReduce: [{bytes: 4096, seconds: 0.00015}, {bytes: 1048576, seconds: 0.0012}]
+      allGather: [{bytes: 4096, seconds: 0.00014}, {bytes: 1048576, seconds: 0.0010}]  # optional
 
 ``forwardS``/``backwardS`` are the block without recompute; ``selectiveS`` and ``fullS`` its
 forward + backward with the runtime's selective (attention core) and full (whole block)
@@ -41,7 +42,9 @@ bandwidth, and a ring all-reduce's per-step latency and bus bandwidth (its ``2(n
 and ``2(n − 1)/n`` bytes per byte at the measured ``n`` ranks). They do not depend on the
 model: the device's collectives inside a node (TP, CP, a DP group within a node) run at the
 measured all-reduce, and every pipeline transfer of the device takes at least the measured p2p
-latency and at most its bandwidth (the same library on every path).
+latency and at most its bandwidth (the same library on every path). ``allGather`` (optional;
+the gathered output's bytes) prices ZeRO-3's per-unit parameter gathers inside a node
+(:meth:`CommProfile.all_gather_s`); without it an all-gather is half the all-reduce.
 
 ``bS`` and ``wS`` (optional, on every row or none) split the block's backward as the
 runtime's ZB-H1 schedule runs it: ``bS`` the backward inside ``defer_weight_grads`` (input
@@ -193,6 +196,31 @@ class CommProfile:
                     t = t0 if b1 == b0 else t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
                     break
         n = ranks or self.ranks
+        return t * ((n - 1) / n) / ((self.ranks - 1) / self.ranks)
+
+    @property
+    def measures_all_gather(self) -> bool:
+        """Whether the profile measured all-gathers (``allGather`` rows)."""
+        return sum(k == "allGather" for k, _, _ in self.rows) >= 2
+
+    def all_gather_s(self, nbytes: float, ranks: int | None = None) -> float:
+        """Seconds of an all-gather whose gathered output is ``nbytes``, inside the node:
+        linear between the measured sizes, the line fitted to them outside; a profile without
+        all-gather rows (written before they were measured): half the all-reduce's, a ring's
+        share. ``ranks`` other than the measured scale it as :meth:`all_reduce_s`."""
+        pts = sorted((b, t) for k, b, t in self.rows if k == "allGather")
+        n = ranks or self.ranks
+        if len(pts) < 2:
+            return self.all_reduce_s(nbytes, ranks) / 2
+        if pts[0][0] <= nbytes <= pts[-1][0]:
+            t = pts[0][1]
+            for (b0, t0), (b1, t1) in itertools.pairwise(pts):
+                if b0 <= nbytes <= b1:
+                    t = t0 if b1 == b0 else t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+                    break
+        else:
+            lat, slope = fit_line_relative([(float(b), t) for b, t in pts])
+            t = lat + slope * nbytes
         return t * ((n - 1) / n) / ((self.ranks - 1) / self.ranks)
 
 
@@ -513,10 +541,13 @@ def comm_from_doc(doc: Any, where: str) -> CommProfile:
         raise PlanningInputError(f"{where}.ranks", "must be an integer >= 2 (the ranks measured)")
     p2p = _comm_rows(doc, "p2p", where)
     ring = _comm_rows(doc, "allReduce", where)
+    # all-gather rows are optional: profiles written before they were measured lack them
+    gather = _comm_rows(doc, "allGather", where) if doc.get("allGather") is not None else []
     p2p_lat, p2p_slope = fit_line_relative(p2p)
     ar_lat, ar_slope = fit_line_relative(ring)
     steps = 2 * (ranks - 1)
-    rows = tuple((kind, int(b), t) for kind, pts in (("p2p", p2p), ("allReduce", ring))
+    rows = tuple((kind, int(b), t) for kind, pts in (("p2p", p2p), ("allReduce", ring),
+                                                     ("allGather", gather))
                  for b, t in pts)
     return CommProfile(p2p_lat, 1.0 / p2p_slope, ar_lat / steps,
                        steps / ranks / ar_slope, ranks, str(doc.get("backend", "")), rows)
@@ -524,9 +555,11 @@ def comm_from_doc(doc: Any, where: str) -> CommProfile:
 
 def comm_doc(comm: CommProfile) -> dict[str, Any]:
     """The ``comm`` section that reads back as ``comm`` (its measured rows)."""
+    kinds = ("p2p", "allReduce") + (("allGather",) if any(k == "allGather"
+                                                          for k, _, _ in comm.rows) else ())
     return {"ranks": comm.ranks, "backend": comm.backend,
             **{kind: [{"bytes": b, "seconds": t} for k, b, t in comm.rows if k == kind]
-               for kind in ("p2p", "allReduce")}}
+               for kind in kinds}}
 
 
 def load_profile(path: str | Path) -> LayerProfile:

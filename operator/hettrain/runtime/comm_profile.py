@@ -8,7 +8,11 @@ every run started together at a barrier):
   vendor (``runtime/pipeline.py``: device tensors over the pool backend's stream group, nccl
   on CUDA, gloo on a CPU host): half a ping-pong round trip;
 - **allReduce**: ``dist.all_reduce`` of the size in the pool's backend (gloo on the CPU, nccl
-  on CUDA), as the TP and DP groups inside a node run it.
+  on CUDA), as the TP and DP groups inside a node run it;
+- **allGather**: ``dist.all_gather_into_tensor`` whose gathered output has the size (each rank
+  contributes ``1/ranks`` of it), as ZeRO-3 gathers a unit's parameters and ZeRO-1/2 the
+  updated ones (a library's all-gather need not cost half its all-reduce: gloo's measured
+  about the same at small sizes).
 
 The rows go into the profile's ``comm`` section (``planning/profiles.py`` fits
 ``latency + bytes / bandwidth`` to them). On CUDA it needs two visible devices; with fewer
@@ -57,7 +61,7 @@ def measure_comm(sizes: Sequence[int], repeats: int) -> dict | None:
                           ["--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats)],
                           "the communication measurement")
     return {"ranks": RANKS, "backend": doc["backend"], "p2p": doc["p2p"],
-            "allReduce": doc["allReduce"]}
+            "allReduce": doc["allReduce"], "allGather": doc["allGather"]}
 
 
 def run_local_ranks(module: str, args: Sequence[str], what: str) -> dict:
@@ -165,9 +169,11 @@ def run_rank(rank: int, store: str, sizes: Sequence[int], repeats: int) -> dict:
     device, backend, sync = join_ranks(rank, store)
 
     peer = 1 - rank
-    out: dict = {"backend": backend, "p2p": [], "allReduce": []}
+    out: dict = {"backend": backend, "p2p": [], "allReduce": [], "allGather": []}
     for nbytes in sizes:
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        part = torch.ones(max(1, nbytes // 4 // RANKS), dtype=torch.float32, device=device)
+        gathered = torch.empty(part.numel() * RANKS, dtype=torch.float32, device=device)
 
         def ping_pong(t: torch.Tensor = t) -> None:
             if rank == 0:
@@ -180,9 +186,14 @@ def run_rank(rank: int, store: str, sizes: Sequence[int], repeats: int) -> dict:
         def all_reduce(t: torch.Tensor = t) -> None:
             dist.all_reduce(t)
 
+        def all_gather(part: torch.Tensor = part, gathered: torch.Tensor = gathered) -> None:
+            dist.all_gather_into_tensor(gathered, part)
+
         real = t.numel() * 4
         out["p2p"].append({"bytes": real, "seconds": _timed(ping_pong, repeats, sync) / 2})
         out["allReduce"].append({"bytes": real, "seconds": _timed(all_reduce, repeats, sync)})
+        out["allGather"].append({"bytes": gathered.numel() * 4,
+                                 "seconds": _timed(all_gather, repeats, sync)})
     dist.barrier()  # rank 0 serves the store: nobody tears down while a peer still uses it
     dist.destroy_process_group()
     return out

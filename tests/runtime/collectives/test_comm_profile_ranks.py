@@ -34,6 +34,6 @@ def test_healthy_ranks_report_every_size() -> None:
     assert _wait_all(procs, 30) is None
     doc = measure_comm([4096, 65536, 1 << 20], 3)
     assert doc is not None and doc["ranks"] == 2 and doc["backend"] == "gloo"
-    for kind in ("p2p", "allReduce"):
+    for kind in ("p2p", "allReduce", "allGather"):  # allGather: the gathered output's bytes
         assert [r["bytes"] for r in doc[kind]] == [4096, 65536, 1 << 20]
         assert all(r["seconds"] > 0 for r in doc[kind])
