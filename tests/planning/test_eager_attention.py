@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import textwrap
 from pathlib import Path
 
 import pytest
+from tests.cli.test_cli import write_job
 
 from hettrain import cli
 from hettrain.api.spec import SpecError, parse_job_spec
@@ -37,18 +37,14 @@ def test_attention_defaults_to_flash_and_names_its_field() -> None:
     assert "flash, eager" in str(err.value)
 
 
+def _job_file(tmp_path: Path, attention: str) -> Path:
+    """A tiny job manifest with ``spec.training.attention: attention``."""
+    return write_job(tmp_path, f"{{globalBatch: 8, steps: 10, attention: {attention}}}")
+
+
 def test_a_bad_attention_exits_2_naming_the_field(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    path = tmp_path / "job.yaml"
-    path.write_text(textwrap.dedent("""\
-        apiVersion: hettrain.dev/v1alpha1
-        kind: HetTrainingJob
-        metadata: {name: tiny}
-        spec:
-          model: {preset: gpt-tiny}
-          training: {globalBatch: 8, steps: 10, attention: fused}
-          data: {synthetic: true}
-        """))
+    path = _job_file(tmp_path, "fused")
     code = cli.main(["validate", str(path)], out=io.StringIO())
     err = capsys.readouterr().err
     assert code == 2
@@ -58,16 +54,7 @@ def test_a_bad_attention_exits_2_naming_the_field(tmp_path: Path,
 def test_planning_an_eager_job_in_the_cli_exits_2_naming_the_field(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``hettrain plan`` refuses what the runtime would refuse at start-up."""
-    path = tmp_path / "job.yaml"
-    path.write_text(textwrap.dedent("""\
-        apiVersion: hettrain.dev/v1alpha1
-        kind: HetTrainingJob
-        metadata: {name: tiny}
-        spec:
-          model: {preset: gpt-tiny}
-          training: {globalBatch: 8, steps: 10, attention: eager}
-          data: {synthetic: true}
-        """))
+    path = _job_file(tmp_path, "eager")
     code = cli.main(["plan", str(path), "--cluster",
                      str(ROOT / "examples/clusters/local-cpu.yaml")], out=io.StringIO())
     err = capsys.readouterr().err

@@ -28,6 +28,18 @@ RTOL = 2e-4
 FP32_RTOL = 1e-5
 
 
+def _train_like_the_reference(plan, steps: int, tmp_path) -> list[dict]:
+    """Train ``plan``: its losses equal the single-process reference's; the rank summaries."""
+    summary = tmp_path / "summary"
+    got = run_losses(plan, tmp_path / "run", {"HETTRAIN_METRICS_PORT": "0",
+                                             "HETTRAIN_SUMMARY_DIR": str(summary)},
+                     tmp_path / "l.jsonl")
+    for step, want in enumerate(reference_losses(plan, steps)):
+        assert got[step] == pytest.approx(want, rel=FP32_RTOL), step
+    return [json.loads((summary / f"rank-{r}.json").read_text())
+            for r in range(plan.world_size)]
+
+
 def _unit_sizes() -> list[int]:
     """Elements of each ZeRO-2/3 unit of the whole TINY model (``optim.unit_key``)."""
     sizes: dict[str, int] = {}
@@ -103,14 +115,7 @@ def test_zero23_over_the_dp_x_cp_group_matches_the_reference(tmp_path, sharding,
     steps = 3
     plan = cp_plan([(0, 4, "pool-a")], dp=2, cp=2, steps=steps, tp=tp, num_microbatches=2,
                    sharding=sharding, recompute="selective")
-    summary = tmp_path / "summary"
-    got = run_losses(plan, tmp_path / "run", {"HETTRAIN_METRICS_PORT": "0",
-                                        "HETTRAIN_SUMMARY_DIR": str(summary)},
-               tmp_path / "l.jsonl")
-    for step, want in enumerate(reference_losses(plan, steps)):
-        assert got[step] == pytest.approx(want, rel=FP32_RTOL), step
-    sums = [json.loads((summary / f"rank-{r}.json").read_text())
-            for r in range(plan.world_size)]
+    sums = _train_like_the_reference(plan, steps, tmp_path)
     by_shard: dict[tuple[int, int], set[float]] = {}  # every replica: the same weights
     for r, s in zip(plan.ranks, sums, strict=True):
         by_shard.setdefault((r.stage, r.tp), set()).add(s["param_checksum"])
@@ -167,14 +172,9 @@ def test_zero3_interleaved_prefetch_stays_inside_each_chunk_and_matches_the_refe
                                          steps=steps, num_microbatches=m,
                                          schedule="interleaved", sharding="full"),
                                virtual_stages=2)
-    summary = tmp_path / "summary"
-    got = run_losses(plan, tmp_path / "run", {"HETTRAIN_METRICS_PORT": "0",
-                                             "HETTRAIN_SUMMARY_DIR": str(summary)},
-                     tmp_path / "l.jsonl")
-    for step, want in enumerate(reference_losses(plan, steps)):
-        assert got[step] == pytest.approx(want, rel=FP32_RTOL), step
+    sums = _train_like_the_reference(plan, steps, tmp_path)
     for r in plan.ranks:
-        ov = json.loads((summary / f"rank-{r.rank}.json").read_text())["dp_overlap"]
+        ov = sums[r.rank]["dp_overlap"]
         chunks = chunk_layer_ranges(plan)[r.stage]
         assert len(chunks) == 2
         # per chunk of k units: k - 1 prefetches in its forward and k - 1 in its backward
