@@ -61,7 +61,6 @@ from torch.utils.checkpoint import checkpoint
 from hettrain.api.spec import RECOMPUTE_MODES, ModelSpec
 from hettrain.runtime.tensor_parallel import (
     TPGroup,
-    _seq_gather,
     all_reduce_in_tp,
     copy_to_tp,
     gather_sequence,
@@ -180,7 +179,7 @@ class _GatherLinears(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, tp: TPGroup, *weights: torch.Tensor):
         ctx.save_for_backward(x, *weights)
         ctx.tp, ctx.params = tp, weights  # the Parameters themselves (see _SplitLinear)
-        full = _seq_gather(x, tp)
+        full = start_seq_gather(x, tp).wait()
         return tuple(F.linear(full, w) for w in weights)
 
     @staticmethod
@@ -618,12 +617,13 @@ class StageModel(nn.Module):
         sp = self.sp
         cos, sin = self._cos_sin(x)  # the whole (CP-local) sequence: attention gathers it
         emb = self.model.embed_tokens if chunk == 0 else None
-        if emb is not None and sp is not None and emb.vocab_sharded:
-            x = scatter_sequence(emb(x, reduce=False), sp, summed=True)
-        elif emb is not None:
-            x = emb(x)
-        if sp is not None and not (emb is not None and emb.vocab_sharded):
-            x = scatter_sequence(x, sp, summed=False)
+        # sequence parallel: a vocabulary-parallel embedding's partial lookups are summed by
+        # the reduce-scatter to this rank's shard; any other input is sliced to it
+        partial_lookup = emb is not None and sp is not None and emb.vocab_sharded
+        if emb is not None:
+            x = emb(x, reduce=not partial_lookup)
+        if sp is not None:
+            x = scatter_sequence(x, sp, summed=partial_lookup)
         clock = self.layer_clock if torch.is_grad_enabled() else None
         if clock is not None:
             x, t0 = clock.enter(x), time.perf_counter()
@@ -637,12 +637,12 @@ class StageModel(nn.Module):
             if sp is not None and self.vocab_sharded:  # the head gathers (Linear.gather)
                 return self.lm_head(x)
             if sp is not None:  # a replicated head: every rank computes the same loss
-                x = gather_sequence(x, sp, grads_partial=False)
+                x = gather_sequence(x, sp)
             elif self.vocab_sharded:
                 x = copy_to_tp(x, self.tp_group)
             return self.lm_head(x)
         if sp is not None:  # the stage's output, whole, for the next stage or chunk
-            x = gather_sequence(x, sp, grads_partial=False)
+            x = gather_sequence(x, sp)
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

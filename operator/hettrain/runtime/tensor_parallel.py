@@ -173,15 +173,13 @@ def _seq_reduce_scatter(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPGroup, summed: bool) -> torch.Tensor:
-        ctx.tp, ctx.summed = tp, summed
+    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        ctx.tp = tp
         return _seq_gather(x, tp)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.summed:
-            return _seq_reduce_scatter(grad, ctx.tp), None, None
-        return _seq_shard(grad, ctx.tp), None, None
+        return _seq_shard(grad, ctx.tp), None
 
 
 class _ScatterSeq(torch.autograd.Function):
@@ -195,12 +193,13 @@ class _ScatterSeq(torch.autograd.Function):
         return _seq_gather(grad, ctx.tp), None, None
 
 
-def gather_sequence(x: torch.Tensor, tp: TPGroup, grads_partial: bool) -> torch.Tensor:
-    """The whole sequence from every rank's shard. Backward: this rank's shard of the gradient,
-    summed over the TP group when ``grads_partial`` (each rank's consumer saw only part of the
-    computation, e.g. its vocabulary columns), else taken as is (every rank holds the same
-    gradient, e.g. a stage output's, received from the next stage)."""
-    return _GatherSeq.apply(x, tp, grads_partial)
+def gather_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """The whole sequence from every rank's shard, for a consumer every TP rank runs alike (a
+    stage's output, a replicated head). Backward: this rank's shard of the gradient, which
+    every rank holds whole and the same (a consumer that sees only part of the computation,
+    a column-parallel group, gathers through ``model._GatherLinears`` instead, whose backward
+    reduce-scatters)."""
+    return _GatherSeq.apply(x, tp)
 
 
 def scatter_sequence(x: torch.Tensor, tp: TPGroup, summed: bool) -> torch.Tensor:
