@@ -164,9 +164,10 @@ class Completed:
 
 
 class UnitGradSync:
-    """ZeRO-2/3's per-unit gradient reductions, launched asynchronously with the same
-    ``launch`` as :class:`BucketedGradSync` (``HetCommunicator.dp_all_reduce_async``: one
-    flat sum all-reduce on the pool's group) and waited only when needed.
+    """ZeRO-2/3's per-unit gradient reductions, launched asynchronously (``launch``:
+    ``HetCommunicator.dp_reduce_scatter_async`` on NCCL/HCCL, in place into the rank's chunk,
+    or ``dp_all_reduce_async`` as :class:`BucketedGradSync`'s on gloo: a sum on the pool's
+    group) and waited only when needed.
 
     ``runtime/optim.py`` fills one fp32 bucket per unit and microbatch and calls
     :meth:`launch` when the unit's last gradient has arrived, with ``done(bucket)``, which
@@ -206,7 +207,7 @@ class UnitGradSync:
         return len(self._work)
 
     def launch(self, bucket: torch.Tensor, done: Callable[[torch.Tensor], None]) -> None:
-        """Start the sum all-reduce of ``bucket`` (after completing the oldest while
+        """Start the sum reduction of ``bucket`` (after completing the oldest while
         ``limit`` are in flight); ``done(bucket)`` runs once it has completed."""
         while len(self._work) >= self.limit:
             self._complete_oldest()

@@ -22,9 +22,10 @@ ZeRO-1, all-gather the updated slices over the DP group (across datacenters thro
 
 ZeRO-1 reduces the gradients with an all-reduce and keeps its own slice rather than a
 reduce-scatter: the communicator's hierarchical (pool / datacenter) and compressed paths exist
-for all-reduce only, and gloo (CPU, host-staged cross-vendor groups) has no reduce-scatter. The
-all-reduce moves twice the bytes of a reduce-scatter; the planner charges it (``planner.
-_dp_rates``).
+for all-reduce only, and gloo's reduce-scatter (CPU, host-staged cross-vendor groups) measured
+slower than its all-reduce. The all-reduce moves twice the bytes of a reduce-scatter; the
+planner charges it (``planner._dp_rates``). ZeRO-2/3's overlapped per-unit reduction inside one
+pool is a reduce-scatter on NCCL/HCCL (``HetCommunicator.dp_reduce_scatter_async``).
 
 Checkpoints (:meth:`StageOptimizer.checkpoint_state`): each rank saves and loads views of its
 own slice, as boxes of the global (unsharded, TP-gathered) per-parameter tensors; nothing is

@@ -307,7 +307,8 @@ class Trainer:
                 (lambda nbytes: int(2 * (n - 1) / n * nbytes)))
         how = "after the backward"
         if self.dp_overlap and sharding in PER_UNIT:
-            how = ("per unit, reduce-scattered asynchronously during the backward"
+            how = (f"per unit, {self.dp_reduction.replace('_', '-')} asynchronously during "
+                   "the backward"
                    + (", next unit's gather prefetched" if opt.prefetch else ""))
         elif self.dp_overlap:
             how = f"overlapped with the backward (buckets of {self.cfg.dp_bucket_bytes} bytes)"
