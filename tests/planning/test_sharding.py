@@ -175,10 +175,10 @@ def test_the_largest_unit_is_the_embedding_where_it_is() -> None:
 
 
 def test_dp_sync_counts_per_option() -> None:
-    assert cost.dp_sync_counts("none", 8) == (1, 0, True)
-    assert cost.dp_sync_counts("optimizer", 8) == (1, 1, True)
-    assert cost.dp_sync_counts("gradients", 8) == (8, 1, True)
-    assert cost.dp_sync_counts("full", 8) == (8, 16, True)
+    assert cost.dp_sync_counts("none", 8) == (1, 0)
+    assert cost.dp_sync_counts("optimizer", 8) == (1, 1)
+    assert cost.dp_sync_counts("gradients", 8) == (8, 1)
+    assert cost.dp_sync_counts("full", 8) == (8, 16)
 
 
 @pytest.mark.parametrize("sharding,reduces,gathers", [

@@ -370,8 +370,8 @@ def sharded_grads(training: TrainingSpec) -> bool:
     return training.sharding in ("gradients", "full")
 
 
-def dp_sync_counts(sharding: str, microbatches: int) -> tuple[int, int, bool]:
-    """``(gradient all-reduces, parameter all-gathers, overlappable)`` per step of one stage's
+def dp_sync_counts(sharding: str, microbatches: int) -> tuple[int, int]:
+    """``(gradient all-reduces, parameter all-gathers)`` per step of one stage's
     DP sync under ``sharding``, each counted in units of the stage's whole sync: one
     all-reduce of its fp32 gradients, one all-gather of its parameters in the plan precision
     (ZeRO-1's, same rate model).
@@ -385,16 +385,16 @@ def dp_sync_counts(sharding: str, microbatches: int) -> tuple[int, int, bool]:
       all-gather, but each unit's parameters gathered twice per microbatch (before its forward
       and before its backward): ``2·microbatches`` all-gathers.
 
-    ``overlappable``: whether they may overlap compute -- every sharding's: none and optimizer
-    the all-reduce with the last microbatch's backward (``grad_sync.BucketedGradSync``),
-    gradients and full each unit's all-reduce and (full) prefetched all-gather with every
-    microbatch's backward and forward (``grad_sync.UnitGradSync``); the planner's
-    ``_dp_sync_coeffs`` prices what stays exposed."""
+    Every sharding's may overlap compute: none and optimizer the all-reduce with the last
+    microbatch's backward (``grad_sync.BucketedGradSync``), gradients and full each unit's
+    reduction and (full) prefetched all-gather with every microbatch's backward and forward
+    (``grad_sync.UnitGradSync``); the planner's ``_dp_sync_coeffs`` prices what stays
+    exposed."""
     if sharding == "gradients":
-        return microbatches, 1, True
+        return microbatches, 1
     if sharding == "full":
-        return microbatches, 2 * microbatches, True
-    return 1, int(sharding == "optimizer"), True
+        return microbatches, 2 * microbatches
+    return 1, int(sharding == "optimizer")
 
 
 # The optimizer step (runtime/optim.py) is elementwise and HBM-bound. Bytes it moves per

@@ -334,15 +334,15 @@ def _dp_sync_coeffs(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: J
                                        + int(last) * comm.all_reduce_s(4.0 * model.hidden,
                                                                        dp)))
             table_red = max(table_red, half * comm.all_reduce_s(table, dp))
-        if comm is not None and dp * tp <= unit.gpus_per_node and comm.measures_all_gather:
-            # ... and its measured all-gather of each unit's parameters (plan precision;
-            # gloo's all-gather costs about its all-reduce at these sizes, not half)
-            eb = cost.precision_bytes(spec.training)
-            layer_p, table_p = grad_layer * eb / 4.0, table * eb / 4.0
-            c_gat = max(c_gat, comm.all_gather_s(layer_p, dp))
-            e_gat = max(e_gat, (int(first) + int(last)) * comm.all_gather_s(table_p, dp)
-                        + int(last) * comm.all_gather_s(eb * model.hidden, dp))
-            table_gat = max(table_gat, comm.all_gather_s(table_p, dp))
+            if comm.measures_all_gather:
+                # ... and its measured all-gather of each unit's parameters (plan precision;
+                # gloo's all-gather costs about its all-reduce at these sizes, not half)
+                eb = cost.precision_bytes(spec.training)
+                layer_p, table_p = grad_layer * eb / 4.0, table * eb / 4.0
+                c_gat = max(c_gat, comm.all_gather_s(layer_p, dp))
+                e_gat = max(e_gat, (int(first) + int(last)) * comm.all_gather_s(table_p, dp)
+                            + int(last) * comm.all_gather_s(eb * model.hidden, dp))
+                table_gat = max(table_gat, comm.all_gather_s(table_p, dp))
         if overlapped and cost.dp_overlap_share(unit.device) > 0.0:
             # (seconds, whether it is a layer's) of the collectives that stay exposed
             return _per_unit_exposed(spec, m, cost.dp_overlap_share(unit.device),
@@ -351,8 +351,8 @@ def _dp_sync_coeffs(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: J
                                      (table_gat, False) if first else (c_gat, True),
                                      (table_gat, False) if last else (c_gat, True),
                                      layer_s, head_s)
-    reduces, gathers, overlap = cost.dp_sync_counts(spec.training.sharding, m)
-    if overlap and not cost.sharded_grads(spec.training):
+    reduces, gathers = cost.dp_sync_counts(spec.training.sharding, m)
+    if not cost.sharded_grads(spec.training):
         c_red, e_red = _dp_exposed(unit, dp, tp, spec, c_red, e_red, lat, red, layer_s,
                                    head_s, first)
     return reduces * c_red + gathers * c_gat, reduces * e_red + gathers * e_gat
@@ -2075,7 +2075,7 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
                for u, tp in zip(c.units, c.tps, strict=True))
     tokens = gb * model.seq_len
     cross_bytes = 0.0
-    reduces, gathers, _ = cost.dp_sync_counts(spec.training.sharding, m)
+    reduces, gathers = cost.dp_sync_counts(spec.training.sharding, m)
     for i, (u, tp) in enumerate(zip(c.units, c.tps, strict=True)):
         _, _, _, x_red, x_gat = _dp_rates(u, c.dp, tp, inv, spec)
         cross_bytes += ((reduces * x_red + gathers * x_gat)

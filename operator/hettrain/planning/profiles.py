@@ -185,18 +185,12 @@ class CommProfile:
         different algorithms: gloo's 1 MB all-reduce took 2.5 ms where the line said 0.9),
         the fitted line outside them. ``ranks`` other than the measured scale it by the ring's
         bytes per rank, ``(n − 1)/n``."""
-        steps = 2 * (self.ranks - 1)
-        line = (steps * self.ring_step_latency_s
-                + nbytes * steps / self.ranks / self.bus_bytes_per_s)
-        pts = sorted((b, t) for k, b, t in self.rows if k == "allReduce")
-        t = line
-        if pts and pts[0][0] <= nbytes <= pts[-1][0]:
-            for (b0, t0), (b1, t1) in itertools.pairwise(pts):
-                if b0 <= nbytes <= b1:
-                    t = t0 if b1 == b0 else t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
-                    break
-        n = ranks or self.ranks
-        return t * ((n - 1) / n) / ((self.ranks - 1) / self.ranks)
+        t = self._between_rows("allReduce", nbytes)
+        if t is None:
+            steps = 2 * (self.ranks - 1)
+            t = (steps * self.ring_step_latency_s
+                 + nbytes * steps / self.ranks / self.bus_bytes_per_s)
+        return self._at_ranks(t, ranks)
 
     @property
     def measures_all_gather(self) -> bool:
@@ -208,20 +202,31 @@ class CommProfile:
         linear between the measured sizes, the line fitted to them outside; a profile without
         all-gather rows (written before they were measured): half the all-reduce's, a ring's
         share. ``ranks`` other than the measured scale it as :meth:`all_reduce_s`."""
-        pts = sorted((b, t) for k, b, t in self.rows if k == "allGather")
-        n = ranks or self.ranks
-        if len(pts) < 2:
+        if not self.measures_all_gather:
             return self.all_reduce_s(nbytes, ranks) / 2
-        if pts[0][0] <= nbytes <= pts[-1][0]:
-            t = pts[0][1]
-            for (b0, t0), (b1, t1) in itertools.pairwise(pts):
-                if b0 <= nbytes <= b1:
-                    t = t0 if b1 == b0 else t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
-                    break
-        else:
-            lat, slope = fit_line_relative([(float(b), t) for b, t in pts])
+        t = self._between_rows("allGather", nbytes)
+        if t is None:
+            lat, slope = fit_line_relative([(float(b), sec) for k, b, sec in self.rows
+                                            if k == "allGather"])
             t = lat + slope * nbytes
-        return t * ((n - 1) / n) / ((self.ranks - 1) / self.ranks)
+        return self._at_ranks(t, ranks)
+
+    def _between_rows(self, kind: str, nbytes: float) -> float | None:
+        """Seconds of ``nbytes`` linear between the measured rows of ``kind`` around it; None
+        outside their range."""
+        pts = sorted((b, t) for k, b, t in self.rows if k == kind)
+        if not pts or not pts[0][0] <= nbytes <= pts[-1][0]:
+            return None
+        for (b0, t0), (b1, t1) in itertools.pairwise(pts):
+            if b0 <= nbytes <= b1:
+                return t0 if b1 == b0 else t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+        return pts[0][1]  # one row, at exactly its size
+
+    def _at_ranks(self, seconds: float, ranks: int | None) -> float:
+        """A ring collective's ``seconds`` at the measured ranks scaled to ``ranks`` by the
+        bytes each rank moves, ``(n − 1)/n``."""
+        n = ranks or self.ranks
+        return seconds * ((n - 1) / n) / ((self.ranks - 1) / self.ranks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -555,8 +560,7 @@ def comm_from_doc(doc: Any, where: str) -> CommProfile:
 
 def comm_doc(comm: CommProfile) -> dict[str, Any]:
     """The ``comm`` section that reads back as ``comm`` (its measured rows)."""
-    kinds = ("p2p", "allReduce") + (("allGather",) if any(k == "allGather"
-                                                          for k, _, _ in comm.rows) else ())
+    kinds = ("p2p", "allReduce") + (("allGather",) if comm.measures_all_gather else ())
     return {"ranks": comm.ranks, "backend": comm.backend,
             **{kind: [{"bytes": b, "seconds": t} for k, b, t in comm.rows if k == kind]
                for kind in kinds}}
