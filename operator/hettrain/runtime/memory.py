@@ -12,8 +12,11 @@ activations and gradients standing in for its pipeline peers. It reports:
   fp32 gradient bucket until its reduction has completed (overlapped: the ones in flight
   too) and, ZeRO-3, the gathered units' parameters (overlapped: with the prefetched one);
 - ``activations``: the PEAK bytes kept for the backward pass over the step, from
-  ``torch.autograd.graph.saved_tensors_hooks`` (each storage counted once, parameters excluded),
-  plus, for full recompute, one layer's forward working set re-run in the backward, plus what
+  ``torch.autograd.graph.saved_tensors_hooks`` (each storage counted once, parameters excluded)
+  and, for attention-free recompute, the attention outputs its checkpoints cache (counted
+  from the forward that saves them to the re-run that takes them, :func:`_counted_contexts`),
+  plus, for full and attention-free recompute, one layer's forward working set re-run in the
+  backward, plus what
   the runner itself keeps alive per in-flight microbatch (the stage output it will
   call ``backward`` on) and, for ZB-H1, the ``(input, grad_output)`` stash of deferred weight
   gradients;
@@ -34,18 +37,26 @@ Nothing here talks to other processes.
 from __future__ import annotations
 
 import inspect
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, SupportsIndex
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from hettrain.planning import cost
 from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan
 from hettrain.runtime.context_parallel import StandInContextParallel, enable_
 from hettrain.runtime.grad_sync import Completed
-from hettrain.runtime.model import StageModel, WeightGradStore, defer_weight_grads
+from hettrain.runtime.model import (
+    StageModel,
+    WeightGradStore,
+    attention_free_contexts,
+    defer_weight_grads,
+)
 from hettrain.runtime.optim import ShardGroup, StageOptimizer, sharding_of
 from hettrain.runtime.schedules import chunk_actions
 from hettrain.runtime.tensor_parallel import TPGroup, shard_stage_
@@ -60,13 +71,13 @@ class StageBytes:
     optimizer: int
     activations: int
     loss_buffers: int
-    working: int = 0  # full recompute's re-run layer, included in ``activations``
+    working: int = 0  # full/attention-free recompute's re-run layer, in ``activations``
     transient: int = 0  # ZeRO-2/3: gradient buckets and gathered units at their peak
 
     @property
     def total(self) -> int:
         """Everything measured (what the plan's prediction minus its fixed overhead covers).
-        The loss buffers and full recompute's re-run layer are never alive together (the
+        The loss buffers and a recomputing backward's re-run layer are never alive together (the
         loss's backward ends before the first layer is re-run): the larger of the two counts."""
         return (self.params + self.grads + self.optimizer + self.activations - self.working
                 + max(self.working, self.loss_buffers) + self.transient)
@@ -127,6 +138,40 @@ def _saved_tensors(tracker: _Tracker) -> Iterator[None]:
         yield
 
 
+class _CountedCache(list):
+    """One op's list in a selective checkpoint's cache (``torch.utils.checkpoint``: the
+    forward appends each saved output, the backward's re-run pops it), its tensors counted by
+    a :class:`_Tracker` while they are cached."""
+
+    def __init__(self, tracker: _Tracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.holds: list[list[_Held]] = []
+
+    def append(self, entry: Any) -> None:
+        """Cache ``entry`` (the op's outputs, each wrapped) and count its tensors."""
+        super().append(entry)
+        values = (getattr(leaf, "val", None) for leaf in tree_leaves(entry))
+        self.holds.append([self.tracker.hold(t) for t in values
+                           if isinstance(t, torch.Tensor)])
+
+    def pop(self, index: SupportsIndex = -1) -> Any:
+        """Hand an entry to the re-run; its tensors stop counting here (the re-run layer's
+        working set counts them from now on)."""
+        self.holds.pop(index)
+        return super().pop(index)
+
+
+def _counted_contexts(tracker: _Tracker) -> Callable[[], tuple[Any, Any]]:
+    """Attention-free recompute's checkpoint contexts (``model.attention_free_contexts``)
+    with their cache counted by ``tracker``."""
+    def contexts() -> tuple[Any, Any]:
+        caching, cached = attention_free_contexts()
+        caching.storage = cached.storage = defaultdict(lambda: _CountedCache(tracker))
+        return caching, cached
+    return contexts
+
+
 def build_stage(plan: Plan, stage: int, tp_index: int = 0) -> tuple[StageModel, set[str]]:
     """Stage ``stage``'s model as a rank builds it (TP shard ``tp_index``, without the TP
     process group); returns it and the names of its TP-sharded parameters."""
@@ -180,6 +225,8 @@ def measure_stage(plan: Plan, stage: int) -> StageBytes:
         opt.begin_step(plan.num_microbatches)
     params, grads, optim = opt.state_bytes()
     tracker = _Tracker(_parameter_storages(opt))
+    for layer in model.layers.values():
+        layer.checkpoint_contexts = _counted_contexts(tracker)
     loss_buffers = _run_schedule(plan, stage, model, opt, tracker)
     transient = opt.peak_transient_bytes
     working = _recompute_working_set(plan, model, opt)
@@ -199,11 +246,13 @@ def _parameter_storages(opt: StageOptimizer) -> Callable[[int], bool]:
 
 
 def _recompute_working_set(plan: Plan, model: StageModel, opt: StageOptimizer) -> int:
-    """Full recompute: the bytes the backward of one layer keeps while it re-runs the layer's
-    forward (``torch.utils.checkpoint`` re-runs ``_block`` and saves what it saves), measured
-    by running that block forward under the saved-tensor hooks for one microbatch; 0 for the
-    other modes. Added to the stage's peak (the recompute happens on top of what is held)."""
-    if plan.training.recompute != "full":
+    """Full and attention-free recompute: the bytes the backward of one layer keeps while it
+    re-runs the layer's forward (``torch.utils.checkpoint`` re-runs ``_block`` and saves what it
+    saves; attention-free takes the attention kernel's cached outputs instead of re-running
+    it, which then count here), measured by running that block forward under the saved-tensor
+    hooks for one microbatch; 0 for the other modes. Added to the stage's peak (the recompute
+    happens on top of what is held)."""
+    if plan.training.recompute not in ("full", "attention-free"):
         return 0
     key, layer = next(iter(model.layers.items()))
     spec = plan.model

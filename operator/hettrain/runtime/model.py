@@ -27,8 +27,11 @@ does not do, so :func:`check_layout` refuses tied embeddings with ``pp > 1``.
 Activation recompute (``recompute=``, the plan's ``training.recompute``): ``none`` keeps every
 activation for the backward; ``selective`` recomputes the attention core (scores, softmax,
 weighted values: the ``s²`` terms, Korthikanti et al. 2023) in the backward; ``full`` keeps only
-each block's input and re-runs the whole block (``torch.utils.checkpoint``, non-reentrant).
-Gradients are identical in every mode.
+each block's input and re-runs the whole block (``torch.utils.checkpoint``, non-reentrant);
+``attention-free`` (HelixPipe's attention-free recompute, Zhang et al. 2025) re-runs the whole
+block too but keeps the attention kernel's outputs (its output and log-sum-exp: selective
+activation checkpointing, :func:`keep_attention_outputs`), so the backward re-runs norms,
+projections and MLP but never the ``s²`` attention. Gradients are identical in every mode.
 
 Vocabulary-parallel TP (Megatron's ``VocabParallelEmbedding`` / parallel cross-entropy): when
 the stage is TP-sharded and ``vocab`` divides by ``tp`` (:func:`hettrain.planning.cost.
@@ -50,13 +53,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from hettrain.api.spec import RECOMPUTE_MODES, ModelSpec
 from hettrain.runtime.tensor_parallel import (
@@ -486,6 +493,30 @@ class LlamaMLP(nn.Module):
         return reduce_from_tp(y, self.tp_group)
 
 
+# The fused attention kernels scaled_dot_product_attention dispatches to (CPU flash; CUDA
+# flash, memory-efficient and cuDNN): what attention-free recompute keeps instead of re-running.
+ATTENTION_KERNELS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention")
+    if hasattr(torch.ops.aten, name))
+
+
+def keep_attention_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective-checkpoint policy of attention-free recompute: the attention kernels' outputs
+    (the attention output and its log-sum-exp) are saved in the forward and reused by the
+    backward's re-run; every other op is recomputed."""
+    return (CheckpointPolicy.MUST_SAVE if op in ATTENTION_KERNELS
+            else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def attention_free_contexts() -> tuple[Any, Any]:
+    """The forward and recompute dispatch modes of one attention-free checkpoint."""
+    return create_selective_checkpoint_contexts(keep_attention_outputs)
+
+
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
@@ -496,6 +527,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden, spec.norm_eps)
         self.mlp = LlamaMLP(spec)
         self.recompute = "none"
+        # attention-free recompute's checkpoint contexts (runtime.memory counts what they keep)
+        self.checkpoint_contexts: Callable[[], tuple[Any, Any]] = attention_free_contexts
 
     def _block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -504,10 +537,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full" and torch.is_grad_enabled():
             return checkpoint(self._block, x, cos, sin, use_reentrant=False)
+        if self.recompute == "attention-free" and torch.is_grad_enabled():
+            return checkpoint(self._block, x, cos, sin, use_reentrant=False,
+                              context_fn=self.checkpoint_contexts)
         return self._block(x, cos, sin)
 
     def set_recompute(self, mode: str) -> None:
-        """``none`` | ``selective`` (attention core) | ``full`` (whole block)."""
+        """``none`` | ``selective`` (attention core) | ``attention-free`` (the whole block but
+        the attention kernel, whose outputs are kept) | ``full`` (whole block)."""
         if mode not in RECOMPUTE_MODES:
             raise ValueError(f"plan.training.recompute={mode!r}: must be one of "
                              f"{', '.join(RECOMPUTE_MODES)}")
@@ -600,7 +637,7 @@ class StageModel(nn.Module):
         return self.model.layers
 
     def set_recompute(self, mode: str) -> None:
-        """Set the activation recompute mode of every layer (``none|selective|full``)."""
+        """Set the activation recompute mode of every layer (``api.spec.RECOMPUTE_MODES``)."""
         for blk in self.model.layers.values():
             blk.set_recompute(mode)
         self.recompute = mode

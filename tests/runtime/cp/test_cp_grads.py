@@ -38,7 +38,8 @@ def _reference(spec, recompute):
     return x, y, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-CASES = [("none", True), ("selective", True), ("full", True), ("none", False)]
+CASES = [("none", True), ("selective", True), ("attention-free", True), ("full", True),
+         ("none", False)]
 
 
 def _cp_grads(spec, world, rank, recompute, true_positions):
@@ -94,7 +95,7 @@ def _check(got, recompute):
 @pytest.mark.slow
 def test_cp2_gradients_equal_the_reference_in_every_recompute_mode(tmp_path):
     got = _run_cp(tmp_path, 2, CASES)
-    for recompute in ("none", "selective", "full"):
+    for recompute in ("none", "selective", "attention-free", "full"):
         ref = _check(got[(recompute, True)], recompute)
     # the check is sensitive: RoPE at shard-local positions gives other gradients
     q = "model.layers.0.self_attn.q_proj.weight"

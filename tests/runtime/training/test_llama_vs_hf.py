@@ -186,7 +186,7 @@ def test_recompute_modes_give_identical_gradients(defer):
         _, loss = run_chain(stages, tokens, defer=defer)
         results[mode] = (loss, {n: p.grad for st in stages for n, p in st.named_parameters()})
     loss0, g0 = results["none"]
-    for mode in ("selective", "full"):
+    for mode in RECOMPUTE_MODES[1:]:
         loss, g = results[mode]
         assert torch.equal(loss, loss0), mode
         for n in g0:
@@ -237,7 +237,7 @@ def _tp_worker(rank: int, world: int, spec: ModelSpec) -> dict:
     group = dist.new_group([0, 1])
     checked = 0
     for pp, mode, defer in ((1, "none", False), (2, "selective", True), (3, "full", False),
-                            (3, "full", True)):
+                            (3, "full", True), (2, "attention-free", True)):
         stages = build_stages(spec, pp, weights, recompute=mode)
         shards = [shard_stage_(st, spec, 2, rank, group, [0, 1]) for st in stages]
         got_logits, got_loss = run_chain(stages, tokens, defer=defer)
