@@ -5,7 +5,7 @@ One command, a few minutes on one accelerator::
     python bench/gpu_check.py                 # CUDA when present, else a small CPU shape
     python bench/gpu_check.py --device cpu    # force the CPU (small shape, seconds)
 
-For fp32 and bf16 and each recompute mode (none / selective / full) it plans the stage with
+For fp32 and bf16 and each recompute mode (``api.spec.RECOMPUTE_MODES``) it plans the stage with
 the real planner (one device of the catalog type that matches, tp = pp = dp = 1, microbatch 1)
 and runs it as a rank does (``runtime.model.StageModel`` with the plan's recompute, the
 ``runtime.optim.StageOptimizer`` with the plan's precision: fp32 master, fp32 main grads, AdamW):
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 import torch
 
-from hettrain.api.spec import parse_job_spec
+from hettrain.api.spec import RECOMPUTE_MODES, parse_job_spec
 from hettrain.planning import cost
 from hettrain.planning.inventory import load_cluster
 from hettrain.planning.planner import plan_job
@@ -124,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     dev_name = catalog_device(device)
     print(f"device {device} ({torch.cuda.get_device_name(device) if use_cuda else 'CPU'}); "
           f"plan device {dev_name}; model {model}")
-    print(f"{'precision':>9} {'recompute':>9} | {'measured GiB':>12} {'planned GiB':>11} "
+    print(f"{'precision':>9} {'recompute':>14} | {'measured GiB':>12} {'planned GiB':>11} "
           f"{'ratio':>6} | {'step ms':>9} {'planned ms':>10} {'ratio':>6} {'fwd+bwd ms':>10}")
     for precision in ("fp32", "bf16"):
-        for recompute in ("none", "selective", "full"):
+        for recompute in RECOMPUTE_MODES:
             plan = make_plan(model, precision, recompute, dev_name)
             planned = predicted_stage_bytes(plan, 0)
             if use_cuda:
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             peak, seconds = run_case(plan, device, args.repeats)
             fwd_bwd_ms = plan.stages[0].time_ms
             planned_ms = fwd_bwd_ms + plan.predicted.optimizer_s * 1e3
-            print(f"{precision:>9} {recompute:>9} | {peak / GIB:12.3f} {planned / GIB:11.3f} "
+            print(f"{precision:>9} {recompute:>14} | {peak / GIB:12.3f} {planned / GIB:11.3f} "
                   f"{peak / planned:6.3f} | {seconds * 1e3:9.1f} {planned_ms:10.1f} "
                   f"{seconds * 1e3 / planned_ms:6.3f} {fwd_bwd_ms:10.1f}")
     print(f"planned GiB = the plan's stage memory minus its fixed "
