@@ -118,6 +118,19 @@ def test_bad_input_names_the_field(spec: dict[str, Any], field: str, words: str)
     assert words in err.value.message
 
 
+@pytest.mark.parametrize("mode", ["none", "selective", "attention-free", "full", "auto"])
+def test_recompute_modes_parse(mode: str) -> None:
+    assert parse_job_spec(with_("training.recompute", mode)).training.recompute == mode
+
+
+def test_recompute_enum_error_lists_every_mode() -> None:
+    with pytest.raises(SpecError) as err:
+        parse_job_spec(with_("training.recompute", "attention"))
+    assert err.value.field == "spec.training.recompute"
+    assert ("must be one of none, selective, attention-free, full, auto (got 'attention')"
+            in err.value.message)
+
+
 def test_manifest_checks_kind_and_name() -> None:
     doc = {"apiVersion": "hettrain.dev/v1alpha1", "kind": "HetTrainingJob",
            "metadata": {"name": "j"}, "spec": BASE}

@@ -129,3 +129,27 @@ def test_loss_breakdown_rebuilds_a_zb_h1_step_with_a_measured_split(w_frac) -> N
     plan = plan_job("j", spec, inv)
     assert plan.schedule == "zb-h1" and plan.pp == 2
     assert breakdown(spec, inv, plan)["step_err"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_loss_breakdown_counts_attention_free_recompute() -> None:
+    """llama3-8b at 128k tokens on 8 H100s, ``recompute: auto``: the plan recomputes
+    attention-free; the breakdown rebuilds its step (``step_err`` 0) and charges the re-run
+    forward as 'recompute' (the ideal recomputes nothing), while a job that asks for
+    attention-free pays it in the ideal instead."""
+    cluster = {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
+               "metadata": {"name": "t"}, "datacenters": [{"name": "a"}],
+               "pools": [{"name": "h", "datacenter": "a", "device": "H100-SXM", "nodes": 1,
+                          "gpusPerNode": 8, "nicGbps": 400}]}
+    inv = load_cluster(cluster)
+    parts = {}
+    for mode in ("auto", "attention-free"):
+        spec = parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": 131072},
+                               "training": {"globalBatch": 8, "steps": 1, "recompute": mode,
+                                            "optimizerSharding": True}})
+        plan = plan_job("j", spec, inv)
+        assert plan.training.recompute == "attention-free"
+        parts[mode] = breakdown(spec, inv, plan)
+        assert parts[mode]["step_err"] == pytest.approx(0.0, abs=1e-9)
+    assert parts["auto"]["recompute"] > 0.05 and parts["auto"]["recompute in ideal"] == 0.0
+    assert parts["attention-free"]["recompute"] == pytest.approx(0.0, abs=1e-12)
+    assert parts["attention-free"]["recompute in ideal"] > 0.05

@@ -70,7 +70,7 @@ def _brute_force_one_stage(spec, inv) -> tuple[float, int, int, int]:
     return best
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "attention-free", "full"])
 def test_pcie_long_sequence_planner_picks_the_brute_force_cp(recompute):
     """llama3-8b (8 of its layers) at 32k tokens on 8 L40S (PCIe), one sequence per step: the
     planner's best single-stage layout is the brute-force optimum of the cost model, and it

@@ -44,7 +44,8 @@ def instances(draw: st.DrawFn) -> tuple[dict, dict]:
     hidden = draw(st.sampled_from([1024, 4096, 12288]))
     training = {"globalBatch": draw(st.sampled_from([2, 4, 6, 8, 12])), "steps": 1,
                 "optimizerSharding": draw(st.booleans()),
-                "recompute": draw(st.sampled_from(["none", "selective", "full", "auto"]))}
+                "recompute": draw(st.sampled_from(["none", "selective", "attention-free", "full",
+                                                   "auto"]))}
     job = {"model": {"layers": draw(st.integers(2, 6)), "hidden": hidden, "heads": 16,
                      "seqLen": draw(st.sampled_from([1024, 4096])), "vocab": 32000},
            "training": training}
@@ -100,7 +101,8 @@ def chunked_instances(draw: st.DrawFn) -> tuple[dict, dict]:
     job = {"model": {"layers": draw(st.integers(8, 12)), "hidden": draw(st.sampled_from(
                [1024, 4096])), "heads": 16, "seqLen": 2048, "vocab": 32000},
            "training": {"globalBatch": draw(st.sampled_from([4, 8])), "steps": 1,
-                        "recompute": draw(st.sampled_from(["selective", "full"]))},
+                        "recompute": draw(st.sampled_from(["selective", "attention-free",
+                                                           "full"]))},
            "parallelism": {"schedule": draw(st.sampled_from(["auto", "interleaved"]))}}
     return cluster, job
 
@@ -218,7 +220,8 @@ def long_sequence_instances(draw: st.DrawFn) -> tuple[dict, dict]:
                "seqLen": draw(st.sampled_from([8192, 16384, 32768])), "vocab": 32000},
            "training": {"globalBatch": draw(st.sampled_from([1, 2, 4])), "steps": 1,
                         "optimizerSharding": draw(st.booleans()),
-                        "recompute": draw(st.sampled_from(["none", "selective", "full"]))}}
+                        "recompute": draw(st.sampled_from(["none", "selective", "attention-free",
+                                                           "full"]))}}
     cp = draw(st.sampled_from([None, None, None, 2, 4]))
     if cp is not None:
         job["parallelism"] = {"cp": cp}

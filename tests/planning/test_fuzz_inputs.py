@@ -187,7 +187,7 @@ def _jobs_and_clusters(draw: st.DrawFn) -> tuple[dict, dict]:
         "globalBatch": draw(st.one_of(st.integers(1, 64),
                                       st.sampled_from([2**24, 16777213, 10**6, 720720]))),
         "steps": 1, "precision": draw(st.sampled_from(["bf16", "fp32"])),
-        "recompute": draw(st.sampled_from(["none", "selective", "full"])),
+        "recompute": draw(st.sampled_from(["none", "selective", "attention-free", "full"])),
     }
     spec: dict[str, Any] = {
         # 1024 layers on a mixed cluster still searches for minutes (stage counts x orders,

@@ -65,6 +65,34 @@ def test_activation_bytes_count_the_runtimes_saved_tensors() -> None:
     assert cost.recompute_working_set_bytes(model, 1, 8, "selective") == 0
 
 
+def test_attention_free_keeps_the_layer_input_and_the_attention_outputs() -> None:
+    """Attention-free recompute: the layer input (a sequence shard under SP), the attention
+    output of this TP rank's heads over the whole sequence and the fp32 log-sum-exp; no
+    per-layer RoPE tables; the working set and the per-stage tables are full's."""
+    model = _spec("gpt3-175b").model
+    s, h, a, d = model.seq_len, model.hidden, model.heads, model.head_dim
+    assert cost.activation_bytes_per_layer(model, 2, 8, "attention-free") == \
+        s * 2 * (2 * h / 8 + 2 * h / 8 + 4 * a / 8)
+    odd = replace(model, seq_len=2047)  # no sequence parallelism: the input is replicated
+    assert cost.activation_bytes_per_layer(odd, 1, 8, "attention-free") == \
+        2047 * (2 * h + 2 * h / 8 + 4 * a / 8)
+    assert cost.activation_bytes_per_layer(model, 1, 1, "attention-free") == \
+        s * (2 * h + 2 * h + 4 * a)
+    assert cost.activation_bytes_per_layer(model, 1, 1, "attention-free") == pytest.approx(
+        2 * cost.activation_bytes_per_layer(model, 1, 1, "full"), rel=1e-2)  # + LSE: a/h
+    for tp in (1, 8):
+        assert cost.recompute_working_set_bytes(model, 1, tp, "attention-free") == \
+            cost.recompute_working_set_bytes(model, 1, tp, "full")
+    assert cost.recompute_rope_table_bytes(model, "attention-free") == 2 * 4 * s * d
+    assert cost.cp_attention_extra_bytes_per_layer(model, 1, 8, 4, "attention-free") == 0
+    training = _spec(recompute="attention-free").training
+    kw = {"tp": 8, "dp": 1, "micro_batch": 1, "in_flight": 3, "first": False, "last": False}
+    free = cost.stage_memory(model, training, **kw)
+    full = cost.stage_memory(model, replace(training, recompute="full"), **kw)
+    assert free.fixed == full.fixed
+    assert free.per_layer - full.per_layer == 3 * s * (2 * h + 4 * a) / 8
+
+
 def test_state_bytes_with_and_without_zero1() -> None:
     spec = _spec(optimizerSharding=False)
     assert cost.state_bytes_per_param(spec.training, 8) == 2 + 4 + 12

@@ -143,6 +143,26 @@ def test_measured_recompute_modes_replace_the_derived_ones() -> None:
         model, 2, 1, plain, "none", 4)
 
 
+@pytest.mark.parametrize("modes", [None, MODES])
+def test_attention_free_is_the_profiles_full_line_less_one_attention_forward(modes) -> None:
+    """Never measured: the full line (measured, or the plain one plus the forward share) less
+    one modelled attention forward, strictly between none and full; at least the none line
+    where the modelled attention outweighs the recompute (a slow device's catalog rate)."""
+    inv = apply_profiles(load_cluster(_cluster()), [profile_from_doc(_doc(modes=modes), "p")])
+    h100 = inv.pool("h").device
+    model = parse_job_spec(JOB).model
+    for mb, tp in ((2, 1), (4, 2)):
+        attn = 4.0 * mb * 512 * 512 * 1024 / tp / (h100.flops * h100.efficiency
+                                                   * cost.attention_efficiency(h100))
+        none, full = (cost.layer_compute_s(model, mb, tp, h100, m) for m in ("none", "full"))
+        free = cost.layer_compute_s(model, mb, tp, h100, "attention-free")
+        assert free == pytest.approx(full - attn, rel=1e-12)
+        assert none < free < full
+    slow = dataclasses.replace(h100, bf16_tflops=h100.bf16_tflops * 1e-4)
+    assert cost.layer_compute_s(model, 2, 1, slow, "attention-free") == pytest.approx(
+        cost.layer_compute_s(model, 2, 1, slow, "none"))
+
+
 def test_a_version_1_profile_reads_as_fp32_without_modes() -> None:
     """Profiles written before precision and the recompute modes: measured in fp32."""
     doc = {**_doc(), "version": 1}

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from bench import fidelity
-from hettrain.api.spec import SpecError, parse_job_spec
+from hettrain.api.spec import RECOMPUTE_MODES, SpecError, parse_job_spec
 from hettrain.planning import cost
 from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.errors import PlanningError
@@ -57,6 +57,14 @@ def test_layer_compute_matches_hand_computation() -> None:
         gemm4 + attn * 4 / 3 + elem * 4 / 3 + kernels * 4 / 3, rel=1e-12)
     assert cost.layer_compute_s(m, 2, 2, DEV, "selective") == pytest.approx(
         gemm + attn * 4 / 3 + elem + kernels, rel=1e-12)
+    # attention-free: full less the attention core's re-run forward, between none and full
+    free = cost.layer_compute_s(m, 2, 2, DEV, "attention-free")
+    assert free == pytest.approx(
+        cost.layer_compute_s(m, 2, 2, DEV, "full") - attn / 3, rel=1e-12)
+    assert cost.layer_compute_s(m, 2, 2, DEV, "none") < free < cost.layer_compute_s(
+        m, 2, 2, DEV, "full")
+    assert cost.layer_flops(m, 1024, "attention-free") == pytest.approx(
+        cost.layer_flops(m, 1024, "full") - 4 * 1024 * 512 * 1024, rel=1e-12)
 
 
 def test_tp_comm_hand_computation() -> None:
@@ -66,6 +74,7 @@ def test_tp_comm_hand_computation() -> None:
     ring = 2 * 1 * cost.TP_LATENCY_S + 2 * (1 / 2) * nbytes / bw  # 2 ranks
     assert cost.tp_comm_per_layer_s(m, 2, 2, DEV, 2, "none") == pytest.approx(4 * ring)
     assert cost.tp_comm_per_layer_s(m, 2, 2, DEV, 2, "full") == pytest.approx(6 * ring)
+    assert cost.tp_comm_per_layer_s(m, 2, 2, DEV, 2, "attention-free") == pytest.approx(6 * ring)
     assert cost.tp_comm_per_layer_s(m, 2, 1, DEV, 2, "full") == 0.0
 
 
@@ -202,6 +211,44 @@ def test_interleaved_chunk_count_searched_equals_best_pinned() -> None:
     assert f"chunks={free.virtual_stages}" in free.notes[1]
 
 
+def _llama3_8b_plans(seq: int, gb: int) -> dict[str, object]:
+    """llama3-8b at ``seq`` tokens on one node of 8 H100s (80 GB), planned with every
+    recompute mode and ``auto``; a mode without a layout is left out."""
+    inv = load_cluster(_cluster([_pool("h", "H100-SXM", 1, 8)]))
+    plans = {}
+    for mode in (*RECOMPUTE_MODES, "auto"):
+        spec = parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": seq},
+                               "training": {"globalBatch": gb, "steps": 1,
+                                            "optimizerSharding": True, "recompute": mode}})
+        try:
+            plans[mode] = plan_job("j", spec, inv)
+        except PlanningError:
+            continue
+    return plans
+
+
+def test_recompute_auto_picks_attention_free_at_128k_tokens() -> None:
+    """128k tokens on 80 GB: none and selective keep too much, attention-free fits and skips
+    the attention core's re-run forward, which dominates the FLOPs at this length: the planner
+    takes it over full (54.4 s vs 65.7 s a step)."""
+    plans = _llama3_8b_plans(131072, 8)
+    assert "none" not in plans and "selective" not in plans
+    free, full = (plans[m].predicted.step_time_s for m in ("attention-free", "full"))
+    assert free < 0.9 * full
+    assert plans["auto"].training.recompute == "attention-free"
+    assert plans["auto"].predicted.step_time_s == pytest.approx(free, rel=1e-12)
+    assert "recompute=auto chose attention-free" in plans["auto"].notes[-1]
+
+
+@pytest.mark.parametrize("seq", [4096, 8192])
+def test_recompute_auto_keeps_none_at_short_sequences(seq: int) -> None:
+    """4k-8k tokens with memory to spare: recomputing anything only costs time."""
+    plans = _llama3_8b_plans(seq, 16)
+    times = {m: p.predicted.step_time_s for m, p in plans.items()}
+    assert times["none"] < times["selective"] < times["attention-free"] < times["full"]
+    assert plans["auto"].training.recompute == "none"
+
+
 def test_virtual_stages_spec_errors() -> None:
     with pytest.raises(SpecError, match=r"spec.parallelism.virtualStages: only the interleaved"):
         parse_job_spec(_job(parallelism={"schedule": "1f1b", "virtualStages": 2}))
@@ -216,7 +263,7 @@ def test_recompute_auto_is_best_pinned_mode(layers: int, nodes: int) -> None:
                       "vocab": 32000},
             "training": {"globalBatch": 16, "steps": 1, "optimizerSharding": True}}
     times = {}
-    for mode in ("none", "selective", "full"):
+    for mode in RECOMPUTE_MODES:
         spec = parse_job_spec({**base, "training": {**base["training"], "recompute": mode}})
         try:
             times[mode] = plan_job("j", spec, inv).predicted.step_time_s

@@ -19,6 +19,9 @@ from hettrain.api.constants import VENDORS
 from hettrain.api.limits import SPEC_MAX_LENGTHS, SPEC_MAXIMUMS
 
 PRECISIONS = ("bf16", "fp16", "fp32")
+# spec.training.recompute, least recomputed first: selective re-runs the attention core;
+# attention-free checkpoints the whole layer but saves the attention kernel's output and
+# log-sum-exp (HelixPipe), re-running everything else; full re-runs the whole layer
 RECOMPUTE_MODES = ("none", "selective", "attention-free", "full")
 RECOMPUTE_SPEC_MODES = (*RECOMPUTE_MODES, "auto")  # spec only: the planner picks a mode
 SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1")

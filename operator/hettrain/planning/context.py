@@ -14,8 +14,10 @@ keys and values over the CP group (gloo has no reduce-scatter) and keeps the ran
 Communication per layer and microbatch (:func:`cp_comm_per_layer_s`), synchronous in the
 runtime (nothing overlaps it, so all of it is exposed): forward, two all-gathers (K and V) of
 ``b·s·kv/tp`` elements each in the plan precision; backward, two all-reduces of the same size;
-full recompute re-runs the forward's two all-gathers in the backward (selective recompute
-re-runs only the attention core, on the gathered tensors it kept). The CP group's link: the
+full and attention-free recompute re-run the forward's two all-gathers in the backward
+(attention-free re-runs the layer around the attention outputs it kept, whose K/V projections
+are gathered again; selective recompute re-runs only the attention core, on the gathered
+tensors it kept). The CP group's link: the
 node's (``intra_node_gbps`` at ``TP_BUS_EFFICIENCY``, like TP) when the group's ``tp·cp`` GPUs
 sit in one node, else the scale-out NIC per GPU (:func:`cp_link`).
 """
@@ -60,11 +62,12 @@ def cp_comm_per_layer_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
                         elem_bytes: int, recompute: str, gbytes_per_s: float,
                         latency_s: float) -> float:
     """Exposed CP communication of one layer and microbatch (module docstring): 2 all-gathers
-    (4 with full recompute) and 2 all-reduces of :func:`kv_bytes` over ``cp`` ranks."""
+    (4 when the layer is re-run, full or attention-free recompute) and 2 all-reduces of
+    :func:`kv_bytes` over ``cp`` ranks."""
     if cp <= 1:
         return 0.0
     n = kv_bytes(model, micro_batch, tp, elem_bytes)
-    gathers = 4 if recompute == "full" else 2
+    gathers = 4 if cost.reruns_layer(recompute) else 2
     return (gathers * cost.ring_reduce_scatter_s(n, cp, gbytes_per_s, latency_s)
             + 2 * cost.ring_all_reduce_s(n, cp, gbytes_per_s, latency_s))
 

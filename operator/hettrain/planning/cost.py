@@ -83,12 +83,31 @@ def head_forward_flops(model: ModelSpec, tokens: int) -> float:
     return 2.0 * tokens * model.hidden * model.vocab
 
 
+LAYER_RECOMPUTE_MODES = ("attention-free", "full")  # checkpoint and re-run the whole layer
+
+
+def reruns_layer(recompute: str) -> bool:
+    """True when the backward re-runs each layer's forward (``attention-free``, ``full``):
+    the layer keeps its input (attention-free also the attention kernel's outputs), the
+    re-run repeats the forward's GEMMs, elementwise work and collectives."""
+    return recompute in LAYER_RECOMPUTE_MODES
+
+
+def attention_core_forward_flops(model: ModelSpec, tokens: int) -> float:
+    """Forward FLOPs of one layer's attention core (score and value products) for ``tokens``."""
+    return tokens * 4.0 * model.seq_len * model.hidden
+
+
 def recompute_forward_flops(model: ModelSpec, tokens: int, mode: str) -> float:
-    """Extra forward FLOPs per layer spent recomputing activations in the backward pass."""
+    """Extra forward FLOPs per layer spent recomputing activations in the backward pass:
+    full the whole layer, attention-free all of it but the attention core, selective only
+    the attention core (Korthikanti §4.2)."""
     if mode == "full":
         return layer_forward_flops(model, tokens)
-    if mode == "selective":  # only the attention core (Korthikanti §4.2)
-        return tokens * 4.0 * model.seq_len * model.hidden
+    if mode == "attention-free":
+        return layer_forward_flops(model, tokens) - attention_core_forward_flops(model, tokens)
+    if mode == "selective":
+        return attention_core_forward_flops(model, tokens)
     return 0.0
 
 
@@ -149,12 +168,14 @@ EAGER_MASK_BYTES = 1  # dropout mask per score element, written forward, read ba
 
 def compute_passes(recompute: str) -> int:
     """Forward-pass equivalents of a layer's GEMMs per microbatch: forward 1, backward 2
-    (input and weight gradients), plus 1 when the whole forward is recomputed."""
-    return 3 + (1 if recompute == "full" else 0)
+    (input and weight gradients), plus 1 when the layer's forward is re-run
+    (:func:`reruns_layer`)."""
+    return 3 + (1 if reruns_layer(recompute) else 0)
 
 
 def attention_passes(recompute: str) -> int:
-    """Forward-pass equivalents of the attention core: selective recompute redoes it too."""
+    """Forward-pass equivalents of the attention core: selective and full recompute redo it,
+    attention-free keeps its outputs."""
     return 3 + (1 if recompute in ("full", "selective") else 0)
 
 
@@ -194,24 +215,20 @@ def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceS
     A device profile that measured this layer shape in this precision
     (``planning/profiles.py``) replaces the model: its fitted seconds of the recompute mode
     (a version-1 profile without a measured selective mode: plus one modelled attention
-    forward). ``attention`` ``eager`` adds the materialised scores' memory traffic
-    (:func:`eager_score_bytes`) at the HBM bandwidth, on the model and on a profile (which
-    measured the runtime's fused attention).
+    forward; attention-free, never measured: the full line minus one modelled attention
+    forward, at least the ``none`` line: :func:`profiled_layer_s`). ``attention`` ``eager``
+    adds the materialised scores' memory traffic (:func:`eager_score_bytes`) at the HBM
+    bandwidth, on the model and on a profile (which measured the runtime's fused attention).
     """
     eager = (eager_score_bytes(model, micro_batch, tp, recompute, elem_bytes)
              / (device.hbm_tbps * 1e12) if attention == "eager" else 0.0)
     tokens = micro_batch * model.seq_len
     prof = device.profile
     if prof is not None and prof.matches(model, elem_bytes):
-        t = prof.layer_s(micro_batch, tp, recompute)
-        if recompute == "selective" and prof.measured_mode(recompute) is None:
-            t += (4.0 * tokens * model.seq_len * model.hidden / tp
-                  / (device.matmul_flops(elem_bytes)
-                     * attention_efficiency(device, elem_bytes)))
-        return t + eager
+        return profiled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes) + eager
     passes = compute_passes(recompute)
     gemm = passes * 2.0 * tokens * layer_matmul_params(model) / tp
-    attn = attention_passes(recompute) * 4.0 * tokens * model.seq_len * model.hidden / tp
+    attn = attention_passes(recompute) * attention_core_forward_flops(model, tokens) / tp
     peak = device.matmul_flops(elem_bytes)
     elementwise = (passes * tokens * (ELEMENTWISE_BYTES_PER_HIDDEN * model.hidden
                                       + ELEMENTWISE_BYTES_PER_FFN * model.ffn_hidden)
@@ -219,6 +236,25 @@ def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceS
     return (gemm / peak + attn / (peak * attention_efficiency(device, elem_bytes))
             + elementwise / (device.hbm_tbps * 1e12) + eager
             + passes * KERNELS_PER_PASS * KERNEL_FIXED_S)
+
+
+def profiled_layer_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
+                     recompute: str, elem_bytes: int = 2) -> float:
+    """Compute seconds of one layer and microbatch on one TP rank from the device profile
+    (which matches the shape and precision): the mode's line; an unmeasured selective mode
+    adds one modelled attention forward, attention-free (never measured) takes one off the
+    full line, floored at the ``none`` line."""
+    prof = device.profile
+    assert prof is not None
+    attn = (attention_core_forward_flops(model, micro_batch * model.seq_len) / tp
+            / (device.matmul_flops(elem_bytes) * attention_efficiency(device, elem_bytes)))
+    if recompute == "attention-free":
+        return max(prof.layer_s(micro_batch, tp, "none"),
+                   prof.layer_s(micro_batch, tp, "full") - attn)
+    t = prof.layer_s(micro_batch, tp, recompute)
+    if recompute == "selective" and prof.measured_mode(recompute) is None:
+        t += attn
+    return t
 
 
 def measured_tp_line(model: ModelSpec, training: TrainingSpec, tp: int, device: DeviceSpec
@@ -450,6 +486,12 @@ def optimizer_step_s(params: float, training: TrainingSpec, dp: int,
 # ``full`` keeps only each layer's input (eb·h per token); the backward then re-runs ONE layer's
 # forward at a time, whose working set (the ``none`` bytes of one layer and one microbatch) is
 # counted once per stage in ``stage_memory``'s fixed part (:func:`recompute_working_set_bytes`).
+# ``attention-free`` (HelixPipe's attention-free recompute; the runtime checkpoints the layer
+# with selective activation checkpointing) keeps the layer's input like full plus what the
+# attention kernel saves, which the re-run forward reuses instead of recomputing: its output
+# (eb·h/tp per token: this rank's heads over the rank's whole sequence, not a sequence shard)
+# and the fp32 log-sum-exp (4 bytes per head /tp); no per-layer RoPE tables (re-made by the
+# re-run); its working set, the RoPE tables and its TP/CP collectives are full's.
 FP32_BYTES = 4.0
 NORMS_PER_LAYER = 2
 LAYER_SHARDED_H = 4  # q, k, v (repeated) and the attention output, in units of h
@@ -473,8 +515,11 @@ def activation_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, reco
     s, b, h, a = model.seq_len, micro_batch, model.hidden, model.heads
     eb = float(elem_bytes)
     sp = sequence_shards(model, tp)
-    if recompute == "full":
-        return s * b * h * eb / sp
+    if reruns_layer(recompute):
+        kept = h * eb / sp  # the layer's input
+        if recompute == "attention-free":  # and the attention kernel's output and LSE
+            kept += (h * eb + LSE_BYTES_PER_HEAD * a) / tp
+        return s * b * kept
     ffn = (SWIGLU_FFN if model.gated_mlp else GELU_FFN) * model.ffn_hidden
     replicated = NORMS_PER_LAYER * rms_norm_saved_bytes_per_token(h, eb)
     if recompute == "selective":
@@ -496,8 +541,9 @@ def cp_attention_extra_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: i
                                        recompute: str, elem_bytes: int = 2) -> float:
     """Bytes a CP rank's attention keeps per layer and microbatch beyond the token-local count
     of :func:`activation_bytes_per_layer` on ``seq_len / cp`` tokens, as
-    ``runtime/context_parallel.py`` holds them (0 for ``cp == 1`` or full recompute, whose
-    working set adds the ``none`` value once).
+    ``runtime/context_parallel.py`` holds them (0 for ``cp == 1`` or a re-run layer,
+    :func:`reruns_layer`, whose working set adds the ``none`` value once; attention-free's
+    saved per-chunk outputs are the rank's own tokens, counted token-locally).
 
     ``none``: the gathered keys and values after the GQA repeat (the SDPA inputs, ``h/tp`` wide
     each) cover the whole sequence, not only the rank's tokens: ``2·(s − s/cp)·h/tp`` more;
@@ -508,7 +554,7 @@ def cp_attention_extra_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: i
     sequence: the mask broadcasts over the microbatch). ``selective`` keeps the checkpoint's
     inputs, the gathered keys and values before the repeat (``kv/tp`` each) over the whole
     sequence: ``2·(s − s/cp)·kv/tp`` more."""
-    if cp <= 1 or recompute == "full":
+    if cp <= 1 or reruns_layer(recompute):
         return 0.0
     s, b, h = model.seq_len, micro_batch, model.hidden
     local = s // cp
@@ -523,18 +569,20 @@ def cp_attention_extra_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: i
 
 def recompute_working_set_bytes(model: ModelSpec, micro_batch: int, tp: int, recompute: str,
                                 elem_bytes: int = 2) -> float:
-    """Full recompute: what the backward of one layer holds while it re-runs that layer's
-    forward (everything the layer keeps without recompute, one microbatch); 0 otherwise."""
-    if recompute != "full":
+    """A re-run layer (:func:`reruns_layer`): what the backward of one layer holds while it
+    re-runs that layer's forward (everything the layer keeps without recompute, one
+    microbatch); 0 otherwise."""
+    if not reruns_layer(recompute):
         return 0.0
     return (activation_bytes_per_layer(model, micro_batch, tp, "none", elem_bytes)
             + recompute_rope_table_bytes(model, recompute))
 
 
 def recompute_rope_table_bytes(model: ModelSpec, recompute: str) -> float:
-    """Full recompute: the cached fp32 cos and sin (``s × head_dim`` each) the checkpoints keep
-    as inputs, once per stage for the whole step (part of the working set's count); 0 else."""
-    return 2 * FP32_BYTES * model.seq_len * model.head_dim if recompute == "full" else 0.0
+    """A re-run layer (:func:`reruns_layer`): the cached fp32 cos and sin (``s × head_dim``
+    each) the checkpoints keep as inputs, once per stage for the whole step (part of the
+    working set's count); 0 else."""
+    return 2 * FP32_BYTES * model.seq_len * model.head_dim if reruns_layer(recompute) else 0.0
 
 
 # The runtime's GPT block (runtime/model.py) embeds positions with a learned table of seq_len
@@ -675,12 +723,12 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     params = layer_matmul_params(model) / tp + (2 + NORM_BIAS_PARAMS_H) * h
     per_layer = params * per_param + act + stash
     fixed = float(FRAMEWORK_OVERHEAD_BYTES)
-    # full recompute: the RoPE tables stay for the step; the re-run layer (its ``none`` bytes,
-    # recompute_working_set_bytes without the tables) is a transient
+    # a re-run layer (full, attention-free): the RoPE tables stay for the step; the re-run
+    # layer (its ``none`` bytes, recompute_working_set_bytes without the tables) is a transient
+    rerun = reruns_layer(training.recompute)
     fixed += recompute_rope_table_bytes(model, training.recompute)
-    working = (activation_bytes_per_layer(model, micro_batch, tp, "none", eb)
-               if training.recompute == "full" else 0.0)
-    if training.recompute == "full" and cp > 1:  # the re-run layer's gathered keys/values
+    working = activation_bytes_per_layer(model, micro_batch, tp, "none", eb) if rerun else 0.0
+    if rerun and cp > 1:  # the re-run layer's gathered keys/values
         working += cp_attention_extra_bytes_per_layer(full, micro_batch, tp, cp, "none", eb)
     chunks_in_flight = in_flight * virtual_stages
     vs = vocab_shards(model, tp)
@@ -807,8 +855,9 @@ def dp_overlap_share(device: DeviceSpec) -> float:
 
 
 def backward_fraction(recompute: str) -> float:
-    """Share of a layer's fwd+bwd compute spent in its backward (incl. a full recompute's
-    forward, which runs inside the backward): 2/3, or 3/4 with full recompute."""
+    """Share of a layer's fwd+bwd compute spent in its backward (incl. a re-run layer's
+    forward, which runs inside the backward): 2/3, or 3/4 with full or attention-free
+    recompute (:func:`compute_passes`)."""
     passes = compute_passes(recompute)
     return (passes - 1) / passes
 
@@ -848,10 +897,10 @@ def dp_exposed_coeffs(c: float, e: float, window_per_layer: float, window_fixed:
 def tp_all_reduces_per_layer(recompute: str) -> int:
     """All-reduce-equivalents of one layer's TP comm for one microbatch.
 
-    Megatron TP(+SP): 2 forward (attention and MLP outputs) and 2 backward; a full-recompute
-    forward repeats the 2 forward ones.
+    Megatron TP(+SP): 2 forward (attention and MLP outputs) and 2 backward; a re-run layer's
+    forward (full, attention-free: :func:`reruns_layer`) repeats the 2 forward ones.
     """
-    return 4 + (2 if recompute == "full" else 0)
+    return 4 + (2 if reruns_layer(recompute) else 0)
 
 
 def measured_comm(device: DeviceSpec) -> CommProfile | None:

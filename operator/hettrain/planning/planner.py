@@ -79,7 +79,7 @@ AUTO_MAX_CHUNKS = 3  # schedule: auto: interleaved with 2..3 chunks (all dominat
 REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the best
 REPLAN_OPTIONS = 64  # distinct placements a re-plan compares by moved ranks
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
-RECOMPUTE_SEARCH = ("none", "selective", "full")  # recompute: auto; least recompute first
+RECOMPUTE_SEARCH = ("none", "selective", "attention-free", "full")  # recompute: auto; least first
 # crossDC.mode: auto; exact gradients first. DiLoCo changes the optimizer: opt-in only.
 CROSS_DC_SEARCH = ("sync", "compress")
 

@@ -108,7 +108,7 @@ PROFILE_VERSION = 2  # written: precision, recompute modes, model.vocab, stage, 
 PROFILE_VERSIONS = (1, 2)  # readable; version 1: fp32 block, layer rows only
 PROFILE_KIND = "DeviceProfile"
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-RECOMPUTE_MODES = ("selective", "full")  # measured besides "none" (version 2)
+RECOMPUTE_MODES = ("selective", "full")  # measured besides "none" (version 2; not attention-free)
 MODE_FIELDS = {"selective": "selectiveS", "full": "fullS"}
 SPLIT_FIELDS = ("bS", "wS")  # optional (version 2): the ZB-H1 backward's B and W passes
 # the least share of 1F1B's bubble a measured split may give ZB-H1 (a W pass of half the layer
@@ -326,12 +326,15 @@ class LayerProfile:
     def layer_s(self, micro_batch: int, tp: int, recompute: str) -> float:
         """Seconds of one layer and microbatch on one of ``tp`` ranks (compute only); an
         unmeasured full recompute adds the measured forward share, an unmeasured selective
-        one nothing here (``cost.layer_compute_s`` adds a modelled attention forward)."""
-        line = self.measured_mode(recompute)
+        one nothing here (``cost.layer_compute_s`` adds a modelled attention forward);
+        attention-free, never measured, the full line, its upper bound
+        (``cost.profiled_layer_s`` takes a modelled attention forward off)."""
+        mode = "full" if recompute == "attention-free" else recompute
+        line = self.measured_mode(mode)
         if line is not None:
             return (line[0] + line[1] * micro_batch) / tp
         t = (self.alpha + self.beta * micro_batch) / tp
-        return t * (1 + self.forward_share) if recompute == "full" else t
+        return t * (1 + self.forward_share) if mode == "full" else t
 
 
 def profile_from_doc(doc: Any, where: str) -> LayerProfile:
