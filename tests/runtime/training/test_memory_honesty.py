@@ -45,6 +45,13 @@ GRID = [
     (3, 1, 2, 1, 6, "1f1b", "fp16", False, GATED, "full"),
     (2, 1, 2, 2, 4, "interleaved", "bf16", True, MODEL, "full"),
     (3, 2, 1, 1, 6, "zb-h1", "bf16", False, GATED, "full"),
+    # attention-free (block re-run but the attention kernel, whose outputs are kept)
+    (1, 1, 1, 2, 2, "1f1b", "bf16", False, GATED, "attention-free"),
+    (2, 2, 2, 2, 4, "1f1b", "fp32", True, MODEL, "attention-free"),
+    (3, 2, 1, 1, 6, "interleaved", "bf16", False, GATED, "attention-free"),
+    (2, 1, 2, 2, 4, "zb-h1", "fp16", True, MODEL, "attention-free"),
+    (2, 1, 4, 2, 4, "1f1b", "bf16", "gradients", GATED, "attention-free"),
+    (2, 2, 2, 1, 4, "1f1b", "bf16", "full", MODEL, "attention-free"),
     # ZeRO-2 / ZeRO-3 (FSDP): own chunks of the state, a unit's bucket and gathered weights
     (2, 1, 4, 2, 4, "1f1b", "bf16", "gradients", GATED),
     (2, 2, 2, 1, 4, "1f1b", "fp32", "gradients", MODEL, "selective"),
@@ -134,6 +141,8 @@ CP_GRID = [
     (4, 2, 2, 1, 1, 4, "1f1b", "bf16", False, LONG, "selective"),
     (2, 2, 1, 1, 1, 4, "1f1b", "bf16", False, LONG_GATED, "full"),
     (2, 2, 2, 1, 2, 4, "zb-h1", "bf16", True, LONG, "full"),
+    (2, 2, 1, 1, 1, 4, "1f1b", "bf16", False, LONG_GATED, "attention-free"),
+    (4, 2, 2, 1, 1, 4, "zb-h1", "bf16", True, LONG, "attention-free"),
 ]
 
 
