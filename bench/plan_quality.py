@@ -28,6 +28,7 @@ Usage: python bench/plan_quality.py [--clusters 40] [--models all] [--cap 60] [-
        python bench/plan_quality.py --quick        # 4 small clusters x 2 models (CI)
        python bench/plan_quality.py --replica-groups   # with spec.parallelism.replicaGroups
        python bench/plan_quality.py --compare   # plain and replicaGroups, side by side
+       python bench/plan_quality.py --recompute auto   # the planner picks the recompute mode
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hettrain.api.spec import JobSpec, parse_job_spec
+from hettrain.api.spec import RECOMPUTE_SPEC_MODES, JobSpec, parse_job_spec
 from hettrain.planguard import Budget, PlanBudgetError, PlanWorkers
 from hettrain.planning.catalog import CATALOG
 from hettrain.planning.cost import (
@@ -70,6 +71,7 @@ MODELS = {"llama3-8b": ("llama3-8b", 8192), "llama3-70b": ("llama3-70b", 8192),
 QUICK_MODELS = ("llama3-8b", "llama3-8b-32k")
 QUICK_CLUSTERS = 4
 QUICK_MAX_GPUS = 256
+DEFAULT_RECOMPUTE = "selective"  # the jobs' spec.training.recompute (--recompute)
 
 
 # ---------------------------------------------------------------- cases
@@ -117,13 +119,14 @@ def _fit(pools: list[dict], max_gpus: int) -> None:
         min(pools, key=lambda p: p["nodes"])["nodes"] += 1
 
 
-def job(model: str, replica_groups: bool = False) -> JobSpec:
-    """The job of one model case: bf16, ZeRO-1, selective recompute, ~4M tokens per step
-    (``replica_groups``: spec.parallelism.replicaGroups)."""
+def job(model: str, replica_groups: bool = False, recompute: str = DEFAULT_RECOMPUTE
+        ) -> JobSpec:
+    """The job of one model case: bf16, ZeRO-1, ``recompute`` (default selective), ~4M tokens
+    per step (``replica_groups``: spec.parallelism.replicaGroups)."""
     preset, seq = MODELS[model]
     return parse_job_spec({"model": {"preset": preset, "seqLen": seq},
                            "training": {"globalBatch": max(1, TOKENS_PER_STEP // seq),
-                                        "steps": 1, "recompute": "selective"},
+                                        "steps": 1, "recompute": recompute},
                            "parallelism": {"replicaGroups": replica_groups}})
 
 
@@ -178,11 +181,11 @@ class Case:
     losses: dict[str, float] = field(default_factory=dict)  # plan_losses.breakdown
 
 
-def run_case(workers: PlanWorkers, doc: dict, model: str, replica_groups: bool = False
-             ) -> Case:
+def run_case(workers: PlanWorkers, doc: dict, model: str, replica_groups: bool = False,
+             recompute: str = DEFAULT_RECOMPUTE) -> Case:
     """Plan one case in a worker (capped) and measure it."""
     inv = load_cluster(doc)
-    spec = job(model, replica_groups)
+    spec = job(model, replica_groups, recompute)
     case = Case(doc["metadata"]["name"], model, inv.gpus, len({p.device.name for p in inv.pools}),
                 len(inv.datacenters), "ok")
     t0 = time.perf_counter()
@@ -395,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replica-groups", action="store_true",
                     help="plan with spec.parallelism.replicaGroups: true (an extra replica "
                          "group on idle nodes of another pool)")
+    ap.add_argument("--recompute", default=DEFAULT_RECOMPUTE, choices=RECOMPUTE_SPEC_MODES,
+                    help="the jobs' spec.training.recompute (default selective; auto: the "
+                         "planner picks the fastest mode that fits, the ideal pays none)")
     args = ap.parse_args(argv)
     if args.compare:
         args.replica_groups = True  # the full report is the after one
@@ -412,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                           plan_fn=timed_plan)
 
     def one(doc_model: tuple[dict, str], groups: bool = args.replica_groups) -> Case:
-        case = run_case(workers, *doc_model, replica_groups=groups)
+        case = run_case(workers, *doc_model, replica_groups=groups, recompute=args.recompute)
         if not args.json:
             print(f"  {case.cluster} {case.model}: {case.status} {_fmt(case.ratio, '.3f')} "
                   f"{_fmt(case.plan_s, '.1f')}s", file=sys.stderr, flush=True)
@@ -431,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     over = [c for c in cases if c.status == "ok" and c.ratio > 1 + 1e-9]
     if args.json:
         print(json.dumps({"seed": args.seed, "cap_s": args.cap, "quick": args.quick,
+                          "recompute": args.recompute,
                           "cases": [_jsonable(vars(c)) for c in cases],
                           "summary": {k: _jsonable(v) for k, v in summary.items()},
                           **({"before_summary": {
