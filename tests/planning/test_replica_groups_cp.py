@@ -17,6 +17,7 @@ from hettrain.planning.planner import _layer_s, _stage_fixed_s, plan_job
 from hettrain.planning.replica_groups import group_cps, group_stage_s, grouped_step_s
 from hettrain.planning.support import context_parallel_errors, replica_group_errors
 from hettrain.planning.units import build_units
+from hettrain.render.table import layout_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import plan_quality as pq
@@ -62,6 +63,9 @@ def test_a_cp_plan_gets_extra_groups_the_runtime_runs(planned):
                 assert len({r.node for r in ranks}) == 1
     gpus = [(r.node, r.local_rank) for r in grouped.ranks]
     assert len(set(gpus)) == len(gpus)
+    # `hettrain plan` names each group's degree
+    assert layout_summary(grouped).count(" (cp ") == sum(
+        g.stages[0].cp > 1 for g in grouped.groups)
 
 
 def test_grouped_step_reprices_the_cp_groups(planned):
