@@ -69,8 +69,9 @@ def device_rate(spec: JobSpec, device) -> tuple[float, float, float]:
 
 def _stage_parts(spec: JobSpec, plan_spec: JobSpec, unit, tp: int, cp: int, mb: int, n: int,
                  last: bool) -> dict[str, float]:
-    """Per microbatch seconds of one stage rank: compute at the ideal's recompute mode, the
-    plan's extra recompute, TP and CP comm (their sum is the planner's stage time)."""
+    """Per microbatch seconds of one stage rank on ``unit`` (a search unit, or an extra
+    replica group's pool): compute at the ideal's recompute mode, the plan's extra recompute,
+    TP and CP comm (their sum is the planner's stage time)."""
     model, dev = spec.model, unit.device
     eb = cost.precision_bytes(spec.training)
     mode = plan_spec.training.recompute
@@ -146,14 +147,13 @@ def breakdown(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> dict[str, flo
     boundary = with_b - cost.pipeline_time_s(stage_s, [], m_solo, plan.schedule, v, zd)[0]
     # (replicas, microbatches, StagePlans, stage units, stage seconds) per replica group
     groups = [(plan.dp, plan.num_microbatches, plan.stages, units, stage_s)]
-    solo_units = build_units(filter_pools(inv, spec.placement), merged=False)
-    for g in plan.groups[1:]:  # each extra group runs on one pool
-        ug = next(u for u in solo_units if g.stages[0].pools[0] in {p.name for p in u.pools})
+    for g in plan.groups[1:]:  # each extra group runs on one pool (its NIC for the CP link)
+        ug = inv.pool(g.stages[0].pools[0])
         groups.append((g.dp, g.num_microbatches, g.stages, [ug] * g.pp,
                        [s.time_ms / 1e3 for s in g.stages]))
     pipes = [cost.pipeline_time_s(ss, [], mg, plan.schedule, v,
-                                  plan_zb_div(plan, [u.device for u in us]))[0]
-             for _, mg, _, us, ss in groups]
+                                  plan_zb_div(plan, [u.device for u in us], sp[0].cp))[0]
+             for _, mg, sp, us, ss in groups]
     # the step: the slowest group's pipeline + boundaries + the tail (with groups: + their
     # cross-DC gradient sums, replica_groups.groups_sync_s, whatever T leaves)
     recon = max(pipes) + boundary + max(tail)

@@ -220,8 +220,9 @@ def run_case(workers: PlanWorkers, doc: dict, model: str, replica_groups: bool =
                    + f"mb={plan.micro_batch} "
                    f"m={plan.num_microbatches} {plan.schedule}")
     for g in plan.groups[1:]:
+        gcp = g.stages[0].cp
         case.layout += (f" + group {g.index}: dp={g.dp} pp={g.pp} tp={g.stages[0].tp} "
-                        f"m={g.num_microbatches}")
+                        + (f"cp={gcp} " if gcp > 1 else "") + f"m={g.num_microbatches}")
     return case
 
 

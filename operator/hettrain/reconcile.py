@@ -358,7 +358,8 @@ def _layout(plan: Plan) -> str:
     if not plan.groups:
         return f"dp={plan.dp} pp={plan.pp} tp={[s.tp for s in plan.stages]}"
     return "; ".join(f"group {g.index}: dp={g.dp} pp={g.pp} tp={[s.tp for s in g.stages]} "
-                     f"in {','.join(dict.fromkeys(p for s in g.stages for p in s.pools))}"
+                     + (f"cp={g.stages[0].cp} " if g.stages[0].cp > 1 else "")
+                     + f"in {','.join(dict.fromkeys(p for s in g.stages for p in s.pools))}"
                      for g in plan.groups)
 
 

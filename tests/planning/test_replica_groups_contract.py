@@ -67,9 +67,26 @@ def test_groups_may_differ_in_tp_per_layer():
         assert replica_group_errors(plan) == [], tps
 
 
+def test_groups_may_differ_in_context_parallelism():
+    """Each group its own CP degree (replica_sync weights a CP rank by 1/cp of its group's
+    share; run against the reference in tests/runtime/training/test_replica_groups.py)."""
+    for cps in ((2, 1), (1, 2), (2, 2), (2, 4)):
+        plan = grouped_plan([{"splits": [(0, 2, "a"), (2, 4, "b")], "cp": cps[0]},
+                             {"splits": [(0, 4, "c")], "cp": cps[1]}])
+        assert unsupported(plan) == [], cps
+    plan = grouped_plan([TWO[0], {"splits": [(0, 4, "c")], "cp": 2}])
+    ranks = plan.ranks[:-1]  # group 1 loses its CP rank 1
+    errs = unsupported(replace(plan, ranks=ranks))
+    assert any(e.startswith("plan.groups[1]: plan.ranks: with cp=2") for e in errs), errs
+    assert "group 1 must hold every (stage, dp, tp, cp)" in replica_group_errors(
+        replace(plan, ranks=ranks))[0]
+    odd = grouped_plan([TWO[0], {"splits": [(0, 4, "c")], "cp": 3}])
+    assert "plan.groups[1]: plan.stages[].cp=3" in unsupported(odd)[0]
+
+
 def test_missing_rank_mixed_node_and_stray_group_field():
     plan = grouped_plan(TWO)
-    assert "group 1 must hold every (stage, dp, tp)" in _errors(
+    assert "group 1 must hold every (stage, dp, tp, cp)" in _errors(
         replace(plan, ranks=plan.ranks[:-1]))[0]
     ranks = list(plan.ranks)
     ranks[-1] = replace(ranks[-1], node=ranks[0].node)

@@ -12,6 +12,14 @@ each round adds the candidate that makes the modelled step fastest, on a pool no
 yet, and the rounds stop when no candidate makes the step faster (so at most one extra group
 per pool; a 3-pool cluster whose search used one pool can get 3 groups).
 
+Context parallelism: when group 0 has ``cp > 1`` (long sequences), an extra group may use
+any power-of-two degree up to it, 1 included (:func:`group_cps`; each group runs its own
+world, and ``runtime/replica_sync.py`` weights a CP rank's gradient by ``1/cp`` of its
+group's share): its replicas take ``cp·tp`` GPUs per stage, the ``cp`` TP groups of a
+``(dp, stage)`` side by side (:func:`_place_group`), its memory is ``cost.stage_memory(cp=)``
+and its stage times the search's CP pricing (:func:`group_stage_s`: ``context.cp_layer_time_s``
+over ``context.cp_link``, ``context.cp_head_time_s``).
+
 The step's microbatches ``N`` are split between the groups: group ``g``'s pipeline time for
 ``M`` microbatches per replica is affine in ``M`` (``cost.pipeline_time_s``: ``a_g + b_g·M``),
 so the step time ``max_g(a_g + b_g·M_g)`` under ``Σ dp_g·M_g = N``, ``1 <= M_g <= cap_g`` is
@@ -50,13 +58,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hettrain.api.spec import JobSpec
-from hettrain.planning import cost
+from hettrain.planning import context, cost
 from hettrain.planning.arith import shard_bounds
 from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.inventory import ClusterInventory, Pool
 from hettrain.planning.placement import moved_ranks
 from hettrain.planning.plan import Plan, RankPlan, ReplicaGroup, StagePlan
-from hettrain.planning.support import replica_group_errors
+from hettrain.planning.support import context_parallel_degree, group_cp, replica_group_errors
 from hettrain.planning.units import filter_pools
 
 # deepest pipeline an extra group is given: each depth costs one memory and time evaluation
@@ -88,6 +96,7 @@ class GroupOption:
     stage_s: tuple[float, ...]  # forward+backward seconds of one microbatch per stage
     max_m: int  # most microbatches per replica whose activations fit (max_microbatches)
     line: Line = (0.0, 0.0)  # affine(stage_s, the plan's schedule)
+    cp: int = 1  # context-parallel degree: each replica is dp·cp·tp GPUs per stage
 
     @property
     def pp(self) -> int:
@@ -104,11 +113,13 @@ def affine(stage_s: list[float] | tuple[float, ...], schedule: str,
     return one - (two - one), two - one
 
 
-def plan_zb_div(plan: Plan, devices: Sequence[DeviceSpec]) -> float:
+def plan_zb_div(plan: Plan, devices: Sequence[DeviceSpec], cp: int | None = None) -> float:
     """ZB-H1's bubble divisor of a pipeline of ``plan``'s model, training and microbatch on
-    ``devices`` (:func:`cost.zb_bubble_divisor`: measured B/W splits, else the catalog's 3;
-    a CP rank's shorter sequence matches no profile); the catalog's for other schedules."""
-    if plan.schedule != "zb-h1" or (plan.stages and plan.stages[0].cp > 1):
+    ``devices`` at context parallelism ``cp`` (None: the plan's) (:func:`cost.zb_bubble_divisor`:
+    measured B/W splits, else the catalog's 3; a CP rank's shorter sequence matches no
+    profile); the catalog's for other schedules."""
+    cp = context_parallel_degree(plan) if cp is None else cp
+    if plan.schedule != "zb-h1" or cp > 1:
         return cost.ZB_CATALOG_DIVISOR
     return cost.zb_bubble_divisor(devices, plan.model, plan.training, plan.micro_batch)
 
@@ -309,11 +320,12 @@ def _run_splits(runs: list[tuple[int, int, int]], per_run: int
 
 
 def stage_memory_bytes(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequence[int],
-                       dp: int, m: int) -> list[float]:
-    """Peak bytes per device of each stage of an extra group of ``dp`` replicas running ``m``
-    microbatches per replica (``cost.stage_memory`` with the plan's schedule)."""
+                       dp: int, m: int, cp: int = 1) -> list[float]:
+    """Peak bytes per device of each stage of an extra group of ``dp`` replicas at context
+    parallelism ``cp`` running ``m`` microbatches per replica (``cost.stage_memory`` with the
+    plan's schedule)."""
     pp = len(splits)
-    return [cost.stage_memory(plan.model, plan.training, tp=tp, dp=dp,
+    return [cost.stage_memory(plan.model, plan.training, tp=tp, dp=dp, cp=cp,
                               micro_batch=plan.micro_batch, first=s == 0, last=s == pp - 1,
                               **cost.schedule_memory_args(s, pp, m, plan.schedule)
                               ).bytes_for(b - a)
@@ -322,9 +334,10 @@ def stage_memory_bytes(plan: Plan, splits: Sequence[tuple[int, int]], tps: Seque
 
 def max_microbatches(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequence[int],
                      dp: int, device: DeviceSpec, top: int,
-                     memo: dict[tuple, cost.StageMemory] | None = None) -> int:
-    """The most microbatches per replica ``<= top`` with which every stage fits ``device``'s
-    memory (with the search's headroom); 0 when not even one does. A stage's memory does not
+                     memo: dict[tuple, cost.StageMemory] | None = None, cp: int = 1) -> int:
+    """The most microbatches per replica ``<= top`` with which every stage (at context
+    parallelism ``cp``) fits ``device``'s memory (with the search's headroom); 0 when not even
+    one does. A stage's memory does not
     decrease with ``m`` and stops growing at ``m = pp`` except under GPipe (every microbatch
     in flight), so checks at 1 and at ``pp`` (GPipe: ``top``) usually settle it; else
     bisection. ``memo``: stage memory models by their arguments, shared between calls (they
@@ -335,9 +348,9 @@ def max_microbatches(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequenc
 
     def stage(s: int, tp: int, m: int) -> cost.StageMemory:
         args = cost.schedule_memory_args(s, pp, m, plan.schedule)
-        key = (tp, dp, s == 0, s == pp - 1, *args.values())
+        key = (tp, dp, cp, s == 0, s == pp - 1, *args.values())
         if key not in memo:
-            memo[key] = cost.stage_memory(plan.model, plan.training, tp=tp, dp=dp,
+            memo[key] = cost.stage_memory(plan.model, plan.training, tp=tp, dp=dp, cp=cp,
                                           micro_batch=plan.micro_batch, first=s == 0,
                                           last=s == pp - 1, **args)
         return memo[key]
@@ -362,9 +375,9 @@ def group_options(plan: Plan, inv: ClusterInventory) -> list[GroupOption]:
     """Every extra group that fits memory on one pool's idle nodes (all of them): ``R``
     pipelines whose stages follow the plan's TP runs (:func:`tp_runs`, each run cut into 1, 2,
     ... stages) or have one TP degree throughout (:func:`pool_tps`; the runtime sums each piece
-    of a parameter between the ranks holding it, whatever their TP), at most
-    :data:`MAX_GROUP_STAGES` stages deep, per layout the :data:`MAX_FITTING_DEPTHS` shallowest
-    that fit."""
+    of a parameter between the ranks holding it, whatever their TP), at each context-parallel
+    degree of :func:`group_cps`, at most :data:`MAX_GROUP_STAGES` stages deep, per layout and
+    degree the :data:`MAX_FITTING_DEPTHS` shallowest that fit."""
     if plan.groups:
         return []
     layouts = [tp_runs(plan)]
@@ -376,7 +389,22 @@ def group_options(plan: Plan, inv: ClusterInventory) -> list[GroupOption]:
         for runs in layouts:
             if not all(tp in pool_tps(plan, pool) for tp, _, _ in runs):
                 continue
-            out += _layout_options(plan, pool, idle, runs, memo)
+            for cp in group_cps(plan):
+                out += _layout_options(plan, pool, idle, runs, memo, cp)
+    return out
+
+
+def group_cps(plan: Plan) -> list[int]:
+    """Context-parallel degrees an extra group may use: the powers of two up to group 0's
+    (1 alone without CP), each group its own (the runtime weights a CP rank by ``1/cp`` of its
+    group's share: ``runtime/replica_sync.py``); a smaller degree needs fewer GPUs per replica
+    (more replicas on a small pool) where its longer sequence share still fits memory."""
+    top = context_parallel_degree(plan)
+    out, cp = [1], 2
+    while cp <= top:
+        if plan.model.seq_len % (2 * cp) == 0:  # two load-balanced chunks per CP rank
+            out.append(cp)
+        cp *= 2
     return out
 
 
@@ -391,40 +419,46 @@ def pool_tps(plan: Plan, pool: Pool | None) -> list[int]:
 
 
 def _layout_options(plan: Plan, pool: Pool, idle: tuple[str, ...],
-                    runs: list[tuple[int, int, int]], memo: dict[tuple, cost.StageMemory]
-                    ) -> list[GroupOption]:
-    """The options of one TP layout on ``pool``'s idle nodes (:func:`group_options`)."""
+                    runs: list[tuple[int, int, int]], memo: dict[tuple, cost.StageMemory],
+                    cp: int = 1) -> list[GroupOption]:
+    """The options of one TP layout at context parallelism ``cp`` on ``pool``'s idle nodes
+    (:func:`group_options`)."""
     total = plan.dp * plan.num_microbatches
     gpus = len(idle) * pool.gpus_per_node
     out: list[GroupOption] = []
     for per_run in range(1, max(b - a for _, a, b in runs) + 1):
         splits, tps = _run_splits(runs, per_run)
-        dp = gpus // sum(tps)
+        dp = gpus // (sum(tps) * cp)
         if dp < 1 or len(splits) > MAX_GROUP_STAGES or len(out) >= MAX_FITTING_DEPTHS:
             break
         top = (total - plan.dp) // dp  # group 0 keeps at least one microbatch
-        most = max_microbatches(plan, splits, tps, dp, pool.device, top, memo) if top else 0
+        most = (max_microbatches(plan, splits, tps, dp, pool.device, top, memo, cp)
+                if top else 0)
         if most >= 1:
-            stage_s = tuple(group_stage_s(plan, splits, tps, pool.device))
-            line = affine(stage_s, plan.schedule, plan_zb_div(plan, [pool.device]))
-            out.append(GroupOption(pool, idle, tps, dp, splits, stage_s, most, line))
+            stage_s = tuple(group_stage_s(plan, splits, tps, pool, cp))
+            line = affine(stage_s, plan.schedule, plan_zb_div(plan, [pool.device], cp))
+            out.append(GroupOption(pool, idle, tps, dp, splits, stage_s, most, line, cp))
     return out
 
 
 def group_stage_s(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequence[int],
-                  device: DeviceSpec) -> list[float]:
+                  pool: Pool, cp: int = 1) -> list[float]:
     """Forward+backward seconds of one microbatch on each stage of an extra group on
-    ``device``: its layers (``cost.layer_time_s``), the last stage also the LM head, and what
-    a device profile measured of the runtime's stage (``cost.stage_overhead_s``)."""
-    model, t = plan.model, plan.training
+    ``pool``'s device at context parallelism ``cp``, as the search prices a stage: its layers
+    (``context.cp_layer_time_s``: ``cost.layer_time_s`` without CP; with it the rank's
+    ``s/cp`` tokens and the K/V exchange over ``context.cp_link``), the last stage also the LM
+    head (``context.cp_head_time_s``), and what a device profile measured of the runtime's
+    stage (``cost.stage_overhead_s``; a CP rank's shorter sequence matches no profile)."""
+    model, t, mb, device = plan.model, plan.training, plan.micro_batch, pool.device
+    eb = cost.precision_bytes(t)
+    local = cost.cp_local_model(model, cp)
     out = []
     for s, ((a, b), tp) in enumerate(zip(splits, tps, strict=True)):
-        sec = (b - a) * cost.layer_time_s(model, t, plan.micro_batch, tp, device)
-        sec += cost.stage_overhead_s(model, plan.micro_batch, tp, device, s == 0,
-                                     cost.precision_bytes(t))
+        link = context.cp_link(device, pool.gpus_per_node, pool.nic_gbytes_per_gpu, tp, cp)
+        sec = (b - a) * context.cp_layer_time_s(model, t, mb, tp, cp, device, link)
+        sec += cost.stage_overhead_s(local, mb, tp, device, s == 0, eb)
         if s == len(splits) - 1:
-            sec += cost.head_time_s(model, plan.micro_batch, tp, device,
-                                    cost.precision_bytes(t))
+            sec += context.cp_head_time_s(model, mb, tp, cp, device, eb)
         out.append(sec)
     return out
 
@@ -508,17 +542,17 @@ def grouped_step_s(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> float | 
                                    plan.virtual_stages, div)
     lines = [affine(stage_s0, plan.schedule, div)]
     for g in extra:
-        device = inv.pool(g.stages[0].pools[0]).device
+        pool, cp = inv.pool(g.stages[0].pools[0]), group_cp(g.stages)
         lines.append(affine(group_stage_s(plan, [(s.layer_start, s.layer_end) for s in g.stages],
-                                          [s.tp for s in g.stages], device), plan.schedule,
-                            plan_zb_div(plan, [device])))
+                                          [s.tp for s in g.stages], pool, cp), plan.schedule,
+                            plan_zb_div(plan, [pool.device], cp)))
     rest = pipe + dp_s - (lines[0][0] + lines[0][1] * m_orig)
     sync = groups_sync_s(base, inv, [g.stages[0].datacenters[0] for g in extra])
     return rest + sync + split_time(lines, *(g.num_microbatches for g in plan.groups))
 
 
 def _gpus(option: GroupOption) -> int:
-    return option.dp * sum(option.tps)
+    return option.dp * option.cp * sum(option.tps)
 
 
 def greedy_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption],
@@ -556,33 +590,36 @@ def add_replica_groups(plan: Plan, inv: ClusterInventory, max_gpus: int | None =
     return plan if best is None else with_groups(plan, inv, chosen, best[1], best[0])
 
 
-def _place_group(option: GroupOption) -> list[tuple[tuple[int, int, int], str, int]]:
-    """``((dp, stage, tp index), node, local GPU)`` of every rank of the group, in node and
-    GPU order (a node's ranks are consecutive: one pod each, ``manifests.build_pods``). The
-    stages' TP blocks are packed onto the idle nodes widest first: the widths are powers of
-    two dividing the node size, so each block starts at a multiple of its width and never
-    straddles a node (a TP group stays on one node's fast links)."""
+def _place_group(option: GroupOption) -> list[tuple[tuple[int, int, int, int], str, int]]:
+    """``((dp, stage, tp index, cp index), node, local GPU)`` of every rank of the group, in
+    node and GPU order (a node's ranks are consecutive: one pod each, ``manifests.build_pods``).
+    Each ``(dp, stage)`` is a block of its ``cp`` TP groups side by side (the CP group on one
+    node where it fits: ``context.cp_link``), the blocks packed onto the idle nodes widest
+    first: the TP widths are powers of two dividing the node size and ``cp`` a power of two,
+    so each TP group starts at a multiple of its width and never straddles a node (it stays
+    on one node's fast links)."""
+    cp = option.cp
     blocks = sorted(((tp, d, st) for d in range(option.dp)
                      for st, tp in enumerate(option.tps)), key=lambda b: -b[0])
     gpn = option.pool.gpus_per_node
-    where: list[tuple[int, tuple[int, int, int]]] = []  # (GPU offset, coordinate)
+    where: list[tuple[int, tuple[int, int, int, int]]] = []  # (GPU offset, coordinate)
     offset = 0
     for tp, d, st in blocks:
-        where += [(offset + t, (d, st, t)) for t in range(tp)]
-        offset += tp
+        where += [(offset + c * tp + t, (d, st, t, c)) for c in range(cp) for t in range(tp)]
+        offset += tp * cp
     return [(key, option.nodes[at // gpn], at % gpn) for at, key in sorted(where)]
 
 
 def _group_stages(plan: Plan, option: GroupOption, m: int) -> tuple[StagePlan, ...]:
     """The stages of ``option``'s pipeline, their memory at ``m`` microbatches per replica."""
     pool = option.pool
-    mems = stage_memory_bytes(plan, option.splits, option.tps, option.dp, m)
+    mems = stage_memory_bytes(plan, option.splits, option.tps, option.dp, m, option.cp)
     return tuple(StagePlan(
         index=s, device=pool.device.name, vendor=pool.vendor, backend=pool.device.backend,
         pools=(pool.name,), datacenters=(pool.datacenter,), layer_start=a, layer_end=b,
         tp=option.tps[s], memory_gib=mems[s] / cost.GIB,
         capacity_gib=pool.device.hbm_gib, time_ms=option.stage_s[s] * 1000,
-        has_embedding=s == 0, has_head=s == option.pp - 1)
+        has_embedding=s == 0, has_head=s == option.pp - 1, cp=option.cp)
         for s, (a, b) in enumerate(option.splits))
 
 
@@ -595,14 +632,16 @@ def with_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption
     notes = []
     for g, (option, m) in enumerate(zip(options, split[1:], strict=True), start=1):
         first = len(ranks)
-        for (d, st, t), node, local in _place_group(option):
+        for (d, st, t, c), node, local in _place_group(option):
             ranks.append(RankPlan(rank=len(ranks), node=node, pool=option.pool.name,
                                   datacenter=option.pool.datacenter, local_rank=local,
-                                  stage=st, dp=d, tp=t, group=g))
+                                  stage=st, dp=d, tp=t, cp=c, group=g))
         groups.append(ReplicaGroup(g, option.dp, option.pp, m, _group_stages(plan, option, m)))
         notes.append(f"extra replica group {g} on {len({r.node for r in ranks[first:]})} idle "
                      f"node(s) of pool {option.pool.name}: {option.dp}x pp={option.pp} "
-                     f"tp={'/'.join(map(str, option.tps))}, {m} microbatch(es) per replica")
+                     f"tp={'/'.join(map(str, option.tps))}"
+                     + (f" cp={option.cp}" if option.cp > 1 else "")
+                     + f", {m} microbatch(es) per replica")
     shares = " / ".join(f"{m} (group {gr.index}, {gr.dp} replicas)"
                         for m, gr in zip(split, groups, strict=True))
     notes.append(f"replica groups: microbatches per replica {shares}; predicted step "
@@ -613,7 +652,7 @@ def with_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption
     mfu = cost.model_flops_per_step(plan.model, plan.global_batch) / (step_time_s * peak)
     # compute and bubble of the group whose pipeline ends last (the step waits for it)
     divs = [plan_zb_div(plan, plan_devices(plan, inv)),
-            *(plan_zb_div(plan, [o.pool.device]) for o in options)]
+            *(plan_zb_div(plan, [o.pool.device], o.cp) for o in options)]
     timed = [(cost.pipeline_time_s(stage_s, [], m, plan.schedule, zb_div=d), m, stage_s)
              for m, stage_s, d in zip(split, [[st.time_ms / 1000 for st in plan.stages],
                                               *(list(o.stage_s) for o in options)], divs,
@@ -636,8 +675,9 @@ def _idle_reason(plan: Plan, inv: ClusterInventory, grouped: Plan,
                 "microbatch is left for another group (a larger global batch would leave some)")
     if not mine:
         tps = "/".join(str(tp) for tp, _, _ in tp_runs(plan))
-        return (f"no pipeline (the plan's TP runs {tps}, or one TP degree) fits their memory "
-                "and node size with the step's microbatches left over")
+        cps = "/".join(map(str, group_cps(plan)))
+        return (f"no pipeline (the plan's TP runs {tps}, or one TP degree; cp {cps}) fits "
+                "their memory and node size with the step's microbatches left over")
     faster = [] if cap is None else [  # without a cap the greedy took every faster one
         o for o in mine if (got := evaluate_groups(plan, [*chosen, o], inv)) is not None
         and got[0] < grouped.predicted.step_time_s * (1 - 1e-9)]
@@ -713,7 +753,6 @@ def groups_on_idle(plan: Plan, spec: JobSpec, inventory: ClusterInventory) -> Pl
     (with no group: the plan itself, with that note)."""
     mode = (plan.cross_dc or {}).get("mode", "sync")
     why = ("the interleaved schedule" if plan.schedule == "interleaved"
-           else "context parallelism" if any(s.cp > 1 for s in plan.stages)
            else f"crossDC.mode {mode}" if mode != "sync" else "")
     allowed = replace(inventory, pools=filter_pools(inventory, spec.placement))
     idle = [p.name for p, _ in _idle_pools(plan, allowed)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hettrain.api.spec import LR_SCHEDULES, PRECISIONS, SHARDINGS
 from hettrain.planning.layers import chunk_layer_ranges
-from hettrain.planning.plan import Plan
+from hettrain.planning.plan import Plan, StagePlan
 
 
 def unsupported(plan: Plan) -> list[str]:
@@ -73,8 +73,9 @@ def sharding_errors(plan: Plan) -> list[str]:
 
 
 def context_parallel_degree(plan: Plan) -> int:
-    """The plan's context-parallel degree (``stages[i].cp``, equal on every stage; 1: none)."""
-    return max((s.cp for s in plan.stages), default=1)
+    """The plan's context-parallel degree (``stages[i].cp``, equal on every stage; 1: none;
+    with replica groups: group 0's)."""
+    return group_cp(plan.stages)
 
 
 def context_parallel_errors(plan: Plan) -> list[str]:
@@ -83,7 +84,22 @@ def context_parallel_errors(plan: Plan) -> list[str]:
     The planner writes ``cp`` from ``spec.parallelism.cp`` (pinned or searched); any plan
     with ``cp > 1`` is checked here: one degree on every stage (pipeline peers pair by CP
     index), ``seq_len`` a multiple of ``2·cp`` (the load-balanced chunks), and every
-    ``(stage, dp, tp, cp)`` coordinate present exactly once."""
+    ``(stage, dp, tp, cp)`` coordinate present exactly once. Replica groups (``plan.groups``)
+    are checked one by one (:meth:`Plan.group_plan`): each runs its own world, so each group
+    has its own degree (``runtime/replica_sync.py`` weights its CP ranks by it)."""
+    if plan.groups:
+        return [f"plan.groups[{i}]: {e}" for i in range(len(plan.groups))
+                for e in _cp_errors(plan.group_plan(i))]
+    return _cp_errors(plan)
+
+
+def group_cp(stages: tuple[StagePlan, ...]) -> int:
+    """The context-parallel degree of a pipeline's ``stages`` (1: none)."""
+    return max((s.cp for s in stages), default=1)
+
+
+def _cp_errors(plan: Plan) -> list[str]:
+    """:func:`context_parallel_errors` of a plan without replica groups."""
     cps = {s.cp for s in plan.stages}
     if cps == {1}:
         if any(r.cp for r in plan.ranks):
@@ -113,7 +129,8 @@ def replica_group_errors(plan: Plan) -> list[str]:
     a node hosts ranks of one group only, the groups' batch shares sum to
     ``training.global_batch`` and the top-level ``dp/pp/num_microbatches/stages`` repeat
     group 0. A layer may have different TP degrees in different groups: the runtime sums each
-    piece of a parameter between the ranks that hold it (``runtime/replica_sync.py``).
+    piece of a parameter between the ranks that hold it (``runtime/replica_sync.py``), and
+    each group its own context-parallel degree (:func:`context_parallel_errors` checks it).
     Model, precision and optimizer are the plan's, shared by every group by construction."""
     if not plan.groups:
         if any(r.group for r in plan.ranks):
@@ -138,14 +155,13 @@ def replica_group_errors(plan: Plan) -> list[str]:
         if not (chain and bounds[0][0] == 0 and bounds[-1][1] == n):
             out.append(f"{where}.stages: layer ranges {bounds} must cover every layer [0, {n}) "
                        "exactly once, in stage order")
-        if any(s.cp != 1 for s in g.stages):
-            out.append(f"{where}.stages[].cp: context parallelism is not supported with "
-                       "replica groups; set cp=1")
-        want = {(s.index, d, t) for s in g.stages for d in range(g.dp) for t in range(s.tp)}
-        have = [(r.stage, r.dp, r.tp) for r in plan.group_ranks(i)]
+        cp = group_cp(g.stages)
+        want = {(s.index, d, t, c) for s in g.stages for d in range(g.dp) for t in range(s.tp)
+                for c in range(cp)}
+        have = [(r.stage, r.dp, r.tp, r.cp) for r in plan.group_ranks(i)]
         if len(set(have)) != len(have) or set(have) != want:
-            out.append(f"plan.ranks: group {i} must hold every (stage, dp, tp) coordinate of "
-                       f"{where} exactly once")
+            out.append(f"plan.ranks: group {i} must hold every (stage, dp, tp, cp) coordinate "
+                       f"of {where} exactly once")
     if out:
         return out
     if any(not 0 <= r.group < len(plan.groups) for r in plan.ranks):

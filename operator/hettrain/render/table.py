@@ -38,12 +38,18 @@ def tp_summary(plan: Plan) -> str:
 def layout_summary(plan: Plan) -> str:
     """``DP×PP×TP``, e.g. ``2×4×8``; with context parallelism ``2×4×2 (cp 4)``; with replica
     groups each group's, e.g. ``8×2×1 + 16×1×1 (2 replica groups)``."""
-    cp = max((s.cp for s in plan.stages), default=1)
-    base = f"{plan.dp}×{plan.pp}×{tp_summary(plan)}" + (f" (cp {cp})" if cp > 1 else "")
+    base = f"{plan.dp}×{plan.pp}×{tp_summary(plan)}" + _cp_of(plan.stages)
     if not plan.groups:
         return base
-    rest = " + ".join(f"{g.dp}×{g.pp}×{_tp_of(g.stages)}" for g in plan.groups[1:])
+    rest = " + ".join(f"{g.dp}×{g.pp}×{_tp_of(g.stages)}{_cp_of(g.stages)}"
+                      for g in plan.groups[1:])
     return f"{base} + {rest} ({len(plan.groups)} replica groups)"
+
+
+def _cp_of(stages: tuple[StagePlan, ...]) -> str:
+    """`` (cp N)`` for a pipeline with context parallelism, else empty."""
+    cp = max((s.cp for s in stages), default=1)
+    return f" (cp {cp})" if cp > 1 else ""
 
 
 def _tp_of(stages: tuple[StagePlan, ...]) -> str:

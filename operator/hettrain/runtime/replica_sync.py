@@ -29,6 +29,12 @@ computes alike); a set spanning datacenters is summed hierarchically (inside eac
 DC leaders, then a broadcast inside each DC), so each gradient byte crosses the DC link once
 per leader.
 
+Context parallelism (``stages[i].cp``, each group its own degree ``C_g``, 1 included): the
+``C_g`` CP ranks of a replica each hold the gradient of the mean loss of their ``1/C_g`` of
+every sequence's tokens (``runtime/context_parallel.py``), so each is a replica of its own
+here (the holders of a cell are keyed by ``(group, dp, cp)``, as ``comm_view`` does inside
+the group) and its weight is ``M_g / (N·C_g)``: the ``C_g`` of them sum to the replica's.
+
 This sum replaces the group's own DP all-reduce (the result is the same on every holder), so
 ZeRO-1 keeps its slice of it and the within-group gradient norm (each parameter counted once,
 as in a plain plan) is already the global norm. The loss and validation loss of each group
@@ -56,7 +62,7 @@ import torch.distributed as dist
 from hettrain.api.spec import ModelSpec
 from hettrain.planning.cost import vocab_shards
 from hettrain.planning.plan import Plan
-from hettrain.planning.support import group_stage_units
+from hettrain.planning.support import group_cp, group_stage_units
 from hettrain.runtime.collectives.stats import Tier
 from hettrain.runtime.model import LlamaDecoderLayer
 from hettrain.runtime.tensor_parallel import shard_layout
@@ -138,11 +144,18 @@ def _tp_of(plan: Plan, rank: int) -> int:
     return plan.groups[r.group].stages[r.stage].tp
 
 
+def grad_weight(plan: Plan, rank: int) -> float:
+    """The factor on ``rank``'s main grads before the sum (module docstring): its group's
+    share of the step's microbatches per replica, split between its CP ranks."""
+    g = plan.groups[plan.ranks[rank].group]
+    return g.num_microbatches / (plan.total_microbatches * group_cp(g.stages))
+
+
 def cell_sets(plan: Plan, name: str, unit_ranks: dict[str, list[int]] | None = None
               ) -> list[tuple[Cell, tuple[int, ...], frozenset[int]]]:
     """The cells of global parameter ``name`` (module docstring), each with the sorted
     ranks summing it and the ranks among them that contribute their gradient (every replica
-    of every group exactly once)."""
+    of every group exactly once; each CP rank is a replica of its own)."""
     holders = (unit_ranks or _unit_ranks(plan))[unit_of(name)]
     spans = {h: shard_span(plan.model, name, _tp_of(plan, h), plan.ranks[h].tp) for h in holders}
     dims = {sp[0] for sp in spans.values() if sp is not None}
@@ -154,12 +167,12 @@ def cell_sets(plan: Plan, name: str, unit_ranks: dict[str, list[int]] | None = N
         cells = [Cell(name, dim, a, b) for a, b in itertools.pairwise(cuts)]
     out = []
     for cell in cells:
-        by_replica: dict[tuple[int, int], list[int]] = {}
+        by_replica: dict[tuple[int, int, int], list[int]] = {}
         for h in holders:
             sp = spans[h]
             if cell.dim is None or (sp[1] <= cell.start and cell.end <= sp[2]):
                 r = plan.ranks[h]
-                by_replica.setdefault((r.group, r.dp), []).append(h)
+                by_replica.setdefault((r.group, r.dp, r.cp), []).append(h)
         lists = [sorted(v, key=lambda h: plan.ranks[h].tp) for _, v in sorted(by_replica.items())]
         if len({len(v) for v in lists}) == 1:  # pair the replicas' holders by position
             for j in range(len(lists[0])):
@@ -216,7 +229,7 @@ class ReplicaSync:
         me = plan.ranks[rank]
         self.group = me.group
         g = plan.groups[me.group]
-        self.grad_weight = g.num_microbatches / plan.total_microbatches
+        self.grad_weight = grad_weight(plan, rank)
         self.loss_weight = g.microbatches / plan.total_microbatches
         self.leader = rank == min(r.rank for r in plan.group_ranks(me.group))
         self.writes_checkpoints = me.group == 0

@@ -59,17 +59,32 @@ def tiny_plan(splits: list[tuple[int, int, str]], dp: int, *, steps: int = 10,
                 cross_dc=dict(cross_dc or {}))
 
 
+def with_cp(plan: Plan, cp: int) -> Plan:
+    """``plan`` with context parallelism ``cp`` on every stage: each rank of the plan is
+    replaced by ``cp`` consecutive ranks (CP index 0..cp-1) on the same node."""
+    if cp == 1:
+        return plan
+    ranks = []
+    for r in plan.ranks:
+        for c in range(cp):
+            ranks.append(replace(r, rank=len(ranks), cp=c, local_rank=r.local_rank * cp + c))
+    stages = tuple(replace(s, cp=cp) for s in plan.stages)
+    return replace(plan, ranks=tuple(ranks), stages=stages)
+
+
 def grouped_plan(groups: Sequence[dict], *, steps: int = 6, micro_batch: int = 2,
                  model: ModelSpec = TINY, lr: float = 3e-3, **training) -> Plan:
     """A plan of heterogeneous replica groups. Each ``groups[i]`` is a dict with ``splits``
     ``[(layer_start, layer_end, pool)]``, ``dp`` (default 1), ``num_microbatches`` (default
-    2), ``tp`` (default 1; an int or one per stage) and ``dc`` (default ``dc1``). Ranks are
-    numbered group by group; the global batch is the sum of the groups' shares."""
+    2), ``tp`` (default 1; an int or one per stage), ``cp`` (default 1: :func:`with_cp`) and
+    ``dc`` (default ``dc1``). Ranks are numbered group by group; the global batch is the sum
+    of the groups' shares."""
     built, ranks = [], []
     for gi, spec in enumerate(groups):
         one = tiny_plan(spec["splits"], spec.get("dp", 1), steps=steps, micro_batch=micro_batch,
                         num_microbatches=spec.get("num_microbatches", 2), model=model,
                         lr=lr, tp=spec.get("tp", 1))
+        one = with_cp(one, spec.get("cp", 1))
         dc = spec.get("dc", "dc1")
         stages = tuple(replace(s, datacenters=(dc,)) for s in one.stages)
         built.append(ReplicaGroup(index=gi, dp=one.dp, pp=one.pp,

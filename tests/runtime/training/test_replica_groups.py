@@ -1,6 +1,7 @@
 """Heterogeneous replica groups (plan.groups) on real gloo processes: losses and updated
-parameters equal the single-process reference on the same global batch (two groups, and three
-across two datacenters); a checkpoint written by a 2-group plan resumes on a plain plan."""
+parameters equal the single-process reference on the same global batch (two groups, three
+across two datacenters, context parallelism in one or both groups); a checkpoint written by a
+2-group plan (with cp 2 in group 0 or not) resumes on a plain plan."""
 
 from __future__ import annotations
 
@@ -89,13 +90,23 @@ CASES = {
                      {"splits": [(0, 4, "c")], "dp": 2, "num_microbatches": 2},
                      {"splits": [(0, 2, "d"), (2, 4, "e")], "dp": 1, "num_microbatches": 4,
                       "dc": "dc2"}],
+    # context parallelism in group 0 (cp 2 on a 2-stage pipeline) beside two cp-1 replicas:
+    # each CP rank a replica of its own in the sum, weighted by half its group's share
+    "cp2-vs-cp1": [{"splits": [(0, 2, "a"), (2, 4, "b")], "cp": 2, "num_microbatches": 3},
+                   {"splits": [(0, 4, "c")], "dp": 2, "num_microbatches": 1}],
+    # cp 2 in both groups, TP 2 x CP 2 beside TP 1 x CP 2: halves of the sharded weights and
+    # the norms (one contribution per TP pair) summed over every CP rank; unclipped, so a
+    # gradient scaled alike in both groups would show
+    "cp2-tp2-vs-cp2": [{"splits": [(0, 4, "a")], "tp": 2, "cp": 2, "num_microbatches": 2},
+                       {"splits": [(0, 4, "b")], "cp": 2, "num_microbatches": 2}],
 }
 # a clip far below the gradient norm: every step is clipped by the global norm, so a norm that
 # counted a parameter twice (or missed one) would change the update
 TRAINING = {"two-dcs-no-zero": {"optimizer_sharding": False}, "2x-plus-1x": {"grad_clip": 0.05},
             "tp2-both": {"grad_clip": 0.05}, "mixed-tp-runs": {"grad_clip": 0.05},
             "tp2-vs-tp1": {"grad_clip": 0.05}, "tp-runs-vs-tp2": {"grad_clip": 0.05},
-            "three-groups": {"grad_clip": 0.05},
+            "three-groups": {"grad_clip": 0.05}, "cp2-vs-cp1": {"grad_clip": 0.05},
+            "cp2-tp2-vs-cp2": {"grad_clip": 0.0},
             "pp2-vs-pp1": {"validation_interval": 2, "validation_batches": 2}}
 
 
@@ -111,7 +122,8 @@ def test_groups_match_the_single_process_reference(tmp_path, case):
     ref = reference_losses(plan, plan.training.steps, optimizer="sgd", final=final,
                            validation=validation)
     assert sorted(got) == list(range(plan.training.steps))
-    assert "grad_clip" in TRAINING.get(case, {}) or ref[-1] < ref[0]  # it learns (unclipped)
+    clip = TRAINING.get(case, {}).get("grad_clip")
+    assert clip or ref[-1] < ref[0]  # it learns (unclipped)
     for step, want in enumerate(ref):
         assert got[step] == pytest.approx(want, rel=RTOL), (step, got, ref)
     if plan.training.validation_interval:  # the groups' validation losses, combined
@@ -122,7 +134,7 @@ def test_groups_match_the_single_process_reference(tmp_path, case):
             assert rec["validation"][str(done)] == pytest.approx(want, rel=RTOL), done
     norms = [json.loads(line)["grad_norm"]
              for line in (tmp_path / "loss.jsonl").read_text().splitlines()]
-    if "grad_clip" in TRAINING.get(case, {}):
+    if clip:
         assert min(norms) > plan.training.grad_clip  # every step was clipped
     # the updated parameters: group 0 wrote the checkpoint ...
     params = _checkpoint_params(ck, LLAMA, plan.training.steps)
@@ -148,16 +160,17 @@ def test_groups_match_the_single_process_reference(tmp_path, case):
         assert crossed == leaders
 
 
-def test_two_group_checkpoint_resumes_on_a_plain_plan(tmp_path):
+@pytest.mark.parametrize("case", ["2x-plus-1x", "cp2-vs-cp1"])
+def test_two_group_checkpoint_resumes_on_a_plain_plan(tmp_path, case):
     steps = 6
-    first = grouped_plan(CASES["2x-plus-1x"], steps=steps, model=LLAMA)
+    first = grouped_plan(CASES[case], steps=steps, model=LLAMA)
     ck = tmp_path / "ckpt"
     env = {"HETTRAIN_CHECKPOINT_URI": f"file://{ck}", "HETTRAIN_CHECKPOINT_INTERVAL": "3"}
     before = _run(first, tmp_path / "run1", env)
     rewind(ck, 3)  # as if the 2-group job had died after checkpoint 3
-    # the same global batch (16 sequences) on one plain 2-stage replica
-    second = tiny_plan([(0, 2, "a"), (2, 4, "b")], dp=1, steps=steps, num_microbatches=8,
-                       model=LLAMA)
+    # the same global batch on one plain 2-stage replica (no CP)
+    second = tiny_plan([(0, 2, "a"), (2, 4, "b")], dp=1, steps=steps, model=LLAMA,
+                       num_microbatches=first.global_batch // first.micro_batch)
     assert second.global_batch == first.global_batch
     after = _run(second, tmp_path / "run2", {**env, "HETTRAIN_RESUME": "1"})
     ref = reference_losses(first, steps)
@@ -186,5 +199,13 @@ def test_cells_pair_equal_shards_and_split_unequal_ones():
                                    (Cell(o, 1, half, 2 * half), (3, 4), frozenset({3, 4}))]
     # a norm both TP-2 ranks hold: one set, one contribution per replica
     assert cell_sets(mixed, norm) == [(Cell(norm, None, 0, 0), (2, 3, 4), frozenset({2, 4}))]
+    # context parallelism: each CP rank is a replica of its own (group 0: cp 2, TP 2, ranks
+    # 0-3 as (tp, cp) = (0, 0), (0, 1), (1, 0), (1, 1); group 1: cp 2, TP 1, ranks 4, 5)
+    cp = grouped_plan(CASES["cp2-tp2-vs-cp2"], model=LLAMA)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert [(c.start, m, set(w)) for c, m, w in cell_sets(cp, q)] == [
+        (0, (0, 1, 4, 5), {0, 1, 4, 5}), (a, (2, 3, 4, 5), {2, 3, 4, 5})]
+    assert cell_sets(cp, norm) == [(Cell(norm, None, 0, 0), tuple(range(6)),
+                                    frozenset({0, 1, 4, 5}))]
     assert {unit_of("model.layers.12.mlp.up_proj.weight"), unit_of("lm_head.weight"),
             unit_of("model.norm.weight")} == {"layer 12", "head"}
