@@ -138,7 +138,8 @@ def test_interleaved_stages_show_the_chunks_they_hold(make_plan: Callable[..., P
     assert stage_layers(plain) == [f"{s.layer_start}–{s.layer_end - 1}" for s in plain.stages]
 
 
-def test_layout_and_stage_rows_name_the_cp_degree(make_plan: Callable[..., Plan]) -> None:
+def test_layout_stage_rows_and_picture_name_the_cp_degree(
+        tmp_path: Path, make_plan: Callable[..., Plan]) -> None:
     plan = make_plan(pp=2, dp=1, microbatches=2)
     plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, cp=4)
                                                   for s in plan.stages))
@@ -146,6 +147,12 @@ def test_layout_and_stage_rows_name_the_cp_degree(make_plan: Callable[..., Plan]
     buf = io.StringIO()
     print_plan(plan, file=buf)
     assert " cp4 " in buf.getvalue()
+    out = tmp_path / "plan.svg"
+    render_plan_figure(plan, out)
+    text = out.read_text()
+    assert "(cp 4)" in text  # the title's layout
+    for s in plan.stages:  # the legend's stage entries
+        assert f"stage {s.index}: {s.device} tp{s.tp} cp4, layers" in text
 
 
 def test_replica_groups_show_in_the_table_and_the_picture(tmp_path: Path) -> None:

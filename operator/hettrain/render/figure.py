@@ -112,7 +112,8 @@ def draw_placement(ax: Axes, plan: Plan) -> int:
     ax.set_axis_off()
     legend = [Patch(facecolor=colors[(g, s.index)],
                     label=(f"group {g} " if plan.groups else "") + f"stage {s.index}: "
-                    f"{s.device} tp{s.tp}, layers {label}") for g, _, s, label in stages]
+                    f"{s.device} tp{s.tp}{f' cp{s.cp}' if s.cp > 1 else ''}, layers {label}")
+              for g, _, s, label in stages]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
               frameon=False, title="placement", title_fontsize=8)
     ax.set_title(f"{plan.job}: {plan.world_size} GPUs, DP×PP×TP = {layout_summary(plan)}",
