@@ -51,6 +51,7 @@ recomputed forward runs in the backward, whose linears then stash as usual).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -76,6 +77,8 @@ from hettrain.runtime.tensor_parallel import (
     start_seq_gather,
     start_seq_reduce_scatter,
 )
+
+log = logging.getLogger("hettrain.runtime.model")
 
 EMBED_SEED_OFFSET = 997
 HEAD_SEED_OFFSET = 998
@@ -493,23 +496,42 @@ class LlamaMLP(nn.Module):
         return reduce_from_tp(y, self.tp_group)
 
 
-# The fused attention kernels scaled_dot_product_attention dispatches to (CPU flash; CUDA
-# flash, memory-efficient and cuDNN): what attention-free recompute keeps instead of re-running.
+# The fused attention kernels scaled_dot_product_attention dispatches to (CPU flash; CUDA/ROCm
+# flash, memory-efficient and cuDNN; the hook other accelerator backends register): what
+# attention-free recompute keeps instead of re-running.
 ATTENTION_KERNELS = frozenset(
     getattr(torch.ops.aten, name).default
     for name in ("_scaled_dot_product_flash_attention_for_cpu",
                  "_scaled_dot_product_flash_attention",
                  "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention")
+                 "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_fused_attention_overrideable")
     if hasattr(torch.ops.aten, name))
+_attention_saves = 0  # attention kernel outputs kept by attention-free forwards (a count)
+_warned_unsaved = False
 
 
 def keep_attention_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Selective-checkpoint policy of attention-free recompute: the attention kernels' outputs
     (the attention output and its log-sum-exp) are saved in the forward and reused by the
     backward's re-run; every other op is recomputed."""
-    return (CheckpointPolicy.MUST_SAVE if op in ATTENTION_KERNELS
-            else CheckpointPolicy.PREFER_RECOMPUTE)
+    global _attention_saves
+    if op not in ATTENTION_KERNELS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if not ctx.is_recompute:
+        _attention_saves += 1
+    return CheckpointPolicy.MUST_SAVE
+
+
+def _warn_if_attention_unsaved(saves_before: int, device: torch.device) -> None:
+    """Log once when an attention-free forward kept no attention kernel output: attention ran
+    unfused (torch's math fallback, e.g. an unsupported head size), so the backward re-runs
+    the whole layer as full recompute does (same gradients, full's time, fewer bytes)."""
+    global _warned_unsaved
+    if _attention_saves == saves_before and not _warned_unsaved:
+        _warned_unsaved = True
+        log.warning("recompute attention-free: no fused attention kernel ran on %s, so the "
+                    "backward re-runs the attention too (full recompute's time)", device)
 
 
 def attention_free_contexts() -> tuple[Any, Any]:
@@ -538,8 +560,11 @@ class LlamaDecoderLayer(nn.Module):
         if self.recompute == "full" and torch.is_grad_enabled():
             return checkpoint(self._block, x, cos, sin, use_reentrant=False)
         if self.recompute == "attention-free" and torch.is_grad_enabled():
-            return checkpoint(self._block, x, cos, sin, use_reentrant=False,
-                              context_fn=self.checkpoint_contexts)
+            before = _attention_saves
+            out = checkpoint(self._block, x, cos, sin, use_reentrant=False,
+                             context_fn=self.checkpoint_contexts)
+            _warn_if_attention_unsaved(before, x.device)
+            return out
         return self._block(x, cos, sin)
 
     def set_recompute(self, mode: str) -> None:

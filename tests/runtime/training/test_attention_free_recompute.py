@@ -64,3 +64,25 @@ def test_a_stage_keeps_full_recomputes_bytes_plus_the_attention_outputs(tp):
         assert free.working == full.working > 0  # the re-run layer: the same forward
         assert free.activations - full.activations == 2 * in_flight * per_layer
         assert free.activations < got["none"].activations
+
+
+def test_unfused_attention_is_rerun_with_a_warning_and_the_same_gradients(monkeypatch, caplog):
+    """torch's math fallback (no fused kernel to keep): the backward re-runs the attention
+    too, gradients are unchanged, and the runtime says so once."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from hettrain.runtime import model as model_module
+    monkeypatch.setattr(model_module, "_warned_unsaved", False)
+    tokens = torch.randint(0, MODEL.vocab, (2, 65), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for mode in ("none", "attention-free"):
+        model = whole_model(MODEL, seed=1, recompute=mode)
+        with sdpa_kernel(SDPBackend.MATH), caplog.at_level("WARNING"):
+            logits = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                              tokens[:, 1:].flatten()).backward()
+        grads[mode] = {n: p.grad for n, p in model.named_parameters()}
+    for name, g in grads["none"].items():
+        torch.testing.assert_close(grads["attention-free"][name], g, rtol=0, atol=0)
+    warnings = [r for r in caplog.records if "no fused attention kernel" in r.getMessage()]
+    assert len(warnings) == 1
