@@ -304,3 +304,25 @@ def test_a_tp_stages_layers_are_compared_with_compute_plus_their_tp_collectives(
                                                  layers_s=k * s.layers * (compute + tp_comm))}
         assert cal.layer_scale(spec, plan, measured, devices) == pytest.approx(
             {s.device: k})
+
+
+def test_a_calibration_factor_scales_attention_free_like_the_measured_modes() -> None:
+    """Attention-free is never profiled: it follows the full line by the model's ratio, so a
+    device's calibration factor (on every line) scales it by the same factor; the catalog
+    profile reproduces the model's attention-free time (within its lines' fit at tp 1, divided
+    by tp)."""
+    from hettrain.planning.catalog import CATALOG
+    model = parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": 32768},
+                            "training": {"globalBatch": 8, "steps": 1}}).model
+    h100 = CATALOG["H100-SXM"]
+    prof = cal.catalog_profile(h100, model, "bf16")
+    for factor in (0.8, 1.3):
+        base = dataclasses.replace(h100, profile=prof)
+        calibrated = dataclasses.replace(h100, profile=cal.scaled(prof, factor))
+        for mb, tp in ((1, 1), (2, 4)):
+            free = cost.layer_compute_s(model, mb, tp, base, "attention-free")
+            assert cost.layer_compute_s(model, mb, tp, calibrated, "attention-free") == \
+                pytest.approx(factor * free, rel=1e-12)
+            assert free == pytest.approx(cost.layer_compute_s(
+                model, mb, tp, dataclasses.replace(h100, profile=None), "attention-free"),
+                rel=0.01)

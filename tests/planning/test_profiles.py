@@ -144,23 +144,28 @@ def test_measured_recompute_modes_replace_the_derived_ones() -> None:
 
 
 @pytest.mark.parametrize("modes", [None, MODES])
-def test_attention_free_is_the_profiles_full_line_less_one_attention_forward(modes) -> None:
-    """Never measured: the full line (measured, or the plain one plus the forward share) less
-    one modelled attention forward, strictly between none and full; at least the none line
-    where the modelled attention outweighs the recompute (a slow device's catalog rate)."""
+def test_attention_free_is_the_profiles_full_line_scaled_by_the_models_ratio(modes) -> None:
+    """Never measured: the full line (measured, or the plain one plus the forward share)
+    times the catalog model's attention-free / full ratio (so a calibration factor on the
+    line carries over), strictly between none and full; at least the none line (a profile
+    whose full line is no slower than its none line)."""
     inv = apply_profiles(load_cluster(_cluster()), [profile_from_doc(_doc(modes=modes), "p")])
     h100 = inv.pool("h").device
+    plain = dataclasses.replace(h100, profile=None)
     model = parse_job_spec(JOB).model
     for mb, tp in ((2, 1), (4, 2)):
-        attn = 4.0 * mb * 512 * 512 * 1024 / tp / (h100.flops * h100.efficiency
-                                                   * cost.attention_efficiency(h100))
+        share = (cost.layer_compute_s(model, mb, tp, plain, "attention-free")
+                 / cost.layer_compute_s(model, mb, tp, plain, "full"))
         none, full = (cost.layer_compute_s(model, mb, tp, h100, m) for m in ("none", "full"))
         free = cost.layer_compute_s(model, mb, tp, h100, "attention-free")
-        assert free == pytest.approx(full - attn, rel=1e-12)
+        assert free == pytest.approx(full * share, rel=1e-12)
         assert none < free < full
-    slow = dataclasses.replace(h100, bf16_tflops=h100.bf16_tflops * 1e-4)
-    assert cost.layer_compute_s(model, 2, 1, slow, "attention-free") == pytest.approx(
-        cost.layer_compute_s(model, 2, 1, slow, "none"))
+    prof = h100.profile  # a full line no slower than none: scaled down, it would undercut it
+    flat = dataclasses.replace(h100, profile=dataclasses.replace(
+        prof, recompute=tuple((m, prof.alpha, prof.beta) for m, _, _ in prof.recompute),
+        forward_share=0.0))
+    assert cost.layer_compute_s(model, 2, 1, flat, "attention-free") == pytest.approx(
+        cost.layer_compute_s(model, 2, 1, flat, "none"))
 
 
 def test_a_version_1_profile_reads_as_fp32_without_modes() -> None:

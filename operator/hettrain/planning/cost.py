@@ -215,17 +215,24 @@ def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceS
     A device profile that measured this layer shape in this precision
     (``planning/profiles.py``) replaces the model: its fitted seconds of the recompute mode
     (a version-1 profile without a measured selective mode: plus one modelled attention
-    forward; attention-free, never measured: the full line minus one modelled attention
-    forward, at least the ``none`` line: :func:`profiled_layer_s`). ``attention`` ``eager``
+    forward; attention-free, never measured: the full line scaled by the model's
+    attention-free / full ratio, at least the ``none`` line: :func:`profiled_layer_s`);
+    else :func:`modelled_layer_s`. ``attention`` ``eager``
     adds the materialised scores' memory traffic (:func:`eager_score_bytes`) at the HBM
     bandwidth, on the model and on a profile (which measured the runtime's fused attention).
     """
     eager = (eager_score_bytes(model, micro_batch, tp, recompute, elem_bytes)
              / (device.hbm_tbps * 1e12) if attention == "eager" else 0.0)
-    tokens = micro_batch * model.seq_len
     prof = device.profile
     if prof is not None and prof.matches(model, elem_bytes):
         return profiled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes) + eager
+    return modelled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes) + eager
+
+
+def modelled_layer_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
+                     recompute: str, elem_bytes: int = 2) -> float:
+    """:func:`layer_compute_s` from the catalog model alone (flash attention, no profile)."""
+    tokens = micro_batch * model.seq_len
     passes = compute_passes(recompute)
     gemm = passes * 2.0 * tokens * layer_matmul_params(model) / tp
     attn = attention_passes(recompute) * attention_core_forward_flops(model, tokens) / tp
@@ -234,7 +241,7 @@ def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceS
                                       + ELEMENTWISE_BYTES_PER_FFN * model.ffn_hidden)
                    / tp * elem_bytes / 2)
     return (gemm / peak + attn / (peak * attention_efficiency(device, elem_bytes))
-            + elementwise / (device.hbm_tbps * 1e12) + eager
+            + elementwise / (device.hbm_tbps * 1e12)
             + passes * KERNELS_PER_PASS * KERNEL_FIXED_S)
 
 
@@ -242,18 +249,20 @@ def profiled_layer_s(model: ModelSpec, micro_batch: int, tp: int, device: Device
                      recompute: str, elem_bytes: int = 2) -> float:
     """Compute seconds of one layer and microbatch on one TP rank from the device profile
     (which matches the shape and precision): the mode's line; an unmeasured selective mode
-    adds one modelled attention forward, attention-free (never measured) takes one off the
-    full line, floored at the ``none`` line."""
+    adds one modelled attention forward; attention-free (never measured) is the full line
+    scaled by the model's attention-free / full ratio (so a calibration factor on the line
+    scales it alike), floored at the ``none`` line."""
     prof = device.profile
     assert prof is not None
-    attn = (attention_core_forward_flops(model, micro_batch * model.seq_len) / tp
-            / (device.matmul_flops(elem_bytes) * attention_efficiency(device, elem_bytes)))
     if recompute == "attention-free":
+        share = (modelled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes)
+                 / modelled_layer_s(model, micro_batch, tp, device, "full", elem_bytes))
         return max(prof.layer_s(micro_batch, tp, "none"),
-                   prof.layer_s(micro_batch, tp, "full") - attn)
+                   prof.layer_s(micro_batch, tp, "full") * share)
     t = prof.layer_s(micro_batch, tp, recompute)
     if recompute == "selective" and prof.measured_mode(recompute) is None:
-        t += attn
+        t += (attention_core_forward_flops(model, micro_batch * model.seq_len) / tp
+              / (device.matmul_flops(elem_bytes) * attention_efficiency(device, elem_bytes)))
     return t
 
 
