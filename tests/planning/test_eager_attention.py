@@ -37,6 +37,18 @@ def test_attention_defaults_to_flash_and_names_its_field() -> None:
     assert "flash, eager" in str(err.value)
 
 
+def test_eager_attention_refuses_attention_free_and_auto_skips_it() -> None:
+    """Eager attention produces no log-sum-exp for attention-free recompute to keep: pinned,
+    the spec is refused naming the field; under auto that mode is not searched."""
+    with pytest.raises(SpecError) as err:
+        _spec(attention="eager", recompute="attention-free")
+    assert err.value.field == "spec.training.recompute" and "attention: flash" in str(err.value)
+    inv = load_cluster(ROOT / "examples/clusters/local-cpu.yaml")
+    plan = plan_job("j", _spec(attention="eager", recompute="auto"), inv)
+    assert plan.training.recompute != "attention-free"
+    assert not any("attention-free" in n for n in plan.notes)
+
+
 def _job_file(tmp_path: Path, attention: str) -> Path:
     """A tiny job manifest with ``spec.training.attention: attention``."""
     return write_job(tmp_path, f"{{globalBatch: 8, steps: 10, attention: {attention}}}")

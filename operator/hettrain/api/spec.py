@@ -530,6 +530,11 @@ def _parse_training(f: _Fields) -> TrainingSpec:
             f"globalBatch ({gb}) must be divisible by microBatch ({mb}); "
             "pick a divisor or omit microBatch to let the planner choose",
         )
+    if recompute == "attention-free" and attention == "eager":
+        raise SpecError(f"{f.path}.recompute",
+                        "attention-free keeps the fused attention kernel's output and "
+                        "log-sum-exp, which eager attention does not produce; use attention: "
+                        "flash or another recompute mode")
     return TrainingSpec(
         global_batch=gb, steps=steps, micro_batch=mb, precision=precision,
         optimizer_sharding=sharding != "none", sharding=sharding, recompute=recompute,

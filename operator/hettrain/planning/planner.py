@@ -1708,7 +1708,9 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     if spec.training.recompute == "auto":
         return _plan_auto(name, inventory, exhaustive, previous, "recompute", [
             (mode, replace(spec, training=replace(spec.training, recompute=mode)))
-            for mode in RECOMPUTE_SEARCH])
+            for mode in RECOMPUTE_SEARCH
+            # eager attention has no fused kernel whose outputs attention-free could keep
+            if not (mode == "attention-free" and spec.training.attention == "eager")])
     if spec.cross_dc.mode == "auto":
         modes = CROSS_DC_SEARCH if spec.cross_dc.compression != "none" else ("sync",)
         return _plan_auto(name, inventory, exhaustive, previous, "crossDC.mode", [
