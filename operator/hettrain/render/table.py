@@ -10,6 +10,7 @@ from rich.text import Text
 
 from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan, StagePlan
+from hettrain.planning.support import group_cp
 
 
 def human_bytes(n: float) -> str:
@@ -48,7 +49,7 @@ def layout_summary(plan: Plan) -> str:
 
 def _cp_of(stages: tuple[StagePlan, ...]) -> str:
     """`` (cp N)`` for a pipeline with context parallelism, else empty."""
-    cp = max((s.cp for s in stages), default=1)
+    cp = group_cp(stages)
     return f" (cp {cp})" if cp > 1 else ""
 
 
@@ -129,7 +130,7 @@ def training_summary(plan: Plan) -> str:
     """Precision, activation recompute and what data parallelism shards (over how many)."""
     t = plan.training
     sharding = t.sharding
-    group = plan.dp * max(s.cp for s in plan.stages) if plan.stages else plan.dp
+    group = plan.dp * group_cp(plan.stages)
     over = f" over {group} ranks" if sharding != "none" and group > 1 else ""
     return (f"{t.precision}, recompute {t.recompute}, sharding {sharding} "
             f"({SHARDING_WORDS.get(sharding, sharding)}{over})")

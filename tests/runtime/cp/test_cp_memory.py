@@ -10,6 +10,7 @@ import pytest
 from tests.runtime.cp.plans import with_cp
 from tests.runtime.training.plans import TINY, tiny_plan
 
+from hettrain.api.spec import RECOMPUTE_MODES
 from hettrain.runtime.memory import measure_stage
 
 # sequence-dominated: seq 512 against hidden 64, GQA 4/2, SwiGLU, bf16
@@ -17,7 +18,7 @@ MODEL = replace(TINY, layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=256, 
                 vocab=512, gated_mlp=True)
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
 def test_cp2_stage_holds_about_half_the_activations(recompute):
     base = tiny_plan([(0, 2, "a"), (2, 4, "b")], dp=1, model=MODEL, micro_batch=1,
                      num_microbatches=4, precision="bf16", recompute=recompute)

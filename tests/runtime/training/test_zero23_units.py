@@ -11,7 +11,7 @@ import pytest
 import torch
 from tests.runtime.training.plans import TINY
 
-from hettrain.api.spec import TrainingSpec
+from hettrain.api.spec import RECOMPUTE_MODES, TrainingSpec
 from hettrain.runtime.data import microbatches
 from hettrain.runtime.grad_sync import Completed
 from hettrain.runtime.model import lm_loss, whole_model
@@ -63,7 +63,7 @@ def test_each_rank_holds_its_share_of_the_state(sharding, d):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
 def test_zero3_gathers_each_unit_twice_per_microbatch_and_frees_it(recompute, overlap):
     model, opt = _opt("full", 2, recompute=recompute)
     if overlap:  # prefetching the next unit's gather must not add a gather
