@@ -127,9 +127,10 @@ def test_launch_creates_the_grouped_plan_and_pods_on_both_groups():
     # the summary describes every group, not only group 0's dp / pp
     assert status["plan"]["replicaGroups"] == [
         {"group": g.index, "dp": g.dp, "pp": g.pp, "microbatchesPerReplica": g.num_microbatches,
-         "tpByStage": [s.tp for s in g.stages],
+         "tpByStage": [s.tp for s in g.stages], "cp": max(s.cp for s in g.stages),
          "pools": list(dict.fromkeys(p for s in g.stages for p in s.pools))}
         for g in plan.groups]
+    assert status["plan"]["cp"] == max(s.cp for s in plan.stages)
     msg = get_condition(status, c.COND_PLANNED)["message"]
     assert "group 1" in msg and "mi300" in msg, msg
 

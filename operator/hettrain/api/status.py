@@ -62,14 +62,15 @@ def plan_summary(plan: Any, configmap: str, fingerprint: str | None = None) -> d
     """status.plan for a :class:`hettrain.planning.plan.Plan` (duck-typed to stay pure);
     ``fingerprint`` saves recomputing ``plan.fingerprint()`` when the caller has it.
 
-    With replica groups (``plan.groups``) ``dp``/``pp``/``tpByStage`` are group 0's (as in
-    the plan JSON) and ``replicaGroups`` lists every group's."""
+    With replica groups (``plan.groups``) ``dp``/``pp``/``tpByStage``/``cp`` are group 0's
+    (as in the plan JSON) and ``replicaGroups`` lists every group's."""
     out = {
         "hash": fingerprint or plan.fingerprint(),
         "worldSize": plan.world_size,
         "dp": plan.dp,
         "pp": plan.pp,
         "tpByStage": [s.tp for s in plan.stages],
+        "cp": _cp_of(plan.stages),
         "pools": list(plan.pools),
         "poolsText": ",".join(plan.pools),
         "datacenters": list(plan.datacenters),
@@ -84,9 +85,15 @@ def plan_summary(plan: Any, configmap: str, fingerprint: str | None = None) -> d
         out["replicaGroups"] = [
             {"group": g.index, "dp": g.dp, "pp": g.pp,
              "microbatchesPerReplica": g.num_microbatches, "tpByStage": [s.tp for s in g.stages],
+             "cp": _cp_of(g.stages),
              "pools": list(dict.fromkeys(p for s in g.stages for p in s.pools))}
             for g in plan.groups]
     return out
+
+
+def _cp_of(stages: Sequence[Any]) -> int:
+    """The context-parallel degree of a pipeline's stages (1: none)."""
+    return max((int(getattr(s, "cp", 1)) for s in stages), default=1)
 
 
 def add_repair(repairs: Mapping[str, Any] | None, cause: str, nodes: Sequence[str],
