@@ -34,7 +34,7 @@ from hettrain.planning import cost
 from hettrain.planning.inventory import load_cluster
 from hettrain.planning.planner import plan_job
 from hettrain.runtime.memory import measure_stage, predicted_stage_bytes
-from hettrain.runtime.model import StageModel, lm_loss
+from hettrain.runtime.model import AttentionKernelRuns, StageModel, lm_loss
 from hettrain.runtime.optim import StageOptimizer
 
 GIB = 2**30
@@ -72,8 +72,9 @@ def make_plan(model: dict, precision: str, recompute: str, device_name: str):
     return plan_job("gpu-check", spec, cluster)
 
 
-def run_case(plan, device: torch.device, repeats: int) -> tuple[float, float]:
-    """(peak bytes, median step seconds) of ``repeats`` optimizer steps of the stage."""
+def run_case(plan, device: torch.device, repeats: int) -> tuple[float, float, float]:
+    """(peak bytes, median step seconds, attention kernel runs per layer of one more
+    forward + backward) of ``repeats`` optimizer steps of the stage."""
     st = plan.stages[0]
     model = StageModel(plan.model, st.layer_start, st.layer_end, has_embedding=True,
                        has_head=True, seed=plan.training.seed,
@@ -100,8 +101,10 @@ def run_case(plan, device: torch.device, repeats: int) -> tuple[float, float]:
         peak = float(torch.cuda.max_memory_allocated(device))
     else:
         peak = float(measure_stage(plan, 0).total)
+    with AttentionKernelRuns() as runs:  # 1 per layer unless the mode re-runs attention
+        lm_loss(model(x), y).backward()
     del model, opt
-    return peak, statistics.median(times)
+    return peak, statistics.median(times), runs.count / st.layers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {device} ({torch.cuda.get_device_name(device) if use_cuda else 'CPU'}); "
           f"plan device {dev_name}; model {model}")
     print(f"{'precision':>9} {'recompute':>14} | {'measured GiB':>12} {'planned GiB':>11} "
-          f"{'ratio':>6} | {'step ms':>9} {'planned ms':>10} {'ratio':>6} {'fwd+bwd ms':>10}")
+          f"{'ratio':>6} | {'step ms':>9} {'planned ms':>10} {'ratio':>6} {'fwd+bwd ms':>10} "
+          f"{'attn/layer':>10}")
     for precision in ("fp32", "bf16"):
         for recompute in RECOMPUTE_MODES:
             plan = make_plan(model, precision, recompute, dev_name)
@@ -133,16 +137,17 @@ def main(argv: list[str] | None = None) -> int:
             if use_cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            peak, seconds = run_case(plan, device, args.repeats)
+            peak, seconds, attn = run_case(plan, device, args.repeats)
             fwd_bwd_ms = plan.stages[0].time_ms
             planned_ms = fwd_bwd_ms + plan.predicted.optimizer_s * 1e3
             print(f"{precision:>9} {recompute:>14} | {peak / GIB:12.3f} {planned / GIB:11.3f} "
                   f"{peak / planned:6.3f} | {seconds * 1e3:9.1f} {planned_ms:10.1f} "
-                  f"{seconds * 1e3 / planned_ms:6.3f} {fwd_bwd_ms:10.1f}")
+                  f"{seconds * 1e3 / planned_ms:6.3f} {fwd_bwd_ms:10.1f} {attn:10.1f}")
     print(f"planned GiB = the plan's stage memory minus its fixed "
           f"{cost.FRAMEWORK_OVERHEAD_BYTES / GIB:.0f} GiB framework overhead; planned ms = the "
           "stage's forward+backward of one microbatch plus the plan's optimizer step "
-          "(fwd+bwd ms: the first alone)")
+          "(fwd+bwd ms: the first alone); attn/layer = attention kernel runs per layer of one "
+          "forward + backward (2 where the mode re-runs attention, else 1)")
     return 0
 
 

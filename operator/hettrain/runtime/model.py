@@ -60,6 +60,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -521,6 +522,20 @@ def keep_attention_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Chec
     if not ctx.is_recompute:
         _attention_saves += 1
     return CheckpointPolicy.MUST_SAVE
+
+
+class AttentionKernelRuns(TorchDispatchMode):
+    """``with AttentionKernelRuns() as runs:`` counts executions of the fused attention
+    kernels (``runs.count``); a cached output handed back by attention-free's re-run is not
+    one. A diagnostic for tests and ``bench/gpu_check.py``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in ATTENTION_KERNELS
+        return func(*args, **(kwargs or {}))
 
 
 def _warn_if_attention_unsaved(saves_before: int, device: torch.device) -> None:

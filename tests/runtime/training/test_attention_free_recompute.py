@@ -15,37 +15,24 @@ from dataclasses import replace
 import pytest
 import torch
 from tests.runtime.training.plans import TINY, tiny_plan
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hettrain.api.spec import RECOMPUTE_MODES
 from hettrain.runtime.memory import measure_stage
-from hettrain.runtime.model import ATTENTION_KERNELS, whole_model
+from hettrain.runtime.model import AttentionKernelRuns, whole_model
 
 MODEL = replace(TINY, layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=256, seq_len=512,
                 vocab=512, gated_mlp=True)
-
-
-class _KernelCount(TorchDispatchMode):
-    """Counts attention kernel executions (a cached output handed back is not one)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.runs = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.runs += func in ATTENTION_KERNELS
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("mode", RECOMPUTE_MODES)
 def test_attention_runs_once_per_layer_unless_the_mode_recomputes_it(mode):
     model = whole_model(MODEL, seed=1, recompute=mode)
     tokens = torch.randint(0, MODEL.vocab, (2, 64), generator=torch.Generator().manual_seed(0))
-    with _KernelCount() as count:
+    with AttentionKernelRuns() as runs:
         logits = model(tokens[:, :-1])
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     runs_per_layer = 2 if mode in ("selective", "full") else 1
-    assert count.runs == runs_per_layer * MODEL.layers
+    assert runs.count == runs_per_layer * MODEL.layers
 
 
 @pytest.mark.parametrize("tp", [1, 2])
