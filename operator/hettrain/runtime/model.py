@@ -96,7 +96,7 @@ class WeightGradStore:
         """Run the W pass: accumulate every stashed ``grad_outputᵀ · input`` into ``.grad``."""
         with torch.no_grad():
             for weight, x, g in self.items:
-                gw = g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+                gw = _weight_grad_gemm(x, g)
                 main = getattr(weight, "main_grad", None)  # runtime.optim's fp32 accumulator
                 if main is not None:
                     main.add_(gw)
@@ -111,6 +111,20 @@ class WeightGradStore:
 
 
 _STORE: list[WeightGradStore] = []  # innermost active deferral context last
+
+
+def _weight_grad_gemm(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A linear's weight gradient ``grad_outputᵀ · input`` over every token."""
+    return g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+
+
+def _weight_grad(param: nn.Parameter, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
+    """The weight gradient of ``param`` from its input ``x`` and output gradient ``g``; None
+    inside :class:`defer_weight_grads`, which stashes the pair for the W pass instead."""
+    if _STORE:
+        _STORE[-1].items.append((param, x.detach(), g.detach()))
+        return None
+    return _weight_grad_gemm(x, g)
 
 
 class defer_weight_grads:
@@ -139,12 +153,7 @@ class _SplitLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         gx = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        if not ctx.needs_input_grad[1]:
-            return gx, None
-        if _STORE:
-            _STORE[-1].items.append((ctx.param, x.detach(), grad.detach()))
-            return gx, None
-        return gx, grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        return gx, (_weight_grad(ctx.param, x, grad) if ctx.needs_input_grad[1] else None)
 
 
 class Linear(nn.Linear):
@@ -205,15 +214,8 @@ class _GatherLinears(torch.autograd.Function):
         # the input gradient leaves while the weight gradients' GEMMs run
         scattering = None if gx is None else start_seq_reduce_scatter(gx, ctx.tp)
         full = gathering.wait()
-        gws: list[torch.Tensor | None] = []
-        for i, g in enumerate(grads):
-            if g is None or not ctx.needs_input_grad[2 + i]:
-                gws.append(None)
-            elif _STORE:
-                _STORE[-1].items.append((ctx.params[i], full, g.detach()))
-                gws.append(None)
-            else:
-                gws.append(g.reshape(-1, g.shape[-1]).t().mm(full.reshape(-1, full.shape[-1])))
+        gws = [None if g is None or not ctx.needs_input_grad[2 + i]
+               else _weight_grad(ctx.params[i], full, g) for i, g in enumerate(grads)]
         return (None if scattering is None else scattering.wait(), None, *gws)
 
 
@@ -363,13 +365,7 @@ class _ActDown(torch.autograd.Function):
         gact = grad.matmul(weight)
         inputs = (ur,) if gr is None else (ur, gr)
         grads = torch.autograd.grad(act, inputs, gact)
-        gw = None
-        if ctx.needs_input_grad[1]:
-            if _STORE:
-                _STORE[-1].items.append((ctx.param, act.detach(), grad.detach()))
-            else:
-                gw = grad.reshape(-1, grad.shape[-1]).t().mm(act.detach().reshape(
-                    -1, act.shape[-1]))
+        gw = _weight_grad(ctx.param, act.detach(), grad) if ctx.needs_input_grad[1] else None
         return grads[0], gw, (grads[1] if gr is not None else None)
 
 
