@@ -34,29 +34,22 @@ from hettrain.runtime.collectives import CommStats, Tier
 
 
 def _all_reduce(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """The sum of ``t`` over the TP group, in a new tensor (:func:`all_reduce_in_tp`)."""
     out = t.contiguous().clone()
-    if tp.group is None:  # a stand-in (runtime.memory): this shard alone
-        return out
-    g = dist.get_world_size(tp.group)
-    t0 = time.perf_counter()
-    dist.all_reduce(out, group=tp.group)
-    if tp.stats is not None:  # ring all-reduce cost: 2(g-1)/g of the tensor per rank
-        tp.stats.add(Tier.INTRA_POOL, int(2 * (g - 1) / g * out.numel() * out.element_size()),
-                     time.perf_counter() - t0)
+    all_reduce_in_tp(out, tp)
     return out
 
 
 def all_reduce_in_tp(t: torch.Tensor, tp: TPGroup | None, op=dist.ReduceOp.SUM) -> None:
-    """In-place all-reduce of a small tensor over the TP group (accounted like the others);
+    """In-place all-reduce of ``t`` over the TP group (accounted in ``tp.stats``);
     nothing when ``tp`` or its group is None (a lone shard, as ``runtime.memory`` measures)."""
     if tp is None or tp.group is None:
         return
     g = dist.get_world_size(tp.group)
     t0 = time.perf_counter()
     dist.all_reduce(t, op=op, group=tp.group)
-    if tp.stats is not None:
-        tp.stats.add(Tier.INTRA_POOL, int(2 * (g - 1) / g * t.numel() * t.element_size()),
-                     time.perf_counter() - t0)
+    # ring all-reduce cost: 2(g-1)/g of the tensor per rank
+    tp.account(int(2 * (g - 1) / g * t.numel() * t.element_size()), t0)
 
 
 @dataclass(frozen=True)
