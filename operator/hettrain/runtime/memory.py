@@ -252,7 +252,7 @@ def _recompute_working_set(plan: Plan, model: StageModel, opt: StageOptimizer) -
     it, which then count here), measured by running that block forward under the saved-tensor
     hooks for one microbatch; 0 for the other modes. Added to the stage's peak (the recompute
     happens on top of what is held)."""
-    if plan.training.recompute not in ("full", "attention-free"):
+    if not cost.reruns_layer(plan.training.recompute):
         return 0
     key, layer = next(iter(model.layers.items()))
     spec = plan.model
