@@ -530,7 +530,7 @@ def _parse_training(f: _Fields) -> TrainingSpec:
             f"globalBatch ({gb}) must be divisible by microBatch ({mb}); "
             "pick a divisor or omit microBatch to let the planner choose",
         )
-    if recompute == "attention-free" and attention == "eager":
+    if recompute not in (*recompute_options("auto", attention), "auto"):
         raise SpecError(f"{f.path}.recompute",
                         "attention-free keeps the fused attention kernel's output and "
                         "log-sum-exp, which eager attention does not produce; use attention: "
@@ -845,6 +845,16 @@ def parse_job_spec(spec: Mapping[str, Any] | None) -> JobSpec:
         command=command, args=args, suspend=suspend, priority_class_name=priority,
         scheduler_name=scheduler, calibration=calibration,
     )
+
+
+def recompute_options(recompute: str, attention: str) -> tuple[str, ...]:
+    """The concrete recompute modes a spec's ``recompute`` lets the planner use: itself, or
+    for ``auto`` every mode the ``attention`` kernel allows, least recomputed first (eager
+    attention produces no log-sum-exp for ``attention-free`` to keep)."""
+    if recompute != "auto":
+        return (recompute,)
+    return tuple(m for m in RECOMPUTE_MODES if not (attention == "eager"
+                                                   and m == "attention-free"))
 
 
 def sharding_options(sharding: str, model: ModelSpec, parallelism: ParallelismSpec,

@@ -36,7 +36,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 from hettrain.api.constants import REASON_PLAN_FAILED
-from hettrain.api.spec import JobSpec, sharding_options
+from hettrain.api.spec import JobSpec, recompute_options, sharding_options
 from hettrain.planning import context, cost
 from hettrain.planning.arith import divisors_up_to
 from hettrain.planning.bounds import (
@@ -79,7 +79,6 @@ AUTO_MAX_CHUNKS = 3  # schedule: auto: interleaved with 2..3 chunks (all dominat
 REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the best
 REPLAN_OPTIONS = 64  # distinct placements a re-plan compares by moved ranks
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
-RECOMPUTE_SEARCH = ("none", "selective", "attention-free", "full")  # recompute: auto; least first
 # crossDC.mode: auto; exact gradients first. DiLoCo changes the optimizer: opt-in only.
 CROSS_DC_SEARCH = ("sync", "compress")
 
@@ -1708,9 +1707,7 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     if spec.training.recompute == "auto":
         return _plan_auto(name, inventory, exhaustive, previous, "recompute", [
             (mode, replace(spec, training=replace(spec.training, recompute=mode)))
-            for mode in RECOMPUTE_SEARCH
-            # eager attention has no fused kernel whose outputs attention-free could keep
-            if not (mode == "attention-free" and spec.training.attention == "eager")])
+            for mode in recompute_options("auto", spec.training.attention)])
     if spec.cross_dc.mode == "auto":
         modes = CROSS_DC_SEARCH if spec.cross_dc.compression != "none" else ("sync",)
         return _plan_auto(name, inventory, exhaustive, previous, "crossDC.mode", [
