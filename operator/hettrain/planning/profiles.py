@@ -328,7 +328,7 @@ class LayerProfile:
         unmeasured full recompute adds the measured forward share, an unmeasured selective
         one nothing here (``cost.layer_compute_s`` adds a modelled attention forward);
         attention-free, never measured, the full line, its upper bound
-        (``cost.profiled_layer_s`` takes a modelled attention forward off)."""
+        (``cost.profiled_layer_s`` scales it by the model's attention-free / full ratio)."""
         mode = "full" if recompute == "attention-free" else recompute
         line = self.measured_mode(mode)
         if line is not None:
