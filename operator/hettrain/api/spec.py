@@ -24,7 +24,23 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 # log-sum-exp (HelixPipe), re-running everything else; full re-runs the whole layer
 RECOMPUTE_MODES = ("none", "selective", "attention-free", "full")
 RECOMPUTE_SPEC_MODES = (*RECOMPUTE_MODES, "auto")  # spec only: the planner picks a mode
-SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1", "interleaved-zb")
+# schedules whose stages hold several model chunks (virtual stages, Megatron's round-robin
+# placement) and schedules that split the backward into B (input gradients) and W (weight
+# gradients); interleaved-zb is both (planning/interleaved_zb.py)
+CHUNKED_SCHEDULES = ("interleaved", "interleaved-zb")
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "interleaved-zb")
+
+
+def chunked_schedule(schedule: str) -> bool:
+    """Whether ``schedule`` runs several model chunks per stage (``virtualStages``)."""
+    return schedule in CHUNKED_SCHEDULES
+
+
+def splits_backward(schedule: str) -> bool:
+    """Whether ``schedule`` defers the linear weight gradients (W) after the input-gradient
+    pass (B), as zero-bubble schedules do."""
+    return schedule in SPLIT_BACKWARD_SCHEDULES
 CROSS_DC_MODES = ("sync", "compress", "diloco")
 CROSS_DC_SPEC_MODES = (*CROSS_DC_MODES, "auto")  # spec only: the planner picks sync|compress
 COMPRESSIONS = ("none", "bf16", "int8")
@@ -625,9 +641,10 @@ def _parse_parallelism(f: _Fields) -> ParallelismSpec:
         raise SpecError(f"{f.path}.cp", f"must be a power of two (got {p.cp}): the runtime "
                         "cuts each sequence into 2·cp chunks; use 1, 2, 4, 8, ... or omit cp "
                         "to let the planner choose")
-    if p.virtual_stages is not None and p.schedule != "interleaved":
-        raise SpecError(f"{f.path}.virtualStages", "only the interleaved schedule has model "
-                        "chunks: set schedule: interleaved, or omit virtualStages")
+    if p.virtual_stages is not None and not chunked_schedule(p.schedule):
+        raise SpecError(f"{f.path}.virtualStages", "only the interleaved schedules have model "
+                        "chunks: set schedule: interleaved or interleaved-zb, or omit "
+                        "virtualStages")
     if p.virtual_stages is not None and p.virtual_stages > 64:
         raise SpecError(f"{f.path}.virtualStages", f"must be <= 64 model chunks per stage (got "
                         f"{p.virtual_stages})")
@@ -877,8 +894,9 @@ def sharding_conflicts(sharding: str, model: ModelSpec, parallelism: Parallelism
     if sharding not in ("gradients", "full"):
         return []
     out = []
-    if parallelism.schedule == "zb-h1":
-        out.append(f"sharding: {sharding} cannot combine with spec.parallelism.schedule: zb-h1 "
+    if splits_backward(parallelism.schedule):
+        out.append(f"sharding: {sharding} cannot combine with spec.parallelism.schedule: "
+                   f"{parallelism.schedule} "
                    "(its deferred weight gradients would need every unit's sharded gradient "
                    "sync twice); set sharding: optimizer or another schedule")
     if parallelism.replica_groups:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from hettrain.api.spec import chunked_schedule
+
 Block = tuple[int, int, int]  # (unit index, tp, k): one unit's stages, consecutive
 StageCap = Callable[[int, int, int, int, str, int], int]
 
@@ -112,5 +114,6 @@ class CapsRows:
 
 
 def lo_layers(schedule: str, v: int) -> int:
-    """Fewest layers a stage holds: one per model chunk (``v`` for interleaved), else 1."""
-    return v if schedule == "interleaved" else 1
+    """Fewest layers a stage holds: one per model chunk (``v`` for the interleaved
+    schedules), else 1."""
+    return v if chunked_schedule(schedule) else 1

@@ -40,7 +40,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from hettrain.api.spec import ModelSpec, TrainingSpec
+from hettrain.api.spec import ModelSpec, TrainingSpec, chunked_schedule
+from hettrain.planning import interleaved_zb
 from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.profiles import PRECISION_BYTES, CommProfile
 
@@ -632,6 +633,8 @@ def in_flight_microbatches(stage: int, pp: int, m: int, schedule: str,
     """
     if schedule == "gpipe":
         return float(m)
+    if schedule == "interleaved-zb":
+        return interleaved_zb.stage_peaks(pp, m, virtual_stages)[stage][0]
     if schedule == "interleaved" and virtual_stages > 1:
         v = virtual_stages
         chunks = min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v)
@@ -661,7 +664,15 @@ def weight_grad_stash_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: in
 
 def schedule_memory_args(stage: int, pp: int, m: int, schedule: str,
                          virtual_stages: int = 1) -> dict[str, float]:
-    """The schedule-dependent keyword arguments of :func:`stage_memory` for ``stage``."""
+    """The schedule-dependent keyword arguments of :func:`stage_memory` for ``stage``
+    (``interleaved-zb``: the peaks of its replayed order, :func:`interleaved_zb.stage_peaks`)."""
+    if schedule == "interleaved-zb":
+        v = virtual_stages
+        in_flight, pending = interleaved_zb.stage_peaks(pp, m, v)[stage]
+        return {"in_flight": in_flight, "pending_w": pending, "zb_stash": 1.0,
+                "head_in_flight": 1.0, "virtual_stages": v,
+                "ids_in_flight": float(min(in_flight * v, m)) if stage == 0 else in_flight,
+                "moments": interleaved_zb.stage_moments(pp, m, v)[stage]}
     v = virtual_stages if schedule == "interleaved" else 1
     return {"in_flight": in_flight_microbatches(stage, pp, m, schedule, v),
             "pending_w": float(zb_pending_weight_grads(stage, pp, m))
@@ -691,7 +702,8 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
                  in_flight: float, first: bool, last: bool,
                  virtual_stages: int = 1, pending_w: float = 0.0,
                  head_in_flight: float = 1.0, ids_in_flight: float | None = None,
-                 zb_stash: float = 0.0, cp: int = 1) -> StageMemory:
+                 zb_stash: float = 0.0, cp: int = 1,
+                 moments: Sequence[tuple[float, float]] = ()) -> StageMemory:
     """Per-device memory of a stage as a function of its layer count.
 
     ``in_flight``: :func:`in_flight_microbatches`. Besides the model state and the layers'
@@ -705,7 +717,11 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     with ``zb_stash`` (ZB-H1) the moment right after a B pass, when that microbatch's stash has
     replaced its activations: where one microbatch's stash outweighs its activations (full
     recompute keeps only the layer input) the difference is added.
-    :func:`schedule_memory_args` gives the schedule-dependent arguments.
+    :func:`schedule_memory_args` gives the schedule-dependent arguments. ``moments``
+    (interleaved-zb: ``(in_flight, pending_w)`` states its order passes through, each B's
+    included) replaces the layers' ``in_flight``·activations + ``pending_w``·stash (and
+    ``zb_stash``'s difference) by their largest sum over those states (the two peaks need not
+    coincide); the terms outside the layers keep the peaks.
 
     Context parallelism ``cp > 1`` (``runtime/context_parallel.py``): every token-local term
     counts the rank's ``seq_len / cp`` tokens (:func:`cp_local_model`), each layer adds what
@@ -728,6 +744,9 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     act = act_one * in_flight
     stash_one = weight_grad_stash_bytes_per_layer(model, micro_batch, tp, eb)
     stash = stash_one * pending_w + zb_stash * max(0.0, stash_one - act_one)
+    if moments:  # the largest activations + stash over the states the order passes through
+        act = max(act_one * a + stash_one * p for a, p in moments)
+        stash = 0.0  # a B's moment (its activations and its stash) is one of them
     # matmul weights are TP-sharded, the norms replicated on every TP rank
     params = layer_matmul_params(model) / tp + (2 + NORM_BIAS_PARAMS_H) * h
     per_layer = params * per_param + act + stash
@@ -1014,11 +1033,14 @@ def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, sched
     ICLR'24) splits backward into input- (B) and weight-gradient (W) passes and, at the same
     peak memory, leaves ``(p − 1)(F + B − W)`` of 1F1B's ``(p − 1)(F + B + W)``: bubble
     ``(Σ − max)/zb_div`` with ``zb_div`` from measured B/W (:func:`zb_bubble_divisor`) or,
-    by default, the catalog's 3 (``F = B = W``).
+    by default, the catalog's 3 (``F = B = W``). ``interleaved-zb`` (both, on ``v`` chunks:
+    ``planning/interleaved_zb.py``) divides it by its replayed order's own divisor
+    (:func:`interleaved_zb.bubble_divisor`, ``3·v`` where its list scheduler is optimal)
+    scaled by ``zb_div/3``, at ``v``× the boundary traffic.
     Returns (total seconds, bubble seconds).
     """
     boundaries = list(boundary_s)
-    if schedule == "interleaved":
+    if chunked_schedule(schedule):
         boundaries = [b * virtual_stages for b in boundaries]
     slowest = max(stage_s + boundaries)
     total = sum(stage_s) + sum(boundaries)
@@ -1027,4 +1049,7 @@ def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, sched
         bubble /= virtual_stages
     elif schedule == "zb-h1":
         bubble /= zb_div
+    elif schedule == "interleaved-zb":
+        bubble /= (interleaved_zb.bubble_divisor(len(stage_s), m, virtual_stages)
+                   * zb_div / ZB_CATALOG_DIVISOR)
     return m * slowest + bubble, bubble

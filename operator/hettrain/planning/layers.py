@@ -20,6 +20,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hettrain.api.spec import chunked_schedule
+
 
 @dataclass(frozen=True, slots=True)
 class StageCost:
@@ -456,7 +458,8 @@ def chunk_layer_ranges(plan) -> list[list[tuple[int, int]]]:
 
     The one mapping the planner side, the renderer and the runtime share. Stage ``s`` holds
     ``n_s = layer_end - layer_start`` layers (from the plan). Without virtual stages
-    (``plan.schedule != "interleaved"`` or ``virtual_stages == 1``) that is the plan's own
+    (``plan.schedule`` not interleaved or interleaved-zb, or ``virtual_stages == 1``) that is
+    the plan's own
     contiguous range. With ``v`` virtual stages stage ``s`` holds ``v`` chunks; chunk ``(c, s)``
     gets the ``c``-th of :func:`chunk_counts` ``(n_s, v)`` and the global layer order is
     chunk-major: ``(0,0), (0,1), ..., (0,p-1), (1,0), ..., (v-1,p-1)``. The embedding lives
@@ -465,7 +468,7 @@ def chunk_layer_ranges(plan) -> list[list[tuple[int, int]]]:
     Raises ``ValueError`` naming the field when a stage has fewer layers than chunks or the
     stages do not cover the model's layers.
     """
-    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+    v = plan.virtual_stages if chunked_schedule(plan.schedule) else 1
     if v < 1:
         raise ValueError(f"plan.virtual_stages={v}: must be >= 1")
     counts = [st.layer_end - st.layer_start for st in plan.stages]

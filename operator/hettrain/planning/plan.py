@@ -4,7 +4,7 @@ A plan is JSON-serialisable and versioned (``PLAN_VERSION``). The operator store
 plan ConfigMap under ``plan.json``; the runtime reads it back with :meth:`Plan.from_json`.
 
 Layout model: every data-parallel replica is the same pipeline of ``pp`` stages. Stage ``s`` holds
-layers ``[layer_start, layer_end)`` (for ``schedule="interleaved"`` only their COUNT: the stage's
+layers ``[layer_start, layer_end)`` (for the interleaved schedules only their COUNT: the stage's
 ``virtual_stages`` model chunks come from ``planning.layers.chunk_layer_ranges``, chunk-major)
 and runs on one device type with its own tensor-parallel
 degree ``tp``; its ``dp`` replicas may come from several pools of that device type (then the
@@ -122,13 +122,13 @@ class Plan:
     pp: int
     micro_batch: int  # sequences per microbatch
     num_microbatches: int  # per replica per optimizer step (gradient accumulation)
-    schedule: str  # 1f1b | interleaved | zb-h1
+    schedule: str  # 1f1b | interleaved | zb-h1 | interleaved-zb
     stages: tuple[StagePlan, ...]
     ranks: tuple[RankPlan, ...]
     predicted: Prediction
     cross_dc: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # why the planner chose this (and what it rejected)
-    virtual_stages: int = 1  # interleaved schedule: model chunks per rank
+    virtual_stages: int = 1  # interleaved schedules: model chunks per rank
     data: dict[str, Any] = field(default_factory=dict)  # spec.data.to_plan(): uri | synthetic
     version: int = PLAN_VERSION
     groups: tuple[ReplicaGroup, ...] = ()  # heterogeneous replica groups (module docstring)

@@ -36,8 +36,14 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 from hettrain.api.constants import REASON_PLAN_FAILED
-from hettrain.api.spec import JobSpec, recompute_options, sharding_options
-from hettrain.planning import context, cost
+from hettrain.api.spec import (
+    JobSpec,
+    chunked_schedule,
+    recompute_options,
+    sharding_options,
+    splits_backward,
+)
+from hettrain.planning import context, cost, interleaved_zb
 from hettrain.planning.arith import divisors_up_to
 from hettrain.planning.bounds import (
     Choice,
@@ -78,7 +84,7 @@ MAX_INTERLEAVE_CHUNKS = 4  # schedule: interleaved: model chunks per stage searc
 AUTO_MAX_CHUNKS = 3  # schedule: auto: interleaved with 2..3 chunks (all dominated by ZB-H1)
 REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the best
 REPLAN_OPTIONS = 64  # distinct placements a re-plan compares by moved ranks
-SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "interleaved-zb")
 # crossDC.mode: auto; exact gradients first. DiLoCo changes the optimizer: opt-in only.
 CROSS_DC_SEARCH = ("sync", "compress")
 
@@ -476,9 +482,17 @@ def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_b
 
 
 
-def _bubble_divisor(schedule: str, v: int, zb_div: float = cost.ZB_CATALOG_DIVISOR) -> float:
+def _bubble_divisor(schedule: str, v: int, zb_div: float = cost.ZB_CATALOG_DIVISOR,
+                    pp: int | None = None, m: int | None = None) -> float:
     """What a schedule divides the 1F1B bubble by (:func:`cost.pipeline_time_s`); ZB-H1's is
-    ``zb_div`` (:func:`_zb_div` of a layout, or a bound on it: :attr:`_Search.zb_div`)."""
+    ``zb_div`` (:func:`_zb_div` of a layout, or a bound on it: :attr:`_Search.zb_div`);
+    interleaved-zb's its replayed order's for ``pp`` stages of ``m`` microbatches scaled by
+    ``zb_div/3``, or (``pp=None``) its bound ``v·zb_div`` (the order's is at most ``3·v``)."""
+    if schedule == "interleaved-zb":
+        if pp is None or m is None:
+            return v * zb_div
+        return (interleaved_zb.bubble_divisor(pp, m, v) * zb_div
+                / cost.ZB_CATALOG_DIVISOR)
     return {"1f1b": 1.0, "zb-h1": zb_div}.get(schedule, float(v))
 
 
@@ -520,13 +534,13 @@ def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
     """
     par = spec.parallelism
     pinned_v = par.virtual_stages
-    top = MAX_INTERLEAVE_CHUNKS if par.schedule == "interleaved" else AUTO_MAX_CHUNKS
+    top = MAX_INTERLEAVE_CHUNKS if chunked_schedule(par.schedule) else AUTO_MAX_CHUNKS
     chunks = [pinned_v] if pinned_v is not None else list(range(2, top + 1))
     if layers is not None:
         chunks = [v for v in chunks if layers >= pp * v]
+    if chunked_schedule(par.schedule):
+        return [(par.schedule, v) for v in chunks]
     inter = [("interleaved", v) for v in chunks]
-    if par.schedule == "interleaved":
-        return inter
     if par.schedule != "auto":
         return [(par.schedule, 1)]
     if cost.sharded_grads(spec.training):  # ZeRO-2/3 do not run ZB-H1 (planning/support.py)
@@ -535,16 +549,20 @@ def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
         return [("1f1b", 1), *inter, ("zb-h1", 1)]
     # ZB-H1 is never slower than 1F1B or interleaved on one split, but its stash of deferred
     # weight-gradient inputs (cost.zb_pending_weight_grads) can make it hold more memory:
-    # where that caps a stage, the others may fit a split (or a layout) that ZB-H1 cannot
+    # where that caps a stage, the others may fit a split (or a layout) that ZB-H1 cannot.
+    # (interleaved-zb is not searched under auto: its bubble bound, v·zb_div, loosens every
+    # layout's and triples the planning time at 1k GPUs; spec.parallelism.schedule pins it)
     return [("1f1b", 1)] if pp == 1 else [("zb-h1", 1), ("1f1b", 1), *inter]
 
 
 def _schedule_fits(schedule: str, v: int, pp: int, m: int, layers: int) -> bool:
     """Whether ``schedule`` can run a ``pp``-stage pipeline of ``m`` microbatches: ZB-H1 and
     interleaved need ``pp ≥ 2``; interleaved also ``m`` a multiple of ``pp`` and at least
-    ``v`` layers per stage (the runtime's schedule)."""
+    ``v`` layers per stage (the runtime's schedule); interleaved-zb any ``m``."""
     if schedule == "interleaved":
         return pp >= 2 and m % pp == 0 and layers >= pp * v
+    if schedule == "interleaved-zb":
+        return pp >= 2 and layers >= pp * v
     if schedule == "zb-h1":
         return pp >= 2
     return True
@@ -787,7 +805,7 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
     if search.max_gpus is not None and dp * sum(tps) > search.max_gpus:
         search.over_max_gpus += 1  # exact: only removes layouts, every bound stays valid
         return
-    if schedule != "interleaved":
+    if not chunked_schedule(schedule):
         v = 1
     if not _schedule_fits(schedule, v, pp, m, model.layers):
         return
@@ -795,9 +813,9 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
                                 v)
     boundaries = [_boundary_memo(search, units[i], units[i + 1], tps[i], tps[i + 1], dp, mb, inv)
                   * v for i in range(pp - 1)]
-    zb_div = (_zb_div(spec, (u.device for u in units), mb) if schedule == "zb-h1"
+    zb_div = (_zb_div(spec, (u.device for u in units), mb) if splits_backward(schedule)
               else cost.ZB_CATALOG_DIVISOR)
-    f = _bubble_divisor(schedule, v, zb_div)
+    f = _bubble_divisor(schedule, v, zb_div, pp, m)
     scaled = [StageCost(s.a, s.b, s.c * f, s.e * f, s.max_layers) for s in stages]
     p_max, p_sum = max(boundaries, default=0.0), sum(boundaries)
     search.evaluated += 1
@@ -1452,6 +1470,9 @@ def _caps_rows(search: _Search, units: tuple[Unit, ...], dp: int, mb: int,
                 chunks = 2 * (pp - i - 1) + (v - 1) * pp + 1
                 return (schedule, v, i == pp - 1, chunks if chunks < m * v else m * v,
                         min(pp * v, m) if i == 0 else -1)
+            if schedule == "interleaved-zb":
+                return (schedule, v, i == 0, i == pp - 1,
+                        *interleaved_zb.stage_peaks(pp, m, v)[i])
             return (schedule, i == 0, i == pp - 1,
                     *cost.schedule_memory_args(i, pp, m, schedule, v).values())
 
@@ -1515,7 +1536,8 @@ def _evaluate_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Cho
     zb_caps: list[int] | None = None
     zb_div = 0.0  # ZB-H1's divisor of this layout, once it ran
     for schedule, v in schedules:
-        if zb_caps is not None and _bubble_divisor(schedule, v) <= zb_div and all(
+        if zb_caps is not None and _bubble_divisor(
+                schedule, v, zb_div, pp, _replica_batch(spec, dp) // mb) <= zb_div and all(
                 c <= z for c, z in zip(_layer_caps(search, stage_units, stage_tps, dp, mb,
                                                    schedule, v, inv), zb_caps, strict=True)):
             continue  # dominated by ZB-H1 (docstring)
@@ -1609,8 +1631,23 @@ def _widest_shortfall(search: _Search, units: tuple[Unit, ...], dp: int, mb: int
 
 
 def _zb_note(best: Candidate, spec: JobSpec) -> str:
-    """Where ZB-H1's bubble came from: the measured B/W split of the devices whose profile
-    has one (:func:`_zb_div`), or the catalog rule."""
+    """Where a zero-bubble schedule's bubble came from: the measured B/W split of the devices
+    whose profile has one (:func:`_zb_div`), or the catalog rule; for interleaved-zb also
+    what its replayed order divides 1F1B's bubble by."""
+    return _izb_note(best, spec) + _zb_split_note(best, spec)
+
+
+def _izb_note(best: Candidate, spec: JobSpec) -> str:
+    if best.schedule != "interleaved-zb":
+        return ""
+    m = _replica_batch(spec, best.dp) // best.micro_batch
+    div = interleaved_zb.bubble_divisor(best.pp, m, best.chunks)
+    return (f"interleaved-zb ({best.chunks} chunks per stage, {m} microbatches): its order, "
+            f"replayed with F = B = W, divides 1F1B's bubble by {div:.2f} (at best "
+            f"{3 * best.chunks}); ")
+
+
+def _zb_split_note(best: Candidate, spec: JobSpec) -> str:
     eb = cost.precision_bytes(spec.training)
     split = sorted({u.device.name for u in best.units if u.device.profile is not None
                     and u.device.profile.weight_grad is not None
@@ -1634,7 +1671,7 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
         f"chose dp={best.dp // best.cp} pp={best.pp} tp={'/'.join(map(str, best.tps))} "
         + (f"cp={best.cp} " if best.cp > 1 else "") +
         f"mb={best.micro_batch} schedule={best.schedule}"
-        + (f" chunks={best.chunks}" if best.schedule == "interleaved" else ""),
+        + (f" chunks={best.chunks}" if chunked_schedule(best.schedule) else ""),
     ]
     crossings = [i for i in range(best.pp - 1)
                  if not set(best.units[i].datacenters) & set(best.units[i + 1].datacenters)]
@@ -1671,7 +1708,7 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
         notes.append(f"the runtime's stage machinery of {', '.join(staged)} per microbatch "
                      "from device profiles (measured: every stage's overhead around its "
                      "layers, the first stage's embedding, the last stage's head and loss)")
-    if best.schedule == "zb-h1":
+    if splits_backward(best.schedule):
         notes.append(_zb_note(best, spec))
     sharded = sorted({(u.device.name, tp) for u, tp in zip(best.units, best.tps, strict=True)
                       if best.cp == 1 and cost.measured_tp_line(spec.model, spec.training, tp,
@@ -2097,7 +2134,7 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         pp_bytes_per_step=c.dp * cost.pipeline_bytes_per_step(
             cost.cp_local_model(model, c.cp), c.micro_batch,
             cost.precision_bytes(spec.training), m, c.pp,
-            c.chunks if c.schedule == "interleaved" else 1),
+            c.chunks if chunked_schedule(c.schedule) else 1),
     )
     cross = {"mode": spec.cross_dc.mode, "compression": spec.cross_dc.compression,
              "outer_steps": spec.cross_dc.outer_steps, "outer_lr": spec.cross_dc.outer_lr,
@@ -2106,7 +2143,7 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         job=name, model=model, training=spec.training, dp=dp, pp=c.pp,
         micro_batch=c.micro_batch, num_microbatches=m, schedule=c.schedule,
         stages=tuple(stages), ranks=ranks, predicted=pred, cross_dc=cross, notes=tuple(notes),
-        virtual_stages=c.chunks if c.schedule == "interleaved" else 1,
+        virtual_stages=c.chunks if chunked_schedule(c.schedule) else 1,
         data=spec.data.to_plan(),
     )
 

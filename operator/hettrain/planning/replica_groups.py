@@ -57,7 +57,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from hettrain.api.spec import JobSpec
+from hettrain.api.spec import JobSpec, chunked_schedule, splits_backward
 from hettrain.planning import context, cost
 from hettrain.planning.arith import shard_bounds
 from hettrain.planning.catalog import DeviceSpec
@@ -119,7 +119,7 @@ def plan_zb_div(plan: Plan, devices: Sequence[DeviceSpec], cp: int | None = None
     measured B/W splits, else the catalog's 3; a CP rank's shorter sequence matches no
     profile); the catalog's for other schedules."""
     cp = context_parallel_degree(plan) if cp is None else cp
-    if plan.schedule != "zb-h1" or cp > 1:
+    if not splits_backward(plan.schedule) or cp > 1:
         return cost.ZB_CATALOG_DIVISOR
     return cost.zb_bubble_divisor(devices, plan.model, plan.training, plan.micro_batch)
 
@@ -752,7 +752,7 @@ def groups_on_idle(plan: Plan, spec: JobSpec, inventory: ClusterInventory) -> Pl
     step :func:`grouped_step_s`'s; a note names the idle pools left and why they stay idle
     (with no group: the plan itself, with that note)."""
     mode = (plan.cross_dc or {}).get("mode", "sync")
-    why = ("the interleaved schedule" if plan.schedule == "interleaved"
+    why = (f"the {plan.schedule} schedule" if chunked_schedule(plan.schedule)
            else f"crossDC.mode {mode}" if mode != "sync" else "")
     allowed = replace(inventory, pools=filter_pools(inventory, spec.placement))
     idle = [p.name for p, _ in _idle_pools(plan, allowed)]

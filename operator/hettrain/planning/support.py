@@ -8,7 +8,7 @@ spec field that sets it.
 
 from __future__ import annotations
 
-from hettrain.api.spec import LR_SCHEDULES, PRECISIONS, SHARDINGS
+from hettrain.api.spec import LR_SCHEDULES, PRECISIONS, SHARDINGS, splits_backward
 from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan, StagePlan
 
@@ -57,9 +57,9 @@ def sharding_errors(plan: Plan) -> list[str]:
     if s not in ("gradients", "full"):
         return []
     out = []
-    if plan.schedule == "zb-h1":
-        out.append(f"plan.training.sharding={s} with plan.schedule=zb-h1: ZeRO-2/3 sync each "
-                   "unit's gradients after its backward, which ZB-H1 splits; set "
+    if splits_backward(plan.schedule):
+        out.append(f"plan.training.sharding={s} with plan.schedule={plan.schedule}: ZeRO-2/3 "
+                   "sync each unit's gradients after its backward, which the schedule splits; set "
                    "spec.training.sharding: optimizer or spec.parallelism.schedule: 1f1b")
     if plan.groups:
         out.append(f"plan.training.sharding={s} with plan.groups: replica groups sum whole "

@@ -21,8 +21,16 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from hettrain.api.spec import chunked_schedule
 from hettrain.planning.plan import Plan, RankPlan
-from hettrain.render.schedule import BACKWARD, FORWARD, WEIGHT, Timeline, build_timeline
+from hettrain.render.schedule import (
+    BACKWARD,
+    FORWARD,
+    SCHEDULE_NAMES,
+    WEIGHT,
+    Timeline,
+    build_timeline,
+)
 from hettrain.render.table import group_stages, layout_summary, schedule_summary
 
 FORMATS = ("svg", "png")
@@ -45,8 +53,8 @@ def stage_colors(stages: int) -> list[tuple[float, float, float, float]]:
 
 def plan_timeline(plan: Plan) -> Timeline:
     """The Gantt schedule of one replica of ``plan``."""
-    chunks = plan.virtual_stages if plan.schedule == "interleaved" else 1
-    schedule = plan.schedule if plan.schedule in ("1f1b", "interleaved", "zb-h1") else "1f1b"
+    chunks = plan.virtual_stages if chunked_schedule(plan.schedule) else 1
+    schedule = plan.schedule if plan.schedule in SCHEDULE_NAMES else "1f1b"
     return build_timeline(
         [s.time_ms for s in plan.stages], plan.num_microbatches, schedule, chunks=chunks
     )

@@ -12,6 +12,8 @@ pipeline engines use), and an operation starts when its stage is free and its in
   ``s`` runs each W right after a B but holds its first ``s`` W's back and drains them at the end,
   where 1F1B would idle (the order of ``torch.distributed.pipelining``'s zero-bubble schedule
   with one chunk per rank).
+- ``interleaved-zb``: ``v`` chunks per rank as interleaved, each backward split into B and W as
+  ZB-H1, in the order of the planner's list scheduler (:mod:`hettrain.planning.interleaved_zb`).
 
 A stage's ``time_ms`` (forward + backward of one microbatch) splits F:B = 1:2, and for ZB-H1 the
 backward splits evenly into B and W (T_F = T_B = T_W, the paper's equal-time case). With equal
@@ -24,10 +26,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hettrain.api.spec import chunked_schedule, splits_backward
+from hettrain.planning.interleaved_zb import interleaved_zb_orders
+
 FORWARD = "F"
 BACKWARD = "B"  # full backward (1F1B, interleaved) or input-gradient backward (ZB-H1)
-WEIGHT = "W"  # weight-gradient backward (ZB-H1 only)
-SCHEDULE_NAMES = ("1f1b", "interleaved", "zb-h1")
+WEIGHT = "W"  # weight-gradient backward (zb-h1, interleaved-zb)
+SCHEDULE_NAMES = ("1f1b", "interleaved", "zb-h1", "interleaved-zb")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +162,7 @@ def _durations(stage_times_ms: Sequence[float], schedule: str, chunks: int
     out = []
     for t in stage_times_ms:
         per_chunk = t / chunks
-        if schedule == "zb-h1":
+        if splits_backward(schedule):
             third = per_chunk / 3
             out.append({FORWARD: third, BACKWARD: third, WEIGHT: third})
         else:
@@ -182,8 +187,9 @@ def build_timeline(stage_times_ms: Sequence[float], microbatches: int, schedule:
         raise ValueError(f"microbatches: must be >= 1 (got {microbatches})")
     if schedule not in SCHEDULE_NAMES:
         raise ValueError(f"schedule: must be one of {', '.join(SCHEDULE_NAMES)} (got {schedule!r})")
-    if chunks < 1 or (chunks > 1 and schedule != "interleaved"):
-        raise ValueError(f"chunks: must be 1 unless schedule is interleaved (got {chunks})")
+    if chunks < 1 or (chunks > 1 and not chunked_schedule(schedule)):
+        raise ValueError(f"chunks: must be 1 unless schedule is interleaved or interleaved-zb "
+                         f"(got {chunks})")
     if schedule == "interleaved" and stages > 1 and microbatches % stages:
         raise ValueError(
             f"microbatches: the interleaved schedule needs a multiple of the {stages} stages "
@@ -193,6 +199,9 @@ def build_timeline(stage_times_ms: Sequence[float], microbatches: int, schedule:
         orders = [interleaved_order(s, stages, microbatches, chunks) for s in range(stages)]
     elif schedule == "zb-h1":
         orders = [zero_bubble_order(s, stages, microbatches) for s in range(stages)]
+    elif schedule == "interleaved-zb":
+        orders = [[(kind, s, mb, c) for kind, mb, c in actions] for s, actions in
+                  enumerate(interleaved_zb_orders(stages, microbatches, chunks))]
     else:
         orders = [one_f_one_b_order(s, stages, microbatches) for s in range(stages)]
     durations = _durations(stage_times_ms, schedule, chunks)

@@ -8,6 +8,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from hettrain.api.spec import chunked_schedule
 from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan, StagePlan
 from hettrain.planning.support import group_cp
@@ -70,8 +71,8 @@ def group_stages(plan: Plan) -> list[tuple[int, int, StagePlan, str]]:
 
 def schedule_summary(plan: Plan) -> str:
     """The schedule, with its virtual stages when interleaved."""
-    if plan.schedule == "interleaved" and plan.virtual_stages > 1:
-        return f"interleaved (v={plan.virtual_stages})"
+    if chunked_schedule(plan.schedule) and plan.virtual_stages > 1:
+        return f"{plan.schedule} (v={plan.virtual_stages})"
     return plan.schedule
 
 

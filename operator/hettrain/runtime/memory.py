@@ -46,6 +46,7 @@ from typing import Any, SupportsIndex
 import torch
 from torch.utils._pytree import tree_leaves
 
+from hettrain.api.spec import chunked_schedule, splits_backward
 from hettrain.planning import cost
 from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan
@@ -277,13 +278,13 @@ def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer
     gen = torch.Generator().manual_seed(0)
     spec, b = plan.model, plan.micro_batch
     v = len(model.chunks)
-    chunked = plan.schedule == "interleaved"
+    chunked = chunked_schedule(plan.schedule)
     first, last = stage == 0, stage == plan.pp - 1
     dtype = opt.dtype
     seq = spec.seq_len // plan.stages[stage].cp  # context parallel: this rank's tokens
     shape = (b, seq, spec.hidden)
     held: dict[tuple[int, int], tuple[torch.Tensor, _Held]] = {}
-    stash: dict[int, tuple[WeightGradStore, list[_Held]]] = {}
+    stash: dict[tuple[int, int], tuple[WeightGradStore, list[_Held]]] = {}
     loss_buffers = 0
     m = plan.num_microbatches
     for kind, i, c in chunk_actions(plan.schedule, stage, plan.pp, m, v):
@@ -304,16 +305,16 @@ def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer
         elif kind == "B":
             out = held.pop((i, c))[0]  # its holder is released here, as the runner does
             grad = None if out.dim() == 0 else torch.randn(out.shape, generator=gen).to(dtype)
-            if plan.schedule == "zb-h1":
+            if splits_backward(plan.schedule):
                 with defer_weight_grads() as store:
                     out.backward(grad)
-                stash[i] = (store, [tracker.hold(t) for _, xin, g in store.items
-                                    for t in (xin, g)])
+                stash[(i, c)] = (store, [tracker.hold(t) for _, xin, g in store.items
+                                         for t in (xin, g)])
             else:
                 out.backward(grad)
             del out
-        elif kind == "W" and i in stash:  # ZB-H1 only: 1F1B's W is part of its B
-            store, holds = stash.pop(i)
+        elif kind == "W" and (i, c) in stash:  # zero-bubble only: 1F1B's W is in its B
+            store, holds = stash.pop((i, c))
             store.flush()
             del holds
     if opt.grad_sync is not None:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hettrain.api.spec import chunked_schedule, splits_backward
 from hettrain.planning.plan import Plan
 from hettrain.runtime.collectives import Tier
 from hettrain.runtime.collectives.p2p import (  # noqa: F401 (stream_tag re-exported)
@@ -137,11 +138,11 @@ class StageRunner:
         self.planned = schedule or plan.schedule
         self.schedule = executed_schedule(self.planned)
         self.v = len(getattr(model, "chunks", [None]))
-        if self.schedule == "interleaved":
+        if chunked_schedule(self.schedule):
             if self.pp < 2:
-                raise ValueError(f"plan.pp={self.pp}: the interleaved schedule needs pp >= 2 "
-                                 "(use schedule 1f1b on one stage)")
-            if plan.num_microbatches % self.pp:
+                raise ValueError(f"plan.pp={self.pp}: the {self.schedule} schedule needs "
+                                 "pp >= 2 (use schedule 1f1b on one stage)")
+            if self.schedule == "interleaved" and plan.num_microbatches % self.pp:
                 raise ValueError(f"plan.num_microbatches={plan.num_microbatches}: the "
                                  f"interleaved schedule needs a multiple of pp={self.pp}")
             if self.v != plan.virtual_stages:
@@ -150,8 +151,9 @@ class StageRunner:
         elif self.v != 1:
             raise ValueError(f"plan.schedule={self.schedule!r} runs one chunk per stage; the "
                              f"stage model has {self.v} (set schedule: interleaved)")
-        # only ZB-H1 defers weight gradients; the others use torch's linear (faster)
-        set_weight_grad_deferral(model, self.schedule == "zb-h1")
+        # only the zero-bubble schedules defer weight gradients; the others use torch's
+        # linear (faster)
+        set_weight_grad_deferral(model, splits_backward(self.schedule))
         self.tp = plan.stages[self.stage].tp
         self.tp_group = comm.tp_group if comm is not None else None
         if self.tp > 1 and self.pp > 1 and self.tp_group is None:
@@ -327,9 +329,9 @@ class StageRunner:
         act_shape = (batches[0][0].shape[0], batches[0][0].shape[1], spec.hidden)
         self._numel = math.prod(act_shape)
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        deferred: dict[int, WeightGradStore] = {}
-        split = self.schedule == "zb-h1"
-        chunked = self.schedule == "interleaved"
+        deferred: dict[tuple[int, int], WeightGradStore] = {}  # (microbatch, chunk)
+        split = splits_backward(self.schedule)
+        chunked = chunked_schedule(self.schedule)
         total = 0.0
         for c in range(self.v):  # activations in forward order, gradients in backward order
             if self._src(c)[0] is not None:
@@ -359,7 +361,7 @@ class StageRunner:
             grad = (None if self._dst(c)[0] is None else
                     self._recv((c, GRADIENT), out.shape, out.dtype))
             if split:  # B: input gradients now, the linear weight gradients in W
-                with defer_weight_grads() as deferred[i]:
+                with defer_weight_grads() as deferred[(i, c)]:
                     out.backward(grad)
             else:
                 out.backward(grad)
@@ -368,7 +370,7 @@ class StageRunner:
 
         def weights(i: int, c: int) -> None:
             if split:
-                deferred.pop(i).flush()
+                deferred.pop((i, c)).flush()
 
         ops: dict[str, Callable[[int, int], None]] = {"F": forward, "B": backward, "W": weights}
         self._p2p_s, busy, w_s = 0.0, 0.0, 0.0
@@ -377,7 +379,7 @@ class StageRunner:
             t0 = time.perf_counter()
             ops[kind](i, c)
             busy += time.perf_counter() - t0
-            if kind == "W":  # ZB-H1's deferred weight gradients: the layers' (and head's)
+            if kind == "W":  # deferred weight gradients (zero-bubble): the layers' (and head's)
                 w_s += time.perf_counter() - t0
         self.last_compute_s = max(0.0, busy - self._p2p_s) / m
         self.last_layers_s = (self.clock.reset() + w_s) / m
@@ -396,7 +398,7 @@ class StageRunner:
         m = len(batches)
         act_shape = (batches[0][0].shape[0], batches[0][0].shape[1], self.plan.model.hidden)
         self._numel = math.prod(act_shape)
-        chunked = self.schedule == "interleaved"
+        chunked = chunked_schedule(self.schedule)
         for c in range(self.v):
             if self._src(c)[0] is not None:
                 self._expect((c, ACTIVATION), m)

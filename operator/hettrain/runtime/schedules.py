@@ -30,8 +30,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hettrain.planning.interleaved_zb import interleaved_zb_actions
+
 SCHEDULES = ("1f1b", "gpipe", "zb-h1")  # one model chunk per stage
-CHUNKED_SCHEDULES = ("interleaved",)  # several model chunks (virtual stages) per stage
+# several model chunks (virtual stages) per stage; interleaved-zb's order comes from the
+# planning side's list scheduler (hettrain.planning.interleaved_zb, pure Python)
+CHUNKED_SCHEDULES = ("interleaved", "interleaved-zb")
 RUNTIME_SCHEDULES = SCHEDULES + CHUNKED_SCHEDULES
 
 Action = tuple[str, int]  # ("F" | "B" | "W", microbatch)
@@ -149,9 +153,11 @@ def interleaved_actions(stage: int, pp: int, m: int, v: int) -> list[ChunkAction
 
 def chunk_actions(schedule: str, stage: int, pp: int, m: int, v: int = 1) -> list[ChunkAction]:
     """The ordered ``(kind, microbatch, chunk)`` actions of ``stage`` for any runtime schedule
-    (chunk 0 throughout unless ``interleaved``)."""
+    (chunk 0 throughout unless ``interleaved`` or ``interleaved-zb``)."""
     if schedule == "interleaved":
         return interleaved_actions(stage, pp, m, v)
+    if schedule == "interleaved-zb":
+        return interleaved_zb_actions(stage, pp, m, v)
     if v != 1:
         raise ValueError(f"plan.virtual_stages={v}: only the interleaved schedule has virtual "
                          f"stages (plan.schedule={schedule!r}); set it to 1")

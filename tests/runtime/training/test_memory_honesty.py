@@ -34,6 +34,8 @@ GRID = [
     (3, 2, 1, 1, 6, "interleaved", "fp32", False, GATED),
     (2, 1, 2, 2, 4, "zb-h1", "bf16", False, MODEL),
     (3, 2, 2, 1, 6, "zb-h1", "bf16", True, GATED),
+    (2, 1, 2, 2, 4, "interleaved-zb", "bf16", True, MODEL),
+    (3, 2, 1, 1, 5, "interleaved-zb", "fp32", False, GATED),
     (2, 1, 1, 1, 4, "gpipe", "fp32", False, MODEL),
     # selective (attention core recomputed) and full (block input kept, one layer re-run)
     (1, 1, 1, 2, 2, "1f1b", "bf16", False, GATED, "selective"),
@@ -50,6 +52,8 @@ GRID = [
     (2, 2, 2, 2, 4, "1f1b", "fp32", True, MODEL, "attention-free"),
     (3, 2, 1, 1, 6, "interleaved", "bf16", False, GATED, "attention-free"),
     (2, 1, 2, 2, 4, "zb-h1", "fp16", True, MODEL, "attention-free"),
+    (3, 1, 2, 1, 6, "interleaved-zb", "bf16", True, GATED, "selective"),
+    (2, 2, 1, 1, 4, "interleaved-zb", "bf16", False, MODEL, "attention-free"),
     (2, 1, 4, 2, 4, "1f1b", "bf16", "gradients", GATED, "attention-free"),
     (2, 2, 2, 1, 4, "1f1b", "bf16", "full", MODEL, "attention-free"),
     # ZeRO-2 / ZeRO-3 (FSDP): own chunks of the state, a unit's bucket and gathered weights
@@ -64,7 +68,8 @@ GRID = [
 
 def _plan(pp, tp, dp, mb, m, schedule, precision, sharding, model, recompute="none"):
     splits = SPLITS[pp]
-    if schedule == "interleaved":  # v = 2 model chunks of one layer each per stage
+    chunked = schedule in ("interleaved", "interleaved-zb")
+    if chunked:  # v = 2 model chunks of one layer each per stage
         splits = [(2 * i, 2 * i + 2, p) for i, (_, _, p) in enumerate(SPLITS[3][:pp])]
         model = replace(model, layers=2 * pp)
     # sharding: True/False (ZeRO-1 or none) or a spec.training.sharding value
@@ -72,7 +77,7 @@ def _plan(pp, tp, dp, mb, m, schedule, precision, sharding, model, recompute="no
     plan = tiny_plan(splits, dp=dp, tp=tp, micro_batch=mb, num_microbatches=m, model=model,
                      schedule=schedule, precision=precision, sharding=mode,
                      recompute=recompute)
-    return replace(plan, virtual_stages=2) if schedule == "interleaved" else plan
+    return replace(plan, virtual_stages=2) if chunked else plan
 
 
 def _case_id(case) -> str:

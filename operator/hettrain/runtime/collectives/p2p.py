@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hettrain.api.spec import chunked_schedule
 from hettrain.planning.plan import Plan
 
 ACTIVATION, GRADIENT = 0, 1
@@ -128,7 +129,7 @@ def plan_streams(plan: Plan, v: int | None = None) -> list[Stream]:
     order. ``v``: model chunks per stage (default: ``plan.virtual_stages`` for the interleaved
     schedule, else 1)."""
     if v is None:
-        v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+        v = plan.virtual_stages if chunked_schedule(plan.schedule) else 1
     out = []
     for dp in range(plan.dp):
         for k, ((sa, ca), (sb, cb)) in enumerate(chunk_boundaries(plan.pp, v)):
