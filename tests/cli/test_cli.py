@@ -85,7 +85,9 @@ def test_plan_out_and_picture_files(tmp_path: Path, capsys: pytest.CaptureFixtur
     ids = [el.get("id", "") for el in ET.parse(svg).getroot().iter()]
     assert sum(i.startswith("gpu-r") for i in ids) == plan.world_size
     bars = sum(i.startswith("gantt-") for i in ids)
-    per_microbatch_stage = 3 if plan.schedule == "zb-h1" else 2 * plan.virtual_stages
+    # F and B per model chunk, and W where the schedule splits the backward (zero-bubble)
+    split = plan.schedule in ("zb-h1", "interleaved-zb")
+    per_microbatch_stage = (3 if split else 2) * plan.virtual_stages
     assert bars == per_microbatch_stage * plan.pp * plan.num_microbatches
 
     png = tmp_path / "plan.png"

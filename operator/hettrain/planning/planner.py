@@ -82,6 +82,7 @@ MAX_MICRO_BATCH = 16
 SEED_EVALUATIONS = 4  # greedy layouts evaluated per (dp, mb) pair before its branch and bound
 MAX_INTERLEAVE_CHUNKS = 4  # schedule: interleaved: model chunks per stage searched in 2..4
 AUTO_MAX_CHUNKS = 3  # schedule: auto: interleaved with 2..3 chunks (all dominated by ZB-H1)
+AUTO_ZB_CHUNKS = 2  # schedule: auto: interleaved-zb with 2 chunks on the chosen layout
 REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the best
 REPLAN_OPTIONS = 64  # distinct placements a re-plan compares by moved ranks
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "interleaved-zb")
@@ -550,8 +551,9 @@ def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
     # ZB-H1 is never slower than 1F1B or interleaved on one split, but its stash of deferred
     # weight-gradient inputs (cost.zb_pending_weight_grads) can make it hold more memory:
     # where that caps a stage, the others may fit a split (or a layout) that ZB-H1 cannot.
-    # (interleaved-zb is not searched under auto: its bubble bound, v·zb_div, loosens every
-    # layout's and triples the planning time at 1k GPUs; spec.parallelism.schedule pins it)
+    # (interleaved-zb is not in auto's search: its bubble bound, v·zb_div, would loosen every
+    # layout's and triple the planning time at 1k GPUs; auto tries it on the chosen layout
+    # afterwards, _with_interleaved_zb)
     return [("1f1b", 1)] if pp == 1 else [("zb-h1", 1), ("1f1b", 1), *inter]
 
 
@@ -1630,24 +1632,17 @@ def _widest_shortfall(search: _Search, units: tuple[Unit, ...], dp: int, mb: int
 # ---------------------------------------------------------------- public API
 
 
+def _izb_note(best: Candidate, spec: JobSpec) -> str:
+    """What interleaved-zb's replayed order divides 1F1B's bubble by (with F = B = W)."""
+    m = spec.training.global_batch // (best.dp // best.cp) // best.micro_batch
+    div = interleaved_zb.bubble_divisor(best.pp, m, best.chunks)
+    return (f"interleaved-zb order ({best.chunks} chunks, {m} microbatches): 1F1B's bubble / "
+            f"{div:.2f} at F = B = W (at best / {3 * best.chunks})")
+
+
 def _zb_note(best: Candidate, spec: JobSpec) -> str:
     """Where a zero-bubble schedule's bubble came from: the measured B/W split of the devices
-    whose profile has one (:func:`_zb_div`), or the catalog rule; for interleaved-zb also
-    what its replayed order divides 1F1B's bubble by."""
-    return _izb_note(best, spec) + _zb_split_note(best, spec)
-
-
-def _izb_note(best: Candidate, spec: JobSpec) -> str:
-    if best.schedule != "interleaved-zb":
-        return ""
-    m = _replica_batch(spec, best.dp) // best.micro_batch
-    div = interleaved_zb.bubble_divisor(best.pp, m, best.chunks)
-    return (f"interleaved-zb ({best.chunks} chunks per stage, {m} microbatches): its order, "
-            f"replayed with F = B = W, divides 1F1B's bubble by {div:.2f} (at best "
-            f"{3 * best.chunks}); ")
-
-
-def _zb_split_note(best: Candidate, spec: JobSpec) -> str:
+    whose profile has one (:func:`_zb_div`), or the catalog rule."""
     eb = cost.precision_bytes(spec.training)
     split = sorted({u.device.name for u in best.units if u.device.profile is not None
                     and u.device.profile.weight_grad is not None
@@ -1708,6 +1703,8 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
         notes.append(f"the runtime's stage machinery of {', '.join(staged)} per microbatch "
                      "from device profiles (measured: every stage's overhead around its "
                      "layers, the first stage's embedding, the last stage's head and loss)")
+    if best.schedule == "interleaved-zb":
+        notes.append(_izb_note(best, spec))
     if splits_backward(best.schedule):
         notes.append(_zb_note(best, spec))
     sharded = sorted({(u.device.name, tp) for u, tp in zip(best.units, best.tps, strict=True)
@@ -1814,7 +1811,12 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
         ranks = _place(chosen, None)
     else:
         chosen, ranks = _fewest_moves(best, near, previous)
+    base, base_note = chosen, None
+    if previous is None or previous.schedule == "interleaved-zb":
+        chosen, base_note = _with_interleaved_zb(chosen, spec, inventory, exhaustive)
     notes = [*_notes(chosen, searches[0], alt, inventory, spec), *added]
+    if base_note:
+        notes.append(base_note)
     searched = len(notes)  # the idle-pool notes go here, before the later decisions' notes
     if previous is not None:
         notes.append(f"re-plan: {moved_ranks(previous, ranks)} of {len(ranks)} ranks change stage")
@@ -1822,8 +1824,46 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     plan = _to_plan(name, concrete, chosen, ranks, notes, inventory)
     if spec.parallelism.replica_groups:
         plan = plan_with_replica_group(plan, spec, inventory, previous)
+        if chosen is not base:  # interleaved-zb takes no groups: the base plan may, and win
+            grouped = plan_with_replica_group(
+                _to_plan(name, concrete, base, ranks,
+                         [*_notes(base, searches[0], alt, inventory, spec), *added,
+                          *notes[searched:]], inventory), spec, inventory, previous)
+            if grouped.predicted.step_time_s < plan.predicted.step_time_s:
+                chosen = base
+                plan = replace(grouped, notes=(*grouped.notes, (
+                    f"schedule=auto: interleaved-zb (v={AUTO_ZB_CHUNKS}) on this layout "
+                    f"({plan.predicted.step_time_s:.4g}s) takes no replica groups; "
+                    f"{base.schedule} with them is faster")))
     return _with_idle_notes(plan, chosen, concrete, inventory, previous is not None, searched,
                             trials)
+
+
+def _with_interleaved_zb(chosen: Candidate, spec: JobSpec, inv: ClusterInventory,
+                         exhaustive: bool) -> tuple[Candidate, str | None]:
+    """``schedule: auto``'s last step: the chosen layout (its stages, TP, DP, CP and
+    microbatch) under interleaved-zb with ``AUTO_ZB_CHUNKS`` chunks and its own layer split,
+    kept when it fits and is faster; and the note saying so (None: not tried). Exact for
+    that layout (the same split search); another layout might gain more from it, which the
+    search does not look for (its bubble bound would loosen every layout's:
+    :func:`_schedule_options`)."""
+    if (spec.parallelism.schedule != "auto" or chosen.pp < 2
+            or cost.sharded_grads(spec.training)
+            or spec.model.layers < chosen.pp * AUTO_ZB_CHUNKS):
+        return chosen, None
+    izb = replace(spec, parallelism=replace(spec.parallelism, cp=chosen.cp,
+                                            schedule="interleaved-zb",
+                                            virtual_stages=AUTO_ZB_CHUNKS))
+    search = _Search(izb, exhaustive, 1.0, chosen.step_time_s, [u.device for u in chosen.units])
+    _evaluate(search, chosen.units, chosen.tps, chosen.dp, chosen.micro_batch, "interleaved-zb",
+              inv, chosen.grouping, AUTO_ZB_CHUNKS)
+    found = search.best
+    if found is None or found.step_time_s >= chosen.step_time_s:  # (exhaustive: no ceiling)
+        return chosen, (f"schedule=auto: interleaved-zb (v={AUTO_ZB_CHUNKS}) on this layout "
+                        f"is not faster than {chosen.schedule} or does not fit")
+    return found, (f"schedule=auto chose interleaved-zb (v={AUTO_ZB_CHUNKS}) on the "
+                   f"{chosen.schedule} layout: {found.step_time_s:.4g}s vs "
+                   f"{chosen.step_time_s:.4g}s")
 
 
 def _with_idle_notes(plan: Plan, chosen: Candidate, spec: JobSpec, inventory: ClusterInventory,
