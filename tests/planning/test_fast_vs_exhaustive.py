@@ -49,7 +49,8 @@ def instances(draw: st.DrawFn) -> tuple[dict, dict]:
     job = {"model": {"layers": draw(st.integers(2, 6)), "hidden": hidden, "heads": 16,
                      "seqLen": draw(st.sampled_from([1024, 4096])), "vocab": 32000},
            "training": training}
-    schedule = draw(st.sampled_from(["auto", "auto", "1f1b", "interleaved", "zb-h1"]))
+    schedule = draw(st.sampled_from(["auto", "auto", "1f1b", "interleaved", "zb-h1",
+                                     "interleaved-zb"]))
     if schedule != "auto":
         job["parallelism"] = {"schedule": schedule}
     cp = draw(st.sampled_from([None, None, 1, 2, 4]))  # pinned context parallelism

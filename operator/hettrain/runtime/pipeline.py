@@ -1,10 +1,11 @@
-"""Pipeline execution for one stage of one replica: 1F1B, GPipe, ZB-H1 (split backward) and
-interleaved 1F1B (virtual stages), following the per-stage action lists of
-:mod:`hettrain.runtime.schedules`.
+"""Pipeline execution for one stage of one replica: 1F1B, GPipe, ZB-H1 (split backward),
+interleaved 1F1B (virtual stages) and interleaved-zb (both), following the per-stage action
+lists of :mod:`hettrain.runtime.schedules`.
 
-For ZB-H1 a ``B`` runs the backward inside :func:`~hettrain.runtime.model.defer_weight_grads`
+For ZB-H1 and interleaved-zb a ``B`` runs the backward inside :func:`~hettrain.runtime.model.defer_weight_grads`
 (input gradients only; sent upstream at once) and the matching ``W`` later runs the stashed
-linear weight gradients. For ``interleaved`` the stage's model holds ``plan.virtual_stages``
+linear weight gradients (keyed by microbatch and chunk). For the interleaved schedules the
+stage's model holds ``plan.virtual_stages``
 chunks (global layer ranges from :func:`hettrain.planning.layers.chunk_layer_ranges`) and every
 action names its chunk: activations of chunk ``c`` go from stage ``s`` to ``s+1``, and from the
 last stage to stage 0's chunk ``c+1``; gradients go the reverse way. :func:`executed_schedule`

@@ -159,6 +159,6 @@ def chunk_actions(schedule: str, stage: int, pp: int, m: int, v: int = 1) -> lis
     if schedule == "interleaved-zb":
         return interleaved_zb_actions(stage, pp, m, v)
     if v != 1:
-        raise ValueError(f"plan.virtual_stages={v}: only the interleaved schedule has virtual "
-                         f"stages (plan.schedule={schedule!r}); set it to 1")
+        raise ValueError(f"plan.virtual_stages={v}: only the interleaved schedules have "
+                         f"virtual stages (plan.schedule={schedule!r}); set it to 1")
     return [(kind, i, 0) for kind, i in stage_actions(schedule, stage, pp, m)]
