@@ -2,8 +2,8 @@
 interleaved 1F1B (virtual stages) and interleaved-zb (both), following the per-stage action
 lists of :mod:`hettrain.runtime.schedules`.
 
-For ZB-H1 and interleaved-zb a ``B`` runs the backward inside :func:`~hettrain.runtime.model.defer_weight_grads`
-(input gradients only; sent upstream at once) and the matching ``W`` later runs the stashed
+For ZB-H1 and interleaved-zb a ``B`` runs the backward inside
+:func:`~hettrain.runtime.model.defer_weight_grads` (input gradients only; sent upstream at once) and the matching ``W`` later runs the stashed
 linear weight gradients (keyed by microbatch and chunk). For the interleaved schedules the
 stage's model holds ``plan.virtual_stages``
 chunks (global layer ranges from :func:`hettrain.planning.layers.chunk_layer_ranges`) and every
