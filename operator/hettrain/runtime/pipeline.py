@@ -3,12 +3,13 @@ interleaved 1F1B (virtual stages) and interleaved-zb (both), following the per-s
 lists of :mod:`hettrain.runtime.schedules`.
 
 For ZB-H1 and interleaved-zb a ``B`` runs the backward inside
-:func:`~hettrain.runtime.model.defer_weight_grads` (input gradients only; sent upstream at once) and the matching ``W`` later runs the stashed
-linear weight gradients (keyed by microbatch and chunk). For the interleaved schedules the
-stage's model holds ``plan.virtual_stages``
-chunks (global layer ranges from :func:`hettrain.planning.layers.chunk_layer_ranges`) and every
-action names its chunk: activations of chunk ``c`` go from stage ``s`` to ``s+1``, and from the
-last stage to stage 0's chunk ``c+1``; gradients go the reverse way. :func:`executed_schedule`
+:func:`~hettrain.runtime.model.defer_weight_grads` (input gradients only; sent upstream at
+once) and the matching ``W`` later runs the stashed linear weight gradients (keyed by
+microbatch and chunk). For the interleaved schedules the stage's model holds
+``plan.virtual_stages`` chunks (global layer ranges from
+:func:`hettrain.planning.layers.chunk_layer_ranges`) and every action names its chunk:
+activations of chunk ``c`` go from stage ``s`` to ``s+1``, and from the last stage to stage 0's
+chunk ``c+1``; gradients go the reverse way. :func:`executed_schedule`
 says which schedule runs (the plan's; it raises for names this runtime does not know); the
 trainer logs it and exports it as the ``schedule`` label of ``hettrain_runtime_schedule_info``.
 
