@@ -106,6 +106,8 @@ def test_diloco_refuses_every_sharding_but_none(sharding: str) -> None:
 def test_zb_h1_and_replica_groups_refuse_zero2_and_3(sharding: str) -> None:
     with pytest.raises(SpecError, match="schedule: zb-h1"):
         _spec({"sharding": sharding}, parallelism={"schedule": "zb-h1"})
+    with pytest.raises(SpecError, match="schedule: interleaved-zb"):
+        _spec({"sharding": sharding}, parallelism={"schedule": "interleaved-zb"})
     with pytest.raises(SpecError, match="replicaGroups"):
         _spec({"sharding": sharding}, parallelism={"replicaGroups": True})
     # auto: skips what the rules forbid instead
@@ -382,8 +384,8 @@ def sharded_instances(draw: st.DrawFn) -> tuple[dict, dict]:
     cluster, job = draw(instances())
     job["training"].pop("optimizerSharding", None)
     sharding = draw(st.sampled_from(["gradients", "full", "auto"]))
-    if (job.get("parallelism") or {}).get("schedule") == "zb-h1":
-        sharding = "auto"  # gradients/full with zb-h1 are a spec error
+    if (job.get("parallelism") or {}).get("schedule") in ("zb-h1", "interleaved-zb"):
+        sharding = "auto"  # gradients/full with a split backward are a spec error
     job["training"]["sharding"] = sharding
     return cluster, job
 

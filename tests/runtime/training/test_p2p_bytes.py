@@ -197,8 +197,10 @@ def test_planner_plan_bytes_per_step_are_what_the_runtime_sends(tmp_path):
     _, sums = _run(tmp_path, plan)
     measured = sum(_by_boundary(sums).values())
     assert measured == plan.predicted.pp_bytes_per_step * steps
+    # every chunk boundary (p·v − 1 of them: the interleaved schedules' too) in both directions
     assert {(row["boundary"], row["kind"]) for s in sums for row in s["p2p"]} == {
-        (0, KIND_NAMES[ACTIVATION]), (0, KIND_NAMES[GRADIENT])}
+        (b, KIND_NAMES[k]) for b in range(plan.pp * plan.virtual_stages - 1)
+        for k in (ACTIVATION, GRADIENT)}
 
 
 def _connect_as(monkeypatch, plan, rank, resolve):
