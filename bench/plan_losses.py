@@ -44,7 +44,7 @@ from hettrain.api.spec import JobSpec
 from hettrain.planning import context, cost
 from hettrain.planning.inventory import ClusterInventory
 from hettrain.planning.plan import Plan
-from hettrain.planning.planner import _boundary_s, _optimizer_coeffs, _stage_costs
+from hettrain.planning.planner import _optimizer_coeffs, _stage_costs, pipeline_hops
 from hettrain.planning.replica_groups import plan_zb_div
 from hettrain.planning.units import build_units, filter_pools
 
@@ -111,8 +111,8 @@ def _layout(spec: JobSpec, inv: ClusterInventory, plan: Plan):
     m = spec.training.global_batch // (plan.dp * plan.micro_batch)  # without groups
     stages, _ = _stage_costs(stage_units, tps, dpcp, plan.micro_batch, m, plan.schedule, inv,
                              concrete, v=plan.virtual_stages)
-    bounds = [_boundary_s(stage_units[i], stage_units[i + 1], tps[i], tps[i + 1], dpcp,
-                          plan.micro_batch, inv, concrete) for i in range(plan.pp - 1)]
+    bounds = pipeline_hops(stage_units, tps, dpcp, plan.micro_batch, inv, concrete,
+                           plan.virtual_stages)
     return concrete, stage_units, stages, bounds, dpcp, m
 
 

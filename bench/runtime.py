@@ -24,8 +24,9 @@ With ``--zb``: 1F1B vs ZB-H1 on the same pp=2 layouts (runs alternated, median o
 and the plain loop with the runtime's deferrable ``Linear`` vs torch's ``nn.Linear`` (the cost
 of the custom autograd function every schedule now pays).
 
-With ``--schedule``: 1F1B vs interleaved 1F1B (virtual stages v) vs ZB-H1 on pp=2 layouts
-(runs alternated, median of repeats), ms/step and the ratio to 1F1B.
+With ``--schedule``: 1F1B vs interleaved 1F1B (virtual stages v) vs ZB-H1 vs interleaved-zb
+(v chunks with ZB-H1's split) on pp=2 layouts (runs alternated, median of repeats), ms/step
+and the ratio to 1F1B.
 
 With ``--overlap``: the DP gradient sync overlapped with the backward (bucketed async
 all-reduces, ``spec.training.overlapGradReduce`` true, the default) vs synced after it (false),
@@ -174,7 +175,8 @@ def main() -> None:
     ap.add_argument("--ab-recv-ahead", action="store_true",
                     help="also run the pp2 layouts with HETTRAIN_RECV_AHEAD=0")
     ap.add_argument("--schedule", action="store_true",
-                    help="only the 1F1B vs interleaved vs ZB-H1 comparison (pp=2)")
+                    help="only the 1F1B vs interleaved vs ZB-H1 vs interleaved-zb comparison "
+                         "(pp=2)")
     ap.add_argument("--p2p", action="store_true",
                     help="only the measured vs planned pipeline bytes per stage")
     ap.add_argument("--overlap", action="store_true",
@@ -286,32 +288,34 @@ def zb_vs_1f1b(repeats: int, steps: int) -> None:
 
 
 def schedules_compare(repeats: int, steps: int) -> None:
-    """Print 1F1B vs interleaved (v chunks) vs ZB-H1 step times on pp=2, dp=1 (runs alternated,
-    medians of repeats; ratios to 1F1B)."""
+    """Print 1F1B vs interleaved (v chunks) vs ZB-H1 vs interleaved-zb (v chunks) step times on
+    pp=2, dp=1 (runs alternated, medians of repeats; ratios to 1F1B)."""
     eight = dataclasses.replace(TINY, layers=8, name="gpt-tiny-8")
     layouts = {"4L 2+2, v=2": (TINY, [(0, 2, "pool-a"), (2, 4, "pool-b")], 2),
                "8L 4+4, v=2": (eight, [(0, 4, "pool-a"), (4, 8, "pool-b")], 2),
                "8L 4+4, v=4": (eight, [(0, 4, "pool-a"), (4, 8, "pool-b")], 4)}
-    scheds = ("1f1b", "interleaved", "zb-h1")
+    scheds = ("1f1b", "interleaved", "zb-h1", "interleaved-zb")
     print(f"median of {repeats}; {steps} steps; 8 microbatches of 2; pp2 dp1; ms/step (wall, "
           "rank 0) and CPU ms/step (summed over ranks)")
-    print(f"{'layout':14} {'1f1b':>7} {'inter':>7} {'zb-h1':>7} {'int/1f1b':>9} {'zb/1f1b':>8} |"
-          f" {'1f1b CPU':>8} {'int CPU':>8} {'zb CPU':>8} {'int/1f1b':>9}")
+    print(f"{'layout':14} {'1f1b':>7} {'inter':>7} {'zb-h1':>7} {'int-zb':>7} {'int/1f1b':>9} "
+          f"{'zb/1f1b':>8} {'izb/1f1b':>9} | {'1f1b CPU':>8} {'int CPU':>8} {'zb CPU':>8} "
+          f"{'izb CPU':>8} {'izb/zb CPU':>10}")
     for name, (model, split, v) in layouts.items():
         res: dict[str, list[tuple[float, float]]] = {k: [] for k in scheds}
         for _ in range(repeats):
             for sched in scheds:
                 plan = tiny_plan(split, dp=1, steps=steps, num_microbatches=8, schedule=sched,
                                  model=model)
-                if sched == "interleaved":
+                if sched in ("interleaved", "interleaved-zb"):
                     plan = dataclasses.replace(plan, virtual_stages=v)
                 res[sched].append(runtime(plan, steps))
         w = {k: 1e3 * statistics.median(x for x, _ in res[k]) for k in scheds}
         c = {k: 1e3 * statistics.median(y for _, y in res[k]) for k in scheds}
         print(f"{name:14} {w['1f1b']:7.1f} {w['interleaved']:7.1f} {w['zb-h1']:7.1f} "
-              f"{w['interleaved'] / w['1f1b']:9.2f} {w['zb-h1'] / w['1f1b']:8.2f} | "
+              f"{w['interleaved-zb']:7.1f} {w['interleaved'] / w['1f1b']:9.2f} "
+              f"{w['zb-h1'] / w['1f1b']:8.2f} {w['interleaved-zb'] / w['1f1b']:9.2f} | "
               f"{c['1f1b']:8.1f} {c['interleaved']:8.1f} {c['zb-h1']:8.1f} "
-              f"{c['interleaved'] / c['1f1b']:9.2f}")
+              f"{c['interleaved-zb']:8.1f} {c['interleaved-zb'] / c['zb-h1']:10.2f}")
 
 
 

@@ -13,7 +13,7 @@ from hettrain.api.spec import parse_job_spec
 from hettrain.planning import cost
 from hettrain.planning.interleaved_zb import interleaved_zb_orders, makespan
 from hettrain.planning.inventory import load_cluster
-from hettrain.planning.planner import plan_job
+from hettrain.planning.planner import plan_job, split_costs
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "examples/clusters/local-cpu.yaml"
@@ -78,3 +78,40 @@ def test_the_plans_pipeline_time_is_the_replayed_order_of_its_stage_times():
     got = makespan(interleaved_zb_orders(plan.pp, m, v), v,
                    [{k: t / (3 * v) for k in "FBW"} for t in stage_s])
     assert got == pytest.approx(want, rel=0.05)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "interleaved-zb"])
+def test_interleaved_pipelines_pay_the_hop_from_the_last_stage_back_to_the_first(schedule):
+    """A pipeline across two datacenters: each chunk but the last crosses the DC link again
+    from the last stage back to stage 0. The plan's p2p seconds are the charged hops
+    (v·neighbours + (v − 1)·wrap, each by its own link) and its step time is
+    ``cost.pipeline_time_s`` of exactly those hops; without the wrap it would be faster."""
+    inv = load_cluster({"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
+                        "metadata": {"name": "c"},
+                        "datacenters": [{"name": "a"}, {"name": "b"}],
+                        "links": [{"between": ["a", "b"], "bandwidthGbps": 10,
+                                   "latencyMs": 20}],
+                        "pools": [{"name": p, "datacenter": p, "device": "H100-SXM",
+                                   "nodes": 1, "gpusPerNode": 1, "nicGbps": 400}
+                                  for p in ("a", "b")]})
+    spec = parse_job_spec({"model": {"layers": 8, "hidden": 1024, "heads": 16,
+                                     "seqLen": 1024, "vocab": 32000},
+                           "training": {"globalBatch": 8, "steps": 1},
+                           "parallelism": {"schedule": schedule, "pp": 2, "dp": 1,
+                                           "virtualStages": 2}})
+    plan = plan_job("j", spec, inv)
+    assert plan.pp == 2 and plan.virtual_stages == 2
+    assert {s.datacenters[0] for s in plan.stages} == {"a", "b"}
+    units = [inv.pool(s.pools[0]) for s in plan.stages]
+    stage_s, hops, dp_s = split_costs(spec, inv, plan,
+                                      [s.layer_end - s.layer_start for s in plan.stages])
+    assert len(hops) == 2 and hops[1] == pytest.approx(hops[0], rel=1e-9)  # the same link
+    m = plan.num_microbatches
+    assert plan.predicted.pp_comm_s == pytest.approx(m * (2 * hops[0] + 1 * hops[1]),
+                                                     rel=1e-6)
+    zb = 3.0
+    pipe, _ = cost.pipeline_time_s(stage_s, hops, m, schedule, 2, zb)
+    assert plan.predicted.step_time_s == pytest.approx(pipe + dp_s, rel=1e-6)  # dp_s: + opt
+    unpriced, _ = cost.pipeline_time_s(stage_s, hops[:1], m, schedule, 2, zb)
+    assert unpriced < pipe
+    assert units[0].device.name == units[1].device.name

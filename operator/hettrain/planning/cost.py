@@ -1022,26 +1022,40 @@ def zb_bubble_divisor(devices: Sequence[DeviceSpec], model: ModelSpec,
     return ZB_CATALOG_DIVISOR if out == math.inf else out
 
 
+def boundary_charges(hops: Sequence[float], pp: int, schedule: str,
+                     virtual_stages: int = 1) -> list[float]:
+    """Seconds per microbatch each boundary costs a ``pp``-stage pipeline: ``hops[i]`` for
+    ``i < pp − 1`` is the hop from stage ``i`` to ``i + 1`` (activation and gradient), taken
+    once per model chunk (``v`` times for the interleaved schedules); ``hops[pp − 1]``, given
+    for the interleaved schedules, the hop from the last stage back to stage 0 that each chunk
+    but the last takes (``v − 1`` times). A caller that passes no such element leaves it
+    unpriced."""
+    v = virtual_stages if chunked_schedule(schedule) else 1
+    out = [b * v for b in hops[:pp - 1]]
+    if v > 1:
+        out += [b * (v - 1) for b in hops[pp - 1:pp]]
+    return out
+
+
 def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, schedule: str,
                     virtual_stages: int = 1, zb_div: float = ZB_CATALOG_DIVISOR
                     ) -> tuple[float, float]:
     """Time of the pipelined part of a step and its bubble, for heterogeneous stages.
 
     1F1B: ``(m−1)·max + Σ`` over stages and boundary transfers (a slow link is a stage of its
-    own). Interleaved with ``v`` chunks divides the bubble ``Σ − max`` by ``v`` (Narayanan §2.2.2)
-    at ``v``× the boundary traffic. ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism",
-    ICLR'24) splits backward into input- (B) and weight-gradient (W) passes and, at the same
-    peak memory, leaves ``(p − 1)(F + B − W)`` of 1F1B's ``(p − 1)(F + B + W)``: bubble
-    ``(Σ − max)/zb_div`` with ``zb_div`` from measured B/W (:func:`zb_bubble_divisor`) or,
-    by default, the catalog's 3 (``F = B = W``). ``interleaved-zb`` (both, on ``v`` chunks:
-    ``planning/interleaved_zb.py``) divides it by its replayed order's own divisor
-    (:func:`interleaved_zb.bubble_divisor`, ``3·v`` where its list scheduler is optimal)
-    scaled by ``zb_div/3``, at ``v``× the boundary traffic.
+    own; :func:`boundary_charges`). Interleaved with ``v`` chunks divides the bubble
+    ``Σ − max`` by ``v`` (Narayanan §2.2.2) at ``v``× the boundary traffic, plus ``v − 1`` hops
+    from the last stage back to stage 0 where ``boundary_s`` has that element. ZB-H1 (Qi et
+    al., "Zero Bubble Pipeline Parallelism", ICLR'24) splits backward into input- (B) and
+    weight-gradient (W) passes and, at the same peak memory, leaves ``(p − 1)(F + B − W)`` of
+    1F1B's ``(p − 1)(F + B + W)``: bubble ``(Σ − max)/zb_div`` with ``zb_div`` from measured
+    B/W (:func:`zb_bubble_divisor`) or, by default, the catalog's 3 (``F = B = W``).
+    ``interleaved-zb`` (both, on ``v`` chunks: ``planning/interleaved_zb.py``) divides it by
+    its replayed order's own divisor (:func:`interleaved_zb.bubble_divisor`, ``3·v`` where its
+    list scheduler is optimal) scaled by ``zb_div/3``, with interleaved's boundary traffic.
     Returns (total seconds, bubble seconds).
     """
-    boundaries = list(boundary_s)
-    if chunked_schedule(schedule):
-        boundaries = [b * virtual_stages for b in boundaries]
+    boundaries = boundary_charges(boundary_s, len(stage_s), schedule, virtual_stages)
     slowest = max(stage_s + boundaries)
     total = sum(stage_s) + sum(boundaries)
     bubble = total - slowest

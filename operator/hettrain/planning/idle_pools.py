@@ -241,7 +241,7 @@ def _slow_link(c: planner.Candidate, unit: Unit, inventory: ClusterInventory) ->
     pipeline is a transfer between ``unit``'s stages and another datacenter's, else empty."""
     slowest = max(c.stage_s)
     for i, b in enumerate(c.boundary_s):
-        a, z = c.units[i], c.units[i + 1]
+        a, z = c.units[i], c.units[(i + 1) % c.pp]  # (the interleaved wrap: last to first)
         if unit.key not in (a.key, z.key) or set(a.datacenters) & set(z.datacenters):
             continue
         if b >= slowest:

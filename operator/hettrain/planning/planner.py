@@ -813,8 +813,11 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
         return
     stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec, search.stage_memo,
                                 v)
-    boundaries = [_boundary_memo(search, units[i], units[i + 1], tps[i], tps[i + 1], dp, mb, inv)
-                  * v for i in range(pp - 1)]
+    hops = [_boundary_memo(search, units[i], units[i + 1], tps[i], tps[i + 1], dp, mb, inv)
+            for i in range(pp - 1)]
+    if v > 1:  # the interleaved schedules: each chunk but the last goes back to stage 0
+        hops.append(_boundary_memo(search, units[-1], units[0], tps[-1], tps[0], dp, mb, inv))
+    boundaries = cost.boundary_charges(hops, pp, schedule, v)
     zb_div = (_zb_div(spec, (u.device for u in units), mb) if splits_backward(schedule)
               else cost.ZB_CATALOG_DIVISOR)
     f = _bubble_divisor(schedule, v, zb_div, pp, m)
@@ -846,8 +849,7 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
     _, split = result
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
     stage_dp = [s.dp(n) for s, n in zip(stages, split, strict=True)]
-    pipe, bubble = cost.pipeline_time_s(stage_s, [b / v for b in boundaries], m, schedule, v,
-                                        zb_div)
+    pipe, bubble = cost.pipeline_time_s(stage_s, hops, m, schedule, v, zb_div)
     t = pipe + max(stage_dp)
     memory = tuple(mem.bytes_for(n) / cost.GIB for (mem, _), n in zip(mems, split, strict=True))
     search.offer(Candidate(t, dp, mb, schedule, tuple(units), tuple(tps), tuple(split),
@@ -2027,10 +2029,21 @@ def split_costs(spec: JobSpec, inventory: ClusterInventory, plan: Plan, split: S
                              inventory, spec, v=v)
     if any(n < 1 or n > s.max_layers for s, n in zip(stages, split, strict=True)):
         return None
-    boundaries = [_boundary_s(stage_units[i], stage_units[i + 1], tps[i], tps[i + 1], dp,
-                              plan.micro_batch, inventory, spec) for i in range(plan.pp - 1)]
+    boundaries = pipeline_hops(stage_units, tps, dp, plan.micro_batch, inventory, spec,
+                               v if chunked_schedule(plan.schedule) else 1)
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
     return stage_s, boundaries, max(s.dp(n) for s, n in zip(stages, split, strict=True))
+
+
+def pipeline_hops(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int,
+                  inventory: ClusterInventory, spec: JobSpec, v: int = 1) -> list[float]:
+    """Seconds of each boundary hop of a pipeline (activation and gradient): stage ``i`` to
+    ``i + 1``, and with ``v > 1`` model chunks the hop from the last stage back to stage 0
+    (the arguments :func:`cost.pipeline_time_s` charges)."""
+    pp = len(units)
+    pairs = [(i, i + 1) for i in range(pp - 1)] + ([(pp - 1, 0)] if v > 1 and pp > 1 else [])
+    return [_boundary_s(units[a], units[b], tps[a], tps[b], dp, mb, inventory, spec)
+            for a, b in pairs]
 
 
 _PROBING: ContextVar[bool] = ContextVar("hettrain_planner_probing", default=False)
