@@ -731,7 +731,8 @@ def per_pool_plans(plan: Plan, spec: JobSpec, inventory: ClusterInventory,
             continue
         sub = replace(solo, placement=replace(spec.placement, pools=(pool.name,)))
         try:
-            base = plan_job(plan.job, sub, inventory)
+            # group 0 takes groups: not interleaved-zb (auto's last step), which runs none
+            base = plan_job(plan.job, sub, inventory, try_interleaved_zb=False)
         except PlanningError:
             continue
         # the other pools are not idle for this layout: they get the groups
