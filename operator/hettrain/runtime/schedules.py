@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hettrain.planning.interleaved_zb import interleaved_zb_actions
+from hettrain.planning.interleaved_zb import interleaved_zb_actions, makespan
 
 SCHEDULES = ("1f1b", "gpipe", "zb-h1")  # one model chunk per stage
 # several model chunks (virtual stages) per stage; interleaved-zb's order comes from the
@@ -92,29 +92,9 @@ def schedule_order(schedule: str, stage: int, pp: int, m: int) -> list[tuple[str
 
 def simulate(actions: Sequence[Sequence[Action]], cost: dict[str, float]) -> float:
     """Makespan of per-stage action lists, each action taking ``cost[kind]`` and starting when
-    its stage is free and its cross-stage dependencies are done. Raises on a deadlock."""
-    pp = len(actions)
-    done: dict[tuple[str, int, int], float] = {}
-    pos, free = [0] * pp, [0.0] * pp
-    remaining = sum(len(a) for a in actions)
-    while remaining:
-        progressed = False
-        for s in range(pp):
-            while pos[s] < len(actions[s]):
-                kind, i = actions[s][pos[s]]
-                deps = {"F": [("F", s - 1, i)] if s else [],
-                        "B": [("F", s, i)] + ([("B", s + 1, i)] if s < pp - 1 else []),
-                        "W": [("B", s, i)]}[kind]
-                if any(d not in done for d in deps):
-                    break
-                start = max([free[s]] + [done[d] for d in deps])
-                free[s] = done[(kind, s, i)] = start + cost[kind]
-                pos[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"schedule deadlocks at positions {pos}")
-    return max(free)
+    its stage is free and its cross-stage dependencies are done (one chunk per stage:
+    :func:`hettrain.planning.interleaved_zb.makespan`). Raises on a deadlock."""
+    return makespan([[(kind, i, 0) for kind, i in a] for a in actions], 1, [cost] * len(actions))
 
 
 def _virtual_sequence(pp: int, m: int, v: int, backward: bool) -> list[tuple[int, int]]:
