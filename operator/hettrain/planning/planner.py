@@ -1474,9 +1474,6 @@ def _caps_rows(search: _Search, units: tuple[Unit, ...], dp: int, mb: int,
                 chunks = 2 * (pp - i - 1) + (v - 1) * pp + 1
                 return (schedule, v, i == pp - 1, chunks if chunks < m * v else m * v,
                         min(pp * v, m) if i == 0 else -1)
-            if schedule == "interleaved-zb":
-                return (schedule, v, i == 0, i == pp - 1,
-                        *interleaved_zb.stage_peaks(pp, m, v)[i])
             return (schedule, i == 0, i == pp - 1,
                     *cost.schedule_memory_args(i, pp, m, schedule, v).values())
 
