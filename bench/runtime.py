@@ -291,9 +291,13 @@ def schedules_compare(repeats: int, steps: int) -> None:
     """Print 1F1B vs interleaved (v chunks) vs ZB-H1 vs interleaved-zb (v chunks) step times on
     pp=2, dp=1 (runs alternated, medians of repeats; ratios to 1F1B)."""
     eight = dataclasses.replace(TINY, layers=8, name="gpt-tiny-8")
+    # wider layers: compute, not the per-action overhead of a hidden-32 toy, sets the step
+    wide = dataclasses.replace(TINY, layers=8, hidden=256, ffn_hidden=768, heads=8, kv_heads=4,
+                               seq_len=128, name="gpt-wide-8")
     layouts = {"4L 2+2, v=2": (TINY, [(0, 2, "pool-a"), (2, 4, "pool-b")], 2),
                "8L 4+4, v=2": (eight, [(0, 4, "pool-a"), (4, 8, "pool-b")], 2),
-               "8L 4+4, v=4": (eight, [(0, 4, "pool-a"), (4, 8, "pool-b")], 4)}
+               "8L 4+4, v=4": (eight, [(0, 4, "pool-a"), (4, 8, "pool-b")], 4),
+               "8L h256, v=2": (wide, [(0, 4, "pool-a"), (4, 8, "pool-b")], 2)}
     scheds = ("1f1b", "interleaved", "zb-h1", "interleaved-zb")
     print(f"median of {repeats}; {steps} steps; 8 microbatches of 2; pp2 dp1; ms/step (wall, "
           "rank 0) and CPU ms/step (summed over ranks)")

@@ -200,8 +200,7 @@ def _pinned(n_amd: int, dc: str, **extra) -> tuple[Plan, Plan, object]:
     ``n_amd`` MI300X nodes, the layout pinned to dp 8 x pp 2 (so whole nodes stay idle);
     ``extra`` goes into spec.placement."""
     body = job_body()["spec"]
-    # ZB-H1 pinned: under auto the plain plan may take interleaved-zb (no replica groups)
-    body["parallelism"] = {"tp": 1, "pp": 2, "dp": 8, "schedule": "zb-h1"}
+    body["parallelism"] = {"tp": 1, "pp": 2, "dp": 8}
     if extra:
         body["placement"] = extra
     amd = [make_node(f"mi300-{i:03d}", "mi300", "MI300X", "amd", 8, dc) for i in range(n_amd)]

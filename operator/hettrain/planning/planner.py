@@ -82,7 +82,6 @@ MAX_MICRO_BATCH = 16
 SEED_EVALUATIONS = 4  # greedy layouts evaluated per (dp, mb) pair before its branch and bound
 MAX_INTERLEAVE_CHUNKS = 4  # schedule: interleaved: model chunks per stage searched in 2..4
 AUTO_MAX_CHUNKS = 3  # schedule: auto: interleaved with 2..3 chunks (all dominated by ZB-H1)
-AUTO_ZB_CHUNKS = (2, 3, 4)  # schedule: auto: interleaved-zb's chunks on the chosen layout
 REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the best
 REPLAN_OPTIONS = 64  # distinct placements a re-plan compares by moved ranks
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "interleaved-zb")
@@ -551,9 +550,8 @@ def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
     # ZB-H1 is never slower than 1F1B or interleaved on one split, but its stash of deferred
     # weight-gradient inputs (cost.zb_pending_weight_grads) can make it hold more memory:
     # where that caps a stage, the others may fit a split (or a layout) that ZB-H1 cannot.
-    # (interleaved-zb is not in auto's search: its bubble bound, v·zb_div, would loosen every
-    # layout's and triple the planning time at 1k GPUs; auto tries it on the chosen layout
-    # afterwards, _with_interleaved_zb)
+    # (interleaved-zb is not in auto's search: its order is priced at F = B = W, and at other
+    # ratios it can run slower than 1F1B: docs/planning.md §Search; it is opt-in)
     return [("1f1b", 1)] if pp == 1 else [("zb-h1", 1), ("1f1b", 1), *inter]
 
 
@@ -1725,8 +1723,7 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
 
 
 def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustive: bool = False,
-             previous: Plan | None = None, ceiling_s: float | None = None,
-             try_interleaved_zb: bool = True) -> Plan:
+             previous: Plan | None = None, ceiling_s: float | None = None) -> Plan:
     """Best plan for ``spec`` on ``inventory``; raises :class:`PlanningError` when nothing fits.
 
     With ``previous`` (a re-plan after failures) the global batch is kept (gradient
@@ -1735,21 +1732,16 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     ``crossDC.mode: auto`` and ``sharding: auto`` plan each option and keep the fastest
     (:func:`_plan_auto`). ``ceiling_s``: only a layout faster than this counts; none raises
     :class:`~hettrain.planning.errors.NotFaster` (``sharding: auto``'s later variants).
-    ``try_interleaved_zb=False`` skips ``schedule: auto``'s last step
-    (:func:`_with_interleaved_zb`): for a plan that is to take replica groups
-    (``replica_groups.per_pool_plans``), which interleaved-zb does not run.
     """
     if spec.model.tie_embeddings:  # the runtime trains tied embeddings only without PP
         spec = replace(spec, parallelism=replace(spec.parallelism, pp=1))
     if spec.training.recompute == "auto":
-        return _plan_auto(name, inventory, exhaustive, previous, "recompute",
-                          try_interleaved_zb, [
+        return _plan_auto(name, inventory, exhaustive, previous, "recompute", [
             (mode, replace(spec, training=replace(spec.training, recompute=mode)))
             for mode in recompute_options("auto", spec.training.attention)])
     if spec.cross_dc.mode == "auto":
         modes = CROSS_DC_SEARCH if spec.cross_dc.compression != "none" else ("sync",)
-        return _plan_auto(name, inventory, exhaustive, previous, "crossDC.mode",
-                          try_interleaved_zb, [
+        return _plan_auto(name, inventory, exhaustive, previous, "crossDC.mode", [
             (mode, replace(spec, cross_dc=replace(spec.cross_dc, mode=mode))) for mode in modes])
     if spec.training.sharding == "auto":
         # each option the rules allow (api.spec.sharding_options), least sharded first: the
@@ -1757,8 +1749,7 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
         # refusal does not try the stronger shardings (_sharding_that_fits): auto does
         token = _PROBING.set(True)
         try:
-            return _plan_auto(name, inventory, exhaustive, previous, "sharding",
-                              try_interleaved_zb, [
+            return _plan_auto(name, inventory, exhaustive, previous, "sharding", [
                 (mode, replace(spec, training=replace(spec.training, sharding=mode)))
                 for mode in sharding_options("auto", spec.model, spec.parallelism)],
                 prune=True)
@@ -1817,12 +1808,7 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
         ranks = _place(chosen, None)
     else:
         chosen, ranks = _fewest_moves(best, near, previous)
-    base, base_note = chosen, None
-    if try_interleaved_zb and (previous is None or previous.schedule == "interleaved-zb"):
-        chosen, base_note = _with_interleaved_zb(chosen, spec, inventory, exhaustive)
     notes = [*_notes(chosen, searches[0], alt, inventory, spec), *added]
-    if base_note:
-        notes.append(base_note)
     searched = len(notes)  # the idle-pool notes go here, before the later decisions' notes
     if previous is not None:
         notes.append(f"re-plan: {moved_ranks(previous, ranks)} of {len(ranks)} ranks change stage")
@@ -1830,52 +1816,8 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     plan = _to_plan(name, concrete, chosen, ranks, notes, inventory)
     if spec.parallelism.replica_groups:
         plan = plan_with_replica_group(plan, spec, inventory, previous)
-        if chosen is not base:  # interleaved-zb takes no groups: the base plan may, and win
-            grouped = plan_with_replica_group(
-                _to_plan(name, concrete, base, ranks,
-                         [*_notes(base, searches[0], alt, inventory, spec), *added,
-                          *notes[searched:]], inventory), spec, inventory, previous)
-            if grouped.predicted.step_time_s < plan.predicted.step_time_s:
-                chosen = base
-                plan = replace(grouped, notes=(*grouped.notes, (
-                    f"schedule=auto: interleaved-zb (v={plan.virtual_stages}) on this layout "
-                    f"({plan.predicted.step_time_s:.4g}s) takes no replica groups; "
-                    f"{base.schedule} with them is faster")))
     return _with_idle_notes(plan, chosen, concrete, inventory, previous is not None, searched,
                             trials)
-
-
-def _with_interleaved_zb(chosen: Candidate, spec: JobSpec, inv: ClusterInventory,
-                         exhaustive: bool) -> tuple[Candidate, str | None]:
-    """``schedule: auto``'s last step: the chosen layout (its stages, TP, DP, CP and
-    microbatch) under interleaved-zb with each of ``AUTO_ZB_CHUNKS`` chunks (more chunks: a
-    smaller bubble and fewer activations held per stage, more hops) and its own layer split;
-    the fastest kept when it fits and beats the layout; and the note saying so (None: not
-    tried). Exact for that layout (the same split search); another layout might gain more
-    from it, which the search does not look for (its bubble bound would loosen every
-    layout's: :func:`_schedule_options`)."""
-    chunks = [v for v in AUTO_ZB_CHUNKS if spec.model.layers >= chosen.pp * v]
-    if (spec.parallelism.schedule != "auto" or chosen.pp < 2 or not chunks
-            or cost.sharded_grads(spec.training)):
-        return chosen, None
-    found: Candidate | None = None
-    for v in chunks:
-        izb = replace(spec, parallelism=replace(spec.parallelism, cp=chosen.cp,
-                                                schedule="interleaved-zb", virtual_stages=v))
-        search = _Search(izb, exhaustive, 1.0, chosen.step_time_s,
-                         [u.device for u in chosen.units])
-        _evaluate(search, chosen.units, chosen.tps, chosen.dp, chosen.micro_batch,
-                  "interleaved-zb", inv, chosen.grouping, v)
-        if search.best is not None and (found is None
-                                        or search.best.sort_key() < found.sort_key()):
-            found = search.best
-    tried = "/".join(map(str, chunks))
-    if found is None or found.step_time_s >= chosen.step_time_s:  # (exhaustive: no ceiling)
-        return chosen, (f"schedule=auto: interleaved-zb (v={tried}) on this layout is not "
-                        f"faster than {chosen.schedule} or does not fit")
-    return found, (f"schedule=auto chose interleaved-zb (v={found.chunks} of {tried}) on the "
-                   f"{chosen.schedule} layout: {found.step_time_s:.4g}s vs "
-                   f"{chosen.step_time_s:.4g}s")
 
 
 def _with_idle_notes(plan: Plan, chosen: Candidate, spec: JobSpec, inventory: ClusterInventory,
@@ -1932,8 +1874,8 @@ def _place(c: Candidate, previous: Plan | None) -> tuple[RankPlan, ...]:
 
 
 def _plan_auto(name: str, inventory: ClusterInventory, exhaustive: bool,
-               previous: Plan | None, field: str, try_interleaved_zb: bool,
-               variants: Sequence[tuple[str, JobSpec]], prune: bool = False) -> Plan:
+               previous: Plan | None, field: str, variants: Sequence[tuple[str, JobSpec]],
+               prune: bool = False) -> Plan:
     """An ``auto`` spec option (``recompute``, ``crossDC.mode``, ``sharding``): the best plan
     over ``variants``, each a concrete spec.
 
@@ -1959,8 +1901,7 @@ def _plan_auto(name: str, inventory: ClusterInventory, exhaustive: bool,
                 REPLAN_TOLERANCE if previous is not None else 1.0)
         try:
             plans.append((mode, plan_job(name, concrete, inventory, exhaustive=exhaustive,
-                                         previous=previous, ceiling_s=ceiling,
-                                         try_interleaved_zb=try_interleaved_zb)))
+                                         previous=previous, ceiling_s=ceiling)))
         except NotFaster:
             slower.append(mode)
         except PlanningError as exc:

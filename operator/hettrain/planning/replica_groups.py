@@ -731,8 +731,7 @@ def per_pool_plans(plan: Plan, spec: JobSpec, inventory: ClusterInventory,
             continue
         sub = replace(solo, placement=replace(spec.placement, pools=(pool.name,)))
         try:
-            # group 0 takes groups: not interleaved-zb (auto's last step), which runs none
-            base = plan_job(plan.job, sub, inventory, try_interleaved_zb=False)
+            base = plan_job(plan.job, sub, inventory)
         except PlanningError:
             continue
         # the other pools are not idle for this layout: they get the groups

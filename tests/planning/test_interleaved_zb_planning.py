@@ -1,10 +1,9 @@
-"""``schedule: auto`` and interleaved-zb: auto tries it on the layout its search chose
-(``planner._with_interleaved_zb``) and keeps it only when it fits and is faster; the pinned
-schedule prices its own replayed order. Checked against the pinned plans and the pure replay."""
+"""interleaved-zb in the planner: the pinned schedule prices its own replayed order (checked
+against the pure replay), the interleaved schedules pay the hop from the last stage back to
+stage 0, and ``schedule: auto`` leaves it alone (its order is fast only near F = B = W)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from hettrain.planning import cost
 from hettrain.planning.interleaved_zb import interleaved_zb_orders, makespan
 from hettrain.planning.inventory import load_cluster
 from hettrain.planning.planner import plan_job, split_costs
+from hettrain.runtime.schedules import simulate, stage_actions
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "examples/clusters/local-cpu.yaml"
@@ -34,37 +34,35 @@ def _cluster():
                                     "nodes": 1, "gpusPerNode": 2, "nicGbps": 400}]})
 
 
-def test_auto_keeps_interleaved_zb_where_it_is_faster_on_the_chosen_layout():
+def test_auto_does_not_pick_it_even_where_its_unit_cost_price_is_lower():
+    """The pinned schedule's price (its order replayed at F = B = W) beats ZB-H1 here, but
+    auto never takes it: at other F:B:W ratios its order runs slower (next test)."""
     inv = _cluster()
     auto = plan_job("j", _spec(), inv)
-    zb = plan_job("j", _spec("zb-h1"), inv)
-    assert auto.schedule == "interleaved-zb" and auto.virtual_stages in (2, 3, 4)
-    assert auto.predicted.step_time_s < zb.predicted.step_time_s
-    assert (auto.dp, auto.pp, auto.micro_batch) == (zb.dp, zb.pp, zb.micro_batch)
-    assert [s.tp for s in auto.stages] == [s.tp for s in zb.stages]
-    # the layout is pinned (pp 2, dp 1): each chunk count pinned gives what auto compared
-    pinned = {}
-    for v in (2, 3, 4):
-        spec = _spec("interleaved-zb")
-        spec = replace(spec, parallelism=replace(spec.parallelism, virtual_stages=v))
-        pinned[v] = plan_job("j", spec, inv).predicted.step_time_s
-    assert auto.predicted.step_time_s == pytest.approx(min(pinned.values()), rel=1e-12)
-    assert auto.virtual_stages == min(pinned, key=pinned.get)
-    note = next(n for n in auto.notes if n.startswith("schedule=auto chose interleaved-zb"))
-    assert f"{auto.predicted.step_time_s:.4g}s vs {zb.predicted.step_time_s:.4g}s" in note
-    exhaustive = plan_job("j", _spec(), inv, exhaustive=True)
-    assert exhaustive.predicted.step_time_s == pytest.approx(auto.predicted.step_time_s,
-                                                             rel=1e-9)
-    assert exhaustive.schedule == auto.schedule
+    pinned = plan_job("j", _spec("interleaved-zb"), inv)
+    assert pinned.schedule == "interleaved-zb"
+    assert pinned.predicted.step_time_s < auto.predicted.step_time_s
+    assert auto.schedule != "interleaved-zb"
 
 
-def test_auto_leaves_zero2_plans_and_single_stages_alone():
-    inv = _cluster()
-    z2 = plan_job("j", _spec(sharding="gradients"), inv)
-    assert z2.schedule != "interleaved-zb"
-    one = plan_job("j", replace(_spec(), parallelism=replace(_spec().parallelism, pp=1,
-                                                               dp=2)), inv)
-    assert one.pp == 1 and one.schedule == "1f1b"
+def test_its_order_is_fast_only_near_equal_f_b_w():
+    """pp 2, 8 microbatches, 2 chunks: at F = B = W its replay beats ZB-H1's and interleaved
+    1F1B's; at the ratio measured for a 2-layer chunk on this CPU (hidden 256, 128 tokens:
+    F 7.4, B 10.5, W 4.7 ms; bench/runtime.py --schedule measures the slowdown) it is slower
+    than plain 1F1B. That is why auto does not pick it."""
+    pp, m, v = 2, 8, 2
+
+    def replays(f, b, w):
+        izb = makespan(interleaved_zb_orders(pp, m, v), v, [{"F": f, "B": b, "W": w}] * pp)
+        per_stage = {"F": v * f, "B": v * b, "W": v * w}
+        zb = simulate([stage_actions("zb-h1", s, pp, m) for s in range(pp)], per_stage)
+        one = simulate([stage_actions("1f1b", s, pp, m) for s in range(pp)], per_stage)
+        return izb, zb, one
+
+    izb, zb, one = replays(1.0, 1.0, 1.0)
+    assert izb < zb < one
+    izb, zb, one = replays(7.44, 10.54, 4.74)
+    assert izb > one > zb
 
 
 def test_the_plans_pipeline_time_is_the_replayed_order_of_its_stage_times():
