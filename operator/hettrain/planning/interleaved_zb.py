@@ -150,24 +150,6 @@ def interleaved_zb_actions(stage: int, pp: int, m: int, v: int) -> list[ChunkAct
 
 
 @lru_cache(maxsize=4096)
-def stage_peaks(pp: int, m: int, v: int) -> tuple[tuple[float, float], ...]:
-    """Per stage, ``(in_flight, pending_w)`` in whole-stage units (chunks / ``v``): the most
-    chunk activation sets it holds at once and the most chunks whose weight gradient is
-    pending (the ``cost.stage_memory`` arguments; their sum bounds the peak from above)."""
-    out = []
-    for actions in interleaved_zb_orders(pp, m, v):
-        live = pend = peak_live = peak_pend = 0
-        for kind, _, _ in actions:
-            live += kind == "F"
-            peak_live = max(peak_live, live)
-            live -= kind == "B"
-            pend += (kind == "B") - (kind == "W")
-            peak_pend = max(peak_pend, pend)
-        out.append((peak_live / v, peak_pend / v))
-    return tuple(out)
-
-
-@lru_cache(maxsize=4096)
 def stage_moments(pp: int, m: int, v: int) -> tuple[tuple[tuple[float, float], ...], ...]:
     """Per stage, the ``(in_flight, pending_w)`` states (whole-stage units) its order passes
     through that no other state dominates in both: after each F, and during each B (its
@@ -191,6 +173,16 @@ def stage_moments(pp: int, m: int, v: int) -> tuple[tuple[tuple[float, float], .
                 best_pend = b
         out.append(tuple(sorted(front)))
     return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def stage_peaks(pp: int, m: int, v: int) -> tuple[tuple[float, float], ...]:
+    """Per stage, ``(in_flight, pending_w)`` in whole-stage units (chunks / ``v``): the most
+    chunk activation sets it holds at once and the most chunks whose weight gradient is
+    pending (the ``cost.stage_memory`` arguments; their sum bounds the peak from above). Each
+    is the largest of its coordinate over :func:`stage_moments` (a Pareto front holds both)."""
+    return tuple((max(a for a, _ in front), max(b for _, b in front))
+                 for front in stage_moments(pp, m, v))
 
 
 def makespan(orders: tuple[tuple[ChunkAction, ...], ...] | list[list[ChunkAction]],
