@@ -240,8 +240,8 @@ def _slow_link(c: planner.Candidate, unit: Unit, inventory: ClusterInventory) ->
     """``its ... link ... is the slowest step (...)`` when the slowest step of ``c``'s
     pipeline is a transfer between ``unit``'s stages and another datacenter's, else empty."""
     slowest = max(c.stage_s)
-    for i, b in enumerate(c.boundary_s):
-        a, z = c.units[i], c.units[(i + 1) % c.pp]  # (the interleaved wrap: last to first)
+    for (i, j), b in zip(planner.hop_pairs(c.pp, c.chunks), c.boundary_s, strict=True):
+        a, z = c.units[i], c.units[j]
         if unit.key not in (a.key, z.key) or set(a.datacenters) & set(z.datacenters):
             continue
         if b >= slowest:

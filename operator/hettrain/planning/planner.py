@@ -811,10 +811,8 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
         return
     stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec, search.stage_memo,
                                 v)
-    hops = [_boundary_memo(search, units[i], units[i + 1], tps[i], tps[i + 1], dp, mb, inv)
-            for i in range(pp - 1)]
-    if v > 1:  # the interleaved schedules: each chunk but the last goes back to stage 0
-        hops.append(_boundary_memo(search, units[-1], units[0], tps[-1], tps[0], dp, mb, inv))
+    hops = [_boundary_memo(search, units[a], units[b], tps[a], tps[b], dp, mb, inv)
+            for a, b in hop_pairs(pp, v)]
     boundaries = cost.boundary_charges(hops, pp, schedule, v)
     zb_div = (_zb_div(spec, (u.device for u in units), mb) if splits_backward(schedule)
               else cost.ZB_CATALOG_DIVISOR)
@@ -1987,15 +1985,20 @@ def split_costs(spec: JobSpec, inventory: ClusterInventory, plan: Plan, split: S
     return stage_s, boundaries, max(s.dp(n) for s, n in zip(stages, split, strict=True))
 
 
+def hop_pairs(pp: int, v: int = 1) -> list[tuple[int, int]]:
+    """The ``(from, to)`` stages of a pipeline's boundary hops, in the order
+    :func:`cost.boundary_charges` prices them: stage ``i`` to ``i + 1``, and with ``v > 1``
+    model chunks (the interleaved schedules) the hop from the last stage back to stage 0
+    that each chunk but the last takes."""
+    return [(i, i + 1) for i in range(pp - 1)] + ([(pp - 1, 0)] if v > 1 and pp > 1 else [])
+
+
 def pipeline_hops(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int,
                   inventory: ClusterInventory, spec: JobSpec, v: int = 1) -> list[float]:
-    """Seconds of each boundary hop of a pipeline (activation and gradient): stage ``i`` to
-    ``i + 1``, and with ``v > 1`` model chunks the hop from the last stage back to stage 0
-    (the arguments :func:`cost.pipeline_time_s` charges)."""
-    pp = len(units)
-    pairs = [(i, i + 1) for i in range(pp - 1)] + ([(pp - 1, 0)] if v > 1 and pp > 1 else [])
+    """Seconds of each boundary hop of a pipeline (activation and gradient), in
+    :func:`hop_pairs` order (the arguments :func:`cost.pipeline_time_s` charges)."""
     return [_boundary_s(units[a], units[b], tps[a], tps[b], dp, mb, inventory, spec)
-            for a, b in pairs]
+            for a, b in hop_pairs(len(units), v)]
 
 
 _PROBING: ContextVar[bool] = ContextVar("hettrain_planner_probing", default=False)
