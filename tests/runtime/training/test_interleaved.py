@@ -30,9 +30,9 @@ RTOL = 1e-5  # fp32: only summation orders differ
 SEVEN = dataclasses.replace(TINY, layers=7, name="gpt-tiny-7")
 
 
-def _interleaved(splits, dp, v=2, **kw):
-    return dataclasses.replace(tiny_plan(splits, dp, schedule="interleaved", **kw),
-                               virtual_stages=v)
+def _interleaved(splits, dp, v=2, schedule="interleaved", **kw):
+    """A plan on one of the chunked schedules (interleaved, interleaved-zb) with ``v`` chunks."""
+    return dataclasses.replace(tiny_plan(splits, dp, schedule=schedule, **kw), virtual_stages=v)
 
 
 # ---------------------------------------------------------------- layer mapping
@@ -254,25 +254,30 @@ def test_interleaved_pp2_v2_dp2_matches_reference_and_resumes_across_layouts(tmp
 
 
 @pytest.mark.slow
-def test_interleaved_pp3_v2_uneven_layers_matches_reference(tmp_path):
+@pytest.mark.parametrize("schedule", ["interleaved", "interleaved-zb"])
+def test_interleaved_pp3_v2_uneven_layers_matches_reference(tmp_path, schedule):
     steps = 4
     plan = _interleaved([(0, 2, "pool-a"), (2, 5, "pool-b"), (5, 7, "pool-c")], dp=1,
-                        steps=steps, num_microbatches=6, model=SEVEN)
+                        steps=steps, num_microbatches=6, model=SEVEN, schedule=schedule)
     got, logs, sums, info = _run(tmp_path, plan, {"HETTRAIN_STEP_SLEEP": "0.2"},
                                  scrape_rank=1)
-    _assert_ran(logs, sums, plan, "interleaved")
-    assert 'planned="interleaved"' in info and 'schedule="interleaved"' in info, info
+    _assert_ran(logs, sums, plan, schedule)
+    assert f'planned="{schedule}"' in info and f'schedule="{schedule}"' in info, info
     assert info.endswith(" 1.0"), info
     _assert_matches(got, reference_losses(plan, steps), range(steps))
     assert sum(b for s in sums for b in s["bytes"].values()) == _p2p_bytes(plan, steps)
 
 
 @pytest.mark.slow
-def test_interleaved_with_tp2_matches_reference(tmp_path):
+@pytest.mark.parametrize("schedule", ["interleaved", "interleaved-zb"])
+def test_interleaved_with_tp2_matches_reference(tmp_path, schedule):
+    """interleaved-zb: TP linears defer their local weight gradients per chunk (the
+    all-reduces stay in B)."""
     steps = 3
-    plan = _interleaved([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=1, steps=steps, tp=(2, 1))
+    plan = _interleaved([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=1, steps=steps, tp=(2, 1),
+                        schedule=schedule)
     got, logs, sums, _ = _run(tmp_path, plan)
-    _assert_ran(logs, sums, plan, "interleaved")
+    _assert_ran(logs, sums, plan, schedule)
     _assert_matches(got, reference_losses(plan, steps), range(steps))
 
 

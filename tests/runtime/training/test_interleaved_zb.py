@@ -3,18 +3,23 @@
 The pure order (``planning/interleaved_zb.py``) is checked by brute force: every action once, in
 dependency order, chunk activations and pending weight gradients within their caps, each
 point-to-point stream in microbatch order, and its replayed bubble against the closed forms
-the planner uses. Multi-process gloo pipelines (pp=2 v=2 x dp=2 resuming into another layout,
-pp=3 v=2 on uneven layers, tp=2) reproduce the single-process reference losses.
+the planner uses. A multi-process gloo pipeline (pp=2 v=2 x dp=2 at 5 microbatches, resuming
+into another layout) reproduces the single-process reference losses; pp=3 v=2 on uneven layers
+and tp=2 run in test_interleaved.py, parametrized over both chunked schedules.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from tests.runtime.checkpoints import rewind
-from tests.runtime.training.plans import TINY, tiny_plan
-from tests.runtime.training.test_interleaved import _assert_matches, _assert_ran, _p2p_bytes, _run
+from tests.runtime.training.plans import tiny_plan
+from tests.runtime.training.test_interleaved import (
+    _assert_matches,
+    _assert_ran,
+    _interleaved,
+    _p2p_bytes,
+    _run,
+)
 
 from hettrain.planning import cost
 from hettrain.planning.interleaved_zb import (
@@ -29,14 +34,8 @@ from hettrain.render.schedule import build_timeline
 from hettrain.runtime.schedules import chunk_actions, interleaved_actions
 from hettrain.runtime.trainer import reference_losses
 
-SEVEN = dataclasses.replace(TINY, layers=7, name="gpt-tiny-7")
 GRID = [(pp, m, v) for pp in (2, 3, 4, 5, 7) for v in (2, 3)
         for m in (1, 2, pp, pp + 1, 2 * pp + 3)]
-
-
-def _izb(splits, dp, v=2, **kw):
-    return dataclasses.replace(tiny_plan(splits, dp, schedule="interleaved-zb", **kw),
-                               virtual_stages=v)
 
 
 def _unit(pp, v, scale=None):
@@ -145,8 +144,8 @@ def test_interleaved_zb_pp2_v2_dp2_matches_reference_and_resumes(tmp_path):
     curve, the single-process reference's; p2p bytes as the cost model charges."""
     steps = 4
     const = {"lr_schedule": "constant"}
-    plan = _izb([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=2, steps=2, num_microbatches=5,
-                **const)
+    plan = _interleaved([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=2, steps=2,
+                        num_microbatches=5, schedule="interleaved-zb", **const)
     ref = reference_losses(plan, steps)
     assert ref[-1] < ref[0]
     ck = tmp_path / "ckpt"
@@ -164,26 +163,3 @@ def test_interleaved_zb_pp2_v2_dp2_matches_reference_and_resumes(tmp_path):
                                                            "HETTRAIN_RESUME": "1"})
     _assert_ran(logs, sums, second, "zb-h1")
     _assert_matches(after, ref, range(2, steps), rel=1e-4)
-
-
-@pytest.mark.slow
-def test_interleaved_zb_pp3_v2_uneven_layers_matches_reference(tmp_path):
-    steps = 3
-    plan = _izb([(0, 2, "pool-a"), (2, 5, "pool-b"), (5, 7, "pool-c")], dp=1, steps=steps,
-                num_microbatches=4, model=SEVEN)
-    got, logs, sums, info = _run(tmp_path, plan, {"HETTRAIN_STEP_SLEEP": "0.2"},
-                                 scrape_rank=1)
-    _assert_ran(logs, sums, plan, "interleaved-zb")
-    assert 'planned="interleaved-zb"' in info and 'schedule="interleaved-zb"' in info, info
-    _assert_matches(got, reference_losses(plan, steps), range(steps))
-    assert sum(b for s in sums for b in s["bytes"].values()) == _p2p_bytes(plan, steps)
-
-
-@pytest.mark.slow
-def test_interleaved_zb_with_tp2_matches_reference(tmp_path):
-    """TP linears defer their local weight gradients per chunk (the all-reduces stay in B)."""
-    steps = 3
-    plan = _izb([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=1, steps=steps, tp=(2, 1))
-    got, logs, sums, _ = _run(tmp_path, plan)
-    _assert_ran(logs, sums, plan, "interleaved-zb")
-    _assert_matches(got, reference_losses(plan, steps), range(steps))
