@@ -24,11 +24,12 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 # log-sum-exp (HelixPipe), re-running everything else; full re-runs the whole layer
 RECOMPUTE_MODES = ("none", "selective", "attention-free", "full")
 RECOMPUTE_SPEC_MODES = (*RECOMPUTE_MODES, "auto")  # spec only: the planner picks a mode
-SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1", "interleaved-zb")
+SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1", "interleaved-zb", "helix")
 # schedules whose stages hold several model chunks (virtual stages, Megatron's round-robin
 # placement) and schedules that split the backward into B (input gradients) and W (weight
-# gradients); interleaved-zb is both (planning/interleaved_zb.py)
-CHUNKED_SCHEDULES = ("interleaved", "interleaved-zb")
+# gradients); interleaved-zb is both (planning/interleaved_zb.py); helix holds one layer per
+# chunk and runs attention cores on idle stages (planning/helix.py)
+CHUNKED_SCHEDULES = ("interleaved", "interleaved-zb", "helix")
 SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "interleaved-zb")
 
 
@@ -641,6 +642,13 @@ def _parse_parallelism(f: _Fields) -> ParallelismSpec:
         raise SpecError(f"{f.path}.cp", f"must be a power of two (got {p.cp}): the runtime "
                         "cuts each sequence into 2·cp chunks; use 1, 2, 4, 8, ... or omit cp "
                         "to let the planner choose")
+    if p.schedule == "helix" and p.virtual_stages is not None:
+        raise SpecError(f"{f.path}.virtualStages", "the helix schedule holds one layer per "
+                        "model chunk (layers / pp chunks per stage): omit virtualStages")
+    if p.schedule == "helix" and ((p.tp or 1) > 1 or (p.cp or 1) > 1):
+        raise SpecError(f"{f.path}.schedule", f"helix runs stages without tensor or context "
+                        f"parallelism (tp={p.tp}, cp={p.cp}): omit tp/cp or set them to 1, or "
+                        "pick another schedule")
     if p.virtual_stages is not None and not chunked_schedule(p.schedule):
         raise SpecError(f"{f.path}.virtualStages", "only the interleaved schedules have model "
                         "chunks: set schedule: interleaved or interleaved-zb, or omit "

@@ -1,6 +1,7 @@
 """Pipeline execution for one stage of one replica: 1F1B, GPipe, ZB-H1 (split backward),
 interleaved 1F1B (virtual stages) and interleaved-zb (both), following the per-stage action
-lists of :mod:`hettrain.runtime.schedules`.
+lists of :mod:`hettrain.runtime.schedules`; the helix schedule (one layer per chunk, attention
+cores on idle stages) runs in :mod:`hettrain.runtime.helix`, its validation forward here.
 
 For ZB-H1 and interleaved-zb a ``B`` runs the backward inside
 :func:`~hettrain.runtime.model.defer_weight_grads` (input gradients only; sent upstream at
@@ -55,6 +56,8 @@ from hettrain.runtime.collectives.p2p import (  # noqa: F401 (stream_tag re-expo
     to_host,
     wire_dtype,
 )
+from hettrain.runtime.helix import HelixRunner
+from hettrain.runtime.helix import check_stage as check_helix_stage
 from hettrain.runtime.model import (
     WeightGradStore,
     defer_weight_grads,
@@ -144,6 +147,10 @@ class StageRunner:
             if self.pp < 2:
                 raise ValueError(f"plan.pp={self.pp}: the {self.schedule} schedule needs "
                                  "pp >= 2 (use schedule 1f1b on one stage)")
+            if self.schedule == "helix" and self.v != plan.model.layers // self.pp:
+                raise ValueError(f"plan.virtual_stages={plan.virtual_stages}: the helix "
+                                 f"schedule holds one layer per chunk, layers / pp = "
+                                 f"{plan.model.layers // self.pp}")
             if self.schedule == "interleaved" and plan.num_microbatches % self.pp:
                 raise ValueError(f"plan.num_microbatches={plan.num_microbatches}: the "
                                  f"interleaved schedule needs a multiple of pp={self.pp}")
@@ -158,6 +165,8 @@ class StageRunner:
         set_weight_grad_deferral(model, splits_backward(self.schedule))
         self.tp = plan.stages[self.stage].tp
         self.tp_group = comm.tp_group if comm is not None else None
+        if self.schedule == "helix":
+            check_helix_stage(plan, self.stage)
         if self.tp > 1 and self.pp > 1 and self.tp_group is None:
             raise ValueError(f"plan.stages[{self.stage}].tp={self.tp}: the pipeline needs the "
                              "communicator (StageRunner(..., comm=)) for the TP all-gather")
@@ -199,6 +208,8 @@ class StageRunner:
         self.clock = LayerClock()
         if hasattr(model, "layer_clock"):
             model.layer_clock = self.clock
+        self.helix = (HelixRunner(plan, rank, model, self.stats, self.p2p_stats)
+                      if self.schedule == "helix" else None)
 
     def _gather_order(self) -> list[int] | None:
         """Group-rank order of the TP all-gather's blocks by TP index (None: already in order)."""
@@ -325,7 +336,14 @@ class StageRunner:
 
         Each microbatch loss is multiplied by ``loss_scale`` before backward (1/M for a mean
         over microbatches). Returns the sum of unscaled microbatch losses (last stage; else 0).
+        The helix schedule runs in :class:`~hettrain.runtime.helix.HelixRunner`.
         """
+        if self.helix is not None:
+            total = self.helix.run(batches, loss_scale)
+            self.last_compute_s = self.helix.last_compute_s
+            self.last_layers_s = self.helix.last_layers_s
+            self.last_p2p_s = self.helix.last_p2p_s
+            return total
         m = len(batches)
         spec = self.plan.model
         act_shape = (batches[0][0].shape[0], batches[0][0].shape[1], spec.hidden)

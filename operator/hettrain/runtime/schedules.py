@@ -36,7 +36,10 @@ SCHEDULES = ("1f1b", "gpipe", "zb-h1")  # one model chunk per stage
 # several model chunks (virtual stages) per stage; interleaved-zb's order comes from the
 # planning side's list scheduler (hettrain.planning.interleaved_zb, pure Python)
 CHUNKED_SCHEDULES = ("interleaved", "interleaved-zb")
-RUNTIME_SCHEDULES = SCHEDULES + CHUNKED_SCHEDULES
+# one layer per chunk, each layer in three parts, attention cores on idle stages: its own
+# executor (runtime/helix.py) with the order of hettrain.planning.helix
+PART_SCHEDULES = ("helix",)
+RUNTIME_SCHEDULES = SCHEDULES + CHUNKED_SCHEDULES + PART_SCHEDULES
 
 Action = tuple[str, int]  # ("F" | "B" | "W", microbatch)
 ChunkAction = tuple[str, int, int]  # ("F" | "B" | "W", microbatch, chunk)

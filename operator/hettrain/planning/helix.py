@@ -1,0 +1,351 @@
+"""The ``helix`` pipeline schedule: HelixPipe's attention-parallel partition (Zhang et al.,
+PPoPP'26, arXiv 2507.00394), as this project builds it.
+
+At long sequences the attention core (``softmax(q·kᵀ)·v``: quadratic in the sequence, no
+parameters) dominates a layer, and a layer-wise pipeline's fill and drain bubble is made of
+it. HelixPipe notices that the core need not run where the layer's weights live. Here:
+
+* **Weights**: layer ``k`` belongs to stage ``k mod pp`` (:func:`owner`; one layer per model
+  chunk, the interleaved round-robin placement with ``v = layers / pp``, so ``layers`` must
+  divide by ``pp``). Stage 0 also holds the embedding, stage ``pp − 1`` the head. Layer by
+  layer, a microbatch's bubble is one layer's, not one stage's (1F1B).
+* **Actions**: every layer of every microbatch is three forward actions and three backward
+  ones: ``Fq`` (norm, q/k/v projections and RoPE; on the owner), ``Fa`` (the core), ``Fo``
+  (output projection, residual, MLP; on the owner; the last layer's also runs the head and
+  the loss), and ``Bo``, ``Ba``, ``Bq`` in reverse.
+* **Attention parallel**: a core runs on its owner or on any stage that would otherwise idle
+  (fill, drain, waiting for a neighbour), which then also runs its backward
+  (:func:`placement`). A core away from its owner costs two transfers (q/k/v out, the core's
+  output back) and their two gradients.
+
+**Order.** :func:`helix_orders` list-schedules the step with the given per-part costs
+(:func:`part_costs`: a Llama layer's FLOP split at the model's sequence length) and a hop
+time per transfer. Whenever a stage is free it runs, among the actions whose inputs are
+there, a backward before a forward, by one of two rules (:data:`RULES`: the highest layer
+first, or layer-major within groups of ``pp`` microbatches); with no action of
+its own it takes another stage's ready core (when stealing is on). A new microbatch enters
+only while fewer than ``pp`` are in flight (entered, last backward not done): every stage
+holds at most ``pp`` microbatches of its layers, 1F1B's stage-0 peak. The four variants (two
+rules, stealing off or on) are replayed (:func:`makespan`) and the fastest kept. The order is
+deadlock-free for any real costs: it was realised once with the same dependencies, and the
+runtime's sends never block. Messages carry a tag unique to (microbatch, layer, kind), so
+matching does not depend on order.
+
+Pure Python (no torch): the planner costs it (:func:`bubble_divisor`, :func:`stage_peaks`,
+:func:`transfers`), the runtime (``runtime/helix.py``) executes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+
+HelixAction = tuple[str, int, int]  # (kind, microbatch, layer)
+FORWARD = ("Fq", "Fa", "Fo")
+BACKWARD = ("Bo", "Ba", "Bq")
+KINDS = FORWARD + BACKWARD
+# backward costs twice the forward (two GEMMs per forward GEMM; the attention kernel's
+# backward likewise about twice its forward)
+BACKWARD_FACTOR = 2.0
+
+
+def owner(layer: int, pp: int) -> int:
+    """The stage that holds layer ``layer``'s weights."""
+    return layer % pp
+
+
+def check_layout(layers: int, pp: int, m: int) -> None:
+    """Raise ``ValueError`` naming the field when the helix partition cannot hold."""
+    if pp < 1:
+        raise ValueError(f"plan.pp={pp}: must be >= 1")
+    if m < 1:
+        raise ValueError(f"plan.num_microbatches={m}: must be >= 1")
+    if layers < 1 or layers % pp:
+        raise ValueError(f"model.layers={layers} must be a positive multiple of plan.pp={pp} "
+                         "for the helix schedule (one layer per stage in turn); pick a pp "
+                         "that divides the layers or another schedule")
+
+
+def default_cap(pp: int) -> int:
+    """Microbatches in flight at most (entered, backward not done): ``pp``."""
+    return pp
+
+
+def part_costs(seq_len: int, hidden: int, heads: int, kv_heads: int, ffn_hidden: int,
+               gated_mlp: bool = True) -> dict[str, float]:
+    """Relative forward and backward durations of a layer's three parts, from their FLOPs
+    per token: ``Fq`` the q/k/v projections, ``Fa`` the causal core (half of ``4·s·h``),
+    ``Fo`` the output projection and the MLP; backward ``2×``."""
+    head_dim = hidden // heads
+    q = 2 * hidden * (heads + 2 * kv_heads) * head_dim
+    a = 2 * seq_len * hidden  # causal: half of 4·s·h
+    o = 2 * hidden * hidden + (3 if gated_mlp else 2) * 2 * hidden * ffn_hidden
+    total = q + a + o
+    fwd = {"Fq": q / total, "Fa": a / total, "Fo": o / total}
+    return {**fwd, **{"B" + k[1]: BACKWARD_FACTOR * v for k, v in fwd.items()}}
+
+
+def _deps(action: HelixAction, layers: int) -> list[HelixAction]:
+    kind, j, k = action
+    if kind == "Fq":
+        return [("Fo", j, k - 1)] if k else []
+    if kind == "Fa":
+        return [("Fq", j, k)]
+    if kind == "Fo":
+        return [("Fa", j, k)]
+    if kind == "Bo":
+        return [("Fo", j, k)] if k == layers - 1 else [("Bq", j, k + 1)]
+    if kind == "Ba":
+        return [("Bo", j, k)]
+    return [("Ba", j, k)]  # Bq
+
+
+def _dependents(action: HelixAction, layers: int) -> list[HelixAction]:
+    kind, j, k = action
+    nxt = {"Fq": [("Fa", j, k)], "Fa": [("Fo", j, k)],
+           "Fo": [("Fq", j, k + 1)] if k < layers - 1 else [("Bo", j, k)],
+           "Bo": [("Ba", j, k)], "Ba": [("Bq", j, k)],
+           "Bq": [("Bo", j, k - 1)] if k else []}
+    return nxt[kind]
+
+
+def _priority(action: HelixAction, pp: int, rule: str) -> tuple:
+    """Backwards before forwards. ``depth``: the highest layer first (forwards: the
+    microbatch furthest along; backwards: the one closest to the loss), then the earliest
+    microbatch; ``layer``: the earliest group of ``pp`` microbatches, layer-major within it
+    (forwards from the first layer, backwards from the last)."""
+    kind, j, k = action
+    back = kind in BACKWARD
+    if rule == "depth":
+        return (0 if back else 1, -k, j)
+    return (0, j // pp, -k, j) if back else (1, j // pp, k, j)
+
+
+RULES = ("depth", "layer")
+
+
+def _stage_costs(costs: Mapping[str, float] | Sequence[Mapping[str, float]],
+                 pp: int) -> list[Mapping[str, float]]:
+    per = [costs] * pp if isinstance(costs, Mapping) else list(costs)
+    if len(per) != pp:
+        raise ValueError(f"helix costs: {len(per)} stages given, plan.pp={pp}")
+    return per
+
+
+def helix_orders(pp: int, layers: int, m: int,
+                 costs: Mapping[str, float] | Sequence[Mapping[str, float]],
+                 hop: float = 0.0) -> tuple[tuple[HelixAction, ...], ...]:
+    """Every stage's ordered actions (module docstring): the fastest of the list-scheduled
+    variants under ``costs`` (one mapping kind → duration, or one per stage) and ``hop``
+    per transfer between stages."""
+    check_layout(layers, pp, m)
+    frozen = _freeze(_stage_costs(costs, pp))
+    return _best(pp, layers, m, frozen, round(float(hop), 12))
+
+
+@lru_cache(maxsize=512)
+def _best(pp: int, layers: int, m: int, frozen: tuple[tuple[float, ...], ...],
+          hop: float) -> tuple[tuple[HelixAction, ...], ...]:
+    per = [dict(zip(KINDS, row, strict=True)) for row in frozen]
+    best = None
+    for steal in (False, True):
+        for rule in RULES:
+            orders = _orders(pp, layers, m, frozen, default_cap(pp), hop, rule, steal)
+            t = makespan(orders, layers, per, hop)
+            if best is None or t < best[0] - 1e-12:
+                best = (t, orders)
+    return best[1]
+
+
+def bubble_divisor(pp: int, layers: int, m: int, costs: Mapping[str, float],
+                   hop: float = 0.0) -> float:
+    """What the order divides 1F1B's bubble by, for ``pp`` equal stages: 1F1B runs
+    ``(m + pp − 1)`` stage passes, the helix order ``m`` plus ``(pp − 1)/divisor``."""
+    check_layout(layers, pp, m)
+    if pp == 1:
+        return 1.0
+    per_layer = sum(costs[k] for k in KINDS)
+    stage = per_layer * layers / pp  # one microbatch through one stage, forward + backward
+    t = makespan(helix_orders(pp, layers, m, costs, hop), layers, [costs] * pp, hop)
+    bubble = max(t - m * stage, 1e-12 * stage)
+    return (pp - 1) * stage / bubble
+
+
+def _freeze(per: list[Mapping[str, float]]) -> tuple[tuple[float, ...], ...]:
+    return tuple(tuple(float(c[k]) for k in KINDS) for c in per)
+
+
+@lru_cache(maxsize=256)
+def _orders(pp: int, layers: int, m: int, frozen: tuple[tuple[float, ...], ...],
+            cap: int, hop: float, rule: str,
+            steal: bool) -> tuple[tuple[HelixAction, ...], ...]:
+    if cap < 1:
+        raise ValueError(f"helix cap={cap}: must be >= 1")
+    dur = [dict(zip(KINDS, row, strict=True)) for row in frozen]
+    done: dict[HelixAction, float] = {}
+    place: dict[tuple[int, int], int] = {}  # (microbatch, layer) -> stage of its core
+    # per stage: candidates (priority, ready time, action) whose dependency is done; ready
+    # cores (Fa) wait in ``pool`` where their owner, or an idle stage, takes them
+    ready: list[list[tuple[tuple, float, HelixAction]]] = [[] for _ in range(pp)]
+    pool: list[tuple[tuple, float, HelixAction]] = []
+    free = [0.0] * pp
+    orders: list[list[HelixAction]] = [[] for _ in range(pp)]
+    entered = 0  # microbatches whose first action ran (stage 0 enters them in order)
+    finish_times: list[float] = []  # when each microbatch's last backward ended
+    inf = float("inf")
+
+    def entry_time() -> float:
+        """Earliest time stage 0 may enter the next microbatch (the cap), inf: not yet."""
+        if entered >= m:
+            return inf
+        need = entered - cap + 1  # microbatches that must have finished first
+        if need <= 0:
+            return free[0]
+        ends = sorted(finish_times)
+        return max(free[0], ends[need - 1]) if len(ends) >= need else inf
+
+    def arrival(c: tuple[tuple, float, HelixAction], s: int) -> float:
+        """When candidate ``c`` can start on stage ``s`` (a core away from its owner waits
+        for its q/k/v to travel)."""
+        return c[1] + (hop if owner(c[2][2], pp) != s else 0.0)
+
+    def own(s: int) -> list[tuple[tuple, float, HelixAction]]:
+        return ready[s] + [c for c in pool if owner(c[2][2], pp) == s]
+
+    remaining = 6 * m * layers
+    while remaining:
+        best = None
+        for s in range(pp):
+            times = [c[1] for c in own(s)]
+            if steal:
+                times += [arrival(c, s) for c in pool]
+            if s == owner(0, pp):
+                times.append(entry_time())
+            if not times:
+                continue
+            est = max(free[s], min(times))
+            if est < inf and (best is None or est < best[0]):
+                best = (est, s)
+        if best is None:
+            raise RuntimeError(f"helix order deadlocks for pp={pp}, layers={layers}, m={m}, "
+                               f"cap={cap}")
+        t, s = best
+        cands = [c for c in own(s) if c[1] <= t]
+        if s == owner(0, pp) and entry_time() <= t:
+            cands.append((_priority(("Fq", entered, 0), pp, rule), t, ("Fq", entered, 0)))
+        if not cands:  # idle: take another stage's ready core
+            cands = [c for c in pool if arrival(c, s) <= t]
+        pick = min(cands, key=lambda c: c[0])
+        action = pick[2]
+        kind, j, k = action
+        if kind == "Fq" and k == 0:  # the cap's entry (never in ready)
+            entered += 1
+        elif kind == "Fa":
+            pool.remove(pick)
+            place[(j, k)] = s
+        else:
+            ready[s].remove(pick)
+        end = t + dur[s][kind]
+        done[action] = free[s] = end
+        orders[s].append(action)
+        remaining -= 1
+        if kind == "Bq" and k == 0:
+            finish_times.append(end)
+        for nxt in _dependents(action, layers):
+            if not all(d in done for d in _deps(nxt, layers)):
+                continue
+            # a result that leaves this stage arrives ``hop`` later
+            at = _stage_of(nxt, pp, place)
+            when = end + (hop if at is not None and at != s else 0.0)
+            cand = (_priority(nxt, pp, rule), when, nxt)
+            if nxt[0] == "Fa":
+                pool.append(cand)
+            else:
+                ready[at].append(cand)
+    return tuple(tuple(o) for o in orders)
+
+
+def _stage_of(action: HelixAction, pp: int, place: Mapping[tuple[int, int], int]) -> int | None:
+    """Where ``action`` runs: an unplaced core (Fa) is None."""
+    kind, j, k = action
+    if kind == "Fa":
+        return None
+    if kind == "Ba":
+        return place[(j, k)]
+    return owner(k, pp)
+
+
+def placement(orders: Sequence[Sequence[HelixAction]]) -> dict[tuple[int, int], int]:
+    """``(microbatch, layer)`` → the stage that runs that attention core (read from the
+    orders: the scheduler places each core on its owner or on a stage that would idle)."""
+    return {(j, k): s for s, actions in enumerate(orders) for kind, j, k in actions
+            if kind == "Fa"}
+
+
+def helix_actions(stage: int, pp: int, layers: int, m: int,
+                  costs: Mapping[str, float], hop: float = 0.0) -> list[HelixAction]:
+    """``stage``'s ordered actions (:func:`helix_orders`)."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} out of range for pp={pp}")
+    return list(helix_orders(pp, layers, m, costs, hop)[stage])
+
+
+def makespan(orders: Sequence[Sequence[HelixAction]], layers: int,
+             stage_costs: Sequence[Mapping[str, float]],
+             hop_s: float = 0.0) -> float:
+    """Replay per-stage action lists with ``stage_costs[s][kind]`` seconds per action and
+    ``hop_s`` seconds for every transfer between different stages; returns the makespan.
+    Raises ``RuntimeError`` on a deadlock."""
+    pp = len(orders)
+    where = {a: s for s, actions in enumerate(orders) for a in actions}
+    done: dict[HelixAction, float] = {}
+    pos, free = [0] * pp, [0.0] * pp
+    remaining = sum(len(a) for a in orders)
+    while remaining:
+        progressed = False
+        for s in range(pp):
+            while pos[s] < len(orders[s]):
+                action = orders[s][pos[s]]
+                deps = _deps(action, layers)
+                if any(d not in done for d in deps):
+                    break
+                start = free[s]
+                for d in deps:
+                    hop = hop_s if where[d] != s else 0.0
+                    start = max(start, done[d] + hop)
+                free[s] = done[action] = start + stage_costs[s][action[0]]
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"helix schedule deadlocks at positions {pos}")
+    return max(free)
+
+
+def transfers(orders: Sequence[Sequence[HelixAction]], layers: int) -> dict[str, int]:
+    """Messages one step sends between different stages, by payload: ``hidden`` (a layer's
+    output to the next layer's owner, and its gradient back), ``qkv`` (q/k/v to a core away
+    from its owner, and their gradient back) and ``core`` (that core's output, and its
+    gradient)."""
+    pp = len(orders)
+    m = 1 + max(j for actions in orders for _, j, _ in actions)
+    hidden = sum(1 for k in range(layers - 1) if owner(k, pp) != owner(k + 1, pp)) * m
+    remote = sum(1 for (_, k), s in placement(orders).items() if s != owner(k, pp))
+    return {"hidden": 2 * hidden, "qkv": 2 * remote, "core": 2 * remote}
+
+
+def stage_peaks(orders: Sequence[Sequence[HelixAction]],
+                saved: Mapping[str, float]) -> list[float]:
+    """Per stage, the most activation memory its order holds at once, with ``saved[kind]``
+    kept from each forward action (``Fq``, ``Fa``, ``Fo``) until its backward runs."""
+    out = []
+    for actions in orders:
+        live = peak = 0.0
+        for kind, _, _ in actions:
+            if kind in FORWARD:
+                live += saved[kind]
+                peak = max(peak, live)
+            else:
+                live -= saved["F" + kind[1]]
+        out.append(peak)
+    return out
