@@ -50,11 +50,11 @@ def instances(draw: st.DrawFn) -> tuple[dict, dict]:
                      "seqLen": draw(st.sampled_from([1024, 4096])), "vocab": 32000},
            "training": training}
     schedule = draw(st.sampled_from(["auto", "auto", "1f1b", "interleaved", "zb-h1",
-                                     "interleaved-zb"]))
+                                     "interleaved-zb", "helix"]))
     if schedule != "auto":
         job["parallelism"] = {"schedule": schedule}
     cp = draw(st.sampled_from([None, None, 1, 2, 4]))  # pinned context parallelism
-    if cp is not None:
+    if cp is not None and not (schedule == "helix" and cp > 1):  # helix runs without CP
         job.setdefault("parallelism", {})["cp"] = cp
     return cluster, job
 

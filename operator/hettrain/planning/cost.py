@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hettrain.api.spec import ModelSpec, TrainingSpec, chunked_schedule
-from hettrain.planning import interleaved_zb
+from hettrain.planning import helix, interleaved_zb
 from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.profiles import PRECISION_BYTES, CommProfile
 
@@ -665,7 +665,15 @@ def weight_grad_stash_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: in
 def schedule_memory_args(stage: int, pp: int, m: int, schedule: str,
                          virtual_stages: int = 1) -> dict[str, float]:
     """The schedule-dependent keyword arguments of :func:`stage_memory` for ``stage``
-    (``interleaved-zb``: the peaks of its replayed order, :func:`interleaved_zb.stage_peaks`)."""
+    (``interleaved-zb``: the peaks of its replayed order, :func:`interleaved_zb.stage_peaks`;
+    ``helix``: its order's caps, :func:`helix.in_flight_bound`)."""
+    if schedule == "helix":
+        # its entry cap and foreign-core cap (helix.in_flight_bound), never below 1F1B's at
+        # the same position (the search's memory bounds assume it)
+        in_flight = max(helix.in_flight_bound(pp, m), float(min(pp - stage, m)))
+        return {"in_flight": in_flight, "pending_w": 0.0, "zb_stash": 0.0,
+                "head_in_flight": 1.0, "virtual_stages": virtual_stages,
+                "ids_in_flight": float(min(pp, m))}
     if schedule == "interleaved-zb":
         v = virtual_stages
         in_flight, pending = interleaved_zb.stage_peaks(pp, m, v)[stage]
@@ -1001,6 +1009,22 @@ def pipeline_bytes_per_step(model: ModelSpec, micro_batch: int, elem_bytes: int,
     return 2 * num_microbatches * hops * activation_bytes(model, micro_batch, elem_bytes)
 
 
+def helix_bytes_per_step(model: ModelSpec, micro_batch: int, elem_bytes: int,
+                         num_microbatches: int, pp: int, hop: float = 0.0) -> float:
+    """Bytes one replica of the ``helix`` schedule sends per step, from its order
+    (:func:`helix.transfers`): layer outputs to the next layer's owner, and each core moved
+    off its owner's q/k/v and output, every one with its gradient (what ``runtime/helix.py``
+    sends; ``tests/runtime/training/test_helix.py`` counts it)."""
+    if pp == 1:
+        return 0.0
+    orders = helix.helix_orders(pp, model.layers, num_microbatches, helix.costs_for(model), hop)
+    n = helix.transfers(orders, model.layers)
+    s, b, d = model.seq_len, micro_batch, model.head_dim
+    per = {"hidden": s * b * model.hidden, "qkv": s * b * (model.heads + 2 * model.kv_heads) * d,
+           "core": s * b * model.heads * d}
+    return float(sum(n[k] * per[k] for k in per) * elem_bytes)
+
+
 # ---------------------------------------------------------------- schedules
 
 
@@ -1038,7 +1062,8 @@ def boundary_charges(hops: Sequence[float], pp: int, schedule: str,
 
 
 def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, schedule: str,
-                    virtual_stages: int = 1, zb_div: float = ZB_CATALOG_DIVISOR
+                    virtual_stages: int = 1, zb_div: float = ZB_CATALOG_DIVISOR,
+                    model: ModelSpec | None = None, helix_hop: float = 0.0
                     ) -> tuple[float, float]:
     """Time of the pipelined part of a step and its bubble, for heterogeneous stages.
 
@@ -1053,6 +1078,10 @@ def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, sched
     ``interleaved-zb`` (both, on ``v`` chunks: ``planning/interleaved_zb.py``) divides it by
     its replayed order's own divisor (:func:`interleaved_zb.bubble_divisor`, ``3·v`` where its
     list scheduler is optimal) scaled by ``zb_div/3``, with interleaved's boundary traffic.
+    ``helix`` (``planning/helix.py``; needs ``model``) divides it by its order's divisor
+    replayed on equal stages with ``helix_hop`` per transfer (:func:`helix.bubble_divisor`;
+    the moved cores' transfers delay it there), with interleaved's boundary traffic at one
+    layer per chunk.
     Returns (total seconds, bubble seconds).
     """
     boundaries = boundary_charges(boundary_s, len(stage_s), schedule, virtual_stages)
@@ -1066,4 +1095,9 @@ def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, sched
     elif schedule == "interleaved-zb":
         bubble /= (interleaved_zb.bubble_divisor(len(stage_s), m, virtual_stages)
                    * zb_div / ZB_CATALOG_DIVISOR)
+    elif schedule == "helix":
+        if model is None:
+            raise ValueError("pipeline_time_s: the helix order needs the model")
+        bubble /= helix.bubble_divisor(len(stage_s), model.layers, m, helix.costs_for(model),
+                                       helix_hop)
     return m * slowest + bubble, bubble

@@ -24,15 +24,20 @@ time per transfer. Whenever a stage is free it runs, among the actions whose inp
 there, a backward before a forward, by one of two rules (:data:`RULES`: the highest layer
 first, or layer-major within groups of ``pp`` microbatches); with no action of
 its own it takes another stage's ready core (when stealing is on). A new microbatch enters
-only while fewer than ``pp`` are in flight (entered, last backward not done): every stage
-holds at most ``pp`` microbatches of its layers, 1F1B's stage-0 peak. The four variants (two
-rules, stealing off or on) are replayed (:func:`makespan`) and the fastest kept. The order is
+only while fewer than ``pp`` are in flight (entered, last backward not done), and a stage
+holds at most ``layers / pp`` cores of other stages at once: every stage holds at most ``pp``
+microbatches of its layers (1F1B's stage-0 peak) plus one stage's worth of foreign cores
+(:func:`in_flight_bound`). Two variants (:data:`VARIANTS`: layer-major without stealing,
+highest layer first with it) are replayed (:func:`makespan`) and the faster kept. The order is
 deadlock-free for any real costs: it was realised once with the same dependencies, and the
 runtime's sends never block. Messages carry a tag unique to (microbatch, layer, kind), so
 matching does not depend on order.
 
-Pure Python (no torch): the planner costs it (:func:`bubble_divisor`, :func:`stage_peaks`,
-:func:`transfers`), the runtime (``runtime/helix.py``) executes it.
+The planner searches it where microbatches are scarce (``m ≤ 4·pp``,
+:data:`MAX_MICROBATCHES_PER_STAGE`), prices its replayed bubble (:func:`bubble_divisor`) with
+the hop the plan then carries (``plan.helix_hop``), and bounds its memory without building it
+(:func:`in_flight_bound`). Pure Python (no torch): the runtime (``runtime/helix.py``)
+executes the same order.
 """
 
 from __future__ import annotations
@@ -66,6 +71,26 @@ def check_layout(layers: int, pp: int, m: int) -> None:
                          "that divides the layers or another schedule")
 
 
+MAX_MICROBATCHES_PER_STAGE = 4  # helix is searched where m ≤ 4·pp (module docstring)
+
+
+def in_flight_bound(pp: int, m: int) -> float:
+    """Activations a stage holds at most, in microbatches of its whole stage: ``min(pp, m)``
+    of its own layers (the entry cap) and, with ``pp > 1``, one stage's worth of other
+    stages' cores (each counted as a whole layer: an upper bound). Independent of the costs,
+    so the planner's memory needs no order."""
+    return float(min(pp, m)) + (1.0 if pp > 1 else 0.0)
+
+
+def quantize_hop(hop: float) -> float:
+    """A hop time (in the per-part cost units) rounded to one significant digit (few
+    distinct orders to build): what the plan carries (``plan.helix_hop``) and both sides
+    build the order with."""
+    if hop <= 0:
+        return 0.0
+    return float(f"{hop:.1g}")
+
+
 def default_cap(pp: int) -> int:
     """Microbatches in flight at most (entered, backward not done): ``pp``."""
     return pp
@@ -83,6 +108,13 @@ def part_costs(seq_len: int, hidden: int, heads: int, kv_heads: int, ffn_hidden:
     total = q + a + o
     fwd = {"Fq": q / total, "Fa": a / total, "Fo": o / total}
     return {**fwd, **{"B" + k[1]: BACKWARD_FACTOR * v for k, v in fwd.items()}}
+
+
+def costs_for(model) -> dict[str, float]:
+    """:func:`part_costs` of a model (``api.spec.ModelSpec``) at its sequence length: what
+    the planner prices and the runtime orders with (both must build the same order)."""
+    return part_costs(model.seq_len, model.hidden, model.heads, model.kv_heads,
+                      model.ffn_hidden, model.gated_mlp)
 
 
 def _deps(action: HelixAction, layers: int) -> list[HelixAction]:
@@ -122,6 +154,10 @@ def _priority(action: HelixAction, pp: int, rule: str) -> tuple:
 
 
 RULES = ("depth", "layer")
+# the variants built: of the four (rule × stealing) these two lose 0.01% on average (1.6% at
+# most) to the best of all four, on llama3-8b/70b shapes at 4k-128k, pp 2-16, m ≤ 4·pp, hops
+# 0-0.5 layer-forwards (measured when the schedule was added)
+VARIANTS = (("layer", False), ("depth", True))
 
 
 def _stage_costs(costs: Mapping[str, float] | Sequence[Mapping[str, float]],
@@ -148,12 +184,11 @@ def _best(pp: int, layers: int, m: int, frozen: tuple[tuple[float, ...], ...],
           hop: float) -> tuple[tuple[HelixAction, ...], ...]:
     per = [dict(zip(KINDS, row, strict=True)) for row in frozen]
     best = None
-    for steal in (False, True):
-        for rule in RULES:
-            orders = _orders(pp, layers, m, frozen, default_cap(pp), hop, rule, steal)
-            t = makespan(orders, layers, per, hop)
-            if best is None or t < best[0] - 1e-12:
-                best = (t, orders)
+    for rule, steal in VARIANTS:
+        orders = _orders(pp, layers, m, frozen, default_cap(pp), hop, rule, steal)
+        t = makespan(orders, layers, per, hop)
+        if best is None or t < best[0] - 1e-12:
+            best = (t, orders)
     return best[1]
 
 
@@ -164,6 +199,13 @@ def bubble_divisor(pp: int, layers: int, m: int, costs: Mapping[str, float],
     check_layout(layers, pp, m)
     if pp == 1:
         return 1.0
+    return _bubble_divisor(pp, layers, m, _freeze([costs]), round(float(hop), 12))
+
+
+@lru_cache(maxsize=1024)
+def _bubble_divisor(pp: int, layers: int, m: int, frozen: tuple[tuple[float, ...], ...],
+                    hop: float) -> float:
+    costs = dict(zip(KINDS, frozen[0], strict=True))
     per_layer = sum(costs[k] for k in KINDS)
     stage = per_layer * layers / pp  # one microbatch through one stage, forward + backward
     t = makespan(helix_orders(pp, layers, m, costs, hop), layers, [costs] * pp, hop)
@@ -182,16 +224,17 @@ def _orders(pp: int, layers: int, m: int, frozen: tuple[tuple[float, ...], ...],
     if cap < 1:
         raise ValueError(f"helix cap={cap}: must be >= 1")
     dur = [dict(zip(KINDS, row, strict=True)) for row in frozen]
-    done: dict[HelixAction, float] = {}
     place: dict[tuple[int, int], int] = {}  # (microbatch, layer) -> stage of its core
-    # per stage: candidates (priority, ready time, action) whose dependency is done; ready
-    # cores (Fa) wait in ``pool`` where their owner, or an idle stage, takes them
+    # per stage: candidates (priority, ready time, action) whose dependency is done; a ready
+    # core (Fa) waits in its owner's ``pool``, where the owner, or an idle stage, takes it
     ready: list[list[tuple[tuple, float, HelixAction]]] = [[] for _ in range(pp)]
-    pool: list[tuple[tuple, float, HelixAction]] = []
+    pool: list[list[tuple[tuple, float, HelixAction]]] = [[] for _ in range(pp)]
     free = [0.0] * pp
     orders: list[list[HelixAction]] = [[] for _ in range(pp)]
     entered = 0  # microbatches whose first action ran (stage 0 enters them in order)
-    finish_times: list[float] = []  # when each microbatch's last backward ended
+    finish_times: list[float] = []  # ascending: every last backward (Bq of layer 0) is stage 0's
+    foreign = [0] * pp  # cores a stage holds for other stages (Fa run, Ba not yet)
+    foreign_cap = max(1, layers // pp)
     inf = float("inf")
 
     def entry_time() -> float:
@@ -201,67 +244,66 @@ def _orders(pp: int, layers: int, m: int, frozen: tuple[tuple[float, ...], ...],
         need = entered - cap + 1  # microbatches that must have finished first
         if need <= 0:
             return free[0]
-        ends = sorted(finish_times)
-        return max(free[0], ends[need - 1]) if len(ends) >= need else inf
+        return max(free[0], finish_times[need - 1]) if len(finish_times) >= need else inf
 
-    def arrival(c: tuple[tuple, float, HelixAction], s: int) -> float:
-        """When candidate ``c`` can start on stage ``s`` (a core away from its owner waits
-        for its q/k/v to travel)."""
-        return c[1] + (hop if owner(c[2][2], pp) != s else 0.0)
+    # earliest ready time per stage: of its own candidates and cores; of its cores alone
+    head, pool_head = [inf] * pp, [inf] * pp
 
-    def own(s: int) -> list[tuple[tuple, float, HelixAction]]:
-        return ready[s] + [c for c in pool if owner(c[2][2], pp) == s]
+    def refresh(x: int) -> None:
+        pool_head[x] = min((c[1] for c in pool[x]), default=inf)
+        head[x] = min(pool_head[x], min((c[1] for c in ready[x]), default=inf))
 
     remaining = 6 * m * layers
     while remaining:
-        best = None
-        for s in range(pp):
-            times = [c[1] for c in own(s)]
-            if steal:
-                times += [arrival(c, s) for c in pool]
-            if s == owner(0, pp):
-                times.append(entry_time())
-            if not times:
-                continue
-            est = max(free[s], min(times))
-            if est < inf and (best is None or est < best[0]):
-                best = (est, s)
-        if best is None:
+        stolen = (min(pool_head) + hop) if steal else inf
+        best_t, s = inf, -1
+        for x in range(pp):
+            t = min(head[x], stolen) if foreign[x] < foreign_cap else head[x]
+            if x == 0:
+                t = min(t, entry_time())
+            t = max(free[x], t)
+            if t < best_t:
+                best_t, s = t, x
+        if s < 0:
             raise RuntimeError(f"helix order deadlocks for pp={pp}, layers={layers}, m={m}, "
                                f"cap={cap}")
-        t, s = best
-        cands = [c for c in own(s) if c[1] <= t]
-        if s == owner(0, pp) and entry_time() <= t:
+        t = best_t
+        cands = [c for c in ready[s] if c[1] <= t] + [c for c in pool[s] if c[1] <= t]
+        if s == 0 and entry_time() <= t:
             cands.append((_priority(("Fq", entered, 0), pp, rule), t, ("Fq", entered, 0)))
         if not cands:  # idle: take another stage's ready core
-            cands = [c for c in pool if arrival(c, s) <= t]
+            cands = [c for x in range(pp) if x != s for c in pool[x] if c[1] + hop <= t]
+            foreign[s] += 1
         pick = min(cands, key=lambda c: c[0])
-        action = pick[2]
-        kind, j, k = action
+        kind, j, k = action = pick[2]
         if kind == "Fq" and k == 0:  # the cap's entry (never in ready)
             entered += 1
         elif kind == "Fa":
-            pool.remove(pick)
+            pool[owner(k, pp)].remove(pick)
             place[(j, k)] = s
+            refresh(owner(k, pp))
         else:
             ready[s].remove(pick)
+            refresh(s)
+            if kind == "Ba" and owner(k, pp) != s:
+                foreign[s] -= 1
         end = t + dur[s][kind]
-        done[action] = free[s] = end
+        free[s] = end
         orders[s].append(action)
         remaining -= 1
         if kind == "Bq" and k == 0:
             finish_times.append(end)
-        for nxt in _dependents(action, layers):
-            if not all(d in done for d in _deps(nxt, layers)):
-                continue
-            # a result that leaves this stage arrives ``hop`` later
+        for nxt in _dependents(action, layers):  # each part has one dependency: ready now
             at = _stage_of(nxt, pp, place)
-            when = end + (hop if at is not None and at != s else 0.0)
-            cand = (_priority(nxt, pp, rule), when, nxt)
-            if nxt[0] == "Fa":
-                pool.append(cand)
-            else:
-                ready[at].append(cand)
+            if at is None:  # a core: into its owner's pool (q/k/v leave with it if stolen)
+                o = owner(k, pp)
+                pool[o].append((_priority(nxt, pp, rule), end, nxt))
+                pool_head[o] = min(pool_head[o], end)
+                head[o] = min(head[o], end)
+            else:  # a result that leaves this stage arrives ``hop`` later
+                when = end + (hop if at != s else 0.0)
+                ready[at].append((_priority(nxt, pp, rule), when, nxt))
+                head[at] = min(head[at], when)
     return tuple(tuple(o) for o in orders)
 
 
@@ -349,3 +391,42 @@ def stage_peaks(orders: Sequence[Sequence[HelixAction]],
                 live -= saved["F" + kind[1]]
         out.append(peak)
     return out
+
+
+def held_peaks(pp: int, layers: int, m: int, costs: Mapping[str, float]) -> tuple[float, ...]:
+    """Per stage, the most layer activations its order holds at once, in layers of one
+    microbatch: each of its own ``(microbatch, layer)`` from ``Fq`` to ``Bq``, and each core
+    it runs for another stage from ``Fa`` to ``Ba`` (counted as a whole layer: an upper
+    bound)."""
+    check_layout(layers, pp, m)
+    return _held_peaks(pp, layers, m, _freeze([costs]))
+
+
+@lru_cache(maxsize=1024)
+def _held_peaks(pp: int, layers: int, m: int, frozen: tuple[tuple[float, ...], ...]
+                ) -> tuple[float, ...]:
+    orders = _best(pp, layers, m, frozen * pp, 0.0)
+    out = []
+    for s, actions in enumerate(orders):
+        live = peak = 0
+        for kind, _, k in actions:
+            mine = owner(k, pp) == s
+            if (kind == "Fq") or (kind == "Fa" and not mine):
+                live += 1
+                peak = max(peak, live)
+            elif (kind == "Bq") or (kind == "Ba" and not mine):
+                live -= 1
+        out.append(float(peak))
+    return tuple(out)
+
+
+def moved_cores(pp: int, layers: int, m: int, costs: Mapping[str, float]) -> int:
+    """Cores of one step that run away from their owner (two transfers each way)."""
+    check_layout(layers, pp, m)
+    return _moved_cores(pp, layers, m, _freeze([costs]) * pp)
+
+
+@lru_cache(maxsize=1024)
+def _moved_cores(pp: int, layers: int, m: int, frozen: tuple[tuple[float, ...], ...]) -> int:
+    orders = _best(pp, layers, m, frozen, 0.0)
+    return sum(1 for (_, k), s in placement(orders).items() if s != owner(k, pp))

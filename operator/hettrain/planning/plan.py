@@ -122,7 +122,7 @@ class Plan:
     pp: int
     micro_batch: int  # sequences per microbatch
     num_microbatches: int  # per replica per optimizer step (gradient accumulation)
-    schedule: str  # 1f1b | interleaved | zb-h1 | interleaved-zb
+    schedule: str  # 1f1b | interleaved | zb-h1 | interleaved-zb | helix
     stages: tuple[StagePlan, ...]
     ranks: tuple[RankPlan, ...]
     predicted: Prediction
@@ -132,6 +132,9 @@ class Plan:
     data: dict[str, Any] = field(default_factory=dict)  # spec.data.to_plan(): uri | synthetic
     version: int = PLAN_VERSION
     groups: tuple[ReplicaGroup, ...] = ()  # heterogeneous replica groups (module docstring)
+    # helix: the hop time (per-part cost units, planning/helix.py) the planner built its order
+    # with; the runtime builds the same order from it
+    helix_hop: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -212,6 +215,8 @@ class Plan:
                     del item[key]
         if not d["groups"]:
             del d["groups"]
+        if not d["helix_hop"]:
+            del d["helix_hop"]
         return d
 
     def to_json(self, indent: int | None = None) -> str:
@@ -258,6 +263,7 @@ class Plan:
                                       num_microbatches=g["num_microbatches"],
                                       stages=tuple(_build(StagePlan, s) for s in g["stages"]))
                          for g in d.get("groups", ())),
+            helix_hop=float(d.get("helix_hop", 0.0)),
         )
 
     @classmethod

@@ -38,12 +38,13 @@ from dataclasses import dataclass, replace
 from hettrain.api.constants import REASON_PLAN_FAILED
 from hettrain.api.spec import (
     JobSpec,
+    ModelSpec,
     chunked_schedule,
     recompute_options,
     sharding_options,
     splits_backward,
 )
-from hettrain.planning import context, cost, interleaved_zb
+from hettrain.planning import context, cost, helix, interleaved_zb
 from hettrain.planning.arith import divisors_up_to
 from hettrain.planning.bounds import (
     Choice,
@@ -84,7 +85,7 @@ MAX_INTERLEAVE_CHUNKS = 4  # schedule: interleaved: model chunks per stage searc
 AUTO_MAX_CHUNKS = 3  # schedule: auto: interleaved with 2..3 chunks (all dominated by ZB-H1)
 REPLAN_TOLERANCE = 1.02  # a re-plan keeps the old structure if within 2% of the best
 REPLAN_OPTIONS = 64  # distinct placements a re-plan compares by moved ranks
-SCHEDULES = ("1f1b", "interleaved", "zb-h1", "interleaved-zb")
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "interleaved-zb", "helix")
 # crossDC.mode: auto; exact gradients first. DiLoCo changes the optimizer: opt-in only.
 CROSS_DC_SEARCH = ("sync", "compress")
 
@@ -108,6 +109,7 @@ class Candidate:
     grouping: str  # "split" or "merged"
     chunks: int = 1  # interleaved: model chunks per stage (virtual stages)
     cp: int = 1  # context-parallel degree; ``dp`` counts the dp·cp replicas of the DP×CP group
+    helix_hop: float = 0.0  # helix: hop time in per-part cost units its order was built with
 
     @property
     def pp(self) -> int:
@@ -483,11 +485,18 @@ def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_b
 
 
 def _bubble_divisor(schedule: str, v: int, zb_div: float = cost.ZB_CATALOG_DIVISOR,
-                    pp: int | None = None, m: int | None = None) -> float:
+                    pp: int | None = None, m: int | None = None,
+                    model: ModelSpec | None = None, hop: float = 0.0) -> float:
     """What a schedule divides the 1F1B bubble by (:func:`cost.pipeline_time_s`); ZB-H1's is
     ``zb_div`` (:func:`_zb_div` of a layout, or a bound on it: :attr:`_Search.zb_div`);
     interleaved-zb's its replayed order's for ``pp`` stages of ``m`` microbatches scaled by
-    ``zb_div/3``, or (``pp=None``) its bound ``v·zb_div`` (the order's is at most ``3·v``)."""
+    ``zb_div/3``, or (``pp=None``) its bound ``v·zb_div`` (the order's is at most ``3·v``);
+    helix's its replayed order's for ``model`` (:func:`helix.bubble_divisor`), or (no ``pp``)
+    ``inf``: a bound may only assume its bubble is not negative."""
+    if schedule == "helix":
+        if pp is None or m is None or model is None:
+            return math.inf
+        return helix.bubble_divisor(pp, model.layers, m, helix.costs_for(model), hop)
     if schedule == "interleaved-zb":
         if pp is None or m is None:
             return v * zb_div
@@ -533,6 +542,10 @@ def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
     skips the layer check (for the bubble divisor).
     """
     par = spec.parallelism
+    if par.schedule == "helix":  # one layer per chunk: layers / pp chunks, equal stages
+        if layers is None:
+            return [("helix", 1)]
+        return [("helix", layers // pp)] if layers % pp == 0 else []
     pinned_v = par.virtual_stages
     top = MAX_INTERLEAVE_CHUNKS if chunked_schedule(par.schedule) else AUTO_MAX_CHUNKS
     chunks = [pinned_v] if pinned_v is not None else list(range(2, top + 1))
@@ -563,6 +576,9 @@ def _schedule_fits(schedule: str, v: int, pp: int, m: int, layers: int) -> bool:
         return pp >= 2 and m % pp == 0 and layers >= pp * v
     if schedule == "interleaved-zb":
         return pp >= 2 and layers >= pp * v
+    if schedule == "helix":
+        return (layers % pp == 0 and v == layers // pp
+                and m <= helix.MAX_MICROBATCHES_PER_STAGE * pp)
     if schedule == "zb-h1":
         return pp >= 2
     return True
@@ -710,6 +726,8 @@ def _micro_batches(per_replica: int, pinned: int | None) -> list[int]:
 
 
 def _tp_options(unit: Unit, spec: JobSpec) -> list[int]:
+    if spec.parallelism.schedule == "helix":  # its stages run without TP
+        return [1]
     pinned = spec.parallelism.tp
     opts = []
     tp = 1
@@ -816,7 +834,8 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
     boundaries = cost.boundary_charges(hops, pp, schedule, v)
     zb_div = (_zb_div(spec, (u.device for u in units), mb) if splits_backward(schedule)
               else cost.ZB_CATALOG_DIVISOR)
-    f = _bubble_divisor(schedule, v, zb_div, pp, m)
+    hop = helix_hop_units(stages, hops) if schedule == "helix" else 0.0
+    f = _bubble_divisor(schedule, v, zb_div, pp, m, model, hop)
     scaled = [StageCost(s.a, s.b, s.c * f, s.e * f, s.max_layers) for s in stages]
     p_max, p_sum = max(boundaries, default=0.0), sum(boundaries)
     search.evaluated += 1
@@ -845,12 +864,22 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
     _, split = result
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
     stage_dp = [s.dp(n) for s, n in zip(stages, split, strict=True)]
-    pipe, bubble = cost.pipeline_time_s(stage_s, hops, m, schedule, v, zb_div)
+    pipe, bubble = cost.pipeline_time_s(stage_s, hops, m, schedule, v, zb_div, model, hop)
     t = pipe + max(stage_dp)
     memory = tuple(mem.bytes_for(n) / cost.GIB for (mem, _), n in zip(mems, split, strict=True))
     search.offer(Candidate(t, dp, mb, schedule, tuple(units), tuple(tps), tuple(split),
                            tuple(stage_s), tuple(stage_dp), tuple(boundaries), bubble, memory,
-                           grouping, v, _cp(spec)))
+                           grouping, v, _cp(spec), hop))
+
+
+def helix_hop_units(stages: Sequence[StageCost], hops: Sequence[float]) -> float:
+    """The helix order's hop: one transfer (half the slowest hop's activation+gradient pair)
+    in units of its per-part costs (a layer's forward is 1, forward+backward 3, on the
+    slowest stage), quantized (:func:`helix.quantize_hop`)."""
+    unit = max((s.a for s in stages), default=0.0) / 3.0
+    if unit <= 0 or not hops:
+        return 0.0
+    return helix.quantize_hop(max(hops) / 2.0 / unit)
 
 
 def _search_exhaustive(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory,
@@ -1849,6 +1878,8 @@ def _cp_options(spec: JobSpec, pools: Sequence) -> list[int]:
     ``seq_len / cp ≥ CP_MIN_LOCAL_TOKENS``; ascending."""
     if spec.parallelism.cp is not None:
         return [spec.parallelism.cp]
+    if spec.parallelism.schedule == "helix":  # its stages run without CP
+        return [1]
     node = max((p.gpus_per_node for p in pools), default=1)
     out, cp = [1], 2
     seq = spec.model.seq_len
@@ -1951,7 +1982,8 @@ def step_time_for_split(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
     stage_s, boundaries, dp_s = costs
     pipe, _ = cost.pipeline_time_s(stage_s, boundaries, plan.num_microbatches, plan.schedule,
                                    plan.virtual_stages,
-                                   plan_zb_div(plan, plan_devices(plan, inventory)))
+                                   plan_zb_div(plan, plan_devices(plan, inventory)), plan.model,
+                                   plan.helix_hop)
     return pipe + dp_s
 
 
@@ -2139,10 +2171,13 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         dp_comm_s=max(d - o for d, o in zip(c.stage_dp_s, opt_s, strict=True)),
         optimizer_s=max(opt_s),
         cross_dc_bytes_per_step=cross_bytes,
-        pp_bytes_per_step=c.dp * cost.pipeline_bytes_per_step(
-            cost.cp_local_model(model, c.cp), c.micro_batch,
-            cost.precision_bytes(spec.training), m, c.pp,
-            c.chunks if chunked_schedule(c.schedule) else 1),
+        pp_bytes_per_step=c.dp * (
+            cost.helix_bytes_per_step(model, c.micro_batch, cost.precision_bytes(spec.training),
+                                      m, c.pp, c.helix_hop) if c.schedule == "helix" else
+            cost.pipeline_bytes_per_step(
+                cost.cp_local_model(model, c.cp), c.micro_batch,
+                cost.precision_bytes(spec.training), m, c.pp,
+                c.chunks if chunked_schedule(c.schedule) else 1)),
     )
     cross = {"mode": spec.cross_dc.mode, "compression": spec.cross_dc.compression,
              "outer_steps": spec.cross_dc.outer_steps, "outer_lr": spec.cross_dc.outer_lr,
@@ -2152,6 +2187,6 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         micro_batch=c.micro_batch, num_microbatches=m, schedule=c.schedule,
         stages=tuple(stages), ranks=ranks, predicted=pred, cross_dc=cross, notes=tuple(notes),
         virtual_stages=c.chunks if chunked_schedule(c.schedule) else 1,
-        data=spec.data.to_plan(),
+        data=spec.data.to_plan(), helix_hop=c.helix_hop,
     )
 

@@ -22,14 +22,18 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from hettrain.api.spec import chunked_schedule
+from hettrain.planning import helix
 from hettrain.planning.plan import Plan, RankPlan
 from hettrain.render.schedule import (
     BACKWARD,
+    CORE,
+    CORE_BACKWARD,
     FORWARD,
     SCHEDULE_NAMES,
     WEIGHT,
     Timeline,
     build_timeline,
+    helix_timeline,
 )
 from hettrain.render.table import group_stages, layout_summary, schedule_summary
 
@@ -39,6 +43,8 @@ KIND_STYLE = {  # face colour, label
     FORWARD: ("#4c78a8", "forward"),
     BACKWARD: ("#54a24b", "backward"),
     WEIGHT: ("#f2a93b", "weight grad"),
+    CORE: ("#b279a2", "attention core"),
+    CORE_BACKWARD: ("#e45756", "attention core backward"),
 }
 
 
@@ -53,6 +59,9 @@ def stage_colors(stages: int) -> list[tuple[float, float, float, float]]:
 
 def plan_timeline(plan: Plan) -> Timeline:
     """The Gantt schedule of one replica of ``plan``."""
+    if plan.schedule == "helix":
+        return helix_timeline([s.time_ms for s in plan.stages], plan.num_microbatches,
+                              plan.model.layers, helix.costs_for(plan.model), plan.helix_hop)
     chunks = plan.virtual_stages if chunked_schedule(plan.schedule) else 1
     schedule = plan.schedule if plan.schedule in SCHEDULE_NAMES else "1f1b"
     return build_timeline(
@@ -159,7 +168,8 @@ def draw_gantt(ax: Axes, plan: Plan, timeline: Timeline) -> int:
     for tick, color in zip(ax.get_yticklabels(), colors, strict=True):
         tick.set_color(color)
     ax.set_xlabel("time in one optimizer step (ms, compute only)")
-    kinds = [FORWARD, BACKWARD] + ([WEIGHT] if any(o.kind == WEIGHT for o in timeline.ops) else [])
+    kinds = [FORWARD, BACKWARD] + [k for k in (WEIGHT, CORE, CORE_BACKWARD)
+                                   if any(o.kind == k for o in timeline.ops)]
     ax.legend(handles=[Patch(facecolor=KIND_STYLE[k][0], label=KIND_STYLE[k][1]) for k in kinds],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False,
               title="operation", title_fontsize=8)

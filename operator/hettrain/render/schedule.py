@@ -14,6 +14,9 @@ pipeline engines use), and an operation starts when its stage is free and its in
   with one chunk per rank).
 - ``interleaved-zb``: ``v`` chunks per rank as interleaved, each backward split into B and W as
   ZB-H1, in the order of the planner's list scheduler (:mod:`hettrain.planning.interleaved_zb`).
+- ``helix`` (:func:`helix_timeline`): one layer per chunk, each layer's parts in the order of
+  :mod:`hettrain.planning.helix`; attention cores (``A``: forward, ``a``: backward) drawn on
+  the stage that runs them, their owner's or an idle one.
 
 A stage's ``time_ms`` (forward + backward of one microbatch) splits F:B = 1:2, and for ZB-H1 the
 backward splits evenly into B and W (T_F = T_B = T_W, the paper's equal-time case). With equal
@@ -27,11 +30,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hettrain.api.spec import chunked_schedule, splits_backward
+from hettrain.planning import helix
 from hettrain.planning.interleaved_zb import interleaved_zb_orders
 
 FORWARD = "F"
 BACKWARD = "B"  # full backward (1F1B, interleaved) or input-gradient backward (ZB-H1)
 WEIGHT = "W"  # weight-gradient backward (zb-h1, interleaved-zb)
+CORE = "A"  # helix: an attention core's forward
+CORE_BACKWARD = "a"  # helix: its backward
 SCHEDULE_NAMES = ("1f1b", "interleaved", "zb-h1", "interleaved-zb")
 
 
@@ -246,3 +252,43 @@ def _simulate(orders: list[list[_Key]], durations: list[dict[str, float]], stage
         stuck = {s: orders[s][pos[s]] for s in range(stages) if pos[s] < len(orders[s])}
         raise RuntimeError(f"pipeline schedule deadlocked; next operation per stage: {stuck}")
     return ops
+
+
+def helix_timeline(stage_times_ms: Sequence[float], microbatches: int, layers: int,
+                   costs: dict[str, float], hop: float = 0.0, p2p_ms: float = 0.0) -> Timeline:
+    """Time one replica of the ``helix`` schedule: the planner's order
+    (:func:`hettrain.planning.helix.helix_orders` with ``costs`` and ``hop``, as the plan
+    carries them), replayed with stage ``s``'s part times (its ``stage_times_ms[s]`` split over
+    its ``layers / pp`` layers by ``costs``) and ``p2p_ms`` per transfer between stages. A
+    core runs at the speed of the stage that runs it. Parameter parts are ``F``/``B`` ops,
+    cores ``A``/``a``; ``chunk`` is the layer's chunk on its owner (``layer // pp``)."""
+    pp = len(stage_times_ms)
+    orders = helix.helix_orders(pp, layers, microbatches, costs, hop)
+    per_layer = sum(costs.values())
+    unit = [t / (layers / pp) / per_layer for t in stage_times_ms]
+    where = {a: s for s, actions in enumerate(orders) for a in actions}
+    kinds = {"Fq": FORWARD, "Fo": FORWARD, "Fa": CORE, "Bo": BACKWARD, "Bq": BACKWARD,
+             "Ba": CORE_BACKWARD}
+    done: dict[tuple[str, int, int], float] = {}
+    pos, free = [0] * pp, [0.0] * pp
+    ops: list[Op] = []
+    remaining = sum(len(a) for a in orders)
+    while remaining:
+        progressed = False
+        for s in range(pp):
+            while pos[s] < len(orders[s]):
+                action = orders[s][pos[s]]
+                deps = helix._deps(action, layers)
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[s]] + [done[d] + (p2p_ms if where[d] != s else 0.0)
+                                         for d in deps])
+                end = start + costs[action[0]] * unit[s]
+                free[s] = done[action] = end
+                ops.append(Op(s, kinds[action[0]], action[1], action[2] // pp, start, end))
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"helix schedule deadlocked at positions {pos}")
+    return Timeline("helix", pp, microbatches, layers // pp, tuple(ops))

@@ -54,9 +54,7 @@ def message_tag(mb: int, layer: int, layers: int, payload: int, grad: bool) -> i
 
 def plan_costs(plan: Plan) -> dict[str, float]:
     """The per-part costs the planner and this runtime both build the order with."""
-    spec = plan.model
-    return order.part_costs(spec.seq_len, spec.hidden, spec.heads, spec.kv_heads,
-                            spec.ffn_hidden, spec.gated_mlp)
+    return order.costs_for(plan.model)
 
 
 def pre_attention(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
@@ -164,7 +162,7 @@ class HelixRunner:
         """Forward+backward every microbatch in the helix order; gradients accumulate in the
         model's ``.grad``. Returns the sum of unscaled microbatch losses (the head's stage)."""
         m, L, pp, me = len(batches), self.layers, self.pp, self.stage
-        orders = order.helix_orders(pp, L, m, self.costs)
+        orders = order.helix_orders(pp, L, m, self.costs, self.plan.helix_hop)
         place = order.placement(orders)
         spec, model = self.plan.model, self.model
         b, t = batches[0][0].shape
