@@ -645,6 +645,9 @@ def _parse_parallelism(f: _Fields) -> ParallelismSpec:
     if p.schedule == "helix" and p.virtual_stages is not None:
         raise SpecError(f"{f.path}.virtualStages", "the helix schedule holds one layer per "
                         "model chunk (layers / pp chunks per stage): omit virtualStages")
+    if p.schedule == "helix" and p.replica_groups:
+        raise SpecError(f"{f.path}.replicaGroups", "the helix schedule runs one pipeline "
+                        "shape for every replica: set replicaGroups: false or another schedule")
     if p.schedule == "helix" and ((p.tp or 1) > 1 or (p.cp or 1) > 1):
         raise SpecError(f"{f.path}.schedule", f"helix runs stages without tensor or context "
                         f"parallelism (tp={p.tp}, cp={p.cp}): omit tp/cp or set them to 1, or "
@@ -907,6 +910,10 @@ def sharding_conflicts(sharding: str, model: ModelSpec, parallelism: Parallelism
                    f"{parallelism.schedule} "
                    "(its deferred weight gradients would need every unit's sharded gradient "
                    "sync twice); set sharding: optimizer or another schedule")
+    if parallelism.schedule == "helix":
+        out.append(f"sharding: {sharding} cannot combine with spec.parallelism.schedule: helix "
+                   "(its layer parts run outside the layer's forward, where ZeRO-2/3 hook each "
+                   "unit); set sharding: optimizer or another schedule")
     if parallelism.replica_groups:
         out.append(f"sharding: {sharding} cannot combine with spec.parallelism.replicaGroups "
                    "(the groups sum whole gradients after the step's backward); set sharding: "

@@ -541,6 +541,23 @@ def activation_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, reco
     return s * b * (replicated / sp + sharded / tp) + rope
 
 
+def split_layer_extra_bytes(model: ModelSpec, micro_batch: int, recompute: str,
+                            elem_bytes: int = 2) -> float:
+    """The helix schedule (``runtime/helix.py``): what one layer keeps beyond
+    :func:`activation_bytes_per_layer` because its three parts are differentiated apart. The
+    attention core, which may run on another stage, keeps its q/k/v inputs where a whole
+    layer's re-run would recompute them: ``(heads + 2·kv_heads)·head_dim`` per token with
+    attention-free recompute, and with full recompute also the core's output (the
+    post-attention part's checkpointed input). 0 for ``none`` and ``selective``, whose layers
+    keep the same tensors either way."""
+    if not reruns_layer(recompute):
+        return 0.0
+    s, b, d = model.seq_len, micro_batch, model.head_dim
+    qkv = (model.heads + 2 * model.kv_heads) * d
+    out = model.heads * d if recompute == "full" else 0
+    return s * b * (qkv + out) * float(elem_bytes)
+
+
 def cp_local_model(model: ModelSpec, cp: int) -> ModelSpec:
     """``model`` as one context-parallel rank sees its token-local work: ``seq_len / cp``
     tokens per sequence (its two load-balanced chunks); ``model`` itself when ``cp == 1``."""
@@ -673,7 +690,7 @@ def schedule_memory_args(stage: int, pp: int, m: int, schedule: str,
         in_flight = max(helix.in_flight_bound(pp, m), float(min(pp - stage, m)))
         return {"in_flight": in_flight, "pending_w": 0.0, "zb_stash": 0.0,
                 "head_in_flight": 1.0, "virtual_stages": virtual_stages,
-                "ids_in_flight": float(min(pp, m))}
+                "ids_in_flight": float(min(pp, m)), "split_layers": True}
     if schedule == "interleaved-zb":
         v = virtual_stages
         in_flight, pending = interleaved_zb.stage_peaks(pp, m, v)[stage]
@@ -711,7 +728,8 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
                  virtual_stages: int = 1, pending_w: float = 0.0,
                  head_in_flight: float = 1.0, ids_in_flight: float | None = None,
                  zb_stash: float = 0.0, cp: int = 1,
-                 moments: Sequence[tuple[float, float]] = ()) -> StageMemory:
+                 moments: Sequence[tuple[float, float]] = (),
+                 split_layers: bool = False) -> StageMemory:
     """Per-device memory of a stage as a function of its layer count.
 
     ``in_flight``: :func:`in_flight_microbatches`. Besides the model state and the layers'
@@ -738,6 +756,7 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
 
     ``training.sharding`` (:func:`state_bytes_per_param`): gradients and full add the
     transient of the stage's largest unit (:func:`sharding_transient_bytes`) to ``fixed``.
+    ``split_layers`` (helix) adds :func:`split_layer_extra_bytes` to each layer's activations.
     """
     per_param = state_bytes_per_param(training, dp * cp)
     eb = precision_bytes(training)
@@ -749,6 +768,8 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
         cp_extra = 0.0
     s, b, h = model.seq_len, micro_batch, model.hidden
     act_one = activation_bytes_per_layer(model, micro_batch, tp, training.recompute, eb) + cp_extra
+    if split_layers:
+        act_one += split_layer_extra_bytes(model, micro_batch, training.recompute, eb)
     act = act_one * in_flight
     stash_one = weight_grad_stash_bytes_per_layer(model, micro_batch, tp, eb)
     stash = stash_one * pending_w + zb_stash * max(0.0, stash_one - act_one)

@@ -45,6 +45,35 @@ def unsupported(plan: Plan) -> list[str]:
                    "spec.data.synthetic: true")
     out += context_parallel_errors(plan)
     out += replica_group_errors(plan)
+    out += helix_errors(plan)
+    return out
+
+
+def helix_errors(plan: Plan) -> list[str]:
+    """Why the runtime cannot run this plan's helix schedule (empty: it can, or another
+    schedule): one layer per model chunk (``layers`` a multiple of ``pp``, ``layers / pp`` on
+    every stage, ``virtual_stages = layers / pp``), stages without TP or CP, no replica
+    groups, no ZeRO-2/3 (``runtime/helix.py``)."""
+    if plan.schedule != "helix":
+        return []
+    out = []
+    layers, pp = plan.model.layers, plan.pp
+    per = layers // pp
+    if layers % pp or any(s.layer_end - s.layer_start != per for s in plan.stages) \
+            or plan.virtual_stages != per:
+        out.append(f"plan.schedule=helix needs model.layers ({layers}) a multiple of plan.pp "
+                   f"({pp}), that many layers on every stage and plan.virtual_stages = "
+                   f"{per}; plan it with spec.parallelism.schedule: helix")
+    if any(s.tp != 1 or s.cp != 1 for s in plan.stages):
+        out.append("plan.schedule=helix with plan.stages[*].tp or cp > 1: its stages run "
+                   "without tensor or context parallelism; set spec.parallelism.tp/cp to 1")
+    if plan.groups:
+        out.append("plan.schedule=helix with plan.groups: set spec.parallelism.replicaGroups: "
+                   "false")
+    if plan.training.sharding in ("gradients", "full"):
+        out.append(f"plan.training.sharding={plan.training.sharding} with plan.schedule=helix: "
+                   "its layer parts run outside the layer's forward, where ZeRO-2/3 hook each "
+                   "unit; set spec.training.sharding: optimizer")
     return out
 
 

@@ -156,6 +156,10 @@ class HelixRunner:
         self._p2p_s += time.perf_counter() - t0
         return to_device(buf.view(shape), self.device).to(self.act_dtype)
 
+    def _new_state(self) -> dict:
+        """The dict that holds each part's tensors for its backward (a step's)."""
+        return {}
+
     # ------------------------------------------------------------------ one step
 
     def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float) -> float:
@@ -170,7 +174,7 @@ class HelixRunner:
         shapes = {HIDDEN: (b, t, spec.hidden), QKV: (b, heads + 2 * kvh, t, hd),
                   CORE: (b, heads, t, hd)}
         local: dict[int, torch.Tensor] = {}  # messages between parts on this stage
-        state: dict[tuple[str, int, int], object] = {}
+        state = self._new_state()  # what each part keeps for its backward
         total = 0.0
 
         def tag(j: int, k: int, payload: int, grad: bool) -> int:

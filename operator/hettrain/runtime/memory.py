@@ -52,6 +52,7 @@ from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan
 from hettrain.runtime.context_parallel import StandInContextParallel, enable_
 from hettrain.runtime.grad_sync import Completed
+from hettrain.runtime.helix import HelixRunner
 from hettrain.runtime.model import (
     StageModel,
     WeightGradStore,
@@ -228,7 +229,8 @@ def measure_stage(plan: Plan, stage: int) -> StageBytes:
     tracker = _Tracker(_parameter_storages(opt))
     for layer in model.layers.values():
         layer.checkpoint_contexts = _counted_contexts(tracker)
-    loss_buffers = _run_schedule(plan, stage, model, opt, tracker)
+    run = _run_helix if plan.schedule == "helix" else _run_schedule
+    loss_buffers = run(plan, stage, model, opt, tracker)
     transient = opt.peak_transient_bytes
     working = _recompute_working_set(plan, model, opt)
     return StageBytes(params, grads, optim, tracker.peak + working, loss_buffers, working,
@@ -270,6 +272,65 @@ def _recompute_working_set(plan: Plan, model: StageModel, opt: StageOptimizer) -
             out = layer._block(x, cos, sin)
         del out
     return tracker.peak
+
+
+class _HeldState(dict):
+    """The helix runner's per-part state, its tensors counted while they are held."""
+
+    def __init__(self, tracker: _Tracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.holds: dict[Any, list[_Held]] = {}
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.holds[key] = [self.tracker.hold(t) for t in value if isinstance(t, torch.Tensor)]
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        """Release the key's tensors (as the runner drops them) and return its value."""
+        self.holds.pop(key, None)
+        return super().pop(key, *default)
+
+
+class _StandInHelix(HelixRunner):
+    """The helix runner of one stage with stand-in peers: sends go nowhere, receives are
+    random tensors of the message's shape; its state is counted."""
+
+    def __init__(self, plan: Plan, stage: int, model: StageModel, tracker: _Tracker) -> None:
+        rank = next(r.rank for r in plan.ranks if r.stage == stage and r.dp == 0 and r.tp == 0)
+        super().__init__(plan, rank, model)
+        self.tracker = tracker
+        self.gen = torch.Generator().manual_seed(0)
+
+    def _new_state(self) -> dict:
+        return _HeldState(self.tracker)
+
+    def _send(self, t: torch.Tensor, stage: int, tag: int, layer: int, kind: int) -> None:
+        return None
+
+    def _recv(self, shape: tuple[int, ...], stage: int, tag: int) -> torch.Tensor:
+        return torch.randn(shape, generator=self.gen).to(self.act_dtype)
+
+
+def _run_helix(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer,
+               tracker: _Tracker) -> int:
+    """One step of the stage's helix order (``runtime/helix.py``) with stand-in peers;
+    returns the loss-buffer bytes (the head's stage)."""
+    gen = torch.Generator().manual_seed(0)
+    spec, b, m = plan.model, plan.micro_batch, plan.num_microbatches
+    batches = [(torch.randint(0, spec.vocab, (b, spec.seq_len), generator=gen),
+                torch.randint(0, spec.vocab, (b, spec.seq_len), generator=gen))
+               for _ in range(m)]
+    with _saved_tensors(tracker):
+        _StandInHelix(plan, stage, model, tracker).run(batches, 1.0 / m)
+    if opt.grad_sync is not None:
+        opt.grad_sync.finish()
+    opt.zero_grad()
+    if stage != plan.pp - 1:
+        return 0
+    logits = b * spec.seq_len * spec.vocab
+    elem = opt.dtype.itemsize
+    return 2 * logits * elem + (0 if opt.dtype == torch.float32 else logits * 4)
 
 
 def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer,

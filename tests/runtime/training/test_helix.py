@@ -46,6 +46,7 @@ from hettrain.runtime.trainer import reference_losses
 
 LONG = part_costs(131072, 4096, 32, 8, 14336)  # llama3-8b at 128k: the core is 71%
 SHORT = part_costs(2048, 4096, 32, 8, 14336)
+LONGER = dataclasses.replace(TINY, seq_len=96, name="gpt-tiny-96")
 GRID = [(pp, layers, m) for pp, layers in ((1, 3), (2, 4), (3, 6), (4, 8), (4, 12))
         for m in (1, 2, pp, pp + 1, 2 * pp + 1)]
 
@@ -192,11 +193,12 @@ def _message_bytes(plan, steps):
 
 @pytest.mark.slow
 def test_helix_pp4_moves_cores_matches_reference_and_resumes_as_1f1b(tmp_path):
+    """96 tokens, 3 microbatches: this order moves cores to idle stages."""
     steps = 4
     const = {"lr_schedule": "constant"}
     plan = _helix([(k, k + 1, f"pool-{k}") for k in range(4)], dp=1, steps=2,
-                  num_microbatches=4, **const)
-    orders = helix_orders(4, TINY.layers, 4, plan_costs(plan))
+                  num_microbatches=3, model=LONGER, **const)
+    orders = helix_orders(4, TINY.layers, 3, plan_costs(plan))
     assert any(s != owner(k, 4) for (_, k), s in placement(orders).items())
     ref = reference_losses(plan, steps)
     ck = tmp_path / "ckpt"
@@ -208,7 +210,7 @@ def test_helix_pp4_moves_cores_matches_reference_and_resumes_as_1f1b(tmp_path):
     assert sent == _message_bytes(plan, 2)
     rewind(ck, 2)
     second = tiny_plan([(0, 2, "pool-0"), (2, 4, "pool-1")], dp=1, steps=steps,
-                       num_microbatches=4, **const)
+                       num_microbatches=3, model=LONGER, **const)
     after, logs, sums, _ = _run(tmp_path / "run2", second, {"HETTRAIN_CHECKPOINT_URI": str(ck),
                                                            "HETTRAIN_RESUME": "1"})
     _assert_ran(logs, sums, second, "1f1b")

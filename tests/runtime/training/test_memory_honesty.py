@@ -106,6 +106,36 @@ def test_measured_stage_bytes_match_the_plan_and_never_exceed_it(case):
         assert got.activations > 0 and got.params > 0
 
 
+# helix (runtime/helix.py): one layer per chunk, each layer's three parts differentiated
+# apart; (pp, microbatches, micro_batch, precision, model, recompute)
+HELIX = [(2, 4, 2, "bf16", MODEL, "none"), (3, 6, 1, "fp32", GATED, "none"),
+         (3, 9, 1, "bf16", MODEL, "none"), (3, 3, 1, "bf16", MODEL, "selective"),
+         (2, 3, 2, "bf16", GATED, "attention-free"), (3, 5, 2, "bf16", GATED, "attention-free"),
+         (2, 4, 1, "fp16", GATED, "full")]
+HELIX_TOLERANCE = 0.25  # the plan bounds the order by its caps (helix.in_flight_bound)
+
+
+@pytest.mark.parametrize("case", HELIX, ids=lambda c: "-".join(map(str, c[:4] + c[5:])))
+def test_helix_stage_bytes_never_exceed_the_plan(case):
+    """The helix order holds at most its caps (pp microbatches of a stage's layers, one
+    stage's worth of other stages' cores: ``helix.in_flight_bound``), which the plan charges
+    whatever the order does: measured never above, within 25% below (a core the order keeps
+    home, a stage that never reaches the cap)."""
+    pp, m, mb, precision, model, recompute = case
+    splits = [(2 * i, 2 * i + 2, p) for i, p in enumerate("abc"[:pp])]
+    plan = replace(tiny_plan(splits, dp=1, micro_batch=mb, num_microbatches=m,
+                             model=replace(model, layers=2 * pp), schedule="helix",
+                             precision=precision, sharding="none", recompute=recompute),
+                   virtual_stages=2)
+    for stage in range(pp):
+        got = measure_stage(plan, stage)
+        want = predicted_stage_bytes(plan, stage)
+        ratio = got.total / want
+        print(f"helix {case[:4]} {recompute} stage {stage}: ratio {ratio:.4f} ({got})")
+        assert got.activations > 0
+        assert 1.0 - HELIX_TOLERANCE <= ratio <= 1.0, (stage, got, want)
+
+
 def test_state_bytes_are_exactly_the_cost_models_per_parameter_bytes():
     for precision, sharding, dp in (("bf16", True, 2), ("bf16", False, 2), ("fp32", True, 4),
                                     ("fp16", False, 1), ("bf16", "gradients", 4),
