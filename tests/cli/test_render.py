@@ -192,3 +192,43 @@ def test_replica_groups_show_in_the_table_and_the_picture(tmp_path: Path) -> Non
     # the step-time parts are the critical group's: none exceeds the step
     p = plan.predicted
     assert p.compute_s + p.bubble_s <= p.step_time_s + 1e-9, p
+
+
+def test_helix_plans_draw_every_part_where_it_runs(tmp_path: Path) -> None:
+    """A pinned helix plan's Gantt: one bar per part of every layer of every microbatch (F/B
+    for the parameter parts, A/a for the attention cores), on the stage the order runs it,
+    timed as the order replayed with the plan's stage times."""
+    from hettrain.api.spec import parse_job_spec
+    from hettrain.planning import helix
+    from hettrain.planning.inventory import load_cluster
+    from hettrain.planning.planner import plan_job
+    from hettrain.render.figure import plan_timeline
+
+    inv = load_cluster({"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
+                        "metadata": {"name": "c"}, "datacenters": [{"name": "a"}],
+                        "pools": [{"name": "h", "datacenter": "a", "device": "H100-SXM",
+                                   "nodes": 1, "gpusPerNode": 4, "nicGbps": 400}]})
+    spec = parse_job_spec({"model": {"layers": 8, "hidden": 1024, "heads": 16,
+                                     "seqLen": 32768, "vocab": 32000},
+                           "training": {"globalBatch": 4, "steps": 1,
+                                        "recompute": "attention-free"},
+                           "parallelism": {"schedule": "helix", "pp": 4}})
+    plan = plan_job("j", spec, inv)
+    assert plan.schedule == "helix"
+    timeline = plan_timeline(plan)
+    layers, m = plan.model.layers, plan.num_microbatches
+    assert Counter(o.kind for o in timeline.ops) == {"F": 2 * layers * m, "B": 2 * layers * m,
+                                                     "A": layers * m, "a": layers * m}
+    orders = helix.helix_orders(plan.pp, layers, m, helix.costs_for(plan.model),
+                                plan.helix_hop)
+    cores = {(o.microbatch, o.stage) for o in timeline.ops if o.kind == "A"}
+    assert cores == {(j, s) for (j, _), s in helix.placement(orders).items()}
+    costs = helix.costs_for(plan.model)
+    unit = [s.time_ms / (layers / plan.pp) / sum(costs.values()) for s in plan.stages]
+    want = helix.makespan(orders, layers, [{k: c * u for k, c in costs.items()} for u in unit])
+    assert timeline.makespan_ms == pytest.approx(want, rel=1e-9)
+    out = tmp_path / "helix.svg"
+    render_plan_figure(plan, out)
+    ids = svg_ids(out)
+    assert sum(i.startswith("gantt-") for i in ids) == 6 * layers * m
+    assert "attention core" in out.read_text()
