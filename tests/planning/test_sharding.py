@@ -384,8 +384,8 @@ def sharded_instances(draw: st.DrawFn) -> tuple[dict, dict]:
     cluster, job = draw(instances())
     job["training"].pop("optimizerSharding", None)
     sharding = draw(st.sampled_from(["gradients", "full", "auto"]))
-    if (job.get("parallelism") or {}).get("schedule") in ("zb-h1", "interleaved-zb"):
-        sharding = "auto"  # gradients/full with a split backward are a spec error
+    if (job.get("parallelism") or {}).get("schedule") in ("zb-h1", "interleaved-zb", "helix"):
+        sharding = "auto"  # gradients/full with a split backward (or helix) are a spec error
     job["training"]["sharding"] = sharding
     return cluster, job
 
