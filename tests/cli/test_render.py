@@ -221,8 +221,9 @@ def test_helix_plans_draw_every_part_where_it_runs(tmp_path: Path) -> None:
                                                      "A": layers * m, "a": layers * m}
     orders = helix.helix_orders(plan.pp, layers, m, helix.costs_for(plan.model),
                                 plan.helix_hop)
-    cores = {(o.microbatch, o.stage) for o in timeline.ops if o.kind == "A"}
-    assert cores == {(j, s) for (j, _), s in helix.placement(orders).items()}
+    cores = Counter((o.microbatch, o.chunk, o.stage) for o in timeline.ops if o.kind == "A")
+    assert cores == Counter((j, k // plan.pp, s) for (j, k), s in
+                            helix.placement(orders).items())
     costs = helix.costs_for(plan.model)
     unit = [s.time_ms / (layers / plan.pp) / sum(costs.values()) for s in plan.stages]
     want = helix.makespan(orders, layers, [{k: c * u for k, c in costs.items()} for u in unit])

@@ -74,8 +74,8 @@ def test_the_price_is_the_order_the_runtime_builds_replayed():
     """The planner's pipelined time against the helix order the runtime builds from the same
     plan (its costs and hop), replayed with the plan's own stage times: each stage's layers
     split into parts by the FLOP shares, the embedding and head where they run, and the hop in
-    seconds. The planner's equal-stage divisor is within 5% of that replay; the boundary
-    charges come on top, as interleaved's do."""
+    seconds (the hop the plan carries, as the runtime orders by). The planner's price, whose
+    equal-stage divisor comes from that replay, is within 5% of it."""
     spec = _spec(seq=16384)
     inv = _cluster()
     plan = plan_job("j", spec, inv)
@@ -98,13 +98,10 @@ def test_the_price_is_the_order_the_runtime_builds_replayed():
 
     replay = _replay(orders, layers, [{k: c * unit for k, c in costs.items()}] * pp, extra,
                      plan.helix_hop * unit)
-    no_links, _ = cost.pipeline_time_s(stage_s, [0.0] * (pp - 1), m, "helix",
-                                       plan.virtual_stages, model=spec.model,
-                                       helix_hop=plan.helix_hop)
-    assert no_links == pytest.approx(replay, rel=0.05)
     priced, _ = cost.pipeline_time_s(stage_s, hops, m, "helix", plan.virtual_stages,
                                      model=spec.model, helix_hop=plan.helix_hop)
-    assert priced >= no_links
+    assert max(hops) * plan.virtual_stages < max(stage_s)  # no link busier than a stage
+    assert priced == pytest.approx(replay, rel=0.05)
     assert plan.predicted.pp_bytes_per_step == pytest.approx(
         plan.dp * cost.helix_bytes_per_step(spec.model, plan.micro_batch, 2, m, pp,
                                             plan.helix_hop))
@@ -127,14 +124,13 @@ def test_the_memory_bound_holds_every_order(pp, layers):
                 held -= (kind == "Bq") + (kind == "Ba" and not mine)
                 peak = max(peak, held)
             assert peak <= bound, (pp, layers, m, seq, hop, s)
-            assert peak == helix.held_peaks(pp, layers, m, costs)[s] or hop > 0
 
 
 def test_a_slow_link_keeps_cores_home():
     """The order weighs the transfer a moved core costs: with hops as long as a layer's
     forward no core leaves its owner; with free hops some do (128k: the core dominates)."""
     costs = helix.part_costs(131072, 4096, 32, 8, 14336)
-    assert helix.moved_cores(4, 32, 4, costs) > 0
+    assert helix.transfers(helix.helix_orders(4, 32, 4, costs, 0.0), 32)["qkv"] > 0
     assert helix.transfers(helix.helix_orders(4, 32, 4, costs, 1.0), 32)["qkv"] == 0
 
 
@@ -154,9 +150,9 @@ def test_layers_that_do_not_divide_leave_no_helix_layout():
                            "parallelism": {"schedule": "helix", "pp": 2}})
     with pytest.raises(PlanningError, match=r"no feasible layout .* 7 layers"):
         plan_job("j", spec, _cluster())
-    # 7 layers on one stage do divide: pp is searched when not pinned
+    # 7 stages of one layer each do: pp is searched when not pinned (helix needs pp >= 2)
     free = dataclasses.replace(spec, parallelism=dataclasses.replace(spec.parallelism, pp=None))
-    assert plan_job("j", free, _cluster()).pp in (1, 7)
+    assert plan_job("j", free, _cluster(gpus=8)).pp == 7
 
 
 def test_the_runtime_side_check_names_what_helix_cannot_run():
@@ -171,6 +167,10 @@ def test_the_runtime_side_check_names_what_helix_cannot_run():
     assert "ZeRO-2/3" in helix_errors(zero3)[0]
     with pytest.raises(SpecError, match=r"replicaGroups.*one pipeline shape"):
         _spec(replicaGroups=True)
+    with pytest.raises(SpecError, match=r"parallelism.pp.*pp >= 2"):
+        _spec(pp=1)
+    one = dataclasses.replace(plan, pp=1, stages=plan.stages[:1])
+    assert "plan.pp=1" in helix_errors(one)[0]
     job = {"model": {"layers": 8, "hidden": 1024, "heads": 16, "seqLen": 2048, "vocab": 32000},
            "training": {"globalBatch": 8, "steps": 1, "sharding": "full"},
            "parallelism": {"schedule": "helix"}}

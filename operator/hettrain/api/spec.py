@@ -645,6 +645,9 @@ def _parse_parallelism(f: _Fields) -> ParallelismSpec:
     if p.schedule == "helix" and p.virtual_stages is not None:
         raise SpecError(f"{f.path}.virtualStages", "the helix schedule holds one layer per "
                         "model chunk (layers / pp chunks per stage): omit virtualStages")
+    if p.schedule == "helix" and p.pp == 1:
+        raise SpecError(f"{f.path}.pp", "the helix schedule pipelines layers over stages: pin "
+                        "pp >= 2 (or omit it), or pick another schedule for one stage")
     if p.schedule == "helix" and p.replica_groups:
         raise SpecError(f"{f.path}.replicaGroups", "the helix schedule runs one pipeline "
                         "shape for every replica: set replicaGroups: false or another schedule")

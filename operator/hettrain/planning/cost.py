@@ -1099,10 +1099,11 @@ def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, sched
     ``interleaved-zb`` (both, on ``v`` chunks: ``planning/interleaved_zb.py``) divides it by
     its replayed order's own divisor (:func:`interleaved_zb.bubble_divisor`, ``3·v`` where its
     list scheduler is optimal) scaled by ``zb_div/3``, with interleaved's boundary traffic.
-    ``helix`` (``planning/helix.py``; needs ``model``) divides it by its order's divisor
-    replayed on equal stages with ``helix_hop`` per transfer (:func:`helix.bubble_divisor`;
-    the moved cores' transfers delay it there), with interleaved's boundary traffic at one
-    layer per chunk.
+    ``helix`` (``planning/helix.py``; needs ``model``): the stages' bubble ``Σ − max`` over
+    stages only, divided by its order's divisor replayed on equal stages with ``helix_hop``
+    per transfer (:func:`helix.bubble_divisor`: every transfer's delay, the moved cores'
+    included, is in that replay), and interleaved's boundary traffic at one layer per chunk in
+    the slowest term only (a link busier than a stage).
     Returns (total seconds, bubble seconds).
     """
     boundaries = boundary_charges(boundary_s, len(stage_s), schedule, virtual_stages)
@@ -1119,6 +1120,7 @@ def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, sched
     elif schedule == "helix":
         if model is None:
             raise ValueError("pipeline_time_s: the helix order needs the model")
-        bubble /= helix.bubble_divisor(len(stage_s), model.layers, m, helix.costs_for(model),
-                                       helix_hop)
+        # the replay already delays every transfer by the hop: the stages' bubble alone
+        bubble = (sum(stage_s) - max(stage_s)) / helix.bubble_divisor(
+            len(stage_s), model.layers, m, helix.costs_for(model), helix_hop)
     return m * slowest + bubble, bubble

@@ -324,14 +324,6 @@ def placement(orders: Sequence[Sequence[HelixAction]]) -> dict[tuple[int, int], 
             if kind == "Fa"}
 
 
-def helix_actions(stage: int, pp: int, layers: int, m: int,
-                  costs: Mapping[str, float], hop: float = 0.0) -> list[HelixAction]:
-    """``stage``'s ordered actions (:func:`helix_orders`)."""
-    if not 0 <= stage < pp:
-        raise ValueError(f"stage {stage} out of range for pp={pp}")
-    return list(helix_orders(pp, layers, m, costs, hop)[stage])
-
-
 def makespan(orders: Sequence[Sequence[HelixAction]], layers: int,
              stage_costs: Sequence[Mapping[str, float]],
              hop_s: float = 0.0) -> float:
@@ -374,59 +366,3 @@ def transfers(orders: Sequence[Sequence[HelixAction]], layers: int) -> dict[str,
     hidden = sum(1 for k in range(layers - 1) if owner(k, pp) != owner(k + 1, pp)) * m
     remote = sum(1 for (_, k), s in placement(orders).items() if s != owner(k, pp))
     return {"hidden": 2 * hidden, "qkv": 2 * remote, "core": 2 * remote}
-
-
-def stage_peaks(orders: Sequence[Sequence[HelixAction]],
-                saved: Mapping[str, float]) -> list[float]:
-    """Per stage, the most activation memory its order holds at once, with ``saved[kind]``
-    kept from each forward action (``Fq``, ``Fa``, ``Fo``) until its backward runs."""
-    out = []
-    for actions in orders:
-        live = peak = 0.0
-        for kind, _, _ in actions:
-            if kind in FORWARD:
-                live += saved[kind]
-                peak = max(peak, live)
-            else:
-                live -= saved["F" + kind[1]]
-        out.append(peak)
-    return out
-
-
-def held_peaks(pp: int, layers: int, m: int, costs: Mapping[str, float]) -> tuple[float, ...]:
-    """Per stage, the most layer activations its order holds at once, in layers of one
-    microbatch: each of its own ``(microbatch, layer)`` from ``Fq`` to ``Bq``, and each core
-    it runs for another stage from ``Fa`` to ``Ba`` (counted as a whole layer: an upper
-    bound)."""
-    check_layout(layers, pp, m)
-    return _held_peaks(pp, layers, m, _freeze([costs]))
-
-
-@lru_cache(maxsize=1024)
-def _held_peaks(pp: int, layers: int, m: int, frozen: tuple[tuple[float, ...], ...]
-                ) -> tuple[float, ...]:
-    orders = _best(pp, layers, m, frozen * pp, 0.0)
-    out = []
-    for s, actions in enumerate(orders):
-        live = peak = 0
-        for kind, _, k in actions:
-            mine = owner(k, pp) == s
-            if (kind == "Fq") or (kind == "Fa" and not mine):
-                live += 1
-                peak = max(peak, live)
-            elif (kind == "Bq") or (kind == "Ba" and not mine):
-                live -= 1
-        out.append(float(peak))
-    return tuple(out)
-
-
-def moved_cores(pp: int, layers: int, m: int, costs: Mapping[str, float]) -> int:
-    """Cores of one step that run away from their owner (two transfers each way)."""
-    check_layout(layers, pp, m)
-    return _moved_cores(pp, layers, m, _freeze([costs]) * pp)
-
-
-@lru_cache(maxsize=1024)
-def _moved_cores(pp: int, layers: int, m: int, frozen: tuple[tuple[float, ...], ...]) -> int:
-    orders = _best(pp, layers, m, frozen, 0.0)
-    return sum(1 for (_, k), s in placement(orders).items() if s != owner(k, pp))

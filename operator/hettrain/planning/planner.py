@@ -577,7 +577,7 @@ def _schedule_fits(schedule: str, v: int, pp: int, m: int, layers: int) -> bool:
     if schedule == "interleaved-zb":
         return pp >= 2 and layers >= pp * v
     if schedule == "helix":
-        return (layers % pp == 0 and v == layers // pp
+        return (pp >= 2 and layers % pp == 0 and v == layers // pp
                 and m <= helix.MAX_MICROBATCHES_PER_STAGE * pp)
     if schedule == "zb-h1":
         return pp >= 2
@@ -839,7 +839,7 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
     scaled = [StageCost(s.a, s.b, s.c * f, s.e * f, s.max_layers) for s in stages]
     p_max, p_sum = max(boundaries, default=0.0), sum(boundaries)
     search.evaluated += 1
-    if search.exhaustive:
+    if search.exhaustive or schedule == "helix":  # helix: one split (layers/pp each)
         result = split_layers_brute_force(scaled, model.layers, f * m, p_max, v)
     else:
         # scaled objective: f·T = (f·m − 1)·X + Σt + f·max d, plus the boundaries' Σ

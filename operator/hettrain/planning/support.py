@@ -51,13 +51,17 @@ def unsupported(plan: Plan) -> list[str]:
 
 def helix_errors(plan: Plan) -> list[str]:
     """Why the runtime cannot run this plan's helix schedule (empty: it can, or another
-    schedule): one layer per model chunk (``layers`` a multiple of ``pp``, ``layers / pp`` on
-    every stage, ``virtual_stages = layers / pp``), stages without TP or CP, no replica
-    groups, no ZeRO-2/3 (``runtime/helix.py``)."""
+    schedule): ``pp ≥ 2``, one layer per model chunk (``layers`` a multiple of ``pp``,
+    ``layers / pp`` on every stage, ``virtual_stages = layers / pp``), stages without TP or
+    CP, no replica groups, no ZeRO-2/3 (``runtime/helix.py``)."""
     if plan.schedule != "helix":
         return []
     out = []
     layers, pp = plan.model.layers, plan.pp
+    if pp < 2:
+        out.append("plan.schedule=helix with plan.pp=1: it pipelines layers over stages; set "
+                   "spec.parallelism.pp >= 2 or another schedule")
+        return out
     per = layers // pp
     if layers % pp or any(s.layer_end - s.layer_start != per for s in plan.stages) \
             or plan.virtual_stages != per:

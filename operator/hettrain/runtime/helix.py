@@ -19,8 +19,11 @@ gradient is complete after ``Bq`` and only then leaves for the previous layer's 
 Transfers: every message (a layer output, q/k/v, a core output, or their gradients) is cast
 to the plan's precision and travels host-staged over the gloo world group with a tag unique
 to ``(microbatch, layer, payload)`` (:func:`message_tag`), so matching never depends on order.
-Sends never block (``isend``) and each stage receives in its own order, which the planner's
-list scheduler realised once with the same dependencies: no deadlock. Recompute follows the
+Sends never block (``isend``; the host copies of finished ones are dropped after each part)
+and each stage receives in its own order, which the planner's list scheduler realised once
+with the same dependencies: no deadlock. The stage times it reports for closed-loop
+calibration are every part it ran (the cores it took from other stages included, embedding
+and head too), per microbatch. Recompute follows the
 plan: ``attention-free`` and ``full`` checkpoint the two parameter parts (the core's output is
 kept), ``selective`` and ``full`` the core.
 """
@@ -257,9 +260,13 @@ class HelixRunner:
             t0 = time.perf_counter()
             ops[kind](j, k)
             busy += time.perf_counter() - t0
+            # a per-layer schedule sends layers·m messages a step: keep only those in flight
+            self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
         if state or local:
             raise RuntimeError(f"helix stage {me}: step ended with unconsumed state "
                                f"{sorted(state)[:4]} / messages {sorted(local)[:4]}")
+        # every part this stage ran (its own, and the cores it took from other stages),
+        # embedding and head included: what the stage's device was busy with
         self.last_compute_s = max(0.0, busy - self._p2p_s) / m
         self.last_layers_s = self.last_compute_s
         t0 = time.perf_counter()
