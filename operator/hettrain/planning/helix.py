@@ -42,8 +42,10 @@ executes the same order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
+
+from hettrain.planning.replay import replay
 
 HelixAction = tuple[str, int, int]  # (kind, microbatch, layer)
 FORWARD = ("Fq", "Fa", "Fo")
@@ -328,32 +330,20 @@ def makespan(orders: Sequence[Sequence[HelixAction]], layers: int,
              stage_costs: Sequence[Mapping[str, float]],
              hop_s: float = 0.0) -> float:
     """Replay per-stage action lists with ``stage_costs[s][kind]`` seconds per action and
-    ``hop_s`` seconds for every transfer between different stages; returns the makespan.
-    Raises ``RuntimeError`` on a deadlock."""
-    pp = len(orders)
+    ``hop_s`` seconds for every transfer between different stages (:func:`timed`); returns
+    the makespan. Raises ``RuntimeError`` on a deadlock."""
+    times = timed(orders, layers, lambda a, s: stage_costs[s][a[0]], hop_s)
+    return max((end for _, _, end in times.values()), default=0.0)
+
+
+def timed(orders: Sequence[Sequence[HelixAction]], layers: int,
+          duration: Callable[[HelixAction, int], float],
+          hop_s: float = 0.0) -> dict[HelixAction, tuple[int, float, float]]:
+    """``{action: (stage, start, end)}`` of the orders replayed (:func:`replay.replay`) with
+    ``duration(action, stage)`` seconds each and ``hop_s`` per transfer between stages."""
     where = {a: s for s, actions in enumerate(orders) for a in actions}
-    done: dict[HelixAction, float] = {}
-    pos, free = [0] * pp, [0.0] * pp
-    remaining = sum(len(a) for a in orders)
-    while remaining:
-        progressed = False
-        for s in range(pp):
-            while pos[s] < len(orders[s]):
-                action = orders[s][pos[s]]
-                deps = _deps(action, layers)
-                if any(d not in done for d in deps):
-                    break
-                start = free[s]
-                for d in deps:
-                    hop = hop_s if where[d] != s else 0.0
-                    start = max(start, done[d] + hop)
-                free[s] = done[action] = start + stage_costs[s][action[0]]
-                pos[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"helix schedule deadlocks at positions {pos}")
-    return max(free)
+    return replay(orders, lambda a, s: _deps(a, layers), duration,
+                  lambda d, s: hop_s if where[d] != s else 0.0)
 
 
 def transfers(orders: Sequence[Sequence[HelixAction]], layers: int) -> dict[str, int]:

@@ -30,6 +30,8 @@ import math
 from collections import deque
 from functools import lru_cache
 
+from hettrain.planning.replay import replay
+
 ChunkAction = tuple[str, int, int]  # ("F" | "B" | "W", microbatch, chunk)
 
 
@@ -194,25 +196,14 @@ def makespan(orders: tuple[tuple[ChunkAction, ...], ...] | list[list[ChunkAction
     ``RuntimeError`` on a deadlock."""
     pp = len(orders)
     last_k = pp * v - 1
-    done: dict[tuple[str, int, int], float] = {}
-    pos, free = [0] * pp, [0.0] * pp
-    remaining = sum(len(a) for a in orders)
-    while remaining:
-        progressed = False
-        for s in range(pp):
-            while pos[s] < len(orders[s]):
-                kind, i, c = orders[s][pos[s]]
-                k = c * pp + s
-                deps = {"F": [("F", k - 1, i)] if k else [],
-                        "B": [("F", k, i)] + ([("B", k + 1, i)] if k < last_k else []),
-                        "W": [("B", k, i)]}[kind]
-                if any(d not in done for d in deps):
-                    break
-                start = max([free[s]] + [done[d] for d in deps])
-                free[s] = done[(kind, k, i)] = start + stage_costs[s][kind]
-                pos[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"schedule deadlocks at positions {pos}")
-    return max(free)
+
+    def deps(action: ChunkAction, s: int) -> list[tuple[str, int, int]]:
+        kind, i, c = action
+        k = c * pp + s
+        return {"F": [("F", k - 1, i)] if k else [],
+                "B": [("F", k, i)] + ([("B", k + 1, i)] if k < last_k else []),
+                "W": [("B", k, i)]}[kind]
+
+    times = replay(orders, deps, lambda a, s: stage_costs[s][a[0]],
+                   key=lambda a, s: (a[0], a[2] * pp + s, a[1]))
+    return max((end for _, _, end in times.values()), default=0.0)

@@ -266,29 +266,9 @@ def helix_timeline(stage_times_ms: Sequence[float], microbatches: int, layers: i
     orders = helix.helix_orders(pp, layers, microbatches, costs, hop)
     per_layer = sum(costs.values())
     unit = [t / (layers / pp) / per_layer for t in stage_times_ms]
-    where = {a: s for s, actions in enumerate(orders) for a in actions}
     kinds = {"Fq": FORWARD, "Fo": FORWARD, "Fa": CORE, "Bo": BACKWARD, "Bq": BACKWARD,
              "Ba": CORE_BACKWARD}
-    done: dict[tuple[str, int, int], float] = {}
-    pos, free = [0] * pp, [0.0] * pp
-    ops: list[Op] = []
-    remaining = sum(len(a) for a in orders)
-    while remaining:
-        progressed = False
-        for s in range(pp):
-            while pos[s] < len(orders[s]):
-                action = orders[s][pos[s]]
-                deps = helix._deps(action, layers)
-                if any(d not in done for d in deps):
-                    break
-                start = max([free[s]] + [done[d] + (p2p_ms if where[d] != s else 0.0)
-                                         for d in deps])
-                end = start + costs[action[0]] * unit[s]
-                free[s] = done[action] = end
-                ops.append(Op(s, kinds[action[0]], action[1], action[2] // pp, start, end))
-                pos[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"helix schedule deadlocked at positions {pos}")
+    times = helix.timed(orders, layers, lambda a, s: costs[a[0]] * unit[s], p2p_ms)
+    ops = sorted((Op(s, kinds[a[0]], a[1], a[2] // pp, start, end)
+                  for a, (s, start, end) in times.items()), key=lambda o: (o.start_ms, o.stage))
     return Timeline("helix", pp, microbatches, layers // pp, tuple(ops))
