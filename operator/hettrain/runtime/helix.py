@@ -41,7 +41,14 @@ from torch.utils.checkpoint import checkpoint
 from hettrain.planning import helix as order
 from hettrain.planning.plan import Plan
 from hettrain.runtime.collectives import Tier
-from hettrain.runtime.collectives.p2p import ACTIVATION, GRADIENT, to_device, to_host, wire_dtype
+from hettrain.runtime.collectives.p2p import (
+    ACTIVATION,
+    GRADIENT,
+    drain,
+    to_device,
+    to_host,
+    wire_dtype,
+)
 from hettrain.runtime.model import _attention_core, apply_rope
 
 # payloads of a message; each has an activation and a gradient direction
@@ -269,9 +276,5 @@ class HelixRunner:
         # embedding and head included: what the stage's device was busy with
         self.last_compute_s = max(0.0, busy - self._p2p_s) / m
         self.last_layers_s = self.last_compute_s
-        t0 = time.perf_counter()
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
-        self.last_p2p_s = self._p2p_s + time.perf_counter() - t0
+        self.last_p2p_s = self._p2p_s + drain(self._pending)
         return total

@@ -50,6 +50,7 @@ from hettrain.runtime.collectives.p2p import (  # noqa: F401 (stream_tag re-expo
     ACTIVATION,
     GRADIENT,
     Piece,
+    drain,
     plan_streams,
     stream_tag,
     to_device,
@@ -403,11 +404,7 @@ class StageRunner:
                 w_s += time.perf_counter() - t0
         self.last_compute_s = max(0.0, busy - self._p2p_s) / m
         self.last_layers_s = (self.clock.reset() + w_s) / m
-        t0 = time.perf_counter()
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
-        self.last_p2p_s = self._p2p_s + time.perf_counter() - t0
+        self.last_p2p_s = self._p2p_s + drain(self._pending)
         return total
 
     @torch.no_grad()
@@ -432,7 +429,5 @@ class StageRunner:
                     total += self.model.loss(out, batches[i][1]).item()
                 else:
                     self._send(out, c, ACTIVATION)
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        drain(self._pending)
         return total

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -152,6 +153,16 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 def to_device(host: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     """A received host tensor on ``device`` (``None`` or the CPU: as it is)."""
     return host if device is None or device.type == "cpu" else host.to(device)
+
+
+def drain(pending: list[tuple[dist.Work, torch.Tensor]]) -> float:
+    """Wait for every pending send (``(work, buffer)`` pairs, buffers kept alive until then),
+    empty the list; returns the seconds waited."""
+    t0 = time.perf_counter()
+    for work, _ in pending:
+        work.wait()
+    pending.clear()
+    return time.perf_counter() - t0
 
 
 def send_tensor(t: torch.Tensor, peer: int, group: dist.ProcessGroup | None = None) -> None:
