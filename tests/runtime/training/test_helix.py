@@ -18,7 +18,7 @@ import pytest
 import torch
 from tests.runtime.checkpoints import rewind
 from tests.runtime.training.plans import TINY, tiny_plan
-from tests.runtime.training.test_interleaved import _assert_matches, _assert_ran, _run
+from tests.runtime.training.test_interleaved import RTOL, _assert_matches, _assert_ran, _run
 
 from hettrain.planning.helix import (
     FORWARD,
@@ -215,13 +215,26 @@ def test_helix_pp4_moves_cores_matches_reference_and_resumes_as_1f1b(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["none", "attention-free"])
 def test_helix_pp2_dp2_matches_reference(tmp_path, recompute):
+    """Training losses and the validation losses (the forward-only pass over the chunk
+    streams) match the single-process reference."""
     steps = 3
     plan = _helix([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=2, steps=steps,
-                  num_microbatches=3, recompute=recompute)
+                  num_microbatches=3, recompute=recompute, validation_interval=2,
+                  validation_batches=2)
     got, logs, sums, _ = _run(tmp_path, plan)
     _assert_ran(logs, sums, plan, "helix")
-    _assert_matches(got, reference_losses(plan, steps), range(steps))
+    validation: dict[int, float] = {}
+    _assert_matches(got, reference_losses(plan, steps, validation=validation), range(steps))
+    assert sorted(validation) == [2]
+    last = max(s["rank"] for s in sums)
+    rec = next(s for s in sums if s["rank"] == last)
+    assert rec["validation"]["2"] == pytest.approx(validation[2], rel=RTOL)
     p2p = sum(b for s in sums for b in s["bytes"].values()) - sum(
         s["bytes"].get("intra_pool", 0) for s in sums)
-    assert p2p == _message_bytes(plan, steps)
+    # validation: forward only over the chunk boundaries (pp·v − 1), validation_batches
+    # global batches, i.e. that many times m microbatches per replica, fp32
+    act = plan.micro_batch * plan.model.seq_len * plan.model.hidden * 4
+    val = (plan.dp * (plan.pp * plan.virtual_stages - 1) * plan.training.validation_batches
+           * plan.num_microbatches * act)
+    assert p2p == _message_bytes(plan, steps) + val
 
