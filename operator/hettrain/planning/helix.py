@@ -1,5 +1,5 @@
 """The ``helix`` pipeline schedule: HelixPipe's attention-parallel partition (Zhang et al.,
-PPoPP'26, arXiv 2507.00394), as this project builds it.
+arXiv 2507.00394), as this project builds it.
 
 At long sequences the attention core (``softmax(q·kᵀ)·v``: quadratic in the sequence, no
 parameters) dominates a layer, and a layer-wise pipeline's fill and drain bubble is made of
@@ -33,7 +33,8 @@ deadlock-free for any real costs: it was realised once with the same dependencie
 runtime's sends never block. Messages carry a tag unique to (microbatch, layer, kind), so
 matching does not depend on order.
 
-The planner searches it where microbatches are scarce (``m ≤ 4·pp``,
+Pinned (``schedule: helix``; ``auto`` leaves it out), the planner searches it where
+microbatches are scarce (``m ≤ 4·pp``,
 :data:`MAX_MICROBATCHES_PER_STAGE`), prices its replayed bubble (:func:`bubble_divisor`) with
 the hop the plan then carries (``plan.helix_hop``), and bounds its memory without building it
 (:func:`in_flight_bound`). Pure Python (no torch): the runtime (``runtime/helix.py``)
