@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hettrain.planning import helix as order
 from hettrain.planning.plan import Plan
-from hettrain.runtime.collectives import Tier
+from hettrain.runtime.collectives import Tier, tier_of
 from hettrain.runtime.collectives.p2p import (
     ACTIVATION,
     GRADIENT,
@@ -123,8 +123,8 @@ class HelixRunner:
         self.device, self.act_dtype = param.device, param.dtype
         self.wire = wire_dtype(plan.training.precision)
         # the ranks of this rank's replica, by stage (messages stay inside one replica)
-        self.peer = {r.stage: r.rank for r in plan.ranks if r.dp == me.dp and r.tp == me.tp
-                     and getattr(r, "cp", 0) == getattr(me, "cp", 0)}
+        self.peer = {r.stage: r.rank for r in plan.ranks
+                     if (r.dp, r.tp, r.cp) == (me.dp, me.tp, me.cp)}
         self.costs = plan_costs(plan)
         mode = plan.training.recompute
         self.ckpt_parts = mode in ("attention-free", "full")
@@ -136,10 +136,7 @@ class HelixRunner:
     # ------------------------------------------------------------------ transport
 
     def _tier(self, peer: int) -> Tier:
-        other = self.plan.ranks[peer]
-        if other.datacenter != self.me.datacenter:
-            return Tier.CROSS_DC
-        return Tier.INTER_POOL if other.pool != self.me.pool else Tier.INTRA_POOL
+        return tier_of((self.me, self.plan.ranks[peer]))
 
     def _send(self, t: torch.Tensor, stage: int, tag: int, layer: int, kind: int) -> None:
         t0 = time.perf_counter()

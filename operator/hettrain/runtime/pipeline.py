@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from hettrain.api.spec import chunked_schedule, splits_backward
 from hettrain.planning.plan import Plan
-from hettrain.runtime.collectives import Tier
+from hettrain.runtime.collectives import Tier, tier_of
 from hettrain.runtime.collectives.p2p import (  # noqa: F401 (stream_tag re-exported)
     ACTIVATION,
     GRADIENT,
@@ -232,10 +232,7 @@ class StageRunner:
         return (0, c + 1) if c < self.v - 1 else (None, 0)
 
     def _tier(self, peer: int) -> Tier:
-        other = self.plan.ranks[peer]
-        if other.datacenter != self.me.datacenter:
-            return Tier.CROSS_DC
-        return Tier.INTER_POOL if other.pool != self.me.pool else Tier.INTRA_POOL
+        return tier_of((self.me, self.plan.ranks[peer]))
 
     def _on_host(self, group: dist.ProcessGroup | None) -> bool:
         """Whether a transfer on ``group`` is staged through host memory (gloo)."""

@@ -63,7 +63,7 @@ from hettrain.api.spec import ModelSpec
 from hettrain.planning.cost import vocab_shards
 from hettrain.planning.plan import Plan
 from hettrain.planning.support import group_cp, group_stage_units
-from hettrain.runtime.collectives.stats import Tier
+from hettrain.runtime.collectives.stats import Tier, tier_of
 from hettrain.runtime.model import LlamaDecoderLayer
 from hettrain.runtime.tensor_parallel import shard_layout
 
@@ -198,9 +198,7 @@ def group_config(cfg, rank: int):
 
 
 def _tier(plan: Plan, ranks: Sequence[int]) -> Tier:
-    if len({plan.ranks[r].datacenter for r in ranks}) > 1:
-        return Tier.CROSS_DC
-    return Tier.INTER_POOL if len({plan.ranks[r].pool for r in ranks}) > 1 else Tier.INTRA_POOL
+    return tier_of(plan.ranks[r] for r in ranks)
 
 
 @dataclass

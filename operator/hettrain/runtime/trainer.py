@@ -16,7 +16,7 @@ from hettrain.planning.catalog import CATALOG
 from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan
 from hettrain.runtime import checkpoint as ckpt
-from hettrain.runtime.collectives import DiLoCo, HetCommunicator, Tier
+from hettrain.runtime.collectives import DiLoCo, HetCommunicator, Tier, tier_of
 from hettrain.runtime.config import ENV_OPTIMIZER, OPTIMIZERS, RuntimeConfig
 from hettrain.runtime.context_parallel import ContextParallel, comm_view, enable_
 from hettrain.runtime.dataset import DataSource, open_data, replica_rows, rows_microbatches
@@ -394,8 +394,7 @@ class Trainer:
         me = self.job_plan.ranks[self.rank]
         peers = [r for r in self.job_plan.ranks if (r.stage, r.dp, r.tp) == (me.stage, me.dp,
                                                                               me.tp)]
-        tier = (Tier.CROSS_DC if len({r.datacenter for r in peers}) > 1 else
-                Tier.INTER_POOL if len({r.pool for r in peers}) > 1 else Tier.INTRA_POOL)
+        tier = tier_of(peers)
         return lambda nbytes, secs: self.comm.stats.add(tier, nbytes, secs)
 
     def _shard(self, batches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -407,10 +406,8 @@ class Trainer:
 
     def _dp_tier(self) -> Tier:
         """The slowest link this rank's stage DP group spans (for the loss all-reduce)."""
-        peers = [r for r in self.plan.ranks if (r.stage, r.tp) == (self.me.stage, self.me.tp)]
-        if len({r.datacenter for r in peers}) > 1:
-            return Tier.CROSS_DC
-        return Tier.INTER_POOL if len({r.pool for r in peers}) > 1 else Tier.INTRA_POOL
+        return tier_of(r for r in self.plan.ranks
+                       if (r.stage, r.tp) == (self.me.stage, self.me.tp))
 
     def _outer_state(self) -> dict[str, torch.Tensor]:
         """DiLoCo's outer momentum, keyed by global parameter names (checkpointed)."""

@@ -49,12 +49,12 @@ from hettrain.runtime.collectives.hierarchical import (
     hierarchical_all_reduce_,
     leader_all_reduce_,
 )
-from hettrain.runtime.collectives.stats import CommStats, Tier
+from hettrain.runtime.collectives.stats import CommStats, Tier, tier_of
 from hettrain.runtime.collectives.topology import Hierarchy, layout, peer_rank
 
 __all__ = [
     "BridgeWork", "Codec", "CommStats", "DiLoCo", "ErrorFeedback", "HetCommunicator", "Hierarchy",
     "LinkModel", "Tier", "bridged_all_reduce_", "bridged_all_reduce_async", "choose_algorithm",
     "compressed_all_reduce_", "estimate_seconds", "flat_all_reduce_", "hierarchical_all_reduce_",
-    "layout", "leader_all_reduce_", "link_model", "peer_rank",
+    "layout", "leader_all_reduce_", "link_model", "peer_rank", "tier_of",
 ]

@@ -31,7 +31,7 @@ from hettrain.runtime.collectives.hierarchical import (
     leader_all_reduce_,
 )
 from hettrain.runtime.collectives.p2p import plan_streams, recv_tensor, send_tensor
-from hettrain.runtime.collectives.stats import CommStats, Tier
+from hettrain.runtime.collectives.stats import CommStats, Tier, tier_of
 from hettrain.runtime.collectives.topology import Hierarchy, layout, peer_rank
 
 ALGORITHMS = ("auto", "flat", "hierarchical", "leader")
@@ -222,16 +222,13 @@ class HetCommunicator:
         self.pool_backends = {p: overrides.get(p, overrides.get("*", b))
                               for p, b in pool_backend.items()}
         pool_of = {r.rank: r.pool for r in plan.ranks}
-        dc_of = {r.rank: r.datacenter for r in plan.ranks}
 
         def backend_of(ranks: Sequence[int]) -> str:
             pools = {pool_of[r] for r in ranks}
             return self.pool_backends.get(pools.pop(), "gloo") if len(pools) == 1 else "gloo"
 
-        def tier_of(ranks: Sequence[int]) -> Tier:
-            if len({dc_of[r] for r in ranks}) > 1:
-                return Tier.CROSS_DC
-            return Tier.INTER_POOL if len({pool_of[r] for r in ranks}) > 1 else Tier.INTRA_POOL
+        def link_tier(ranks: Sequence[int]) -> Tier:
+            return tier_of(plan.ranks[r] for r in ranks)
 
         # a rank on the host CPU runs gloo in every group (nccl/hccl need device tensors); the
         # keys stay the plan's names, so its group sequence matches its accelerated peers'
@@ -246,18 +243,18 @@ class HetCommunicator:
         key = (self.me.stage, self.me.tp)
         self._levels: dict[str, _Level] = {}
         for k, hier in lay.dp:
-            lvl = _Level(hier, groups, backend_of, Tier.INTRA_POOL, tier_of(hier.ranks))
+            lvl = _Level(hier, groups, backend_of, Tier.INTRA_POOL, link_tier(hier.ranks))
             lvl.link = link_model(plan, hier)
             if k == key:
                 self._levels["global"] = lvl
         for k, hier in lay.dp_dc:
-            lvl = _Level(hier, groups, backend_of, Tier.INTRA_POOL, tier_of(hier.ranks))
+            lvl = _Level(hier, groups, backend_of, Tier.INTRA_POOL, link_tier(hier.ranks))
             lvl.link = link_model(plan, hier)
             if k == (*key, self.me.datacenter):
                 self._levels["dc"] = lvl
         for k, hier in lay.dp_cross_dc:
-            intra_t = max((tier_of(b) for b in hier.blocks), key=lambda t: list(Tier).index(t))
-            lvl = _Level(hier, groups, backend_of, intra_t, tier_of(hier.ranks))
+            intra_t = max((link_tier(b) for b in hier.blocks), key=lambda t: list(Tier).index(t))
+            lvl = _Level(hier, groups, backend_of, intra_t, link_tier(hier.ranks))
             lvl.link = link_model(plan, hier)
             if k == key:
                 self._levels["cross_dc"] = lvl
@@ -553,7 +550,4 @@ class HetCommunicator:
             return recv_tensor(shape, dtype, peer, self.device)
 
     def _p2p_tier(self, peer: int) -> Tier:
-        other = self.plan.ranks[peer]
-        if other.datacenter != self.me.datacenter:
-            return Tier.CROSS_DC
-        return Tier.INTER_POOL if other.pool != self.me.pool else Tier.INTRA_POOL
+        return tier_of((self.me, self.plan.ranks[peer]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -15,6 +15,15 @@ class Tier(enum.Enum):
     INTRA_POOL = "intra_pool"
     INTER_POOL = "inter_pool"
     CROSS_DC = "cross_dc"
+
+
+def tier_of(ranks: Iterable) -> Tier:
+    """The slowest link among ``ranks`` (plan ``RankPlan`` entries): across datacenters,
+    across pools, else inside one pool."""
+    ranks = list(ranks)
+    if len({r.datacenter for r in ranks}) > 1:
+        return Tier.CROSS_DC
+    return Tier.INTER_POOL if len({r.pool for r in ranks}) > 1 else Tier.INTRA_POOL
 
 
 @dataclass
