@@ -58,7 +58,6 @@ from hettrain.runtime.collectives.p2p import (  # noqa: F401 (stream_tag re-expo
     wire_dtype,
 )
 from hettrain.runtime.helix import HelixRunner
-from hettrain.runtime.helix import check_stage as check_helix_stage
 from hettrain.runtime.model import (
     WeightGradStore,
     defer_weight_grads,
@@ -148,10 +147,6 @@ class StageRunner:
             if self.pp < 2:
                 raise ValueError(f"plan.pp={self.pp}: the {self.schedule} schedule needs "
                                  "pp >= 2 (use schedule 1f1b on one stage)")
-            if self.schedule == "helix" and self.v != plan.model.layers // self.pp:
-                raise ValueError(f"plan.virtual_stages={plan.virtual_stages}: the helix "
-                                 f"schedule holds one layer per chunk, layers / pp = "
-                                 f"{plan.model.layers // self.pp}")
             if self.schedule == "interleaved" and plan.num_microbatches % self.pp:
                 raise ValueError(f"plan.num_microbatches={plan.num_microbatches}: the "
                                  f"interleaved schedule needs a multiple of pp={self.pp}")
@@ -166,8 +161,10 @@ class StageRunner:
         set_weight_grad_deferral(model, splits_backward(self.schedule))
         self.tp = plan.stages[self.stage].tp
         self.tp_group = comm.tp_group if comm is not None else None
-        if self.schedule == "helix":
-            check_helix_stage(plan, self.stage)
+        self.p2p_stats = P2PStats()
+        # helix: its own runner (checks the stage holds one layer per chunk, no TP or CP)
+        self.helix = (HelixRunner(plan, rank, model, self.stats, self.p2p_stats)
+                      if self.schedule == "helix" else None)
         if self.tp > 1 and self.pp > 1 and self.tp_group is None:
             raise ValueError(f"plan.stages[{self.stage}].tp={self.tp}: the pipeline needs the "
                              "communicator (StageRunner(..., comm=)) for the TP all-gather")
@@ -189,7 +186,6 @@ class StageRunner:
                 table.setdefault(key, _Link(st.boundary, st.kind, st.tag)).pieces.append(
                     (piece, group))
         self._tp_perm = self._gather_order()
-        self.p2p_stats = P2PStats()
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         # receives posted before they are needed (``irecv``), per stream: the sender's data can
         # then move while this rank computes instead of after it asks (messages of one stream
@@ -209,8 +205,6 @@ class StageRunner:
         self.clock = LayerClock()
         if hasattr(model, "layer_clock"):
             model.layer_clock = self.clock
-        self.helix = (HelixRunner(plan, rank, model, self.stats, self.p2p_stats)
-                      if self.schedule == "helix" else None)
 
     def _gather_order(self) -> list[int] | None:
         """Group-rank order of the TP all-gather's blocks by TP index (None: already in order)."""
