@@ -328,9 +328,13 @@ def _run_helix(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer,
     opt.zero_grad()
     if stage != plan.pp - 1:
         return 0
-    logits = b * spec.seq_len * spec.vocab
-    elem = opt.dtype.itemsize
-    return 2 * logits * elem + (0 if opt.dtype == torch.float32 else logits * 4)
+    return _loss_buffer_bytes(b * spec.seq_len * spec.vocab, opt.dtype)
+
+
+def _loss_buffer_bytes(logits: int, dtype: torch.dtype) -> int:
+    """What the loss holds while it and its backward run: ``logits`` logits and their
+    gradient in ``dtype``, and below fp32 their fp32 copy."""
+    return 2 * logits * dtype.itemsize + (0 if dtype == torch.float32 else logits * 4)
 
 
 def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer,
@@ -357,9 +361,7 @@ def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer
             with _saved_tensors(tracker):
                 out = model.forward_chunk(c, x) if chunked else model(x)
                 if last and c == v - 1:
-                    extra = 0 if out.dtype == torch.float32 else out.numel() * 4
-                    loss_buffers = max(loss_buffers,
-                                       2 * out.numel() * out.element_size() + extra)
+                    loss_buffers = max(loss_buffers, _loss_buffer_bytes(out.numel(), out.dtype))
                     y = torch.randint(0, spec.vocab, (b, seq), generator=gen)
                     out = model.loss(out, y)
             held[(i, c)] = (out, tracker.hold(out))  # the runner keeps it for backward
