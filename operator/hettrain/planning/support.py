@@ -53,7 +53,7 @@ def helix_errors(plan: Plan) -> list[str]:
     """Why the runtime cannot run this plan's helix schedule (empty: it can, or another
     schedule): ``pp ≥ 2``, one layer per model chunk (``layers`` a multiple of ``pp``,
     ``layers / pp`` on every stage, ``virtual_stages = layers / pp``), stages without TP or
-    CP, no replica groups, no ZeRO-2/3 (``runtime/helix.py``)."""
+    CP, no replica groups (``runtime/helix.py``; ZeRO-2/3: :func:`sharding_errors`)."""
     if plan.schedule != "helix":
         return []
     out = []
@@ -74,18 +74,15 @@ def helix_errors(plan: Plan) -> list[str]:
     if plan.groups:
         out.append("plan.schedule=helix with plan.groups: set spec.parallelism.replicaGroups: "
                    "false")
-    if plan.training.sharding in ("gradients", "full"):
-        out.append(f"plan.training.sharding={plan.training.sharding} with plan.schedule=helix: "
-                   "its layer parts run outside the layer's forward, where ZeRO-2/3 hook each "
-                   "unit; set spec.training.sharding: optimizer")
     return out
 
 
 def sharding_errors(plan: Plan) -> list[str]:
     """Why the runtime cannot run this plan's ZeRO-2/3 (``training.sharding`` gradients or
     full; empty: it can, or another sharding): not with the ZB-H1 schedule (its deferred
-    weight gradients), not with replica groups (they sum whole gradients after the backward),
-    and full not with tied embeddings (one parameter in two units)."""
+    weight gradients) or helix (its layer parts bypass the unit hooks), not with replica
+    groups (they sum whole gradients after the backward), and full not with tied embeddings
+    (one parameter in two units)."""
     s = plan.training.sharding
     if s not in ("gradients", "full"):
         return []
@@ -94,6 +91,10 @@ def sharding_errors(plan: Plan) -> list[str]:
         out.append(f"plan.training.sharding={s} with plan.schedule={plan.schedule}: ZeRO-2/3 "
                    "sync each unit's gradients after its backward, which the schedule splits; set "
                    "spec.training.sharding: optimizer or spec.parallelism.schedule: 1f1b")
+    if plan.schedule == "helix":
+        out.append(f"plan.training.sharding={s} with plan.schedule=helix: its layer parts run "
+                   "outside the layer's forward, where ZeRO-2/3 hook each unit; set "
+                   "spec.training.sharding: optimizer")
     if plan.groups:
         out.append(f"plan.training.sharding={s} with plan.groups: replica groups sum whole "
                    "gradients after the backward; set spec.training.sharding: optimizer or "
