@@ -1040,10 +1040,8 @@ def helix_bytes_per_step(model: ModelSpec, micro_batch: int, elem_bytes: int,
         return 0.0
     orders = helix.helix_orders(pp, model.layers, num_microbatches, helix.costs_for(model), hop)
     n = helix.transfers(orders, model.layers)
-    s, b, d = model.seq_len, micro_batch, model.head_dim
-    per = {"hidden": s * b * model.hidden, "qkv": s * b * (model.heads + 2 * model.kv_heads) * d,
-           "core": s * b * model.heads * d}
-    return float(sum(n[k] * per[k] for k in per) * elem_bytes)
+    shapes = helix.message_shapes(model, micro_batch, model.seq_len)
+    return float(sum(n[k] * math.prod(shape) for k, shape in shapes.items()) * elem_bytes)
 
 
 # ---------------------------------------------------------------- schedules

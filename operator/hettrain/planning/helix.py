@@ -94,11 +94,6 @@ def quantize_hop(hop: float) -> float:
     return float(f"{hop:.1g}")
 
 
-def default_cap(pp: int) -> int:
-    """Microbatches in flight at most (entered, backward not done): ``pp``."""
-    return pp
-
-
 def part_costs(seq_len: int, hidden: int, heads: int, kv_heads: int, ffn_hidden: int,
                gated_mlp: bool = True) -> dict[str, float]:
     """Relative forward and backward durations of a layer's three parts, from their FLOPs
@@ -118,6 +113,16 @@ def costs_for(model) -> dict[str, float]:
     the planner prices and the runtime orders with (both must build the same order)."""
     return part_costs(model.seq_len, model.hidden, model.heads, model.kv_heads,
                       model.ffn_hidden, model.gated_mlp)
+
+
+def message_shapes(model, micro_batch: int, seq_len: int) -> dict[str, tuple[int, ...]]:
+    """The tensor each message carries, by payload (its gradient has the same shape):
+    ``hidden`` a layer's output ``(b, s, h)``, ``qkv`` the packed q/k/v
+    ``(b, heads + 2·kv_heads, s, head_dim)`` and ``core`` a core's output
+    ``(b, heads, s, head_dim)``."""
+    b, s, d = micro_batch, seq_len, model.head_dim
+    return {"hidden": (b, s, model.hidden), "qkv": (b, model.heads + 2 * model.kv_heads, s, d),
+            "core": (b, model.heads, s, d)}
 
 
 def _deps(action: HelixAction, layers: int) -> list[HelixAction]:
@@ -163,22 +168,13 @@ RULES = ("depth", "layer")
 VARIANTS = (("layer", False), ("depth", True))
 
 
-def _stage_costs(costs: Mapping[str, float] | Sequence[Mapping[str, float]],
-                 pp: int) -> list[Mapping[str, float]]:
-    per = [costs] * pp if isinstance(costs, Mapping) else list(costs)
-    if len(per) != pp:
-        raise ValueError(f"helix costs: {len(per)} stages given, plan.pp={pp}")
-    return per
-
-
-def helix_orders(pp: int, layers: int, m: int,
-                 costs: Mapping[str, float] | Sequence[Mapping[str, float]],
+def helix_orders(pp: int, layers: int, m: int, costs: Mapping[str, float],
                  hop: float = 0.0) -> tuple[tuple[HelixAction, ...], ...]:
     """Every stage's ordered actions (module docstring): the fastest of the list-scheduled
-    variants under ``costs`` (one mapping kind → duration, or one per stage) and ``hop``
-    per transfer between stages."""
+    variants under ``costs`` (kind → duration, every stage alike) and ``hop`` per transfer
+    between stages."""
     check_layout(layers, pp, m)
-    frozen = _freeze(_stage_costs(costs, pp))
+    frozen = _freeze([costs] * pp)
     return _best(pp, layers, m, frozen, round(float(hop), 12))
 
 
@@ -188,7 +184,7 @@ def _best(pp: int, layers: int, m: int, frozen: tuple[tuple[float, ...], ...],
     per = [dict(zip(KINDS, row, strict=True)) for row in frozen]
     best = None
     for rule, steal in VARIANTS:
-        orders = _orders(pp, layers, m, frozen, default_cap(pp), hop, rule, steal)
+        orders = _orders(pp, layers, m, frozen, pp, hop, rule, steal)  # pp in flight
         t = makespan(orders, layers, per, hop)
         if best is None or t < best[0] - 1e-12:
             best = (t, orders)

@@ -177,9 +177,9 @@ class HelixRunner:
         place = order.placement(orders)
         spec, model = self.plan.model, self.model
         b, t = batches[0][0].shape
-        heads, kvh, hd = spec.heads, spec.kv_heads, spec.head_dim
-        shapes = {HIDDEN: (b, t, spec.hidden), QKV: (b, heads + 2 * kvh, t, hd),
-                  CORE: (b, heads, t, hd)}
+        heads, kvh = spec.heads, spec.kv_heads
+        by_name = order.message_shapes(spec, b, t)
+        shapes = {HIDDEN: by_name["hidden"], QKV: by_name["qkv"], CORE: by_name["core"]}
         local: dict[int, torch.Tensor] = {}  # messages between parts on this stage
         state = self._new_state()  # what each part keeps for its backward
         total = 0.0
