@@ -18,7 +18,14 @@ import pytest
 import torch
 from tests.runtime.checkpoints import rewind
 from tests.runtime.training.plans import TINY, tiny_plan
-from tests.runtime.training.test_interleaved import RTOL, _assert_matches, _assert_ran, _run
+from tests.runtime.training.test_interleaved import (
+    RTOL,
+    _assert_matches,
+    _assert_ran,
+    _p2p_sent,
+    _resumed,
+    _run,
+)
 
 from hettrain.planning.helix import (
     FORWARD,
@@ -206,9 +213,7 @@ def test_helix_pp4_moves_cores_matches_reference_and_resumes_as_1f1b(tmp_path):
     rewind(ck, 2)
     second = tiny_plan([(0, 2, "pool-0"), (2, 4, "pool-1")], dp=1, steps=steps,
                        num_microbatches=3, model=LONGER, **const)
-    after, logs, sums, _ = _run(tmp_path / "run2", second, {"HETTRAIN_CHECKPOINT_URI": str(ck),
-                                                           "HETTRAIN_RESUME": "1"})
-    _assert_ran(logs, sums, second, "1f1b")
+    after = _resumed(tmp_path / "run2", second, ck, "1f1b")
     _assert_matches(after, ref, range(2, steps), rel=1e-4)
 
 
@@ -229,8 +234,7 @@ def test_helix_pp2_dp2_matches_reference(tmp_path, recompute):
     last = max(s["rank"] for s in sums)
     rec = next(s for s in sums if s["rank"] == last)
     assert rec["validation"]["2"] == pytest.approx(validation[2], rel=RTOL)
-    p2p = sum(b for s in sums for b in s["bytes"].values()) - sum(
-        s["bytes"].get("intra_pool", 0) for s in sums)
+    p2p = _p2p_sent(sums)
     # validation: forward only over the chunk boundaries (pp·v − 1), validation_batches
     # global batches, i.e. that many times m microbatches per replica, fp32
     act = plan.micro_batch * plan.model.seq_len * plan.model.hidden * 4

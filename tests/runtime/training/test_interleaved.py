@@ -193,6 +193,22 @@ def _run(work, plan, env=None, scrape_rank=None):
     return losses, logs, sums, info
 
 
+def _resumed(work, plan, ck, schedule):
+    """Run ``plan`` resuming from the checkpoints under ``ck``; asserts it ran ``schedule``;
+    returns its losses by step."""
+    got, logs, sums, _ = _run(work, plan, {"HETTRAIN_CHECKPOINT_URI": str(ck),
+                                           "HETTRAIN_RESUME": "1"})
+    _assert_ran(logs, sums, plan, schedule)
+    return got
+
+
+def _p2p_sent(sums):
+    """Bytes the ranks sent over any link but a pool's own (the pipeline's, where each stage
+    has its own pool: the DP sync stays inside a pool)."""
+    return sum(b for s in sums for b in s["bytes"].values()) - sum(
+        s["bytes"].get("intra_pool", 0) for s in sums)
+
+
 def _assert_ran(logs, sums, plan, schedule):
     assert {s["schedule"] for s in sums} == {schedule}
     assert "not implemented" not in logs
@@ -233,23 +249,17 @@ def test_interleaved_pp2_v2_dp2_matches_reference_and_resumes_across_layouts(tmp
                                                         "HETTRAIN_CHECKPOINT_INTERVAL": "2"})
     _assert_ran(logs, sums, plan, "interleaved")
     _assert_matches(got, ref, range(4))
-    p2p = sum(b for s in sums for b in s["bytes"].values()) - sum(
-        s["bytes"].get("intra_pool", 0) for s in sums)
-    assert p2p == _p2p_bytes(plan, 4)  # pools differ per stage: p2p is all inter-pool
+    assert _p2p_sent(sums) == _p2p_bytes(plan, 4)  # pools differ per stage: p2p is all inter-pool
     # as if it had died after step 2: resume as a plain 3-stage 1F1B pipeline, one replica
     rewind(ck, 2)
     second = tiny_plan([(0, 1, "pool-a"), (1, 2, "pool-a"), (2, 4, "pool-b")], dp=1,
                        steps=4, num_microbatches=8, **const)
-    after, logs, sums, _ = _run(tmp_path / "run2", second, {"HETTRAIN_CHECKPOINT_URI": str(ck),
-                                                           "HETTRAIN_RESUME": "1"})
-    _assert_ran(logs, sums, second, "1f1b")
+    after = _resumed(tmp_path / "run2", second, ck, "1f1b")
     _assert_matches(after, ref, range(2, 4), rel=1e-4)
     # and back: the 1F1B checkpoint of step 4 into interleaved pp=2 v=2, one replica
     third = _interleaved([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=1, steps=steps,
                          num_microbatches=8, **const)
-    last, logs, sums, _ = _run(tmp_path / "run3", third, {"HETTRAIN_CHECKPOINT_URI": str(ck),
-                                                          "HETTRAIN_RESUME": "1"})
-    _assert_ran(logs, sums, third, "interleaved")
+    last = _resumed(tmp_path / "run3", third, ck, "interleaved")
     _assert_matches(last, ref, range(4, steps), rel=1e-4)
 
 

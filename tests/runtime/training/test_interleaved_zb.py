@@ -18,6 +18,8 @@ from tests.runtime.training.test_interleaved import (
     _assert_ran,
     _interleaved,
     _p2p_bytes,
+    _p2p_sent,
+    _resumed,
     _run,
 )
 
@@ -153,13 +155,9 @@ def test_interleaved_zb_pp2_v2_dp2_matches_reference_and_resumes(tmp_path):
                                                         "HETTRAIN_CHECKPOINT_INTERVAL": "2"})
     _assert_ran(logs, sums, plan, "interleaved-zb")
     _assert_matches(got, ref, range(2))
-    p2p = sum(b for s in sums for b in s["bytes"].values()) - sum(
-        s["bytes"].get("intra_pool", 0) for s in sums)
-    assert p2p == _p2p_bytes(plan, 2)
+    assert _p2p_sent(sums) == _p2p_bytes(plan, 2)
     rewind(ck, 2)
     second = tiny_plan([(0, 1, "pool-a"), (1, 2, "pool-a"), (2, 4, "pool-b")], dp=1,
                        steps=steps, num_microbatches=10, schedule="zb-h1", **const)
-    after, logs, sums, _ = _run(tmp_path / "run2", second, {"HETTRAIN_CHECKPOINT_URI": str(ck),
-                                                           "HETTRAIN_RESUME": "1"})
-    _assert_ran(logs, sums, second, "zb-h1")
+    after = _resumed(tmp_path / "run2", second, ck, "zb-h1")
     _assert_matches(after, ref, range(2, steps), rel=1e-4)
