@@ -5,15 +5,18 @@ into ``2·cp`` chunks of ``L = s/2cp`` tokens and CP rank ``c`` holds chunks ``c
 ``2cp−1−c``. Everything but attention is token-local, so a rank's GEMMs, elementwise work and
 LM head run on ``s/cp`` tokens (:func:`cost.cp_local_model`). Attention: the keys and values
 (``kv_heads``, TP-sharded) are all-gathered over the CP group, and each local query chunk ``j``
-attends to the key prefix ``[0, (j+1)·L)`` with a causal mask on its last block (computed in
-full, masked): a rank computes ``L²·(2cp+1)`` query-key pairs, ``(2cp+1)/(2cp²)`` of the
-``s²/2`` of causal attention on the whole sequence (:func:`attention_share`; ``1/cp`` plus the
-masked halves of the diagonal blocks). The backward all-reduces the gradient of the gathered
-keys and values over the CP group (gloo has no reduce-scatter) and keeps the rank's rows.
+attends to the key prefix ``[0, (j+1)·L)`` under a lower-right causal mask (its last ``L`` keys
+are the diagonal block). Where the device's attention kernels skip masked tiles
+(:func:`skips_masked_tiles`: flash / memory-efficient attention on NVIDIA and AMD GPUs) a rank
+computes exactly ``1/cp`` of the causal query-key pairs of the whole sequence; elsewhere SDPA
+materialises the mask and computes the diagonal blocks in full, ``L²·(2cp+1)`` pairs,
+``(2cp+1)/(2cp²)`` of the ``s²/2`` (:func:`attention_share`). The backward reduce-scatters the
+gradient of the gathered keys and values over the CP group: each rank receives the sum of its
+own rows.
 
 Communication per layer and microbatch (:func:`cp_comm_per_layer_s`), synchronous in the
 runtime (nothing overlaps it, so all of it is exposed): forward, two all-gathers (K and V) of
-``b·s·kv/tp`` elements each in the plan precision; backward, two all-reduces of the same size;
+``b·s·kv/tp`` elements each in the plan precision; backward, two reduce-scatters of the same size;
 full and attention-free recompute re-run the forward's two all-gathers in the backward
 (attention-free re-runs the layer around the attention outputs it kept, whose K/V projections
 are gathered again; selective recompute re-runs only the attention core, on the gathered
@@ -31,12 +34,24 @@ from hettrain.planning.catalog import DeviceSpec
 CP_NIC_LATENCY_S = cost.COLLECTIVE_LATENCY_S  # α of one ring step over the NIC
 
 
-def attention_share(cp: int) -> float:
+def skips_masked_tiles(device: DeviceSpec) -> bool:
+    """Whether ``scaled_dot_product_attention`` with a lower-right causal bias runs a fused
+    kernel that skips the masked tiles on ``device``: flash or memory-efficient attention, on
+    NVIDIA and AMD GPUs (``torch.nn.attention.bias.CausalBias``); other devices get the mask
+    materialised and compute every pair of the block."""
+    return device.vendor in ("nvidia", "amd")
+
+
+def attention_share(cp: int, skips_masked: bool = True) -> float:
     """A CP rank's attention query-key pairs over those of causal attention on the whole
-    sequence: ``L²·(2cp+1) / (s²/2)`` with ``L = s/2cp``, i.e. ``(2cp+1)/(2cp²)``: ``1/cp``
-    plus the masked halves of the diagonal blocks (0.625 for cp = 2); 1 without CP."""
+    sequence: ``1/cp`` where the kernel skips masked tiles (:func:`skips_masked_tiles`; the
+    rank's two chunks hold ``2cp`` causal ``L``-blocks, the sequence ``2cp·cp``), else
+    ``L²·(2cp+1) / (s²/2)`` with ``L = s/2cp``, i.e. ``(2cp+1)/(2cp²)``: ``1/cp`` plus the masked
+    halves of the diagonal blocks (0.625 for cp = 2); 1 without CP."""
     if cp <= 1:
         return 1.0
+    if skips_masked:
+        return 1.0 / cp
     return (2 * cp + 1) / (2.0 * cp * cp)
 
 
@@ -62,14 +77,14 @@ def cp_comm_per_layer_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
                         elem_bytes: int, recompute: str, gbytes_per_s: float,
                         latency_s: float) -> float:
     """Exposed CP communication of one layer and microbatch (module docstring): 2 all-gathers
-    (4 when the layer is re-run, full or attention-free recompute) and 2 all-reduces of
-    :func:`kv_bytes` over ``cp`` ranks."""
+    (4 when the layer is re-run, full or attention-free recompute) and 2 reduce-scatters of
+    :func:`kv_bytes` over ``cp`` ranks (a ring all-gather and a ring reduce-scatter move the
+    same ``(cp − 1)/cp`` of the bytes)."""
     if cp <= 1:
         return 0.0
     n = kv_bytes(model, micro_batch, tp, elem_bytes)
     gathers = 4 if cost.reruns_layer(recompute) else 2
-    return (gathers * cost.ring_reduce_scatter_s(n, cp, gbytes_per_s, latency_s)
-            + 2 * cost.ring_all_reduce_s(n, cp, gbytes_per_s, latency_s))
+    return (gathers + 2) * cost.ring_reduce_scatter_s(n, cp, gbytes_per_s, latency_s)
 
 
 def cp_layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
@@ -82,27 +97,28 @@ def cp_layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
     rank's share of the FLOPs instead."""
     if cp <= 1:
         return cost.layer_compute_s(model, micro_batch, tp, device, recompute, elem_bytes)
+    share = attention_share(cp, skips_masked_tiles(device))
     prof = device.profile
     if prof is not None and prof.matches(model, elem_bytes):
         full = cost.layer_compute_s(model, micro_batch, tp, device, recompute, elem_bytes)
-        return full * _flops_share(model, cp)
+        return full * _flops_share(model, cp, share)
     local = cost.cp_local_model(model, cp)
     t = cost.layer_compute_s(local, micro_batch, tp, device, recompute, elem_bytes)
     s_loc = local.seq_len
     # the model's attention term is 4·tokens·s·h per pass (s² pairs counted in full); a CP
-    # rank's share of it is attention_share(cp)·s², of which (s/cp)² is already in t
-    pairs = attention_share(cp) * model.seq_len ** 2 - s_loc ** 2
+    # rank's share of it is share·s², of which (s/cp)² is already in t
+    pairs = share * model.seq_len ** 2 - s_loc ** 2
     extra = (cost.attention_passes(recompute) * 4.0 * micro_batch * pairs * model.hidden / tp)
     rate = device.matmul_flops(elem_bytes) * cost.attention_efficiency(device, elem_bytes)
     return t + extra / rate
 
 
-def _flops_share(model: ModelSpec, cp: int) -> float:
-    """A CP rank's share of a layer's forward FLOPs (GEMMs ``1/cp``, attention
+def _flops_share(model: ModelSpec, cp: int, share: float) -> float:
+    """A CP rank's share of a layer's forward FLOPs (GEMMs ``1/cp``, attention ``share``:
     :func:`attention_share`)."""
     gemm = 2.0 * cost.layer_matmul_params(model)
     attn = 4.0 * model.seq_len * model.hidden
-    return (gemm / cp + attn * attention_share(cp)) / (gemm + attn)
+    return (gemm / cp + attn * share) / (gemm + attn)
 
 
 def cp_layer_time_s(model: ModelSpec, training: TrainingSpec, micro_batch: int, tp: int,
@@ -113,9 +129,10 @@ def cp_layer_time_s(model: ModelSpec, training: TrainingSpec, micro_batch: int, 
     if cp <= 1:
         return cost.layer_time_s(model, training, micro_batch, tp, device)
     local = cost.cp_local_model(model, cp)
-    # eager attention: the rank's share of the materialised scores (attention_share of s²)
+    # eager attention: the rank's share of the materialised scores (every pair of its key
+    # prefixes: attention_share without skipped tiles)
     eager = (cost.eager_score_bytes(model, micro_batch, tp, training.recompute, eb)
-             * attention_share(cp) / (device.hbm_tbps * 1e12)
+             * attention_share(cp, skips_masked=False) / (device.hbm_tbps * 1e12)
              if training.attention == "eager" else 0.0)
     return (cp_layer_compute_s(model, micro_batch, tp, cp, device, training.recompute, eb)
             + eager

@@ -578,7 +578,9 @@ def cp_attention_extra_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: i
     (the output projection's input): ``(s/cp)·h/tp`` more; and each chunk's causal mask over
     its key prefix, which SDPA keeps converted to the plan precision: ``L·(j+1)·L`` elements
     for chunk ``j`` of ``L = s/2cp`` tokens, ``L²·(2cp+1)`` for the rank's two chunks (not per
-    sequence: the mask broadcasts over the microbatch). ``selective`` keeps the checkpoint's
+    sequence: the mask broadcasts over the microbatch; SDPA materialises it from the runtime's
+    lower-right causal bias where no fused kernel takes the bias, as on the CPU that measures
+    it, so on NVIDIA and AMD GPUs this term is a margin). ``selective`` keeps the checkpoint's
     inputs, the gathered keys and values before the repeat (``kv/tp`` each) over the whole
     sequence: ``2·(s − s/cp)·kv/tp`` more."""
     if cp <= 1 or reruns_layer(recompute):

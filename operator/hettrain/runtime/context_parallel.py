@@ -12,14 +12,18 @@ Attention: all-gather of K and V over the CP group (Llama 3's choice, Dubey et a
 not ring attention. Each rank gathers the full keys/values (GQA: the few ``kv_heads`` before
 they are repeated, so the gather is ``heads/kv_heads`` times smaller than one of Q), puts them in
 sequence order and runs, per local query chunk ``j``, ordinary attention against the key prefix
-``[0, (j+1)·L)`` with a causal mask on the last block: the masked-out future is never computed.
+``[0, (j+1)·L)`` with a lower-right causal mask (``causal_lower_right``: the last ``L`` keys are
+the diagonal block): the future beyond the prefix is never computed, and the fused kernels
+(flash on NVIDIA and AMD GPUs, memory-efficient attention) skip the diagonal block's masked half
+too; elsewhere (CPU, other accelerators) SDPA materialises the mask and computes the block in
+full.
 Why not ring attention: the gather is one collective per layer instead of ``n-1`` overlapped
 steps with an online-softmax merge, the attention kernel is the unmodified
 ``scaled_dot_product_attention`` (same numerics as the reference), and for GQA models the K/V
 bytes are small next to the compute at the lengths where CP is needed; ring attention's
 advantage (overlapping the exchange, O(S/n) K/V memory) matters at very large ``n``. The
-backward sums every rank's gradient of the gathered K/V (an all-reduce over the CP group; gloo
-has no reduce-scatter) and keeps its own chunks' rows.
+backward sums every rank's gradient of the gathered K/V and keeps its own chunks' rows: one
+reduce-scatter over the CP group (the rows sent rank-major, as the gather received them).
 
 Gradients and loss: each CP rank's loss is the mean cross-entropy of its own tokens (all ranks
 hold the same number), so the loss of the CP group is the mean of the ranks' losses and the
@@ -39,6 +43,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from hettrain.planning.plan import Plan
 from hettrain.planning.support import context_parallel_degree
@@ -100,6 +105,11 @@ class ContextParallel:
             order += [k, 2 * cp - 1 - k]
         self._to_sequence = [order.index(c) for c in range(2 * cp)]
         self._mine = (index, 2 * cp - 1 - index)
+        # each local chunk's lower-right causal bias over its key prefix, made once here: the
+        # bias is a tensor subclass, and making one inside autograd's saved-tensor hooks or a
+        # checkpoint's re-run fails
+        self._causal = {j: causal_lower_right(self.chunk, (j + 1) * self.chunk)
+                        for j in self._mine}
 
     @classmethod
     def from_plan(cls, plan: Plan, rank: int, device: torch.device,
@@ -152,16 +162,20 @@ class ContextParallel:
         return torch.cat([chunks[i] for i in self._to_sequence], dim=2)
 
     def reduce_rows(self, grad: torch.Tensor) -> torch.Tensor:
-        """Sum ``grad`` (full sequence) over the CP group; this rank's ``2L`` rows of it."""
+        """Sum ``grad`` (full sequence, dim 2) over the CP group; this rank's ``2L`` rows of it:
+        one reduce-scatter of the rows in rank-major order (rank ``k``'s chunks ``k`` and
+        ``2cp-1-k`` side by side, as :meth:`gather` receives them)."""
         t0 = time.perf_counter()
-        buf = self._stage(grad).clone()
-        dist.all_reduce(buf, group=self.group)
+        chunks = grad.split(self.chunk, dim=2)
+        per_rank = [torch.cat((chunks[k], chunks[2 * self.cp - 1 - k]), dim=2)
+                    for k in range(self.cp)]
+        send = self._stage(torch.cat(per_rank, dim=0))  # (cp·b, heads, 2L, d)
+        out = torch.empty_like(send[:grad.shape[0]])
+        dist.reduce_scatter_tensor(out, send, group=self.group)
         if self.account is not None:
-            self.account(2 * (self.cp - 1) * buf.numel() * buf.element_size() // self.cp,
+            self.account((self.cp - 1) * out.numel() * out.element_size(),
                          time.perf_counter() - t0)
-        buf = buf.to(grad.device)
-        chunks = buf.split(self.chunk, dim=2)
-        return torch.cat([chunks[c] for c in self._mine], dim=2)
+        return out.to(grad.device)
 
     # --------------------------------------------------------------- attention
 
@@ -185,10 +199,10 @@ class ContextParallel:
         out = []
         L = self.chunk
         for j, qj in zip(self._mine, q.split(L, dim=2), strict=True):
-            keys = (j + 1) * L  # the causal prefix of chunk j
-            mask = torch.ones(L, keys, dtype=torch.bool, device=q.device).tril(diagonal=j * L)
+            keys = (j + 1) * L  # the causal prefix of chunk j; its last L keys are the diagonal
             out.append(F.scaled_dot_product_attention(qj, k_all[:, :, :keys],
-                                                      v_all[:, :, :keys], attn_mask=mask))
+                                                      v_all[:, :, :keys],
+                                                      attn_mask=self._causal[j]))
         return torch.cat(out, dim=2)
 
 

@@ -4,6 +4,7 @@ keys/values it gathers, counted on a real stage model (``StandInContextParallel`
 
 from __future__ import annotations
 
+import types
 from dataclasses import replace
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from tests.runtime.cp.plans import with_cp
 from tests.runtime.training.plans import TINY, tiny_plan
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from hettrain.planning import context, cost
 from hettrain.runtime import context_parallel
@@ -33,7 +35,12 @@ def _count(monkeypatch, cp: int, tp: int = 1, precision: str = "fp32"):
     sdpa = F.scaled_dot_product_attention
 
     def counting_sdpa(q, k, v, **kw):
-        pairs.append(q.shape[-2] * k.shape[-2])
+        lq, lk = q.shape[-2], k.shape[-2]
+        mask = kw["attn_mask"]
+        assert isinstance(mask, CausalBias) and mask.variant == CausalVariant.LOWER_RIGHT
+        assert (mask.seq_len_q, mask.seq_len_kv) == (lq, lk)
+        # (every pair of the block, the causal ones: query i sees keys <= lk - lq + i)
+        pairs.append((lq * lk, lq * (lk - lq) + lq * (lq + 1) // 2))
         return sdpa(q, k, v, **kw)
 
     real_gather = StandInContextParallel.gather
@@ -43,7 +50,10 @@ def _count(monkeypatch, cp: int, tp: int = 1, precision: str = "fp32"):
         gathered.append(out.numel() * out.element_size())
         return out
 
-    monkeypatch.setattr(context_parallel.F, "scaled_dot_product_attention", counting_sdpa)
+    # the CP module's own handle on SDPA (torch.nn.functional stays as it is: the causal bias
+    # dispatches on the real function)
+    monkeypatch.setattr(context_parallel, "F",
+                        types.SimpleNamespace(scaled_dot_product_attention=counting_sdpa))
     monkeypatch.setattr(StandInContextParallel, "gather", counting_gather)
     x = torch.randint(0, MODEL.vocab, (1, MODEL.seq_len // cp))
     model(x)
@@ -53,9 +63,20 @@ def _count(monkeypatch, cp: int, tp: int = 1, precision: str = "fp32"):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_attention_share_is_the_pairs_the_runtime_computes(monkeypatch, cp):
     pairs, _, _ = _count(monkeypatch, cp)
-    per_layer = sum(pairs) / MODEL.layers
     s = MODEL.seq_len
-    assert per_layer == pytest.approx(context.attention_share(cp) * s * s / 2)
+    every = sum(p[0] for p in pairs) / MODEL.layers
+    causal = sum(p[1] for p in pairs) / MODEL.layers
+    # a kernel that skips masked tiles computes the causal pairs: 1/cp of the whole sequence's
+    # (diagonal included); one that materialises the mask computes every pair of its prefixes
+    assert causal == context.attention_share(cp, skips_masked=True) * s * (s + 1) / 2
+    assert every == pytest.approx(context.attention_share(cp, skips_masked=False) * s * s / 2)
+
+
+def test_masked_tiles_are_skipped_on_nvidia_and_amd_only():
+    from hettrain.planning.catalog import CATALOG
+    skips = {d.vendor: context.skips_masked_tiles(d) for d in CATALOG.values()}
+    assert skips["nvidia"] and skips["amd"]
+    assert not any(v for k, v in skips.items() if k not in ("nvidia", "amd"))
 
 
 @pytest.mark.parametrize(("cp", "tp"), [(2, 1), (4, 1), (2, 2)])
@@ -66,11 +87,10 @@ def test_kv_bytes_are_the_gathered_tensors(monkeypatch, cp, tp):
     assert gathered == [context.kv_bytes(MODEL, 1, tp, eb)] * (2 * MODEL.layers)
 
 
-def test_cp_comm_is_two_gathers_and_two_all_reduces_of_kv_bytes():
+def test_cp_comm_is_two_gathers_and_two_reduce_scatters_of_kv_bytes():
     n = context.kv_bytes(MODEL, 1, 1, 2)
     bw, lat = 10.0, 1e-6
-    want = (2 * cost.ring_reduce_scatter_s(n, 4, bw, lat) + 2 * cost.ring_all_reduce_s(n, 4, bw,
-                                                                                       lat))
+    want = 4 * cost.ring_reduce_scatter_s(n, 4, bw, lat)
     assert context.cp_comm_per_layer_s(MODEL, 1, 1, 4, 2, "none", bw, lat) == pytest.approx(want)
     # full recompute re-runs the forward's two gathers in the backward
     full = context.cp_comm_per_layer_s(MODEL, 1, 1, 4, 2, "full", bw, lat)

@@ -1,6 +1,8 @@
 """Context-parallel attention on real gloo processes: the gradients of every parameter equal
 the single-process model's (whole sequence), for cp = 2 and 4, GQA, Llama 3.1 RoPE scaling and
-each recompute mode; and the check is sensitive (shard-local positions break it)."""
+each recompute mode; and the check is sensitive (shard-local positions break it). The bytes each
+rank's K/V gathers and gradient reduce-scatters move are the planner's CP communication
+(``context.cp_comm_per_layer_s`` at 1 GB/s and no latency) in every recompute mode."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hettrain.api.spec import MODEL_PRESETS, ModelSpec
+from hettrain.planning import context
 from hettrain.runtime.context_parallel import ContextParallel, enable_
 from hettrain.runtime.launch import free_port
 from hettrain.runtime.model import lm_loss, whole_model
@@ -45,7 +48,9 @@ CASES = [("none", True), ("selective", True), ("attention-free", True), ("full",
 def _cp_grads(spec, world, rank, recompute, true_positions):
     """This rank's CP loss and gradients, averaged over the CP group (what DP×CP does)."""
     x, y, _, _ = _reference(spec, recompute)
-    cp = ContextParallel(world, rank, spec.seq_len, group=None)
+    moved = []
+    cp = ContextParallel(world, rank, spec.seq_len, group=None,
+                         account=lambda nbytes, _s: moved.append(nbytes))
     model = whole_model(spec, seed=5, recompute=recompute)
     enable_(model, cp)
     if not true_positions:  # negative control: RoPE at shard-local positions
@@ -61,7 +66,7 @@ def _cp_grads(spec, world, rank, recompute, true_positions):
         g = p.grad.clone()
         dist.all_reduce(g)  # replicated parameters: the mean over the CP group
         grads[n] = g / world
-    return {"loss": total.item() / world, "grads": grads}
+    return {"loss": total.item() / world, "grads": grads, "bytes": sum(moved)}
 
 
 def _worker(rank, world, port, cases, out):
@@ -83,9 +88,14 @@ def _run_cp(tmp_path, world, cases):
     return torch.load(out)
 
 
-def _check(got, recompute):
-    _, _, ref_loss, ref = _reference(_spec(), recompute)
+def _check(got, recompute, world):
+    spec = _spec()
+    _, _, ref_loss, ref = _reference(spec, recompute)
     assert got["loss"] == pytest.approx(ref_loss, rel=RTOL)
+    # what the planner charges, in bytes: seconds at 1 GB/s without latency (fp32, batch 2)
+    planned = spec.layers * context.cp_comm_per_layer_s(spec, 2, 1, world, 4, recompute,
+                                                         1.0, 0.0) * 1e9
+    assert got["bytes"] == pytest.approx(planned, rel=1e-12)
     assert set(got["grads"]) == set(ref)
     for name, g in ref.items():
         torch.testing.assert_close(got["grads"][name], g, rtol=RTOL, atol=ATOL, msg=name)
@@ -96,7 +106,7 @@ def _check(got, recompute):
 def test_cp2_gradients_equal_the_reference_in_every_recompute_mode(tmp_path):
     got = _run_cp(tmp_path, 2, CASES)
     for recompute in ("none", "selective", "attention-free", "full"):
-        ref = _check(got[(recompute, True)], recompute)
+        ref = _check(got[(recompute, True)], recompute, 2)
     # the check is sensitive: RoPE at shard-local positions gives other gradients
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.allclose(got[("none", False)]["grads"][q], ref[q], rtol=1e-3, atol=1e-5)
@@ -105,4 +115,4 @@ def test_cp2_gradients_equal_the_reference_in_every_recompute_mode(tmp_path):
 @pytest.mark.slow
 def test_cp4_gradients_equal_the_reference(tmp_path):
     got = _run_cp(tmp_path, 4, [("none", True)])
-    _check(got[("none", True)], "none")
+    _check(got[("none", True)], "none", 4)
