@@ -82,7 +82,8 @@ def _stage_parts(spec: JobSpec, plan_spec: JobSpec, unit, tp: int, cp: int, mb: 
     cpc = 0.0
     if cp > 1:
         link = context.cp_link(dev, unit.gpus_per_node, unit.nic_gbytes_per_gpu, tp, cp)
-        cpc = context.cp_comm_per_layer_s(model, mb, tp, cp, eb, mode, *link)
+        cpc = context.cp_comm_per_layer_s(model, mb, tp, cp, eb, mode, *link,
+                                          scatter_rows=context.scatters_rows(dev))
     head_c = head_tp = 0.0
     if last:
         head = cost.head_time_s(local, mb, tp, dev, eb)

@@ -16,7 +16,8 @@ own rows.
 
 Communication per layer and microbatch (:func:`cp_comm_per_layer_s`), synchronous in the
 runtime (nothing overlaps it, so all of it is exposed): forward, two all-gathers (K and V) of
-``b·s·kv/tp`` elements each in the plan precision; backward, two reduce-scatters of the same size;
+``b·s·kv/tp`` elements each in the plan precision; backward, two reduce-scatters of the same size
+(all-reduces on gloo: :func:`scatters_rows`);
 full and attention-free recompute re-run the forward's two all-gathers in the backward
 (attention-free re-runs the layer around the attention outputs it kept, whose K/V projections
 are gathered again; selective recompute re-runs only the attention core, on the gathered
@@ -73,18 +74,28 @@ def kv_bytes(model: ModelSpec, micro_batch: int, tp: int, elem_bytes: int) -> fl
     return float(micro_batch * model.seq_len * kv * elem_bytes)
 
 
+def scatters_rows(device: DeviceSpec) -> bool:
+    """Whether the runtime's CP group on ``device`` reduce-scatters the K/V gradient (every
+    backend but gloo; gloo's reduce-scatter is no faster than its all-reduce, measured by
+    ``bench/cp_exchange.py``, so the runtime all-reduces there)."""
+    return device.backend != "gloo"
+
+
 def cp_comm_per_layer_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
                         elem_bytes: int, recompute: str, gbytes_per_s: float,
-                        latency_s: float) -> float:
+                        latency_s: float, scatter_rows: bool = True) -> float:
     """Exposed CP communication of one layer and microbatch (module docstring): 2 all-gathers
     (4 when the layer is re-run, full or attention-free recompute) and 2 reduce-scatters of
     :func:`kv_bytes` over ``cp`` ranks (a ring all-gather and a ring reduce-scatter move the
-    same ``(cp − 1)/cp`` of the bytes)."""
+    same ``(cp − 1)/cp`` of the bytes); 2 all-reduces instead without ``scatter_rows``
+    (:func:`scatters_rows`)."""
     if cp <= 1:
         return 0.0
     n = kv_bytes(model, micro_batch, tp, elem_bytes)
     gathers = 4 if cost.reruns_layer(recompute) else 2
-    return (gathers + 2) * cost.ring_reduce_scatter_s(n, cp, gbytes_per_s, latency_s)
+    rows = (2 * cost.ring_reduce_scatter_s(n, cp, gbytes_per_s, latency_s) if scatter_rows
+            else 2 * cost.ring_all_reduce_s(n, cp, gbytes_per_s, latency_s))
+    return gathers * cost.ring_reduce_scatter_s(n, cp, gbytes_per_s, latency_s) + rows
 
 
 def cp_layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
@@ -137,7 +148,8 @@ def cp_layer_time_s(model: ModelSpec, training: TrainingSpec, micro_batch: int, 
     return (cp_layer_compute_s(model, micro_batch, tp, cp, device, training.recompute, eb)
             + eager
             + cost.tp_comm_per_layer_s(local, micro_batch, tp, device, eb, training.recompute)
-            + cp_comm_per_layer_s(model, micro_batch, tp, cp, eb, training.recompute, *link))
+            + cp_comm_per_layer_s(model, micro_batch, tp, cp, eb, training.recompute, *link,
+                                  scatter_rows=scatters_rows(device)))
 
 
 def cp_head_time_s(model: ModelSpec, micro_batch: int, tp: int, cp: int, device: DeviceSpec,

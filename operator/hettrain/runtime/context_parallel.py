@@ -12,8 +12,8 @@ Attention: all-gather of K and V over the CP group (Llama 3's choice, Dubey et a
 not ring attention. Each rank gathers the full keys/values (GQA: the few ``kv_heads`` before
 they are repeated, so the gather is ``heads/kv_heads`` times smaller than one of Q), puts them in
 sequence order and runs, per local query chunk ``j``, ordinary attention against the key prefix
-``[0, (j+1)·L)`` with a lower-right causal mask (``causal_lower_right``: the last ``L`` keys are
-the diagonal block): the future beyond the prefix is never computed, and the fused kernels
+``[0, (j+1)·L)`` with a lower-right causal mask (:class:`LowerRightCausal`: the last ``L`` keys
+are the diagonal block): the future beyond the prefix is never computed, and the fused kernels
 (flash on NVIDIA and AMD GPUs, memory-efficient attention) skip the diagonal block's masked half
 too; elsewhere (CPU, other accelerators) SDPA materialises the mask and computes the block in
 full.
@@ -23,7 +23,8 @@ steps with an online-softmax merge, the attention kernel is the unmodified
 bytes are small next to the compute at the lengths where CP is needed; ring attention's
 advantage (overlapping the exchange, O(S/n) K/V memory) matters at very large ``n``. The
 backward sums every rank's gradient of the gathered K/V and keeps its own chunks' rows: one
-reduce-scatter over the CP group (the rows sent rank-major, as the gather received them).
+reduce-scatter over the CP group (the rows sent rank-major, as the gather received them), or on
+gloo, whose reduce-scatter is no faster than its all-reduce, an all-reduce.
 
 Gradients and loss: each CP rank's loss is the mean cross-entropy of its own tokens (all ranks
 hold the same number), so the loss of the CP group is the mean of the ranks' losses and the
@@ -43,7 +44,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from hettrain.planning.plan import Plan
 from hettrain.planning.support import context_parallel_degree
@@ -74,6 +75,21 @@ def comm_view(plan: Plan) -> Plan:
     return dataclasses.replace(plan, dp=plan.dp * n, ranks=ranks, stages=stages)
 
 
+class LowerRightCausal(CausalBias):
+    """``torch.nn.attention.bias.causal_lower_right(seq_len_q, seq_len_kv)`` without its storage:
+    torch's ``CausalBias`` is built through ``torch.Tensor``'s legacy constructor, which
+    allocates an unused ``(2, seq_len_q, seq_len_kv)`` float tensor (32 GiB for a 128k-token
+    sequence at cp = 2). This instance holds an empty tensor and the variant and lengths, all
+    that SDPA's dispatch of the bias reads (fused kernel, or the mask materialised)."""
+
+    @staticmethod
+    def __new__(cls, seq_len_q: int, seq_len_kv: int) -> LowerRightCausal:
+        return torch.Tensor._make_subclass(cls, torch.empty(0))
+
+    def __init__(self, seq_len_q: int, seq_len_kv: int) -> None:
+        super().__init__(CausalVariant.LOWER_RIGHT, seq_len_q, seq_len_kv)
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather of a ``(b, heads, 2L, d)`` shard over the CP group into the full sequence in
     position order; backward: sum the gradients of every rank, keep this rank's rows."""
@@ -93,8 +109,13 @@ class ContextParallel:
 
     def __init__(self, cp: int, index: int, seq_len: int, group: dist.ProcessGroup | None,
                  staging: torch.device | None = None,
-                 account: Callable[[int, float], None] | None = None) -> None:
+                 account: Callable[[int, float], None] | None = None,
+                 scatter_rows: bool = False) -> None:
         self.cp, self.index, self.seq_len, self.group = cp, index, seq_len, group
+        # the K/V gradient's exchange: a reduce-scatter (half an all-reduce's bytes: nccl,
+        # hccl) or, on gloo, whose reduce-scatter is no faster than its all-reduce
+        # (bench/cp_exchange.py), an all-reduce of which the rank keeps its rows
+        self.scatter_rows = scatter_rows
         self.chunk = seq_len // (2 * cp)
         self.positions = shard_positions(seq_len, cp, index)
         self.staging = staging  # where tensors for the group's collectives live (None: as is)
@@ -105,10 +126,10 @@ class ContextParallel:
             order += [k, 2 * cp - 1 - k]
         self._to_sequence = [order.index(c) for c in range(2 * cp)]
         self._mine = (index, 2 * cp - 1 - index)
-        # each local chunk's lower-right causal bias over its key prefix, made once here: the
-        # bias is a tensor subclass, and making one inside autograd's saved-tensor hooks or a
-        # checkpoint's re-run fails
-        self._causal = {j: causal_lower_right(self.chunk, (j + 1) * self.chunk)
+        # each local chunk's lower-right causal bias over its key prefix, made once here (a
+        # tensor subclass: making one inside autograd's saved-tensor hooks or a checkpoint's
+        # re-run fails)
+        self._causal = {j: LowerRightCausal(self.chunk, (j + 1) * self.chunk)
                         for j in self._mine}
 
     @classmethod
@@ -135,7 +156,8 @@ class ContextParallel:
         assert mine is not None
         group, backend = mine
         staging = torch.device("cpu") if backend == "gloo" else None
-        return cls(n, me.cp, plan.model.seq_len, group, staging=staging, account=account)
+        return cls(n, me.cp, plan.model.seq_len, group, staging=staging, account=account,
+                   scatter_rows=backend != "gloo")
 
     # ------------------------------------------------------------------ data
 
@@ -162,19 +184,27 @@ class ContextParallel:
         return torch.cat([chunks[i] for i in self._to_sequence], dim=2)
 
     def reduce_rows(self, grad: torch.Tensor) -> torch.Tensor:
-        """Sum ``grad`` (full sequence, dim 2) over the CP group; this rank's ``2L`` rows of it:
-        one reduce-scatter of the rows in rank-major order (rank ``k``'s chunks ``k`` and
-        ``2cp-1-k`` side by side, as :meth:`gather` receives them)."""
+        """Sum ``grad`` (full sequence, dim 2) over the CP group; this rank's ``2L`` rows of it.
+        ``scatter_rows``: one reduce-scatter of the rows in rank-major order (rank ``k``'s
+        chunks ``k`` and ``2cp-1-k`` side by side, as :meth:`gather` receives them); else an
+        all-reduce of the whole buffer, of which this rank keeps its rows."""
         t0 = time.perf_counter()
-        chunks = grad.split(self.chunk, dim=2)
-        per_rank = [torch.cat((chunks[k], chunks[2 * self.cp - 1 - k]), dim=2)
-                    for k in range(self.cp)]
-        send = self._stage(torch.cat(per_rank, dim=0))  # (cp·b, heads, 2L, d)
-        out = torch.empty_like(send[:grad.shape[0]])
-        dist.reduce_scatter_tensor(out, send, group=self.group)
+        if self.scatter_rows:
+            chunks = grad.split(self.chunk, dim=2)
+            per_rank = [torch.cat((chunks[k], chunks[2 * self.cp - 1 - k]), dim=2)
+                        for k in range(self.cp)]
+            send = self._stage(torch.cat(per_rank, dim=0))  # (cp·b, heads, 2L, d)
+            out = torch.empty_like(send[:grad.shape[0]])
+            dist.reduce_scatter_tensor(out, send, group=self.group)
+            sent = (self.cp - 1) * out.numel() * out.element_size()
+        else:
+            buf = self._stage(grad).clone()
+            dist.all_reduce(buf, group=self.group)
+            sent = 2 * (self.cp - 1) * buf.numel() * buf.element_size() // self.cp
+            rows = buf.split(self.chunk, dim=2)
+            out = torch.cat([rows[c] for c in self._mine], dim=2)
         if self.account is not None:
-            self.account((self.cp - 1) * out.numel() * out.element_size(),
-                         time.perf_counter() - t0)
+            self.account(sent, time.perf_counter() - t0)
         return out.to(grad.device)
 
     # --------------------------------------------------------------- attention

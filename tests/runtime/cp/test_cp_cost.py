@@ -16,7 +16,7 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from hettrain.planning import context, cost
 from hettrain.runtime import context_parallel
-from hettrain.runtime.context_parallel import StandInContextParallel, enable_
+from hettrain.runtime.context_parallel import LowerRightCausal, StandInContextParallel, enable_
 from hettrain.runtime.memory import build_stage
 
 MODEL = replace(TINY, layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, seq_len=128,
@@ -96,3 +96,31 @@ def test_cp_comm_is_two_gathers_and_two_reduce_scatters_of_kv_bytes():
     full = context.cp_comm_per_layer_s(MODEL, 1, 1, 4, 2, "full", bw, lat)
     assert full == pytest.approx(want + 2 * cost.ring_reduce_scatter_s(n, 4, bw, lat))
     assert context.cp_comm_per_layer_s(MODEL, 1, 1, 1, 2, "none", bw, lat) == 0.0
+    # gloo: the gradient all-reduced
+    gloo = context.cp_comm_per_layer_s(MODEL, 1, 1, 4, 2, "none", bw, lat, scatter_rows=False)
+    assert gloo == pytest.approx(2 * cost.ring_reduce_scatter_s(n, 4, bw, lat)
+                                 + 2 * cost.ring_all_reduce_s(n, 4, bw, lat))
+
+
+def test_only_the_cpu_all_reduces_the_kv_gradient():
+    from hettrain.planning.catalog import CATALOG
+    assert {n for n, d in CATALOG.items() if not context.scatters_rows(d)} == {"CPU"}
+
+
+def test_lower_right_bias_holds_no_storage_and_masks_each_query_to_its_prefix():
+    # torch's own causal_lower_right would allocate a (2, 65536, 131072) float tensor here
+    cp = context_parallel.ContextParallel(2, 0, 131072, group=None)
+    for j, bias in cp._causal.items():
+        assert torch.Tensor.untyped_storage(bias).nbytes() == 0
+        assert (bias.seq_len_q, bias.seq_len_kv) == (cp.chunk, (j + 1) * cp.chunk)
+    bias = LowerRightCausal(4, 12)  # query i sees keys <= 8 + i
+    want = torch.ones(4, 12, dtype=torch.bool).tril(diagonal=8)
+    assert torch.equal(bias._materialize(), want)
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    got = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=want)
+    assert torch.equal(got, ref)
+    (g,) = torch.autograd.grad(got.sum(), q)
+    (r,) = torch.autograd.grad(ref.sum(), q)
+    assert torch.equal(g, r)

@@ -1,8 +1,9 @@
 """Context-parallel attention on real gloo processes: the gradients of every parameter equal
 the single-process model's (whole sequence), for cp = 2 and 4, GQA, Llama 3.1 RoPE scaling and
-each recompute mode; and the check is sensitive (shard-local positions break it). The bytes each
-rank's K/V gathers and gradient reduce-scatters move are the planner's CP communication
-(``context.cp_comm_per_layer_s`` at 1 GB/s and no latency) in every recompute mode."""
+each recompute mode, with the K/V gradient reduce-scattered (the GPU backends' way) or
+all-reduced (gloo's); and the check is sensitive (shard-local positions break it). The bytes
+each rank's K/V exchanges move are the planner's CP communication
+(``context.cp_comm_per_layer_s`` at 1 GB/s and no latency)."""
 
 from __future__ import annotations
 
@@ -41,16 +42,19 @@ def _reference(spec, recompute):
     return x, y, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-CASES = [("none", True), ("selective", True), ("attention-free", True), ("full", True),
-         ("none", False)]
+# (recompute, RoPE at the true positions, K/V gradient reduce-scattered: the GPU backends' way;
+# else all-reduced, gloo's)
+CASES = [("none", True, True), ("selective", True, True), ("attention-free", True, True),
+         ("full", True, True), ("none", True, False), ("full", True, False), ("none", False, True)]
 
 
-def _cp_grads(spec, world, rank, recompute, true_positions):
+def _cp_grads(spec, world, rank, recompute, true_positions, scatter_rows):
     """This rank's CP loss and gradients, averaged over the CP group (what DP×CP does)."""
     x, y, _, _ = _reference(spec, recompute)
     moved = []
     cp = ContextParallel(world, rank, spec.seq_len, group=None,
-                         account=lambda nbytes, _s: moved.append(nbytes))
+                         account=lambda nbytes, _s: moved.append(nbytes),
+                         scatter_rows=scatter_rows)
     model = whole_model(spec, seed=5, recompute=recompute)
     enable_(model, cp)
     if not true_positions:  # negative control: RoPE at shard-local positions
@@ -88,13 +92,13 @@ def _run_cp(tmp_path, world, cases):
     return torch.load(out)
 
 
-def _check(got, recompute, world):
+def _check(got, recompute, world, scatter_rows=True):
     spec = _spec()
     _, _, ref_loss, ref = _reference(spec, recompute)
     assert got["loss"] == pytest.approx(ref_loss, rel=RTOL)
     # what the planner charges, in bytes: seconds at 1 GB/s without latency (fp32, batch 2)
-    planned = spec.layers * context.cp_comm_per_layer_s(spec, 2, 1, world, 4, recompute,
-                                                         1.0, 0.0) * 1e9
+    planned = spec.layers * context.cp_comm_per_layer_s(
+        spec, 2, 1, world, 4, recompute, 1.0, 0.0, scatter_rows=scatter_rows) * 1e9
     assert got["bytes"] == pytest.approx(planned, rel=1e-12)
     assert set(got["grads"]) == set(ref)
     for name, g in ref.items():
@@ -106,13 +110,17 @@ def _check(got, recompute, world):
 def test_cp2_gradients_equal_the_reference_in_every_recompute_mode(tmp_path):
     got = _run_cp(tmp_path, 2, CASES)
     for recompute in ("none", "selective", "attention-free", "full"):
-        ref = _check(got[(recompute, True)], recompute, 2)
+        ref = _check(got[(recompute, True, True)], recompute, 2)
+    for recompute in ("none", "full"):
+        _check(got[(recompute, True, False)], recompute, 2, scatter_rows=False)
     # the check is sensitive: RoPE at shard-local positions gives other gradients
     q = "model.layers.0.self_attn.q_proj.weight"
-    assert not torch.allclose(got[("none", False)]["grads"][q], ref[q], rtol=1e-3, atol=1e-5)
+    assert not torch.allclose(got[("none", False, True)]["grads"][q], ref[q], rtol=1e-3,
+                              atol=1e-5)
 
 
 @pytest.mark.slow
 def test_cp4_gradients_equal_the_reference(tmp_path):
-    got = _run_cp(tmp_path, 4, [("none", True)])
-    _check(got[("none", True)], "none", 4)
+    got = _run_cp(tmp_path, 4, [("none", True, True), ("none", True, False)])
+    _check(got[("none", True, True)], "none", 4)
+    _check(got[("none", True, False)], "none", 4, scatter_rows=False)
