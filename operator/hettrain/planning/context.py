@@ -15,10 +15,10 @@ gradient of the gathered keys and values over the CP group: each rank receives t
 own rows.
 
 Communication per layer and microbatch (:func:`cp_comm_per_layer_s`), synchronous in the
-runtime (nothing overlaps it, so all of it is exposed): forward, two all-gathers (K and V) of
-``b·s·kv/tp`` elements each in the plan precision; backward, two reduce-scatters of the same size
-(all-reduces on gloo: :func:`scatters_rows`);
-full and attention-free recompute re-run the forward's two all-gathers in the backward
+runtime (nothing overlaps it, so all of it is exposed): forward, one all-gather of K and V side
+by side, ``2·b·s·kv/tp`` elements in the plan precision; backward, one reduce-scatter of their
+gradients, the same size (an all-reduce on gloo: :func:`scatters_rows`); full and
+attention-free recompute re-run the forward's all-gather in the backward
 (attention-free re-runs the layer around the attention outputs it kept, whose K/V projections
 are gathered again; selective recompute re-runs only the attention core, on the gathered
 tensors it kept). The CP group's link: the
@@ -84,17 +84,17 @@ def scatters_rows(device: DeviceSpec) -> bool:
 def cp_comm_per_layer_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
                         elem_bytes: int, recompute: str, gbytes_per_s: float,
                         latency_s: float, scatter_rows: bool = True) -> float:
-    """Exposed CP communication of one layer and microbatch (module docstring): 2 all-gathers
-    (4 when the layer is re-run, full or attention-free recompute) and 2 reduce-scatters of
-    :func:`kv_bytes` over ``cp`` ranks (a ring all-gather and a ring reduce-scatter move the
-    same ``(cp − 1)/cp`` of the bytes); 2 all-reduces instead without ``scatter_rows``
-    (:func:`scatters_rows`)."""
+    """Exposed CP communication of one layer and microbatch (module docstring): one all-gather
+    of the keys and values together, ``2·``:func:`kv_bytes` (two when the layer is re-run, full
+    or attention-free recompute), and one reduce-scatter of their gradients, the same size, over
+    ``cp`` ranks (a ring all-gather and a ring reduce-scatter move the same ``(cp − 1)/cp`` of
+    the bytes); an all-reduce instead without ``scatter_rows`` (:func:`scatters_rows`)."""
     if cp <= 1:
         return 0.0
-    n = kv_bytes(model, micro_batch, tp, elem_bytes)
-    gathers = 4 if cost.reruns_layer(recompute) else 2
-    rows = (2 * cost.ring_reduce_scatter_s(n, cp, gbytes_per_s, latency_s) if scatter_rows
-            else 2 * cost.ring_all_reduce_s(n, cp, gbytes_per_s, latency_s))
+    n = 2 * kv_bytes(model, micro_batch, tp, elem_bytes)
+    gathers = 2 if cost.reruns_layer(recompute) else 1
+    rows = (cost.ring_reduce_scatter_s(n, cp, gbytes_per_s, latency_s) if scatter_rows
+            else cost.ring_all_reduce_s(n, cp, gbytes_per_s, latency_s))
     return gathers * cost.ring_reduce_scatter_s(n, cp, gbytes_per_s, latency_s) + rows
 
 

@@ -214,8 +214,10 @@ class ContextParallel:
         """Causal attention of this rank's queries (``(b, heads, 2L, d)``, RoPE applied at
         their true positions) over the whole sequence's keys/values (gathered here);
         ``recompute``: redo the attention core in the backward (selective recompute)."""
-        k_all = _GatherSequence.apply(k, self)
-        v_all = _GatherSequence.apply(v, self)
+        # keys and values side by side (heads dim): one gather, and one exchange of their
+        # gradients in the backward
+        kv_all = _GatherSequence.apply(torch.cat((k, v), dim=1), self)
+        k_all, v_all = kv_all.split(k.shape[1], dim=1)
         if recompute:
             from torch.utils.checkpoint import checkpoint
             return checkpoint(self._core, q, k_all, v_all, use_reentrant=False)

@@ -83,23 +83,24 @@ def test_masked_tiles_are_skipped_on_nvidia_and_amd_only():
 def test_kv_bytes_are_the_gathered_tensors(monkeypatch, cp, tp):
     _, gathered, plan = _count(monkeypatch, cp, tp)
     eb = cost.precision_bytes(plan.training)
-    # K and V per layer, each the whole sequence of this TP rank's kv heads
-    assert gathered == [context.kv_bytes(MODEL, 1, tp, eb)] * (2 * MODEL.layers)
+    # one gather per layer: K and V side by side, each the whole sequence of this TP rank's
+    # kv heads
+    assert gathered == [2 * context.kv_bytes(MODEL, 1, tp, eb)] * MODEL.layers
 
 
-def test_cp_comm_is_two_gathers_and_two_reduce_scatters_of_kv_bytes():
-    n = context.kv_bytes(MODEL, 1, 1, 2)
+def test_cp_comm_is_one_gather_and_one_reduce_scatter_of_keys_and_values():
+    n = 2 * context.kv_bytes(MODEL, 1, 1, 2)
     bw, lat = 10.0, 1e-6
-    want = 4 * cost.ring_reduce_scatter_s(n, 4, bw, lat)
+    want = 2 * cost.ring_reduce_scatter_s(n, 4, bw, lat)
     assert context.cp_comm_per_layer_s(MODEL, 1, 1, 4, 2, "none", bw, lat) == pytest.approx(want)
-    # full recompute re-runs the forward's two gathers in the backward
+    # full recompute re-runs the forward's gather in the backward
     full = context.cp_comm_per_layer_s(MODEL, 1, 1, 4, 2, "full", bw, lat)
-    assert full == pytest.approx(want + 2 * cost.ring_reduce_scatter_s(n, 4, bw, lat))
+    assert full == pytest.approx(want + cost.ring_reduce_scatter_s(n, 4, bw, lat))
     assert context.cp_comm_per_layer_s(MODEL, 1, 1, 1, 2, "none", bw, lat) == 0.0
     # gloo: the gradient all-reduced
     gloo = context.cp_comm_per_layer_s(MODEL, 1, 1, 4, 2, "none", bw, lat, scatter_rows=False)
-    assert gloo == pytest.approx(2 * cost.ring_reduce_scatter_s(n, 4, bw, lat)
-                                 + 2 * cost.ring_all_reduce_s(n, 4, bw, lat))
+    assert gloo == pytest.approx(cost.ring_reduce_scatter_s(n, 4, bw, lat)
+                                 + cost.ring_all_reduce_s(n, 4, bw, lat))
 
 
 def test_only_the_cpu_all_reduces_the_kv_gradient():
