@@ -14,7 +14,9 @@ peak bytes (CUDA: ``torch.cuda.max_memory_allocated``; CPU: :func:`runtime.memor
 which counts parameters, grads, optimizer state and peak saved tensors) next to the plan's
 per-device memory minus its fixed framework overhead, and the median step time next to the
 plan's forward+backward time of the stage plus its optimizer step (``plan.predicted.
-optimizer_s``). Ratios are measured / predicted.
+optimizer_s``). Ratios are measured / predicted. Then one context-parallel rank's attention
+core with the runtime's lower-right causal bias against the same masks as boolean tensors, next
+to the cost model's ratio of the two (below 1 where the kernels skip masked tiles).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 import torch
 
 from hettrain.api.spec import RECOMPUTE_MODES, parse_job_spec
-from hettrain.planning import cost
+from hettrain.planning import context, cost
+from hettrain.planning.catalog import CATALOG
 from hettrain.planning.inventory import load_cluster
 from hettrain.planning.planner import plan_job
 from hettrain.runtime.memory import measure_stage, predicted_stage_bytes
@@ -107,6 +110,41 @@ def run_case(plan, device: torch.device, repeats: int) -> tuple[float, float, fl
     return peak, statistics.median(times), runs.count / st.layers
 
 
+def cp_attention_check(device: torch.device, seq: int, cp: int, repeats: int
+                       ) -> tuple[float, float]:
+    """Median seconds of one CP rank's attention core, forward + backward (llama3-8b heads:
+    32 query, 8 KV, 128 wide; bf16 on a GPU, fp32 on the CPU; rank 0 of ``cp`` on ``seq``
+    tokens: :class:`runtime.context_parallel.StandInContextParallel`), with the runtime's
+    lower-right causal bias and with the same masks materialised as boolean tensors:
+    ``(bias s, boolean s)``. Where the kernel skips masked tiles the first is about
+    ``context.attention_share(cp, True) / attention_share(cp, False)`` of the second."""
+    from hettrain.runtime.context_parallel import StandInContextParallel
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    rank = StandInContextParallel(cp, 0, seq)
+    local = 2 * rank.chunk
+    q = torch.randn(1, 32, local, 128, generator=gen).to(device, dtype).requires_grad_()
+    k = torch.randn(1, 8, seq, 128, generator=gen).to(device, dtype).requires_grad_()
+    v = torch.randn(1, 8, seq, 128, generator=gen).to(device, dtype).requires_grad_()
+    biases = dict(rank._causal)
+    out = []
+    for masks in (biases, {j: b._materialize(device) for j, b in biases.items()}):
+        rank._causal = masks
+        times = []
+        for step in range(repeats + 1):  # the first warms up
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            rank._core(q, k, v).sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if step:
+                times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times))
+    return out[0], out[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the measured-vs-planned table; exit 0."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -148,6 +186,25 @@ def main(argv: list[str] | None = None) -> int:
           "stage's forward+backward of one microbatch plus the plan's optimizer step "
           "(fwd+bwd ms: the first alone); attn/layer = attention kernel runs per layer of one "
           "forward + backward (2 where the mode re-runs attention, else 1)")
+    cp_seq = args.seq_len or (32768 if use_cuda else 2048)
+    dev = CATALOG[dev_name]
+    print(f"CP attention core of rank 0, {cp_seq} tokens, fwd+bwd, median of {args.repeats}: "
+          "lower-right causal bias vs the same masks as boolean tensors")
+    print(f"{'cp':>3} {'bias ms':>9} {'boolean ms':>10} {'ratio':>6} {'planned ratio':>13}")
+    for cp in (2, 4, 8):
+        planned = (context.attention_share(cp, context.skips_masked_tiles(dev))
+                   / context.attention_share(cp, False))
+        try:
+            bias_s, bool_s = cp_attention_check(device, cp_seq, cp, args.repeats)
+        except torch.OutOfMemoryError:  # the boolean masks' path may materialise the scores
+            print(f"{cp:3d} out of memory (planned ratio {planned:.3f})")
+            torch.cuda.empty_cache()
+            continue
+        print(f"{cp:3d} {bias_s * 1e3:9.1f} {bool_s * 1e3:10.1f} {bias_s / bool_s:6.3f} "
+              f"{planned:13.3f}")
+    print("planned ratio = the cost model's attention pairs with the bias over those with every "
+          "masked pair computed (below 1 where the device's kernels skip masked tiles); a boolean "
+          "mask also keeps SDPA off the flash kernel, so on a GPU the measured ratio may be lower")
     return 0
 
 

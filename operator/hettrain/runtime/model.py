@@ -494,13 +494,15 @@ class LlamaMLP(nn.Module):
 
 
 # The fused attention kernels scaled_dot_product_attention dispatches to (CPU flash; CUDA/ROCm
-# flash, memory-efficient and cuDNN; the hook other accelerator backends register): what
-# attention-free recompute keeps instead of re-running.
+# flash, memory-efficient and cuDNN; the hook other accelerator backends register; and the
+# memory-efficient forward a lower-right causal bias calls directly, context parallelism's):
+# what attention-free recompute keeps instead of re-running.
 ATTENTION_KERNELS = frozenset(
     getattr(torch.ops.aten, name).default
     for name in ("_scaled_dot_product_flash_attention_for_cpu",
                  "_scaled_dot_product_flash_attention",
                  "_scaled_dot_product_efficient_attention",
+                 "_efficient_attention_forward",
                  "_scaled_dot_product_cudnn_attention",
                  "_scaled_dot_product_fused_attention_overrideable")
     if hasattr(torch.ops.aten, name))
