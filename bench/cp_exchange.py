@@ -5,13 +5,14 @@ a gradient for the whole sequence's K (and V) and needs the sum over the CP grou
 rows only. ``ContextParallel.reduce_rows`` gets them either with one reduce-scatter of the rows
 laid out rank-major (``scatter_rows``: ``(n−1)/n`` of the buffer per rank, what the runtime does
 on nccl/hccl) or with an all-reduce of the whole buffer, keeping its rows (``2·(n−1)/n``, what it
-does on gloo). Both are timed here on real gloo processes over loopback, interleaved (A, B, A,
-B, ...) so host noise hits both alike, at one layer's K gradient of llama3-8b shapes (8 KV heads
-of 128, bf16) for a few sequence lengths, and the two results compared (bf16 sums in another
-order: equal at cp 2, within bf16 rounding beyond). Printed: medians of the repeats and their
-ratio (reduce-scatter / all-reduce; the byte ratio is 0.5).
-On this 2-core host gloo's reduce-scatter takes about 1.5× its all-reduce's time, which is why
-the runtime all-reduces on gloo (``context.scatters_rows``).
+does on gloo). Both are timed here on real gloo processes over loopback, interleaved (A, B,
+A, B, ...) so host noise hits both alike, at one layer's K and V gradient of llama3-8b shapes
+(8 KV heads of 128 each, side by side as the runtime exchanges them, bf16) for a few sequence
+lengths, and the two results compared (bf16 sums in another order: equal at cp 2, within bf16
+rounding beyond). Printed: medians of the repeats and their ratio (reduce-scatter /
+all-reduce; the byte ratio is 0.5). On this 2-core host gloo's reduce-scatter takes longer
+than its all-reduce, which is why the
+runtime all-reduces on gloo (``context.scatters_rows``).
 
 Usage: python bench/cp_exchange.py [--cp 2] [--repeats 15] [--tokens 8192,32768,131072]
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
 
-KV_HEADS, HEAD_DIM = 8, 128  # llama3-8b
+KV_HEADS, HEAD_DIM = 8, 128  # llama3-8b: the runtime exchanges K and V side by side
 
 
 def _worker(rank: int, world: int, port: int, tokens: list[int], repeats: int, out: str
@@ -48,7 +49,7 @@ def _worker(rank: int, world: int, port: int, tokens: list[int], repeats: int, o
                     "reduce-scatter": ContextParallel(world, rank, seq, group=None,
                                                       scatter_rows=True)}
             gen = torch.Generator().manual_seed(rank)
-            grad = torch.randn(1, KV_HEADS, seq, HEAD_DIM, generator=gen).bfloat16()
+            grad = torch.randn(1, 2 * KV_HEADS, seq, HEAD_DIM, generator=gen).bfloat16()
             a = ways["all-reduce"].reduce_rows(grad).float()
             b = ways["reduce-scatter"].reduce_rows(grad).float()
             diff = ((a - b).abs().max() / a.abs().max()).item()  # bf16 sums, other order
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         mp.spawn(_worker, args=(args.cp, free_port(), tokens, args.repeats, out),
                  nprocs=args.cp)
         rows = torch.load(out)
-    print(f"K gradient exchange of one layer, cp={args.cp}, gloo on loopback, "
+    print(f"K/V gradient exchange of one layer, cp={args.cp}, gloo on loopback, "
           f"median of {args.repeats}")
     print(f"{'seq':>7} {'MB':>7} {'all-reduce ms':>14} {'reduce-scatter ms':>18} "
           f"{'ratio':>6}  max |diff| / max |rows|")

@@ -111,24 +111,27 @@ def run_case(plan, device: torch.device, repeats: int) -> tuple[float, float, fl
 
 
 def cp_attention_check(device: torch.device, seq: int, cp: int, repeats: int
-                       ) -> tuple[float, float]:
-    """Median seconds of one CP rank's attention core, forward + backward (llama3-8b heads:
-    32 query, 8 KV, 128 wide; bf16 on a GPU, fp32 on the CPU; rank 0 of ``cp`` on ``seq``
-    tokens: :class:`runtime.context_parallel.StandInContextParallel`), with the runtime's
-    lower-right causal bias and with the same masks materialised as boolean tensors:
-    ``(bias s, boolean s)``. Where the kernel skips masked tiles the first is about
-    ``context.attention_share(cp, True) / attention_share(cp, False)`` of the second."""
+                       ) -> tuple[float, float, float]:
+    """One CP rank's attention core, forward + backward (llama3-8b heads: 32 query, 8 KV, 128
+    wide; bf16 on a GPU, fp32 on the CPU; rank 1 of ``cp`` on ``seq`` tokens, one of the ranks
+    with the most pairs: :class:`runtime.context_parallel.StandInContextParallel`), with the
+    runtime's lower-right causal bias and with the same masks materialised as boolean tensors:
+    ``(bias s, boolean s, difference)``, medians of ``repeats``. Where the kernel skips masked
+    tiles the first is about ``context.attention_share`` with the skip over it without of the
+    second. ``difference``: the largest gap between the two runs' outputs and input gradients,
+    over the largest value (the kernels differ, the masks are the same: rounding only)."""
     from hettrain.runtime.context_parallel import StandInContextParallel
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
-    rank = StandInContextParallel(cp, 0, seq)
+    rank = StandInContextParallel(cp, 1, seq)
     local = 2 * rank.chunk
     q = torch.randn(1, 32, local, 128, generator=gen).to(device, dtype).requires_grad_()
     k = torch.randn(1, 8, seq, 128, generator=gen).to(device, dtype).requires_grad_()
     v = torch.randn(1, 8, seq, 128, generator=gen).to(device, dtype).requires_grad_()
+    upstream = torch.randn(1, 32, local, 128, generator=gen).to(device, dtype)
     biases = dict(rank._causal)
-    out = []
+    seconds, results = [], []
     for masks in (biases, {j: b._materialize(device) for j, b in biases.items()}):
         rank._causal = masks
         times = []
@@ -136,13 +139,17 @@ def cp_attention_check(device: torch.device, seq: int, cp: int, repeats: int
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            rank._core(q, k, v).sum().backward()
+            out = rank._core(q, k, v)
+            grads = torch.autograd.grad(out, (q, k, v), upstream)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if step:
                 times.append(time.perf_counter() - t0)
-        out.append(statistics.median(times))
-    return out[0], out[1]
+        seconds.append(statistics.median(times))
+        results.append([t.float() for t in (out.detach(), *grads)])
+    diff = max(((x - y).abs().max() / y.abs().max()).item()
+               for x, y in zip(*results, strict=True))
+    return seconds[0], seconds[1], diff
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                          "on the CPU)")
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per case (median)")
     args = ap.parse_args(argv)
+    if args.seq_len and args.seq_len % 16:
+        print(f"error: --seq-len {args.seq_len}: must be a multiple of 16 (two chunks per rank "
+              "at cp 8)", file=sys.stderr)
+        return 2
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device here", file=sys.stderr)
@@ -188,23 +199,26 @@ def main(argv: list[str] | None = None) -> int:
           "forward + backward (2 where the mode re-runs attention, else 1)")
     cp_seq = args.seq_len or (32768 if use_cuda else 2048)
     dev = CATALOG[dev_name]
-    print(f"CP attention core of rank 0, {cp_seq} tokens, fwd+bwd, median of {args.repeats}: "
+    print(f"CP attention core of rank 1, {cp_seq} tokens, fwd+bwd, median of {args.repeats}: "
           "lower-right causal bias vs the same masks as boolean tensors")
-    print(f"{'cp':>3} {'bias ms':>9} {'boolean ms':>10} {'ratio':>6} {'planned ratio':>13}")
+    print(f"{'cp':>3} {'bias ms':>9} {'boolean ms':>10} {'ratio':>6} {'planned ratio':>13} "
+          f"{'difference':>10}")
     for cp in (2, 4, 8):
-        planned = (context.attention_share(cp, context.skips_masked_tiles(dev))
-                   / context.attention_share(cp, False))
+        planned = (context.attention_share(cp, skips_masked=context.skips_masked_tiles(dev))
+                   / context.attention_share(cp, skips_masked=False))
         try:
-            bias_s, bool_s = cp_attention_check(device, cp_seq, cp, args.repeats)
+            bias_s, bool_s, diff = cp_attention_check(device, cp_seq, cp, args.repeats)
         except torch.OutOfMemoryError:  # the boolean masks' path may materialise the scores
             print(f"{cp:3d} out of memory (planned ratio {planned:.3f})")
             torch.cuda.empty_cache()
             continue
         print(f"{cp:3d} {bias_s * 1e3:9.1f} {bool_s * 1e3:10.1f} {bias_s / bool_s:6.3f} "
-              f"{planned:13.3f}")
+              f"{planned:13.3f} {diff:10.1e}")
     print("planned ratio = the cost model's attention pairs with the bias over those with every "
           "masked pair computed (below 1 where the device's kernels skip masked tiles); a boolean "
-          "mask also keeps SDPA off the flash kernel, so on a GPU the measured ratio may be lower")
+          "mask also keeps SDPA off the flash kernel, so on a GPU the measured ratio may be lower; "
+          "difference = largest gap between the two runs' outputs and gradients over the "
+          "largest value (rounding only: about 1e-2 in bf16, 1e-6 in fp32)")
     return 0
 
 

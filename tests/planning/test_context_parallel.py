@@ -82,8 +82,8 @@ def test_pcie_long_sequence_planner_picks_the_brute_force_cp(recompute):
     assert plan.predicted.step_time_s == pytest.approx(want, rel=1e-9)
     assert (plan.stages[0].cp, plan.stages[0].tp) == (cp, tp)
     if recompute != "selective":
-        # selective recompute re-runs the attention core, where CP's masked diagonal blocks
-        # (context.attention_share) cost most: there tp = 8 stays (narrowly) faster
+        # with selective recompute the brute force's optimum is tp = 8 (narrowly); there the
+        # test checks only that the planner finds it
         assert cp > 1
     assert context_parallel_errors(plan) == []
 

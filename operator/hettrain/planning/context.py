@@ -7,7 +7,7 @@ LM head run on ``s/cp`` tokens (:func:`cost.cp_local_model`). Attention: the key
 (``kv_heads``, TP-sharded) are all-gathered over the CP group, and each local query chunk ``j``
 attends to the key prefix ``[0, (j+1)·L)`` under a lower-right causal mask (its last ``L`` keys
 are the diagonal block). Where the device's attention kernels skip masked tiles
-(:func:`skips_masked_tiles`: flash / memory-efficient attention on NVIDIA and AMD GPUs) a rank
+(:func:`skips_masked_tiles`: flash / memory-efficient attention on NVIDIA GPUs) a rank
 computes exactly ``1/cp`` of the causal query-key pairs of the whole sequence; elsewhere SDPA
 materialises the mask and computes the diagonal blocks in full, ``L²·(2cp+1)`` pairs,
 ``(2cp+1)/(2cp²)`` of the ``s²/2`` (:func:`attention_share`). The backward reduce-scatters the
@@ -36,14 +36,16 @@ CP_NIC_LATENCY_S = cost.COLLECTIVE_LATENCY_S  # α of one ring step over the NIC
 
 
 def skips_masked_tiles(device: DeviceSpec) -> bool:
-    """Whether ``scaled_dot_product_attention`` with a lower-right causal bias runs a fused
-    kernel that skips the masked tiles on ``device``: flash or memory-efficient attention, on
-    NVIDIA and AMD GPUs (``torch.nn.attention.bias.CausalBias``); other devices get the mask
-    materialised and compute every pair of the block."""
-    return device.vendor in ("nvidia", "amd")
+    """Whether the runtime's CP attention on ``device`` runs a fused kernel that skips the
+    masked tiles: ``scaled_dot_product_attention`` with a lower-right causal bias dispatches to
+    flash or memory-efficient attention on NVIDIA GPUs (``torch.nn.attention.bias.CausalBias``).
+    Elsewhere the mask is materialised and every pair of the block computed: on the CPU, Gaudi
+    and Ascend by SDPA itself, and on AMD by the runtime, because PyTorch does not test the
+    lower-right variant on ROCm (``runtime/context_parallel.py``)."""
+    return device.vendor == "nvidia"
 
 
-def attention_share(cp: int, skips_masked: bool = True) -> float:
+def attention_share(cp: int, *, skips_masked: bool) -> float:
     """A CP rank's attention query-key pairs over those of causal attention on the whole
     sequence: ``1/cp`` where the kernel skips masked tiles (:func:`skips_masked_tiles`; the
     rank's two chunks hold ``2cp`` causal ``L``-blocks, the sequence ``2cp·cp``), else
@@ -83,7 +85,7 @@ def scatters_rows(device: DeviceSpec) -> bool:
 
 def cp_comm_per_layer_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
                         elem_bytes: int, recompute: str, gbytes_per_s: float,
-                        latency_s: float, scatter_rows: bool = True) -> float:
+                        latency_s: float, *, scatter_rows: bool) -> float:
     """Exposed CP communication of one layer and microbatch (module docstring): one all-gather
     of the keys and values together, ``2·``:func:`kv_bytes` (two when the layer is re-run, full
     or attention-free recompute), and one reduce-scatter of their gradients, the same size, over
@@ -108,7 +110,7 @@ def cp_layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
     rank's share of the FLOPs instead."""
     if cp <= 1:
         return cost.layer_compute_s(model, micro_batch, tp, device, recompute, elem_bytes)
-    share = attention_share(cp, skips_masked_tiles(device))
+    share = attention_share(cp, skips_masked=skips_masked_tiles(device))
     prof = device.profile
     if prof is not None and prof.matches(model, elem_bytes):
         full = cost.layer_compute_s(model, micro_batch, tp, device, recompute, elem_bytes)

@@ -9,14 +9,16 @@ token-local, so a CP rank runs embedding, norms, MLP and head on its ``2L`` toke
 uses the tokens' TRUE positions (:func:`shard_positions`).
 
 Attention: all-gather of K and V over the CP group (Llama 3's choice, Dubey et al. 2024 §3.3.2),
-not ring attention. Each rank gathers the full keys/values (GQA: the few ``kv_heads`` before
-they are repeated, so the gather is ``heads/kv_heads`` times smaller than one of Q), puts them in
+not ring attention. Each rank gathers the full keys/values, side by side in one collective
+(GQA: the few ``kv_heads`` before they are repeated, so the gather is ``heads/(2·kv_heads)``
+times smaller than one of Q), puts them in
 sequence order and runs, per local query chunk ``j``, ordinary attention against the key prefix
 ``[0, (j+1)·L)`` with a lower-right causal mask (:class:`LowerRightCausal`: the last ``L`` keys
-are the diagonal block): the future beyond the prefix is never computed, and the fused kernels
-(flash on NVIDIA and AMD GPUs, memory-efficient attention) skip the diagonal block's masked half
-too; elsewhere (CPU, other accelerators) SDPA materialises the mask and computes the block in
-full.
+are the diagonal block): the future beyond the prefix is never computed, and on NVIDIA GPUs the
+fused kernels (flash, memory-efficient attention) skip the diagonal block's masked half too;
+elsewhere (CPU, Gaudi, Ascend) SDPA materialises the mask and computes the block in full, and
+on ROCm the runtime passes the materialised mask itself (PyTorch does not test the lower-right
+variant there).
 Why not ring attention: the gather is one collective per layer instead of ``n-1`` overlapped
 steps with an online-softmax merge, the attention kernel is the unmodified
 ``scaled_dot_product_attention`` (same numerics as the reference), and for GQA models the K/V
@@ -48,6 +50,8 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from hettrain.planning.plan import Plan
 from hettrain.planning.support import context_parallel_degree
+
+ROCM = torch.version.hip is not None  # a ROCm build: its "cuda" devices are AMD GPUs
 
 __all__ = ["ContextParallel", "comm_view", "context_parallel_degree", "enable_",
            "shard_positions"]
@@ -88,6 +92,12 @@ class LowerRightCausal(CausalBias):
 
     def __init__(self, seq_len_q: int, seq_len_kv: int) -> None:
         super().__init__(CausalVariant.LOWER_RIGHT, seq_len_q, seq_len_kv)
+
+    def __deepcopy__(self, memo: dict) -> LowerRightCausal:
+        return LowerRightCausal(self.seq_len_q, self.seq_len_kv)
+
+    def __repr__(self) -> str:  # CausalBias's materialises the whole mask
+        return f"LowerRightCausal({self.seq_len_q}, {self.seq_len_kv})"
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -190,11 +200,16 @@ class ContextParallel:
         all-reduce of the whole buffer, of which this rank keeps its rows."""
         t0 = time.perf_counter()
         if self.scatter_rows:
+            b, heads, _, d = grad.shape
+            # (cp·b, heads, 2L, d): rank k's chunks k and 2cp-1-k at slot k, copied straight in
+            send = torch.empty((self.cp * b, heads, 2 * self.chunk, d), dtype=grad.dtype,
+                               device=grad.device if self.staging is None else self.staging)
             chunks = grad.split(self.chunk, dim=2)
-            per_rank = [torch.cat((chunks[k], chunks[2 * self.cp - 1 - k]), dim=2)
-                        for k in range(self.cp)]
-            send = self._stage(torch.cat(per_rank, dim=0))  # (cp·b, heads, 2L, d)
-            out = torch.empty_like(send[:grad.shape[0]])
+            for k in range(self.cp):
+                slot = send[k * b:(k + 1) * b]
+                slot[:, :, :self.chunk].copy_(chunks[k])
+                slot[:, :, self.chunk:].copy_(chunks[2 * self.cp - 1 - k])
+            out = torch.empty_like(send[:b])
             dist.reduce_scatter_tensor(out, send, group=self.group)
             sent = (self.cp - 1) * out.numel() * out.element_size()
         else:
@@ -232,9 +247,11 @@ class ContextParallel:
         L = self.chunk
         for j, qj in zip(self._mine, q.split(L, dim=2), strict=True):
             keys = (j + 1) * L  # the causal prefix of chunk j; its last L keys are the diagonal
+            mask = self._causal[j]
+            if ROCM and qj.is_cuda:  # the lower-right variant is untested on ROCm in PyTorch
+                mask = mask._materialize(qj.device)
             out.append(F.scaled_dot_product_attention(qj, k_all[:, :, :keys],
-                                                      v_all[:, :, :keys],
-                                                      attn_mask=self._causal[j]))
+                                                      v_all[:, :, :keys], attn_mask=mask))
         return torch.cat(out, dim=2)
 
 

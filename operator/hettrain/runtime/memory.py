@@ -28,9 +28,11 @@ activations and gradients standing in for its pipeline peers. It reports:
 TP is measured on the local shard with a stand-in TP group: its collectives move nothing but
 keep their shapes (a sequence-parallel all-gather repeats the shard), as their buffers are
 transient and their saved tensors are the same as with real peers. Context parallelism
-(``stages[s].cp > 1``) is measured on CP rank 0's ``seq_len / cp`` tokens, the other ranks'
-keys/values stand-ins (``context_parallel.StandInContextParallel``), ZeRO over the DP×CP group
-(a stand-in group: the other ranks' chunks of a gathered unit are zeros, nothing is reduced).
+(``stages[s].cp > 1``) is measured on CP rank 1's ``seq_len / cp`` tokens (a rank holding
+the most: rank 0's first chunk is the square causal block, for which SDPA keeps no mask), the
+other ranks' keys/values stand-ins (``context_parallel.StandInContextParallel``), ZeRO over
+the DP×CP group (a stand-in group: the other ranks' chunks of a gathered unit are zeros,
+nothing is reduced).
 Nothing here talks to other processes.
 """
 
@@ -214,8 +216,8 @@ def measure_stage(plan: Plan, stage: int) -> StageBytes:
     """Run one step of stage ``stage``'s schedule on the CPU and measure its bytes."""
     st = plan.stages[stage]
     model, sharded = build_stage(plan, stage)
-    if st.cp > 1:  # CP rank 0: its 2 chunks of the sequence, stand-in peers' keys/values
-        enable_(model, StandInContextParallel(st.cp, 0, plan.model.seq_len))
+    if st.cp > 1:  # CP rank 1: its 2 chunks of the sequence, stand-in peers' keys/values
+        enable_(model, StandInContextParallel(st.cp, 1, plan.model.seq_len))
     zero = plan.dp * st.cp  # ZeRO shards over the DP×CP gradient group
     shard = (ShardGroup(None, 0, zero, torch.device("cpu"), stand_in=True)
              if sharding_of(plan.training) != "none" and zero > 1 else None)
