@@ -189,3 +189,26 @@ def test_calibration_prices_a_cp_stage_on_its_own_tokens():
             measured[(0, s.index)] = cal.StageMeasurement(s.index, s.time_ms / 1e3, 0.0, 5,
                                                      layers_s=k * part)
         assert cal.layer_scale(spec, plan, measured, devices) == pytest.approx({"H100-SXM": k})
+
+
+@pytest.mark.parametrize(("device", "cp", "masks"), [("H100-SXM", 8, False), ("MI300X", 4, True)])
+def test_cp_masks_counted_only_where_they_are_materialised(device, cp, masks):
+    """A stage's CP causal masks (``L²·(2cp+1)`` elements per layer and microbatch in flight,
+    recompute none) count on devices that materialise them (AMD, as the runtime passes the
+    mask there) and not on NVIDIA, whose fused kernels take the lower-right bias: the plan's
+    stage memory is ``cost.stage_memory`` with or without them, nothing else differs."""
+    inv = load_cluster(_cluster(device, 2))
+    spec = parse_job_spec(_job(32768, 32, 16, "none", pp=2, tp=1, cp=cp))
+    plan = plan_job("j", spec, inv)
+    assert cost.skips_masked_tiles(inv.pools[0].device) is not masks
+    st, m = plan.stages[0], plan.num_microbatches
+    args = cost.schedule_memory_args(0, plan.pp, m, plan.schedule, plan.virtual_stages)
+    kw = {"tp": st.tp, "dp": plan.dp, "cp": cp, "micro_batch": plan.micro_batch, "first": True,
+          "last": plan.pp == 1, **args}
+    with_masks = cost.stage_memory(spec.model, spec.training, cp_masks=True, **kw)
+    without = cost.stage_memory(spec.model, spec.training, cp_masks=False, **kw)
+    chunk = 32768 // (2 * cp)
+    per_layer = chunk * chunk * (2 * cp + 1) * cost.precision_bytes(spec.training)
+    assert with_masks.per_layer - without.per_layer == pytest.approx(per_layer * args["in_flight"])
+    want = (with_masks if masks else without).bytes_for(st.layers) / cost.GIB
+    assert st.memory_gib == pytest.approx(want, abs=1e-3)  # the plan rounds to MiB

@@ -84,7 +84,8 @@ def test_attention_free_keeps_the_layer_input_and_the_attention_outputs() -> Non
         assert cost.recompute_working_set_bytes(model, 1, tp, "attention-free") == \
             cost.recompute_working_set_bytes(model, 1, tp, "full")
     assert cost.recompute_rope_table_bytes(model, "attention-free") == 2 * 4 * s * d
-    assert cost.cp_attention_extra_bytes_per_layer(model, 1, 8, 4, "attention-free") == 0
+    assert cost.cp_attention_extra_bytes_per_layer(model, 1, 8, 4, "attention-free",
+                                                   masks=True) == 0
     training = _spec(recompute="attention-free").training
     kw = {"tp": 8, "dp": 1, "micro_batch": 1, "in_flight": 3, "first": False, "last": False}
     free = cost.stage_memory(model, training, **kw)

@@ -31,18 +31,13 @@ from __future__ import annotations
 from hettrain.api.spec import ModelSpec, TrainingSpec
 from hettrain.planning import cost
 from hettrain.planning.catalog import DeviceSpec
+from hettrain.planning.cost import skips_masked_tiles
+
+__all__ = ["CP_NIC_LATENCY_S", "attention_share", "cp_comm_per_layer_s", "cp_head_time_s",
+           "cp_layer_compute_s", "cp_layer_time_s", "cp_link", "kv_bytes", "scatters_rows",
+           "skips_masked_tiles"]
 
 CP_NIC_LATENCY_S = cost.COLLECTIVE_LATENCY_S  # α of one ring step over the NIC
-
-
-def skips_masked_tiles(device: DeviceSpec) -> bool:
-    """Whether the runtime's CP attention on ``device`` runs a fused kernel that skips the
-    masked tiles: ``scaled_dot_product_attention`` with a lower-right causal bias dispatches to
-    flash or memory-efficient attention on NVIDIA GPUs (``torch.nn.attention.bias.CausalBias``).
-    Elsewhere the mask is materialised and every pair of the block computed: on the CPU, Gaudi
-    and Ascend by SDPA itself, and on AMD by the runtime, because PyTorch does not test the
-    lower-right variant on ROCm (``runtime/context_parallel.py``)."""
-    return device.vendor == "nvidia"
 
 
 def attention_share(cp: int, *, skips_masked: bool) -> float:

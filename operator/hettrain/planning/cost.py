@@ -564,8 +564,20 @@ def cp_local_model(model: ModelSpec, cp: int) -> ModelSpec:
     return model if cp <= 1 else replace(model, seq_len=model.seq_len // cp)
 
 
+def skips_masked_tiles(device: DeviceSpec) -> bool:
+    """Whether the runtime's CP attention on ``device`` runs a fused kernel that skips the
+    masked tiles (and builds no mask): ``scaled_dot_product_attention`` with a lower-right
+    causal bias dispatches to flash or memory-efficient attention on NVIDIA GPUs
+    (``torch.nn.attention.bias.CausalBias``). Elsewhere the mask is materialised and every pair
+    of the block computed: on the CPU, Gaudi and Ascend by SDPA itself, and on AMD by the
+    runtime, because PyTorch does not test the lower-right variant on ROCm
+    (``runtime/context_parallel.py``)."""
+    return device.vendor == "nvidia"
+
+
 def cp_attention_extra_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, cp: int,
-                                       recompute: str, elem_bytes: int = 2) -> float:
+                                       recompute: str, elem_bytes: int = 2, *,
+                                       masks: bool) -> float:
     """Bytes a CP rank's attention keeps per layer and microbatch beyond the token-local count
     of :func:`activation_bytes_per_layer` on ``seq_len / cp`` tokens, as
     ``runtime/context_parallel.py`` holds them (0 for ``cp == 1`` or a re-run layer,
@@ -578,9 +590,10 @@ def cp_attention_extra_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: i
     (the output projection's input): ``(s/cp)·h/tp`` more; and each chunk's causal mask over
     its key prefix, which SDPA keeps converted to the plan precision: ``L·(j+1)·L`` elements
     for chunk ``j`` of ``L = s/2cp`` tokens, ``L²·(2cp+1)`` for the rank's two chunks (not per
-    sequence: the mask broadcasts over the microbatch; SDPA materialises it from the runtime's
-    lower-right causal bias where no fused kernel takes the bias, as on the CPU that measures
-    it, so on NVIDIA and AMD GPUs this term is a margin). ``selective`` keeps the checkpoint's
+    sequence: the mask broadcasts over the microbatch), where the mask is materialised:
+    ``masks``, i.e. not where a fused kernel takes the runtime's lower-right causal bias
+    (:func:`skips_masked_tiles`; the CPU that measures stages materialises it).
+    ``selective`` keeps the checkpoint's
     inputs, the gathered keys and values before the repeat (``kv/tp`` each) over the whole
     sequence: ``2·(s − s/cp)·kv/tp`` more."""
     if cp <= 1 or reruns_layer(recompute):
@@ -592,8 +605,8 @@ def cp_attention_extra_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: i
         kv = model.kv_heads * model.head_dim
         return b * 2 * (s - local) * kv / tp * eb
     chunk = s // (2 * cp)
-    masks = chunk * chunk * (2 * cp + 1) * eb
-    return b * (2 * (s - local) + local) * h / tp * eb + masks
+    mask_bytes = chunk * chunk * (2 * cp + 1) * eb if masks else 0.0
+    return b * (2 * (s - local) + local) * h / tp * eb + mask_bytes
 
 
 def recompute_working_set_bytes(model: ModelSpec, micro_batch: int, tp: int, recompute: str,
@@ -731,7 +744,7 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
                  head_in_flight: float = 1.0, ids_in_flight: float | None = None,
                  zb_stash: float = 0.0, cp: int = 1,
                  moments: Sequence[tuple[float, float]] = (),
-                 split_layers: bool = False) -> StageMemory:
+                 split_layers: bool = False, cp_masks: bool = True) -> StageMemory:
     """Per-device memory of a stage as a function of its layer count.
 
     ``in_flight``: :func:`in_flight_microbatches`. Besides the model state and the layers'
@@ -754,7 +767,8 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     Context parallelism ``cp > 1`` (``runtime/context_parallel.py``): every token-local term
     counts the rank's ``seq_len / cp`` tokens (:func:`cp_local_model`), each layer adds what
     the CP attention keeps beyond that (:func:`cp_attention_extra_bytes_per_layer`: the
-    gathered full-sequence keys/values), and ZeRO sharding spans the ``dp·cp`` gradient group.
+    gathered full-sequence keys/values, and with ``cp_masks`` the materialised causal masks:
+    ``not skips_masked_tiles(device)``), and ZeRO sharding spans the ``dp·cp`` gradient group.
 
     ``training.sharding`` (:func:`state_bytes_per_param`): gradients and full add the
     transient of the stage's largest unit (:func:`sharding_transient_bytes`) to ``fixed``.
@@ -765,7 +779,7 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     if cp > 1:
         full, model = model, cp_local_model(model, cp)
         cp_extra = cp_attention_extra_bytes_per_layer(full, micro_batch, tp, cp,
-                                                      training.recompute, eb)
+                                                      training.recompute, eb, masks=cp_masks)
     else:
         cp_extra = 0.0
     s, b, h = model.seq_len, micro_batch, model.hidden
@@ -788,7 +802,8 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     fixed += recompute_rope_table_bytes(model, training.recompute)
     working = activation_bytes_per_layer(model, micro_batch, tp, "none", eb) if rerun else 0.0
     if rerun and cp > 1:  # the re-run layer's gathered keys/values
-        working += cp_attention_extra_bytes_per_layer(full, micro_batch, tp, cp, "none", eb)
+        working += cp_attention_extra_bytes_per_layer(full, micro_batch, tp, cp, "none", eb,
+                                                      masks=cp_masks)
     chunks_in_flight = in_flight * virtual_stages
     vs = vocab_shards(model, tp)
     # vocab-parallel: the embedding keeps its local int64 ids and a bool out-of-range mask; the

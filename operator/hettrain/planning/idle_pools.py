@@ -158,7 +158,8 @@ def _least_stage_bytes(unit: Unit, spec: JobSpec, tps: Sequence[int]) -> float:
     for tp in tps:
         replicas = max(1, unit.tp_groups(tp) // cp)
         mem = cost.stage_memory(spec.model, spec.training, tp=tp, dp=replicas, cp=cp,
-                                micro_batch=1, in_flight=1, first=False, last=False)
+                                micro_batch=1, in_flight=1, first=False, last=False,
+                                cp_masks=not cost.skips_masked_tiles(unit.device))
         least = min(least, mem.bytes_for(1))
     return least
 

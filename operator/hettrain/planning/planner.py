@@ -686,6 +686,7 @@ def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int
         c, e = c + opt_c, e + opt_e
         mem = cost.stage_memory(model, training, tp=tp, dp=dp // _cp(spec), cp=_cp(spec),
                                 micro_batch=mb, first=first, last=last,
+                                cp_masks=not cost.skips_masked_tiles(u.device),
                                 **cost.schedule_memory_args(i, pp, m, schedule, v))
         usable = u.device.hbm_bytes * cost.MEMORY_HEADROOM
         max_layers = int((usable - mem.fixed) // mem.per_layer) if usable > mem.fixed else 0
@@ -914,14 +915,16 @@ def _unit_stats(unit: Unit, tp: int, dp: int, mb: int, inv: ClusterInventory,
                                  0.0, False, False)
     dp_c += _optimizer_coeffs(unit, tp, dp, spec, False, False)[0]  # a middle stage's too
     cp = _cp(spec)
+    masks = not cost.skips_masked_tiles(unit.device)
     mem = cost.stage_memory(model, training, tp=tp, dp=dp // cp, cp=cp, micro_batch=mb,
-                            in_flight=1, first=False, last=False)
+                            in_flight=1, first=False, last=False, cp_masks=masks)
     usable = unit.device.hbm_bytes * cost.MEMORY_HEADROOM
     cap = int((usable - mem.fixed) // mem.per_layer) if usable > mem.fixed else 0
     eb = cost.precision_bytes(training)
     act = (cost.activation_bytes_per_layer(cost.cp_local_model(model, cp), mb, tp,
                                            training.recompute, eb)
-           + cost.cp_attention_extra_bytes_per_layer(model, mb, tp, cp, training.recompute, eb))
+           + cost.cp_attention_extra_bytes_per_layer(model, mb, tp, cp, training.recompute, eb,
+                                                     masks=masks))
     return UnitStats(a, head, dp_c, dp_e, min(cap, model.layers), mem.fixed, mem.per_layer,
                      act, usable, _replica_batch(spec, dp) // mb)
 
@@ -1483,7 +1486,9 @@ def _caps_rows(search: _Search, units: tuple[Unit, ...], dp: int, mb: int,
         cp = _cp(spec)
         usable = [u.device.hbm_bytes * cost.MEMORY_HEADROOM for u in units]
         caps: dict[tuple, int] = {}  # (unit, tp, position key): layer cap
-        mems: dict[tuple, cost.StageMemory] = {}  # (tp, position key): device-independent
+        # (tp, position key, CP masks materialised): independent of the device otherwise
+        mems: dict[tuple, cost.StageMemory] = {}
+        masks = [not cost.skips_masked_tiles(u.device) for u in units]
 
         def position_key(i: int, pp: int, schedule: str, v: int) -> tuple:
             """What the memory of the stage at ``i`` of ``pp`` depends on besides its unit
@@ -1506,11 +1511,12 @@ def _caps_rows(search: _Search, units: tuple[Unit, ...], dp: int, mb: int,
             pos = position_key(i, pp, schedule, v)
             cap = caps.get((unit, tp, pos))
             if cap is None:
-                mem = mems.get((tp, pos))
+                key = (tp, pos, masks[unit])
+                mem = mems.get(key)
                 if mem is None:
-                    mem = mems[(tp, pos)] = cost.stage_memory(
+                    mem = mems[key] = cost.stage_memory(
                         model, training, tp=tp, dp=dp // cp, cp=cp, micro_batch=mb,
-                        first=i == 0, last=i == pp - 1,
+                        first=i == 0, last=i == pp - 1, cp_masks=masks[unit],
                         **cost.schedule_memory_args(i, pp, m, schedule, v))
                 room = usable[unit]
                 cap = caps[(unit, tp, pos)] = (int((room - mem.fixed) // mem.per_layer)

@@ -320,13 +320,15 @@ def _run_splits(runs: list[tuple[int, int, int]], per_run: int
 
 
 def stage_memory_bytes(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequence[int],
-                       dp: int, m: int, cp: int = 1) -> list[float]:
+                       dp: int, m: int, cp: int = 1, cp_masks: bool = True) -> list[float]:
     """Peak bytes per device of each stage of an extra group of ``dp`` replicas at context
     parallelism ``cp`` running ``m`` microbatches per replica (``cost.stage_memory`` with the
-    plan's schedule)."""
+    plan's schedule; ``cp_masks``: the device materialises CP's causal masks,
+    ``not cost.skips_masked_tiles(device)``)."""
     pp = len(splits)
     return [cost.stage_memory(plan.model, plan.training, tp=tp, dp=dp, cp=cp,
                               micro_batch=plan.micro_batch, first=s == 0, last=s == pp - 1,
+                              cp_masks=cp_masks,
                               **cost.schedule_memory_args(s, pp, m, plan.schedule)
                               ).bytes_for(b - a)
             for s, ((a, b), tp) in enumerate(zip(splits, tps, strict=True))]
@@ -345,14 +347,15 @@ def max_microbatches(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequenc
     limit = device.hbm_bytes * cost.MEMORY_HEADROOM
     pp = len(splits)
     memo = {} if memo is None else memo
+    masks = not cost.skips_masked_tiles(device)
 
     def stage(s: int, tp: int, m: int) -> cost.StageMemory:
         args = cost.schedule_memory_args(s, pp, m, plan.schedule)
-        key = (tp, dp, cp, s == 0, s == pp - 1, *args.values())
+        key = (tp, dp, cp, masks, s == 0, s == pp - 1, *args.values())
         if key not in memo:
             memo[key] = cost.stage_memory(plan.model, plan.training, tp=tp, dp=dp, cp=cp,
                                           micro_batch=plan.micro_batch, first=s == 0,
-                                          last=s == pp - 1, **args)
+                                          last=s == pp - 1, cp_masks=masks, **args)
         return memo[key]
 
     def fits(m: int) -> bool:  # every stage, the first that does not fit ends the check
@@ -613,7 +616,8 @@ def _place_group(option: GroupOption) -> list[tuple[tuple[int, int, int, int], s
 def _group_stages(plan: Plan, option: GroupOption, m: int) -> tuple[StagePlan, ...]:
     """The stages of ``option``'s pipeline, their memory at ``m`` microbatches per replica."""
     pool = option.pool
-    mems = stage_memory_bytes(plan, option.splits, option.tps, option.dp, m, option.cp)
+    mems = stage_memory_bytes(plan, option.splits, option.tps, option.dp, m, option.cp,
+                              cp_masks=not cost.skips_masked_tiles(pool.device))
     return tuple(StagePlan(
         index=s, device=pool.device.name, vendor=pool.vendor, backend=pool.device.backend,
         pools=(pool.name,), datacenters=(pool.datacenter,), layer_start=a, layer_end=b,

@@ -202,7 +202,9 @@ def build_stage(plan: Plan, stage: int, tp_index: int = 0) -> tuple[StageModel, 
 def predicted_stage_bytes(plan: Plan, stage: int) -> float:
     """The planner's per-device prediction for ``stage`` minus its fixed framework overhead
     (``cost.stage_memory`` with the plan's layout and schedule): what :func:`measure_stage`
-    must match."""
+    must match. CP's causal masks are counted whatever the plan's device, as the CPU that
+    measures materialises them (an NVIDIA GPU's fused kernels do not:
+    ``cost.skips_masked_tiles``)."""
     st = plan.stages[stage]
     mem = cost.stage_memory(plan.model, plan.training, tp=st.tp, dp=plan.dp, cp=st.cp,
                             micro_batch=plan.micro_batch, first=stage == 0,
