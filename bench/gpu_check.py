@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'cp':>3} {'bias ms':>9} {'boolean ms':>10} {'ratio':>6} {'planned ratio':>13} "
           f"{'difference':>10}")
     for cp in (2, 4, 8):
-        planned = (context.attention_share(cp, skips_masked=context.skips_masked_tiles(dev))
+        planned = (context.attention_share(cp, skips_masked=cost.skips_masked_tiles(dev))
                    / context.attention_share(cp, skips_masked=False))
         try:
             bias_s, bool_s, diff = cp_attention_check(device, cp_seq, cp, args.repeats)

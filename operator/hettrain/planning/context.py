@@ -7,7 +7,7 @@ LM head run on ``s/cp`` tokens (:func:`cost.cp_local_model`). Attention: the key
 (``kv_heads``, TP-sharded) are all-gathered over the CP group, and each local query chunk ``j``
 attends to the key prefix ``[0, (j+1)·L)`` under a lower-right causal mask (its last ``L`` keys
 are the diagonal block). Where the device's attention kernels skip masked tiles
-(:func:`skips_masked_tiles`: flash / memory-efficient attention on NVIDIA GPUs) a rank
+(:func:`cost.skips_masked_tiles`: flash / memory-efficient attention on NVIDIA GPUs) a rank
 computes exactly ``1/cp`` of the causal query-key pairs of the whole sequence; elsewhere SDPA
 materialises the mask and computes the diagonal blocks in full, ``L²·(2cp+1)`` pairs,
 ``(2cp+1)/(2cp²)`` of the ``s²/2`` (:func:`attention_share`). The backward reduce-scatters the
@@ -31,18 +31,13 @@ from __future__ import annotations
 from hettrain.api.spec import ModelSpec, TrainingSpec
 from hettrain.planning import cost
 from hettrain.planning.catalog import DeviceSpec
-from hettrain.planning.cost import skips_masked_tiles
-
-__all__ = ["CP_NIC_LATENCY_S", "attention_share", "cp_comm_per_layer_s", "cp_head_time_s",
-           "cp_layer_compute_s", "cp_layer_time_s", "cp_link", "kv_bytes", "scatters_rows",
-           "skips_masked_tiles"]
 
 CP_NIC_LATENCY_S = cost.COLLECTIVE_LATENCY_S  # α of one ring step over the NIC
 
 
 def attention_share(cp: int, *, skips_masked: bool) -> float:
     """A CP rank's attention query-key pairs over those of causal attention on the whole
-    sequence: ``1/cp`` where the kernel skips masked tiles (:func:`skips_masked_tiles`; the
+    sequence: ``1/cp`` where the kernel skips masked tiles (:func:`cost.skips_masked_tiles`; the
     rank's two chunks hold ``2cp`` causal ``L``-blocks, the sequence ``2cp·cp``), else
     ``L²·(2cp+1) / (s²/2)`` with ``L = s/2cp``, i.e. ``(2cp+1)/(2cp²)``: ``1/cp`` plus the masked
     halves of the diagonal blocks (0.625 for cp = 2); 1 without CP."""
@@ -105,7 +100,7 @@ def cp_layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
     rank's share of the FLOPs instead."""
     if cp <= 1:
         return cost.layer_compute_s(model, micro_batch, tp, device, recompute, elem_bytes)
-    share = attention_share(cp, skips_masked=skips_masked_tiles(device))
+    share = attention_share(cp, skips_masked=cost.skips_masked_tiles(device))
     prof = device.profile
     if prof is not None and prof.matches(model, elem_bytes):
         full = cost.layer_compute_s(model, micro_batch, tp, device, recompute, elem_bytes)

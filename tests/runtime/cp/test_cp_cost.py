@@ -75,7 +75,7 @@ def test_attention_share_is_the_pairs_the_runtime_computes(monkeypatch, cp):
 
 def test_masked_tiles_are_skipped_on_nvidia_only():
     from hettrain.planning.catalog import CATALOG
-    skips = {d.vendor: context.skips_masked_tiles(d) for d in CATALOG.values()}
+    skips = {d.vendor: cost.skips_masked_tiles(d) for d in CATALOG.values()}
     assert skips["nvidia"]
     assert not any(v for k, v in skips.items() if k != "nvidia")
 
