@@ -568,6 +568,77 @@ def _sync_to(plan: Plan, inv: ClusterInventory, dc: str) -> float:
     return cost.ring_all_reduce_s(nbytes, 2, link.gbytes, link.latency_ms / 1000)
 
 
+# one group's pipeline for the cross-group gradient sum: (replicas, CP degree, stages as
+# (layer start, layer end, TP, pool name))
+SumGroup = tuple[int, int, tuple[tuple[int, int, int, str], ...]]
+
+
+def _sum_groups(plan: Plan, options: Sequence[GroupOption]) -> list[SumGroup]:
+    """Group 0 (``plan``'s stages) and the extra ``options`` as :data:`SumGroup`s."""
+    first = (plan.dp, context_parallel_degree(plan),
+             tuple((s.layer_start, s.layer_end, s.tp, s.pools[0]) for s in plan.stages))
+    return [first, *((o.dp, o.cp, tuple((a, b, tp, o.pool.name)
+                                        for (a, b), tp in zip(o.splits, o.tps, strict=True)))
+                     for o in options)]
+
+
+def _plan_sum_groups(plan: Plan) -> list[SumGroup]:
+    """A grouped plan's groups as :data:`SumGroup`s."""
+    return [(g.dp, group_cp(g.stages), tuple((s.layer_start, s.layer_end, s.tp, s.pools[0])
+                                             for s in g.stages)) for g in plan.groups]
+
+
+def stage_grad_bytes(model, a: int, b: int, tp: int, first: bool, last: bool) -> float:
+    """fp32 gradient bytes one TP rank of a stage holding layers ``[a, b)`` sums between the
+    groups (``runtime/replica_sync.py``: every piece it holds): each layer's matmuls split
+    ``tp`` ways and its two norms whole, the embedding (first stage) and the LM head (last)
+    split :func:`cost.vocab_shards` ways, the final norm (last) whole."""
+    layer = cost.layer_matmul_params(model) / tp + 2 * model.hidden
+    vocab = cost.embedding_params(model) / cost.vocab_shards(model, tp)
+    return 4.0 * ((b - a) * layer + vocab * (int(first) + int(last)) + model.hidden * int(last))
+
+
+def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGroup]) -> float:
+    """Seconds of the gradient sum between replica groups on the rank that takes longest.
+
+    The runtime (``runtime/replica_sync.py``) replaces each group's own DP all-reduce with one
+    sum over every holder of each parameter piece: one rank per replica (and CP rank) of every
+    group, ``n = Σ_g dp_g·cp_g``, through gloo process groups in host memory after the
+    backward (not overlapped). A rank copies its pieces to the host and back (its device's
+    PCIe each way) and runs one ring all-reduce per holder set (the layers it shares with
+    the same stages of the other groups: :func:`_holder_sets`), ``2(n − 1)/n`` of its bytes
+    over its NIC share, the slowest pool's of all holders (the ring waits for its slowest
+    link), and ``2(n − 1)`` latencies per set. Where holders span datacenters the runtime sums
+    inside each datacenter first; its leaders' sum over the link is :func:`groups_sync_s`'s,
+    and the ring here is priced over every holder (at least the local ring's bytes)."""
+    if len(groups) < 2:
+        return 0.0
+    model = plan.model
+    n = sum(dp * cp for dp, cp, _ in groups)
+    nic = min(inv.pool(pool).nic_gbytes_per_gpu for _, _, stages in groups
+              for _, _, _, pool in stages) * 1e9
+    ring = 2.0 * (n - 1) / n
+    cuts = {a for _, _, stages in groups for a, _, _, _ in stages}
+    worst = 0.0
+    for _, _, stages in groups:
+        for i, (a, b, tp, pool) in enumerate(stages):
+            first, last = i == 0, i == len(stages) - 1
+            nbytes = stage_grad_bytes(model, a, b, tp, first, last)
+            pcie = inv.pool(pool).device.pcie_gbps * 1e9
+            sets = _holder_sets(a, b, cuts, first, last)
+            sec = (2 * nbytes / pcie + ring * nbytes / nic
+                   + sets * (2 * (n - 1) * cost.COLLECTIVE_LATENCY_S
+                             + cost.HOST_STAGING_LATENCY_S))
+            worst = max(worst, sec)
+    return worst
+
+
+def _holder_sets(a: int, b: int, cuts: set[int], first: bool, last: bool) -> int:
+    """Holder sets of a stage holding layers ``[a, b)`` (one all-reduce each): its layers
+    cut where any group's stage starts, plus the embedding's and the head's own."""
+    return 1 + sum(1 for c in cuts if a < c < b) + int(first) + int(last)
+
+
 def evaluate_groups(plan: Plan, options: Sequence[GroupOption],
                     inv: ClusterInventory | None = None
                     ) -> tuple[float, tuple[int, ...]] | None:
@@ -586,6 +657,7 @@ def evaluate_groups(plan: Plan, options: Sequence[GroupOption],
     a0, b0 = lines[0]
     rest = plan.predicted.step_time_s - (a0 + b0 * plan.num_microbatches)
     sync = (groups_sync_s(plan, inv, [o.pool.datacenter for o in options])
+            + groups_grad_sum_s(plan, inv, _sum_groups(plan, options))
             if inv is not None else 0.0)
     return rest + sync + split_time(lines, *split), split
 
@@ -627,7 +699,8 @@ def grouped_step_s(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> float | 
                                           [s.tp for s in g.stages], pool, cp), plan.schedule,
                             plan_zb_div(plan, [pool.device], cp)))
     rest = pipe + dp_s - (lines[0][0] + lines[0][1] * m_orig)
-    sync = groups_sync_s(base, inv, [g.stages[0].datacenters[0] for g in extra])
+    sync = (groups_sync_s(base, inv, [g.stages[0].datacenters[0] for g in extra])
+            + groups_grad_sum_s(base, inv, _plan_sum_groups(plan)))
     return rest + sync + split_time(lines, *(g.num_microbatches for g in plan.groups))
 
 
