@@ -74,9 +74,6 @@ MAX_GROUP_STAGES = 64
 # pipeline depths tried per pool once one fits memory: deeper ones add bubble for the same GPUs,
 # and each costs a memory check per stage (the per-pool layouts try many pools' options)
 MAX_FITTING_DEPTHS = 4
-# replica counts below "every idle node" tried per layout (fewer_replicas): each is a memory
-# check and an option the greedy rounds evaluate
-FEWER_REPLICA_COUNTS = 2
 # best_split_n's bounds for hostile inputs: breakpoints walked, and the excess microbatches
 # the exact check handles (bits of its bitset); past either it reports no split (never on
 # the planner's cases: the walk starts at most about one breakpoint per group below the
@@ -105,12 +102,6 @@ class GroupOption:
     def pp(self) -> int:
         """Stages per replica."""
         return len(self.splits)
-
-    @property
-    def fills_idle(self) -> bool:
-        """Whether it has as many replicas as its pool's idle nodes hold (not one of the
-        :func:`fewer_replicas` counts)."""
-        return self.dp == len(self.nodes) * self.pool.gpus_per_node // (sum(self.tps) * self.cp)
 
 
 def affine(stage_s: list[float] | tuple[float, ...], schedule: str,
@@ -384,13 +375,12 @@ def max_microbatches(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequenc
 
 
 def group_options(plan: Plan, inv: ClusterInventory) -> list[GroupOption]:
-    """Every extra group that fits memory on one pool's idle nodes: ``R`` pipelines whose
-    stages follow the plan's TP runs (:func:`tp_runs`, each run cut into 1, 2, ... stages) or
-    have one TP degree throughout (:func:`pool_tps`; the runtime sums each piece of a parameter
-    between the ranks holding it, whatever their TP), at each context-parallel degree of
-    :func:`group_cps`, at most :data:`MAX_GROUP_STAGES` stages deep, per layout and degree the
-    :data:`MAX_FITTING_DEPTHS` shallowest that fit; each with as many replicas as the idle
-    nodes hold and with the fewer that :func:`fewer_replicas` finds faster next to group 0."""
+    """Every extra group that fits memory on one pool's idle nodes (all of them): ``R``
+    pipelines whose stages follow the plan's TP runs (:func:`tp_runs`, each run cut into 1, 2,
+    ... stages) or have one TP degree throughout (:func:`pool_tps`; the runtime sums each piece
+    of a parameter between the ranks holding it, whatever their TP), at each context-parallel
+    degree of :func:`group_cps`, at most :data:`MAX_GROUP_STAGES` stages deep, per layout and
+    degree the :data:`MAX_FITTING_DEPTHS` shallowest that fit."""
     if plan.groups:
         return []
     layouts = [tp_runs(plan)]
@@ -398,68 +388,13 @@ def group_options(plan: Plan, inv: ClusterInventory) -> list[GroupOption]:
                 if layouts[0] != [(tp, 0, plan.model.layers)]]
     out = []
     memo: dict[tuple, cost.StageMemory] = {}
-    line0 = affine([s.time_ms / 1000 for s in plan.stages], plan.schedule,
-                   plan_zb_div(plan, plan_devices(plan, inv)))
     for pool, idle in _idle_pools(plan, inv):
         for runs in layouts:
             if not all(tp in pool_tps(plan, pool) for tp, _, _ in runs):
                 continue
             for cp in group_cps(plan):
-                out += _layout_options(plan, pool, idle, runs, memo, cp, line0)
+                out += _layout_options(plan, pool, idle, runs, memo, cp)
     return out
-
-
-def fewer_replicas(line0: Line, dp0: int, m: int, line1: Line, dp_max: int,
-                   count: int = FEWER_REPLICA_COUNTS) -> list[tuple[int, int]]:
-    """``(R, M_1)``: up to ``count`` replica counts ``R < dp_max`` for an extra group
-    (pipeline time ``line1``) next to group 0 alone (``dp0`` replicas of pipeline time
-    ``line0``, ``m`` microbatches each), each with a split's ``M_1`` microbatches per replica,
-    fastest first; the first is the fastest split of any ``R < dp_max`` (the greedy rounds
-    then split the microbatches between all their groups themselves, :func:`best_split_n`).
-
-    The step's ``dp0·m`` microbatches split as ``dp0·(m − k) + R·M_1`` with ``R·M_1 = k·dp0``
-    (``1 <= k < m``). All idle nodes (``R = dp_max``) often admit no split near the speeds'
-    balance, while fewer replicas with fewer microbatches each do. For each ``k`` the split
-    with the fewest microbatches per replica is the fastest: ``R`` the largest divisor of
-    ``k·dp0`` below ``dp_max`` (:func:`largest_divisor_within`); the ``k`` are taken in
-    order of a lower bound on their time (``M_1 >= k·dp0/(dp_max − 1)``), the ``count`` fastest
-    distinct ``R`` kept, and the walk stops once that bound reaches the ``count``-th best
-    time (tests compare the first with every ``R`` and split)."""
-    (a0, b0), (a1, b1) = line0, line1
-    cap = dp_max - 1  # dp_max itself is the option that fills the idle nodes
-    if cap < 1:
-        return []
-
-    def bound(k: int) -> float:
-        return max(a0 + b0 * (m - k), a1 + b1 * -(-k * dp0 // cap))
-
-    best: dict[int, tuple[float, int]] = {}  # R -> (time, M_1)
-
-    def ranked() -> list[tuple[float, int, int]]:
-        return sorted((t, r, m1) for r, (t, m1) in best.items())[:count]
-
-    for k in sorted(range(1, m), key=bound):
-        if len(best) >= count and bound(k) >= ranked()[-1][0]:
-            break
-        r = largest_divisor_within(k * dp0, cap)
-        m1 = k * dp0 // r
-        t = max(a0 + b0 * (m - k), a1 + b1 * m1)
-        if r not in best or (t, m1) < best[r]:
-            best[r] = (t, m1)
-    return [(r, m1) for _, r, m1 in ranked()]
-
-
-def largest_divisor_within(n: int, cap: int) -> int:
-    """The largest divisor of ``n >= 1`` that is at most ``cap >= 1`` (trial division up to
-    ``√n``: each divisor ``d`` pairs with ``n/d``)."""
-    best, d = 1, 1
-    while d * d <= n:
-        if n % d == 0:
-            for c in (d, n // d):
-                if best < c <= cap:
-                    best = c
-        d += 1
-    return best
 
 
 def group_cps(plan: Plan) -> list[int]:
@@ -488,36 +423,24 @@ def pool_tps(plan: Plan, pool: Pool | None) -> list[int]:
 
 def _layout_options(plan: Plan, pool: Pool, idle: tuple[str, ...],
                     runs: list[tuple[int, int, int]], memo: dict[tuple, cost.StageMemory],
-                    cp: int = 1, line0: Line | None = None) -> list[GroupOption]:
+                    cp: int = 1) -> list[GroupOption]:
     """The options of one TP layout at context parallelism ``cp`` on ``pool``'s idle nodes
-    (:func:`group_options`); with ``line0`` (group 0's :func:`affine` line) also the
-    :func:`fewer_replicas` counts of each depth that fit memory."""
+    (:func:`group_options`)."""
     total = plan.dp * plan.num_microbatches
     gpus = len(idle) * pool.gpus_per_node
     out: list[GroupOption] = []
-    depths = 0
     for per_run in range(1, max(b - a for _, a, b in runs) + 1):
         splits, tps = _run_splits(runs, per_run)
         dp = gpus // (sum(tps) * cp)
-        if dp < 1 or len(splits) > MAX_GROUP_STAGES or depths >= MAX_FITTING_DEPTHS:
+        if dp < 1 or len(splits) > MAX_GROUP_STAGES or len(out) >= MAX_FITTING_DEPTHS:
             break
         top = (total - plan.dp) // dp  # group 0 keeps at least one microbatch
         most = (max_microbatches(plan, splits, tps, dp, pool.device, top, memo, cp)
                 if top else 0)
-        if most < 1:
-            continue
-        depths += 1
-        stage_s = tuple(group_stage_s(plan, splits, tps, pool, cp))
-        line = affine(stage_s, plan.schedule, plan_zb_div(plan, [pool.device], cp))
-        out.append(GroupOption(pool, idle, tps, dp, splits, stage_s, most, line, cp))
-        if line0 is None:
-            continue
-        for r, m1 in fewer_replicas(line0, plan.dp, plan.num_microbatches, line, dp):
-            # fewer replicas shard ZeRO's state over fewer ranks: the memory check again
-            most_r = max_microbatches(plan, splits, tps, r, pool.device,
-                                      (total - plan.dp) // r, memo, cp)
-            if most_r >= m1:
-                out.append(GroupOption(pool, idle, tps, r, splits, stage_s, most_r, line, cp))
+        if most >= 1:
+            stage_s = tuple(group_stage_s(plan, splits, tps, pool, cp))
+            line = affine(stage_s, plan.schedule, plan_zb_div(plan, [pool.device], cp))
+            out.append(GroupOption(pool, idle, tps, dp, splits, stage_s, most, line, cp))
     return out
 
 
@@ -714,24 +637,7 @@ def greedy_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOpti
     """The extra groups :func:`add_replica_groups` adds (module docstring): rounds that each
     add the option (on a pool no chosen group uses) making the modelled step fastest, while
     it gets faster and the job stays within ``max_gpus``; with ``(step seconds, split)`` of
-    the last round (None when no group is added). The rounds run twice, with every option and
-    with the ones that fill their idle nodes only, and the faster result is kept: a smaller
-    group that wins a round can leave a worse split for the next (greedy), so offering
-    :func:`fewer_replicas` counts never makes the result slower."""
-    got = _greedy_rounds(plan, inv, options, max_gpus)
-    filling = [o for o in options if o.fills_idle]
-    if len(filling) == len(options):
-        return got
-    alt = _greedy_rounds(plan, inv, filling, max_gpus)
-    if alt[1] is not None and (got[1] is None or alt[1][0] < got[1][0]):
-        return alt
-    return got
-
-
-def _greedy_rounds(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption],
-                   max_gpus: int | None
-                   ) -> tuple[list[GroupOption], tuple[float, tuple[int, ...]] | None]:
-    """:func:`greedy_groups`' rounds over ``options``."""
+    the last round (None when no group is added)."""
     chosen: list[GroupOption] = []
     best: tuple[float, tuple[int, ...]] | None = None
     gpus = plan.world_size
