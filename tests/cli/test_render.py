@@ -163,7 +163,10 @@ def test_replica_groups_show_in_the_table_and_the_picture(tmp_path: Path) -> Non
     from hettrain.planning.planner import plan_job
 
     body = job_body()["spec"]
-    body["parallelism"] = {"tp": 1, "pp": 2, "dp": 8, "replicaGroups": True}
+    # enough tokens per step that the MI300X group outweighs the gradient sum between groups
+    body["training"] = {**body["training"], "globalBatch": 2048}
+    body["parallelism"] = {"tp": 1, "pp": 2, "dp": 8, "schedule": "zb-h1",
+                           "replicaGroups": True}
     amd = [make_node(f"mi300-{i:03d}", "mi300", "MI300X", "amd", 8, "dc-a") for i in range(2)]
     plan = plan_job("job1", parse_job_spec(body), inventory_from_nodes(hetero_nodes(2, 0) + amd))
     assert len(plan.groups) == 2

@@ -27,7 +27,10 @@ from hettrain.planning.planner import plan_job
 from hettrain.planning.support import unsupported
 from hettrain.reconcile import Decision, Observed, nodes_held_by_others, reconcile
 
-PINNED = {"tp": 1, "pp": 2, "dp": 8, "replicaGroups": True}
+PINNED = {"tp": 1, "pp": 2, "dp": 8, "schedule": "zb-h1", "replicaGroups": True}
+# sequences per step: enough tokens that the idle MI300X group outweighs the host-staged
+# gradient sum between the groups (planning/replica_groups.groups_grad_sum_s)
+GROUP_BATCH = 2048
 
 
 def _nodes() -> list[dict[str, Any]]:
@@ -37,6 +40,7 @@ def _nodes() -> list[dict[str, Any]]:
 
 def _body(**policy: Any) -> dict[str, Any]:
     return job_body({"parallelism": dict(PINNED),
+                     "training": {"globalBatch": GROUP_BATCH, "steps": 10},
                      "failurePolicy": {"maxRepairs": 2, "minGPUs": 8, "debounceSeconds": 2,
                                        **policy}})
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import plan_quality as pq
 
 MODEL = "llama3-8b-128k"
-CLUSTER = 15  # bench/plan_quality's fixed cluster 15: group 0 at cp 8 leaves 4 pools' nodes
+CLUSTER = 17  # bench/plan_quality's fixed cluster 17: group 0 at cp 4 leaves idle nodes that pay
 
 
 @pytest.fixture(scope="module")

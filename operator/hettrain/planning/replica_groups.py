@@ -33,11 +33,17 @@ optimum (tests compare with every split). Two groups keep their arithmetic form
 (:func:`best_split`, :func:`feasible_progression`).
 
 The plan's other step-time parts (DP, TP, pipeline transfers: ``predicted.step_time_s``
-minus its modelled pipeline time) are kept as they are; the cross-group gradient sum is
-charged only where it crosses a datacenter link, once per datacenter the extra groups add
-(:func:`cross_dc_sync_s`: the runtime sums hierarchically, one leader per datacenter; not
-overlapped); inside the plan's datacenters it is taken as covered by the plan's DP sync -- an
-approximation.
+minus its modelled pipeline time) are kept as they are. The gradient sum between the groups
+is added as the runtime runs it (``runtime/replica_sync.py``): after the backward, every rank
+copies its fp32 gradients to the host and sums them in gloo rings over every holder of each
+piece, one per replica (and CP rank) of every group (:func:`groups_grad_sum_s`, the slowest
+rank's), and where an extra group is in a datacenter the plan does not use, its leaders' sum
+over the link once per such datacenter (:func:`cross_dc_sync_s`). Group 0's own DP sync
+stays charged although the runtime replaces its all-reduce with the sum (conservative: the
+all-reduce is mostly overlapped with the backward); the extra groups' own parameter
+all-gather and optimizer step are not charged (an approximation: group 0's stand in). A gloo ring over every
+holder is slow next to a group's own NCCL all-reduce: most extra groups do not pay for it
+(``docs/planning.md``).
 
 Group 0 is the plan as searched (its stage ``time_ms`` are the search's); the extra groups'
 stage times come from ``cost.layer_time_s`` / ``cost.head_time_s`` on their device. The
@@ -470,8 +476,8 @@ def cross_dc_sync_s(plan: Plan, inv: ClusterInventory, option: GroupOption) -> f
     """Seconds of the gradient sum between the groups over the datacenter link, when the
     new group's pool is in a datacenter the plan does not use: every fp32 gradient byte once
     each way between the two DCs' leaders (runtime/replica_sync.py's hierarchical sum), on the
-    slowest link from the plan's datacenters; 0 inside the plan's datacenters (the plan's own
-    DP sync time stands for it)."""
+    slowest link from the plan's datacenters; 0 inside the plan's datacenters
+    (:func:`groups_grad_sum_s` prices the sum inside them)."""
     return _sync_to(plan, inv, option.pool.datacenter)
 
 
@@ -548,7 +554,7 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
             first, last = i == 0, i == len(stages) - 1
             nbytes = stage_grad_bytes(model, a, b, tp, first, last)
             pcie = inv.pool(pool).device.pcie_gbps * 1e9
-            sets = _holder_sets(a, b, cuts, first, last)
+            sets = _holder_sets(a, b, cuts)
             sec = (2 * nbytes / pcie + ring * nbytes / nic
                    + sets * (2 * (n - 1) * cost.COLLECTIVE_LATENCY_S
                              + cost.HOST_STAGING_LATENCY_S))
@@ -556,10 +562,13 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
     return worst
 
 
-def _holder_sets(a: int, b: int, cuts: set[int], first: bool, last: bool) -> int:
-    """Holder sets of a stage holding layers ``[a, b)`` (one all-reduce each): its layers
-    cut where any group's stage starts, plus the embedding's and the head's own."""
-    return 1 + sum(1 for c in cuts if a < c < b) + int(first) + int(last)
+def _holder_sets(a: int, b: int, cuts: set[int]) -> int:
+    """Holder sets of a stage holding layers ``[a, b)`` (one all-reduce each) where every
+    group gives a layer one TP degree: its layers cut where any group's stage starts (the
+    embedding has the holders of layer 0, the head those of the last layer: the same sets).
+    Unequal TP degrees pair the shards in more, smaller sets (``cell_sets``): the bytes are
+    the same, a few latencies more."""
+    return 1 + sum(1 for c in cuts if a < c < b)
 
 
 def evaluate_groups(plan: Plan, options: Sequence[GroupOption],
@@ -737,7 +746,9 @@ def with_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption
     (_, bubble), m, stage_s = max(timed, key=lambda g: g[0][0])
     predicted = replace(plan.predicted, step_time_s=step_time_s,
                         tokens_per_s=tokens / step_time_s, mfu=mfu,
-                        compute_s=m * max(stage_s), bubble_s=bubble)
+                        compute_s=m * max(stage_s), bubble_s=bubble,
+                        dp_comm_s=plan.predicted.dp_comm_s + groups_grad_sum_s(
+                            plan, inv, _sum_groups(plan, options)))
     return replace(plan, num_microbatches=split[0], ranks=tuple(ranks), groups=tuple(groups),
                    predicted=predicted, notes=(*plan.notes, *notes))
 
