@@ -125,15 +125,17 @@ def _grad_sum_s(uniform, inv, option):
     holders = uniform.dp + option.dp
     nic = min(inv.pool(p).nic_gbytes_per_gpu for p in (*uniform.pools, option.pool.name)) * 1e9
     stages = [(s.layer_start, s.layer_end, s.tp, s.pools[0]) for s in uniform.stages]
-    stages += [(a, b, tp, option.pool.name) for (a, b), tp in zip(option.splits, option.tps)]
+    stages += [(a, b, tp, option.pool.name)
+               for (a, b), tp in zip(option.splits, option.tps, strict=True)]
     cuts = {a for a, *_ in stages}
     worst = 0.0
     for group in (stages[:uniform.pp], stages[uniform.pp:]):
         for i, (a, b, tp, pool) in enumerate(group):
             m = uniform.model
             params = (b - a) * (cost.layer_matmul_params(m) / tp + 2 * m.hidden)
-            params += m.vocab * m.hidden / cost.vocab_shards(m, tp) * ((i == 0) + (i == len(group) - 1))
-            params += m.hidden * (i == len(group) - 1)
+            last = i == len(group) - 1
+            params += m.vocab * m.hidden / cost.vocab_shards(m, tp) * ((i == 0) + last)
+            params += m.hidden * last
             nbytes = 4 * params
             sets = 1 + sum(a < c < b for c in cuts)
             worst = max(worst, 2 * nbytes / (inv.pool(pool).device.pcie_gbps * 1e9)

@@ -41,9 +41,9 @@ rank's), and where an extra group is in a datacenter the plan does not use, its 
 over the link once per such datacenter (:func:`cross_dc_sync_s`). Group 0's own DP sync
 stays charged although the runtime replaces its all-reduce with the sum (conservative: the
 all-reduce is mostly overlapped with the backward); the extra groups' own parameter
-all-gather and optimizer step are not charged (an approximation: group 0's stand in). A gloo ring over every
-holder is slow next to a group's own NCCL all-reduce: most extra groups do not pay for it
-(``docs/planning.md``).
+all-gather and optimizer step are not charged (an approximation: group 0's stand in). A
+gloo ring over every holder is slow next to a group's own NCCL all-reduce: most extra groups
+do not pay for it (``docs/planning.md``).
 
 Group 0 is the plan as searched (its stage ``time_ms`` are the search's); the extra groups'
 stage times come from ``cost.layer_time_s`` / ``cost.head_time_s`` on their device. The
