@@ -1,0 +1,56 @@
+"""The planner's price of the gradient sum between replica groups
+(``planning/replica_groups.groups_grad_sum_s``) counts what ``runtime/replica_sync.py`` sums:
+each rank's bytes, the holders in each ring and the holder sets it runs, on every grouped
+layout that tests/runtime/training/test_replica_groups.py runs against the reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tests.runtime.training.plans import grouped_plan
+from tests.runtime.training.test_replica_groups import CASES, LLAMA
+
+from hettrain.planning.replica_groups import _holder_sets, stage_grad_bytes
+from hettrain.planning.support import group_cp, group_stage_units
+from hettrain.runtime.model import whole_model
+from hettrain.runtime.replica_sync import cell_sets, unit_param_names
+
+with torch.device("meta"):
+    SHAPES = {n: tuple(p.shape) for n, p in whole_model(LLAMA, seed=0).named_parameters()}
+
+
+def _cell_elements(name: str, cell) -> int:
+    """Elements of one cell of global parameter ``name`` on a rank that holds it."""
+    shape = SHAPES[name]
+    if cell.dim is None:
+        return math.prod(shape)
+    return math.prod(shape) // shape[cell.dim] * (cell.end - cell.start)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_rank_sums_the_bytes_the_planner_prices(case):
+    plan = grouped_plan(CASES[case], model=LLAMA)
+    units = group_stage_units(plan)
+    holders = sum(g.dp * group_cp(g.stages) for g in plan.groups)
+    cuts = {s.layer_start for g in plan.groups for s in g.stages}
+    equal_tp = all(len({s.tp for g in plan.groups for s in g.stages
+                        if s.layer_start <= layer < s.layer_end}) == 1
+                   for layer in range(LLAMA.layers))
+    for r in plan.ranks:
+        g = plan.groups[r.group]
+        st = g.stages[r.stage]
+        names = [n for u in units[(r.group, r.stage)] for n in unit_param_names(LLAMA, u)]
+        assert set(names) <= set(SHAPES)
+        mine = [(n, c) for n in names for c in cell_sets(plan, n) if r.rank in c[1]]
+        summed = 4 * sum(_cell_elements(n, cell) for n, (cell, _, _) in mine)
+        want = stage_grad_bytes(LLAMA, st.layer_start, st.layer_end, st.tp,
+                                st.index == 0, st.index == g.pp - 1)
+        assert summed == want, (case, r)
+        # every replica (and CP rank) of every group contributes each piece once
+        assert all(len(contrib) == holders for _, (_, _, contrib) in mine), (case, r)
+        sets = {members for _, (_, members, _) in mine}
+        if equal_tp:  # one ring per run of layers shared with the same stages elsewhere
+            assert len(sets) == _holder_sets(st.layer_start, st.layer_end, cuts), (case, r)
+            assert all(len(m) == holders for m in sets)
