@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from tests.operator.optest_helpers import hetero_nodes, job_body, make_node
+from tests.planning.grad_sum_reference import grad_sum_s
 
 from hettrain.api.spec import parse_job_spec
 from hettrain.planning.inventory import inventory_from_nodes, load_cluster
@@ -117,32 +118,12 @@ def _time(uniform, inv, option, split):
 
 
 def _grad_sum_s(uniform, inv, option):
-    """The host-staged gloo sum between the two groups (groups_grad_sum_s), recomputed: the
-    slowest rank's PCIe round trip and ring share over every holder, one holder set per piece
-    of its layers cut at the other group's stage starts."""
-    from hettrain.planning import cost
-
-    holders = uniform.dp + option.dp
-    nic = min(inv.pool(p).nic_gbytes_per_gpu for p in (*uniform.pools, option.pool.name)) * 1e9
-    stages = [(s.layer_start, s.layer_end, s.tp, s.pools[0]) for s in uniform.stages]
-    stages += [(a, b, tp, option.pool.name)
-               for (a, b), tp in zip(option.splits, option.tps, strict=True)]
-    cuts = {a for a, *_ in stages}
-    worst = 0.0
-    for group in (stages[:uniform.pp], stages[uniform.pp:]):
-        for i, (a, b, tp, pool) in enumerate(group):
-            m = uniform.model
-            params = (b - a) * (cost.layer_matmul_params(m) / tp + 2 * m.hidden)
-            last = i == len(group) - 1
-            params += m.vocab * m.hidden / cost.vocab_shards(m, tp) * ((i == 0) + last)
-            params += m.hidden * last
-            nbytes = 4 * params
-            sets = 1 + sum(a < c < b for c in cuts)
-            worst = max(worst, 2 * nbytes / (inv.pool(pool).device.pcie_gbps * 1e9)
-                        + 2 * (holders - 1) / holders * nbytes / nic
-                        + sets * (2 * (holders - 1) * cost.COLLECTIVE_LATENCY_S
-                                  + cost.HOST_STAGING_LATENCY_S))
-    return worst
+    """The gradient sum between group 0 and ``option``'s group, recomputed
+    (grad_sum_reference)."""
+    return grad_sum_s(uniform.model, inv, [
+        (uniform.dp, 1, [(s.layer_start, s.layer_end, s.tp, s.pools) for s in uniform.stages]),
+        (option.dp, option.cp, [(a, b, tp, (option.pool.name,))
+                                for (a, b), tp in zip(option.splits, option.tps, strict=True)])])
 
 
 @pytest.mark.parametrize("n_amd", [1, 2])

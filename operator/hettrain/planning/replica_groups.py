@@ -86,6 +86,10 @@ MAX_FITTING_DEPTHS = 4
 # optimum and any group with dp 1 absorbs every excess)
 MAX_WALK = 4096
 MAX_EXCESS = 1 << 20
+# GB/s one rank's gloo ring moves at most (TCP, the reduction on the CPU): the runtime's own
+# link model for gloo inside a datacenter (runtime/collectives/choice.py LinkModel.intra_gbps,
+# 100 Gbit/s); NIC shares above it do not speed the sum between replica groups up
+GLOO_RING_GBYTES = 12.5
 
 Line = tuple[float, float]
 
@@ -498,33 +502,35 @@ def _sync_to(plan: Plan, inv: ClusterInventory, dc: str) -> float:
 
 
 # one group's pipeline for the cross-group gradient sum: (replicas, CP degree, stages as
-# (layer start, layer end, TP, pool name))
-SumGroup = tuple[int, int, tuple[tuple[int, int, int, str], ...]]
+# (layer start, layer end, TP, the pools that hold its replicas))
+SumGroup = tuple[int, int, tuple[tuple[int, int, int, tuple[str, ...]], ...]]
 
 
 def _sum_groups(plan: Plan, options: Sequence[GroupOption]) -> list[SumGroup]:
     """Group 0 (``plan``'s stages) and the extra ``options`` as :data:`SumGroup`s."""
     first = (plan.dp, context_parallel_degree(plan),
-             tuple((s.layer_start, s.layer_end, s.tp, s.pools[0]) for s in plan.stages))
-    return [first, *((o.dp, o.cp, tuple((a, b, tp, o.pool.name)
+             tuple((s.layer_start, s.layer_end, s.tp, s.pools) for s in plan.stages))
+    return [first, *((o.dp, o.cp, tuple((a, b, tp, (o.pool.name,))
                                         for (a, b), tp in zip(o.splits, o.tps, strict=True)))
                      for o in options)]
 
 
 def _plan_sum_groups(plan: Plan) -> list[SumGroup]:
     """A grouped plan's groups as :data:`SumGroup`s."""
-    return [(g.dp, group_cp(g.stages), tuple((s.layer_start, s.layer_end, s.tp, s.pools[0])
+    return [(g.dp, group_cp(g.stages), tuple((s.layer_start, s.layer_end, s.tp, s.pools)
                                              for s in g.stages)) for g in plan.groups]
 
 
 def stage_grad_bytes(model, a: int, b: int, tp: int, first: bool, last: bool) -> float:
     """fp32 gradient bytes one TP rank of a stage holding layers ``[a, b)`` sums between the
     groups (``runtime/replica_sync.py``: every piece it holds): each layer's matmuls split
-    ``tp`` ways and its two norms whole, the embedding (first stage) and the LM head (last)
-    split :func:`cost.vocab_shards` ways, the final norm (last) whole."""
+    ``tp`` ways and its two norms whole, the embedding (first stage) and the LM head (last,
+    unless tied to the embedding) split :func:`cost.vocab_shards` ways, the final norm
+    (last) whole."""
     layer = cost.layer_matmul_params(model) / tp + 2 * model.hidden
     vocab = cost.embedding_params(model) / cost.vocab_shards(model, tp)
-    return 4.0 * ((b - a) * layer + vocab * (int(first) + int(last)) + model.hidden * int(last))
+    tables = int(first) + int(last and not model.tie_embeddings)
+    return 4.0 * ((b - a) * layer + vocab * tables + model.hidden * int(last))
 
 
 def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGroup]) -> float:
@@ -536,27 +542,32 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
     backward (not overlapped). A rank copies its pieces to the host and back (its device's
     PCIe each way) and runs one ring all-reduce per holder set (the layers it shares with
     the same stages of the other groups: :func:`_holder_sets`), ``2(n − 1)/n`` of its bytes
-    over its NIC share, the slowest pool's of all holders (the ring waits for its slowest
-    link), and ``2(n − 1)`` latencies per set. Where holders span datacenters the runtime sums
-    inside each datacenter first; its leaders' sum over the link is :func:`groups_sync_s`'s,
-    and the ring here is priced over every holder (at least the local ring's bytes)."""
+    at the slowest holder pool's NIC share per GPU, at most :data:`GLOO_RING_GBYTES` (gloo
+    reduces on the CPU over TCP), and ``2(n − 1)`` round trips per set (a gloo step waits
+    for the receiver's buffer: ``docs/collectives.md``). Where holders span datacenters the
+    runtime rings inside each datacenter, sums the leaders' results over the link
+    (:func:`groups_sync_s`) and broadcasts them back inside each datacenter: the ring is
+    priced over every holder (at least the local ring's bytes) and the broadcast adds its
+    bytes once more."""
     if len(groups) < 2:
         return 0.0
     model = plan.model
     n = sum(dp * cp for dp, cp, _ in groups)
-    nic = min(inv.pool(pool).nic_gbytes_per_gpu for _, _, stages in groups
-              for _, _, _, pool in stages) * 1e9
-    ring = 2.0 * (n - 1) / n
+    nic = min([inv.pool(pool).nic_gbytes_per_gpu for _, _, stages in groups
+               for *_, pools in stages for pool in pools] + [GLOO_RING_GBYTES]) * 1e9
+    dcs = {inv.pool(pool).datacenter for _, _, stages in groups
+           for *_, pools in stages for pool in pools}
+    ring = 2.0 * (n - 1) / n + (1.0 if len(dcs) > 1 else 0.0)
     cuts = {a for _, _, stages in groups for a, _, _, _ in stages}
     worst = 0.0
     for _, _, stages in groups:
-        for i, (a, b, tp, pool) in enumerate(stages):
+        for i, (a, b, tp, pools) in enumerate(stages):
             first, last = i == 0, i == len(stages) - 1
             nbytes = stage_grad_bytes(model, a, b, tp, first, last)
-            pcie = inv.pool(pool).device.pcie_gbps * 1e9
+            pcie = inv.pool(pools[0]).device.pcie_gbps * 1e9
             sets = _holder_sets(a, b, cuts)
             sec = (2 * nbytes / pcie + ring * nbytes / nic
-                   + sets * (2 * (n - 1) * cost.COLLECTIVE_LATENCY_S
+                   + sets * (4 * (n - 1) * cost.COLLECTIVE_LATENCY_S
                              + cost.HOST_STAGING_LATENCY_S))
             worst = max(worst, sec)
     return worst
@@ -575,8 +586,9 @@ def evaluate_groups(plan: Plan, options: Sequence[GroupOption],
                     inv: ClusterInventory | None = None
                     ) -> tuple[float, tuple[int, ...]] | None:
     """``(predicted step seconds, (M_0, M_1, ...))`` of ``plan`` (group 0) plus ``options``
-    at their best split (:func:`best_split_n`), plus :func:`groups_sync_s` when ``inv`` is
-    given; None when no split gives every group a microbatch."""
+    at their best split (:func:`best_split_n`), plus, when ``inv`` is given, the gradient
+    sum between the groups (:func:`groups_grad_sum_s`, :func:`groups_sync_s`); None when no
+    split gives every group a microbatch."""
     div = (plan_zb_div(plan, plan_devices(plan, inv)) if inv is not None
            else cost.ZB_CATALOG_DIVISOR)
     lines = [affine([s.time_ms / 1000 for s in plan.stages], plan.schedule, div),
@@ -606,9 +618,9 @@ def grouped_step_s(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> float | 
     stage re-timed. Group 0 is priced as the search priced the plan before the groups were
     added (its stages, boundaries and DP sync at ``M = Σ_g dp_g·M_g / dp_0`` microbatches:
     ``planner.split_costs``), every other group by :func:`group_stage_s` on its pool's device;
-    the step is group 0's time outside its pipelined stages, the gradient sum over datacenter
-    links (:func:`groups_sync_s`) and the latest group's pipeline. None when group 0's stages
-    no longer fit."""
+    the step is group 0's time outside its pipelined stages, the gradient sum between the
+    groups (:func:`groups_grad_sum_s`, and over datacenter links :func:`groups_sync_s`) and
+    the latest group's pipeline. None when group 0's stages no longer fit."""
     from hettrain.planning.planner import split_costs  # the planner imports this module
 
     g0, extra = plan.groups[0], plan.groups[1:]
@@ -748,7 +760,8 @@ def with_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption
                         tokens_per_s=tokens / step_time_s, mfu=mfu,
                         compute_s=m * max(stage_s), bubble_s=bubble,
                         dp_comm_s=plan.predicted.dp_comm_s + groups_grad_sum_s(
-                            plan, inv, _sum_groups(plan, options)))
+                            plan, inv, _sum_groups(plan, options))
+                        + groups_sync_s(plan, inv, [o.pool.datacenter for o in options]))
     return replace(plan, num_microbatches=split[0], ranks=tuple(ranks), groups=tuple(groups),
                    predicted=predicted, notes=(*plan.notes, *notes))
 
@@ -772,8 +785,9 @@ def _idle_reason(plan: Plan, inv: ClusterInventory, grouped: Plan,
     if faster and cap is not None:
         need = grouped.world_size + min(_gpus(o) for o in faster)
         return f"a faster grouped plan needs {need} GPUs > maxGPUs {cap}"
-    return ("an extra group there would not make the modelled step faster (its bubble, or "
-            "the gradient sum over a datacenter link, costs more than it adds)")
+    return ("an extra group there would not make the modelled step faster (the gradient sum "
+            "between the groups, host-staged in gloo after the backward, its bubble or a "
+            "datacenter link cost more than it adds)")
 
 
 def plan_with_replica_group(plan: Plan, spec: JobSpec, inventory: ClusterInventory,

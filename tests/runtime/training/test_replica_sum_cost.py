@@ -6,6 +6,7 @@ layout that tests/runtime/training/test_replica_groups.py runs against the refer
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,35 +18,48 @@ from hettrain.planning.support import group_cp, group_stage_units
 from hettrain.runtime.model import whole_model
 from hettrain.runtime.replica_sync import cell_sets, unit_param_names
 
-with torch.device("meta"):
-    SHAPES = {n: tuple(p.shape) for n, p in whole_model(LLAMA, seed=0).named_parameters()}
+TIED = replace(LLAMA, tie_embeddings=True)  # the head unit is the final norm alone
 
 
-def _cell_elements(name: str, cell) -> int:
+def _shapes(model) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in whole_model(model, seed=0).named_parameters()}
+
+
+SHAPES = {LLAMA: _shapes(LLAMA), TIED: _shapes(TIED)}
+
+
+def _cell_elements(model, name: str, cell) -> int:
     """Elements of one cell of global parameter ``name`` on a rank that holds it."""
-    shape = SHAPES[name]
+    shape = SHAPES[model][name]
     if cell.dim is None:
         return math.prod(shape)
     return math.prod(shape) // shape[cell.dim] * (cell.end - cell.start)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_each_rank_sums_the_bytes_the_planner_prices(case):
-    plan = grouped_plan(CASES[case], model=LLAMA)
+# a tied model runs one stage per replica (runtime.model.check_layout): pp 1 beside pp 1
+TIED_CASES = {"tied-pp1": [{"splits": [(0, 4, "a")], "dp": 2, "num_microbatches": 3},
+                           {"splits": [(0, 4, "b")], "tp": 2, "num_microbatches": 1}]}
+
+
+@pytest.mark.parametrize(("case", "model"), [(c, LLAMA) for c in CASES]
+                         + [(c, TIED) for c in TIED_CASES])
+def test_each_rank_sums_the_bytes_the_planner_prices(case, model):
+    plan = grouped_plan({**CASES, **TIED_CASES}[case], model=model)
     units = group_stage_units(plan)
     holders = sum(g.dp * group_cp(g.stages) for g in plan.groups)
     cuts = {s.layer_start for g in plan.groups for s in g.stages}
     equal_tp = all(len({s.tp for g in plan.groups for s in g.stages
                         if s.layer_start <= layer < s.layer_end}) == 1
-                   for layer in range(LLAMA.layers))
+                   for layer in range(model.layers))
     for r in plan.ranks:
         g = plan.groups[r.group]
         st = g.stages[r.stage]
-        names = [n for u in units[(r.group, r.stage)] for n in unit_param_names(LLAMA, u)]
-        assert set(names) <= set(SHAPES)
+        names = [n for u in units[(r.group, r.stage)] for n in unit_param_names(model, u)]
+        assert set(names) <= set(SHAPES[model])
         mine = [(n, c) for n in names for c in cell_sets(plan, n) if r.rank in c[1]]
-        summed = 4 * sum(_cell_elements(n, cell) for n, (cell, _, _) in mine)
-        want = stage_grad_bytes(LLAMA, st.layer_start, st.layer_end, st.tp,
+        summed = 4 * sum(_cell_elements(model, n, cell) for n, (cell, _, _) in mine)
+        want = stage_grad_bytes(model, st.layer_start, st.layer_end, st.tp,
                                 st.index == 0, st.index == g.pp - 1)
         assert summed == want, (case, r)
         # every replica (and CP rank) of every group contributes each piece once
