@@ -6,32 +6,58 @@ from __future__ import annotations
 from hettrain.planning import cost
 from hettrain.planning.replica_groups import GLOO_RING_GBYTES
 
+ALPHA, STAGING = cost.COLLECTIVE_LATENCY_S, cost.HOST_STAGING_LATENCY_S
+
+
+def _grad_bytes(model, a: int, b: int, tp: int, first: bool, last: bool) -> float:
+    """fp32 bytes of one rank's TP shard of each layer's matmuls, the norms whole, its
+    vocabulary rows (embedding first, head last unless tied) and the final norm."""
+    tables = first + (last and not model.tie_embeddings)
+    return 4 * ((b - a) * (cost.layer_matmul_params(model) / tp + 2 * model.hidden)
+                + model.vocab * model.hidden / cost.vocab_shards(model, tp) * tables
+                + model.hidden * last)
+
 
 def grad_sum_s(model, inv, groups) -> float:
-    """``groups``: ``(replicas, cp, [(layer start, layer end, tp, pools)])`` per group. Each
-    rank copies its fp32 gradients (its TP shard of each layer's matmuls, the norms whole, its
-    vocabulary rows, the final norm) to the host and back and sums them in gloo rings over one
-    holder per replica and CP rank of every group, at the slowest pool's NIC share (at most
-    gloo's ring rate), a round trip per ring step, one ring per run of layers shared with the
-    same stages of the other groups; across datacenters the local broadcast once more."""
-    holders = sum(dp * cp for dp, cp, _ in groups)
+    """``groups``: ``(replicas, cp, [(layer start, layer end, tp, pools)])`` per group.
+
+    One datacenter: per set, an all-reduce inside the rank's DP×CP group (nodes of the
+    stage's slowest pool: reduce-scatter / all-reduce / all-gather), its ``1/k`` chunk
+    (``k`` the fewest holders of a group) to the host and back and in a gloo ring between the
+    ``G`` groups, then the all-reduce again. Across datacenters: one gloo ring over every
+    holder, PCIe both ways, the broadcast once more. A ring step is a round trip; the NIC
+    share is the slowest pool's, at most gloo's ring rate."""
+    holders = [dp * cp for dp, cp, _ in groups]
+    n, k, g = sum(holders), min(holders), len(groups)
     pools = {p for _, _, stages in groups for *_, ps in stages for p in ps}
     nic = min([inv.pool(p).nic_gbytes_per_gpu for p in pools] + [GLOO_RING_GBYTES]) * 1e9
-    spans_dcs = len({inv.pool(p).datacenter for p in pools}) > 1
+    one_dc = len({inv.pool(p).datacenter for p in pools}) == 1
     cuts = {a for _, _, stages in groups for a, *_ in stages}
     worst = 0.0
-    for _, _, stages in groups:
+    for dp, cp, stages in groups:
         for i, (a, b, tp, ps) in enumerate(stages):
-            first, last = i == 0, i == len(stages) - 1
-            tables = first + (last and not model.tie_embeddings)
-            params = ((b - a) * (cost.layer_matmul_params(model) / tp + 2 * model.hidden)
-                      + model.vocab * model.hidden / cost.vocab_shards(model, tp) * tables
-                      + model.hidden * last)
-            nbytes = 4 * params
+            nbytes = _grad_bytes(model, a, b, tp, i == 0, i == len(stages) - 1)
             rings = 1 + sum(a < c < b for c in cuts)
-            share = 2 * (holders - 1) / holders + spans_dcs
-            worst = max(worst, 2 * nbytes / (inv.pool(ps[0]).device.pcie_gbps * 1e9)
-                        + share * nbytes / nic
-                        + rings * (4 * (holders - 1) * cost.COLLECTIVE_LATENCY_S
-                                   + cost.HOST_STAGING_LATENCY_S))
+            pcie = inv.pool(ps[0]).device.pcie_gbps * 1e9
+            if not one_dc:
+                sec = (2 * nbytes / pcie + (2 * (n - 1) / n + 1) * nbytes / nic
+                       + rings * (4 * (n - 1) * ALPHA + STAGING))
+            else:
+                pool = [inv.pool(p) for p in ps]
+                d = dp * cp
+                per_node = max(1, min(d, min(p.gpus_per_node for p in pool) // tp))
+                nodes = -(-d // per_node)
+                intra = min(p.device.intra_node_gbps for p in pool) * 1e9
+                link = min(p.nic_gbytes_per_gpu for p in pool) * 1e9
+                if len({p.vendor for p in pool}) > 1:
+                    link = min(link, GLOO_RING_GBYTES * 1e9, pcie)
+                inside = 0.0
+                if d > 1:
+                    inside = (rings * (2 * (per_node - 1) + 2 * (nodes - 1)) * ALPHA
+                              + nbytes * (2 * (per_node - 1) / per_node / intra
+                                          + 2 * (nodes - 1) / nodes / per_node / link))
+                chunk = nbytes / k
+                sec = (2 * inside + 2 * chunk / pcie + 2 * (g - 1) / g * chunk / nic
+                       + rings * (4 * (g - 1) * ALPHA + STAGING))
+            worst = max(worst, sec)
     return worst

@@ -534,43 +534,72 @@ def stage_grad_bytes(model, a: int, b: int, tp: int, first: bool, last: bool) ->
 
 
 def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGroup]) -> float:
-    """Seconds of the gradient sum between replica groups on the rank that takes longest.
+    """Seconds of the gradient sum between replica groups on the rank that takes longest,
+    after the backward (not overlapped), as ``runtime/replica_sync.py`` runs it.
 
-    The runtime (``runtime/replica_sync.py``) replaces each group's own DP all-reduce with one
-    sum over every holder of each parameter piece: one rank per replica (and CP rank) of every
-    group, ``n = Σ_g dp_g·cp_g``, through gloo process groups in host memory after the
-    backward (not overlapped). A rank copies its pieces to the host and back (its device's
-    PCIe each way) and runs one ring all-reduce per holder set (the layers it shares with
-    the same stages of the other groups: :func:`_holder_sets`), ``2(n − 1)/n`` of its bytes
-    at the slowest holder pool's NIC share per GPU, at most :data:`GLOO_RING_GBYTES` (gloo
-    reduces on the CPU over TCP), and ``2(n − 1)`` round trips per set (a gloo step waits
-    for the receiver's buffer: ``docs/collectives.md``). Where holders span datacenters the
-    runtime rings inside each datacenter, sums the leaders' results over the link
-    (:func:`groups_sync_s`) and broadcasts them back inside each datacenter: the ring is
-    priced over every holder (at least the local ring's bytes) and the broadcast adds its
-    bytes once more."""
+    Holders in one datacenter (:func:`_two_level_s`): each holder set is summed inside each
+    group over the rank's DP×CP group (``dp_g·cp_g`` ranks, the communicator's hierarchical
+    all-reduce on the group's backend: ``cost.node_hierarchical_all_reduce``), cut into ``k``
+    chunks (``k``: the fewest holders of any group), each chunk summed between the ``G``
+    groups' ``j``-th holders in host memory (gloo: PCIe both ways, ``2(G − 1)/G`` of the chunk
+    at the NIC share, at most :data:`GLOO_RING_GBYTES`), and filled back in by a second
+    all-reduce inside the group. Holders across datacenters (:func:`_one_ring_s`): one gloo
+    ring over every holder of each set, ``n = Σ_g dp_g·cp_g``, its leaders' sum over the link
+    being :func:`groups_sync_s`'s. The sets whose holders do not pair one per replica (norms
+    beside unequal TP degrees) take the one ring in the runtime; their bytes are small and
+    priced with the rest."""
     if len(groups) < 2:
         return 0.0
-    model = plan.model
-    n = sum(dp * cp for dp, cp, _ in groups)
-    nic = min([inv.pool(pool).nic_gbytes_per_gpu for _, _, stages in groups
-               for *_, pools in stages for pool in pools] + [GLOO_RING_GBYTES]) * 1e9
-    dcs = {inv.pool(pool).datacenter for _, _, stages in groups
-           for *_, pools in stages for pool in pools}
-    ring = 2.0 * (n - 1) / n + (1.0 if len(dcs) > 1 else 0.0)
+    pools = [pool for _, _, stages in groups for *_, ps in stages for pool in ps]
+    one_dc = len({inv.pool(p).datacenter for p in pools}) == 1
     cuts = {a for _, _, stages in groups for a, _, _, _ in stages}
+    nic = min([inv.pool(p).nic_gbytes_per_gpu for p in pools] + [GLOO_RING_GBYTES])
     worst = 0.0
-    for _, _, stages in groups:
-        for i, (a, b, tp, pools) in enumerate(stages):
-            first, last = i == 0, i == len(stages) - 1
-            nbytes = stage_grad_bytes(model, a, b, tp, first, last)
-            pcie = inv.pool(pools[0]).device.pcie_gbps * 1e9
+    for dp, cp, stages in groups:
+        for i, (a, b, tp, ps) in enumerate(stages):
+            nbytes = stage_grad_bytes(plan.model, a, b, tp, i == 0, i == len(stages) - 1)
             sets = _holder_sets(a, b, cuts)
-            sec = (2 * nbytes / pcie + ring * nbytes / nic
-                   + sets * (4 * (n - 1) * cost.COLLECTIVE_LATENCY_S
-                             + cost.HOST_STAGING_LATENCY_S))
+            pcie = inv.pool(ps[0]).device.pcie_gbps
+            sec = (_two_level_s(inv, groups, dp * cp, tp, ps, nbytes, sets, nic, pcie) if one_dc
+                   else _one_ring_s(groups, nbytes, sets, nic, pcie))
             worst = max(worst, sec)
     return worst
+
+
+def _one_ring_s(groups: Sequence[SumGroup], nbytes: float, sets: int, nic: float,
+                pcie: float) -> float:
+    """One rank's sum in one gloo ring per set over every holder, across datacenters (the
+    local ring priced over every holder, at least its bytes, and the local broadcast of the
+    leaders' sum once more): PCIe both ways, ``2(n − 1)/n + 1`` of its bytes at ``nic`` GB/s,
+    ``2(n − 1)`` round trips per set (a gloo step waits for the receiver's buffer:
+    ``docs/collectives.md``)."""
+    n = sum(dp * cp for dp, cp, _ in groups)
+    return (2 * nbytes / (pcie * 1e9) + (2.0 * (n - 1) / n + 1.0) * nbytes / (nic * 1e9)
+            + sets * (4 * (n - 1) * cost.COLLECTIVE_LATENCY_S + cost.HOST_STAGING_LATENCY_S))
+
+
+def _two_level_s(inv: ClusterInventory, groups: Sequence[SumGroup], d: int, tp: int,
+                 pools: Sequence[str], nbytes: float, sets: int, nic: float,
+                 pcie: float) -> float:
+    """One rank's two-level sum (:func:`groups_grad_sum_s`) of ``nbytes`` in ``sets`` sets:
+    two all-reduces inside its group's DP×CP group of ``d`` ranks on ``pools`` (the slowest
+    pool's links; a group spanning vendors goes through the host at gloo's rate), and its
+    ``1/k`` chunk between the groups in host memory."""
+    devs = [inv.pool(p) for p in pools]
+    intra = min(p.device.intra_node_gbps for p in devs)
+    nic_g = min(p.nic_gbytes_per_gpu for p in devs)
+    if len({p.vendor for p in devs}) > 1:  # the host-staged bridge between vendors
+        nic_g = min(nic_g, GLOO_RING_GBYTES, pcie)
+    per_node = cost.dp_members_per_node(d, tp, min(p.gpus_per_node for p in devs))
+    lat, per_byte = cost.node_hierarchical_all_reduce(d, per_node, intra,
+                                                      cost.COLLECTIVE_LATENCY_S, nic_g,
+                                                      cost.COLLECTIVE_LATENCY_S)
+    k = min(dp * cp for dp, cp, _ in groups)
+    g = len(groups)
+    chunk = nbytes / k
+    between = (2 * chunk / (pcie * 1e9) + 2.0 * (g - 1) / g * chunk / (nic * 1e9)
+               + sets * (4 * (g - 1) * cost.COLLECTIVE_LATENCY_S + cost.HOST_STAGING_LATENCY_S))
+    return 2 * (sets * lat + per_byte * nbytes) + between
 
 
 def _holder_sets(a: int, b: int, cuts: set[int]) -> int:

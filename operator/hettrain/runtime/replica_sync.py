@@ -213,6 +213,34 @@ class _SetSync:
     # this rank's cells of the set, in the set's order: (segment start, local shape, dim,
     # local span start, end, contributes)
     pieces: list[tuple[int, tuple[int, ...], int | None, int, int, bool]] | None = None
+    # two-level sum (:func:`two_level`): (chunks k, this rank's chunk j, or k when it owns none,
+    # the gloo group of the j-th holder of every group, None when alone or owning none)
+    chunked: tuple[int, int, dist.ProcessGroup | None] | None = None
+    cross: tuple[int, ...] = ()  # the members of that gloo group
+
+
+def two_level(plan: Plan, members: Sequence[int],
+              contrib: frozenset[int]) -> dict[int, list[int]] | None:
+    """The holders of one set per group (sorted) when the set can be summed in two levels --
+    inside each group on its own DP×CP group, then chunk by chunk between the groups: every
+    holder contributes, all in one datacenter, and in each group they are exactly one rank per
+    replica and CP rank of one stage and TP index (the members of that stage's DP×CP group);
+    else None (the one-ring sum over every holder)."""
+    if set(members) != contrib or len({plan.ranks[r].datacenter for r in members}) > 1:
+        return None
+    by_group: dict[int, list[int]] = {}
+    for r in sorted(members):
+        by_group.setdefault(plan.ranks[r].group, []).append(r)
+    if len(by_group) < 2:
+        return None
+    for g, ranks in by_group.items():
+        grp = plan.groups[g]
+        coords = {(plan.ranks[r].stage, plan.ranks[r].tp) for r in ranks}
+        replicas = {(plan.ranks[r].dp, plan.ranks[r].cp) for r in ranks}
+        if (len(coords) != 1 or len(replicas) != len(ranks)
+                or len(ranks) != grp.dp * group_cp(grp.stages)):
+            return None
+    return by_group
 
 
 class ReplicaSync:
@@ -237,6 +265,10 @@ class ReplicaSync:
         self._cell_cache: dict[str, list[tuple[Cell, tuple[int, ...], frozenset[int]]]] = {}
         names = [n for u in sorted(self._my_units) for n in unit_param_names(plan.model, u)]
         members = {m for n in names for _, m, _ in self._cells(n)}
+        self._contrib: dict[tuple[int, ...], frozenset[int]] = {}
+        for n in names:  # the holders that contribute to every cell of a set
+            for _, m, c in self._cells(n):
+                self._contrib[m] = self._contrib.get(m, c) & c
         self.sets: dict[tuple[int, ...], _SetSync] = {}
         for m in sorted(members):  # the global order (module docstring)
             self.sets[m] = self._build(m)
@@ -266,6 +298,15 @@ class ReplicaSync:
         for r in members:
             by_dc.setdefault(self.plan.ranks[r].datacenter, []).append(r)
         s = _SetSync(members)
+        split = two_level(self.plan, members, self._contrib[members])
+        if split is not None:
+            k = min(len(v) for v in split.values())
+            j = split[self.group].index(self.rank)
+            cross = tuple(sorted(v[j] for v in split.values())) if j < k else ()
+            s.chunked = (k, min(j, k), self._pg(f"set/{name}/chunk/{j}", cross)
+                         if len(cross) > 1 else None)
+            s.cross = cross
+            return s
         if len(by_dc) == 1:
             s.full = self._pg(f"set/{name}", members) if len(members) > 1 else None
             return s
@@ -313,10 +354,14 @@ class ReplicaSync:
 
     @torch.no_grad()
     def reduce_(self, flat: torch.Tensor, segments: Sequence,
-                shapes: Sequence[Sequence[int]]) -> None:
+                shapes: Sequence[Sequence[int]],
+                group_sum: Callable[[torch.Tensor], None] | None = None) -> None:
         """Turn this rank's main grads (``flat``, laid out by ``segments``, each parameter of
         local shape ``shapes[i]``) into the gradient of the global batch's mean loss, in
-        place, on every holder of every parameter."""
+        place, on every holder of every parameter. ``group_sum(t)``: the SUM all-reduce of
+        ``t`` (on ``flat``'s device) over this rank's DP×CP group inside its replica group (the
+        communicator's); with it, the sets :func:`two_level` allows are summed in two levels
+        (:meth:`_sum_chunked`), the others in one ring over every holder."""
         if self._bound is None:
             self._bind(segments, shapes)
         flat.mul_(self.grad_weight)
@@ -324,6 +369,12 @@ class ReplicaSync:
             if len(s.members) == 1 or not s.pieces:
                 continue
             parts = [self._view(flat, p) for p in s.pieces]
+            if s.chunked is not None:
+                if group_sum is None:
+                    raise ValueError("ReplicaSync.reduce_: this plan's sets are summed in two "
+                                     "levels; pass group_sum (the group's DP all-reduce)")
+                self._sum_chunked(s, parts, group_sum)
+                continue
             whole = (len(parts) == 1 and parts[0].is_contiguous() and s.pieces[0][5]
                      and flat.device.type == "cpu")
             if whole:
@@ -337,6 +388,40 @@ class ReplicaSync:
                 for p in parts:
                     p.copy_(buf[offset:offset + p.numel()].view(p.shape))
                     offset += p.numel()
+
+    def _sum_chunked(self, s: _SetSync, parts: list[torch.Tensor],
+                     group_sum: Callable[[torch.Tensor], None]) -> None:
+        """Two-level sum of one set (``parts``: this rank's views of its cells, all
+        contributing): (1) ``group_sum`` of the set's buffer inside the group (every holder
+        of the group then has the group's sum); (2) the buffer cut into ``k`` chunks (``k``:
+        the fewest holders any group has), the ``j``-th holder of each group sums chunk ``j``
+        with the other groups' in host memory (gloo; bytes ``2(G − 1)/G`` of a chunk); (3)
+        each holder keeps its summed chunk and zeros the rest, and ``group_sum`` again fills
+        every chunk on every holder. Every byte crosses between groups once per chunk owner,
+        not once per holder in one ring over all of them."""
+        k, j, pg = s.chunked
+        one = len(parts) == 1 and parts[0].is_contiguous()
+        buf = parts[0].view(-1) if one else torch.cat([p.reshape(-1) for p in parts])
+        group_sum(buf)
+        chunks = buf.tensor_split(k)
+        if j < k and pg is not None:
+            mine = chunks[j]
+            host = mine if mine.device.type == "cpu" else mine.cpu()
+            t0 = time.perf_counter()
+            pg.allreduce([host]).wait()
+            n = pg.size()
+            self._record(s.cross, int(2 * (n - 1) / n * host.numel() * host.element_size()), t0)
+            if host is not mine:
+                mine.copy_(host)
+        for i, c in enumerate(chunks):
+            if i != j:
+                c.zero_()
+        group_sum(buf)
+        if not one:
+            offset = 0
+            for p in parts:
+                p.copy_(buf[offset:offset + p.numel()].view(p.shape))
+                offset += p.numel()
 
     def _sum(self, s: _SetSync, buf: torch.Tensor) -> None:
         """Sum ``buf`` (host memory) over the set's holders."""

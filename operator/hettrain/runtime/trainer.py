@@ -259,7 +259,9 @@ class Trainer:
         def reduce_grads(flat: torch.Tensor) -> None:
             if self.replica is not None:  # replica groups: the sum over every holder
                 self.replica.reduce_(flat, self.opt.segments,
-                                     [p.shape for p in self.opt.params])
+                                     [p.shape for p in self.opt.params],
+                                     group_sum=lambda t: comm.dp_all_reduce_(
+                                         [t], average=False, scope=scope))
                 return
             # mode "compress": the communicator compresses the DC hop
             comm.dp_all_reduce_([flat], average=True, scope=scope)

@@ -1,7 +1,8 @@
 """The planner's price of the gradient sum between replica groups
 (``planning/replica_groups.groups_grad_sum_s``) counts what ``runtime/replica_sync.py`` sums:
-each rank's bytes, the holders in each ring and the holder sets it runs, on every grouped
-layout that tests/runtime/training/test_replica_groups.py runs against the reference."""
+each rank's bytes, the holders in each ring, the holder sets it runs and which of them take
+the two-level sum, on every grouped layout that tests/runtime/training/test_replica_groups.py
+runs against the reference (which so checks both paths' numbers)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.runtime.training.test_replica_groups import CASES, LLAMA
 from hettrain.planning.replica_groups import _holder_sets, stage_grad_bytes
 from hettrain.planning.support import group_cp, group_stage_units
 from hettrain.runtime.model import whole_model
-from hettrain.runtime.replica_sync import cell_sets, unit_param_names
+from hettrain.runtime.replica_sync import cell_sets, two_level, unit_param_names
 
 TIED = replace(LLAMA, tie_embeddings=True)  # the head unit is the final norm alone
 
@@ -65,6 +66,20 @@ def test_each_rank_sums_the_bytes_the_planner_prices(case, model):
         # every replica (and CP rank) of every group contributes each piece once
         assert all(len(contrib) == holders for _, (_, _, contrib) in mine), (case, r)
         sets = {members for _, (_, members, _) in mine}
+        # in one datacenter every set whose holders all contribute is summed in two levels:
+        # inside each group on its DP×CP group, then 1/k chunks between the groups, k the
+        # fewest holders of a group (the planner's _two_level_s)
+        one_dc = len({x.datacenter for x in plan.ranks}) == 1
+        for _, (_, members, contrib) in mine:
+            split = two_level(plan, members, contrib)
+            assert (split is not None) == (one_dc and contrib == frozenset(members)), (case, r)
+            if split is not None:
+                assert len(split) == len(plan.groups)
+                assert min(len(v) for v in split.values()) == min(
+                    x.dp * group_cp(x.stages) for x in plan.groups)
+                assert split[r.group] == sorted(  # the rank's own DP×CP group
+                    x.rank for x in plan.ranks if (x.group, x.stage, x.tp) == (
+                        r.group, r.stage, r.tp))
         if equal_tp:  # one ring per run of layers shared with the same stages elsewhere
             assert len(sets) == _holder_sets(st.layer_start, st.layer_end, cuts), (case, r)
             assert all(len(m) == holders for m in sets)
