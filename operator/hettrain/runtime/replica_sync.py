@@ -24,10 +24,13 @@ gradient counts once. After the backward, each rank's main grads are the mean ov
 ``M_g`` microbatches; multiplied by ``M_g / N`` (``N``: microbatches of the whole step, every
 replica of every group) and summed over the holders, they become the gradient of the global
 batch's mean loss, whatever the groups' token shares. The cells of one holder set are summed
-with one all-reduce (in the order of parameter name and cell start, which every member
-computes alike); a set spanning datacenters is summed hierarchically (inside each DC, then the
-DC leaders, then a broadcast inside each DC), so each gradient byte crosses the DC link once
-per leader.
+together (in the order of parameter name and cell start, which every member computes alike):
+in two levels where :func:`two_level` allows it (inside each group by the group's own DP×CP
+all-reduce, then ``1/k`` chunks between the groups' ``j``-th holders in gloo, then the
+all-reduce again: :meth:`ReplicaSync._sum_chunked`), else with one gloo all-reduce over every
+holder; a set spanning datacenters is summed hierarchically (inside each DC, then the DC
+leaders, then a broadcast inside each DC), so each gradient byte crosses the DC link once per
+leader.
 
 Context parallelism (``stages[i].cp``, each group its own degree ``C_g``, 1 included): the
 ``C_g`` CP ranks of a replica each hold the gradient of the mean loss of their ``1/C_g`` of
