@@ -34,16 +34,16 @@ optimum (tests compare with every split). Two groups keep their arithmetic form
 
 The plan's other step-time parts (DP, TP, pipeline transfers: ``predicted.step_time_s``
 minus its modelled pipeline time) are kept as they are. The gradient sum between the groups
-is added as the runtime runs it (``runtime/replica_sync.py``): after the backward, every rank
-copies its fp32 gradients to the host and sums them in gloo rings over every holder of each
-piece, one per replica (and CP rank) of every group (:func:`groups_grad_sum_s`, the slowest
-rank's), and where an extra group is in a datacenter the plan does not use, its leaders' sum
-over the link once per such datacenter (:func:`cross_dc_sync_s`). Group 0's own DP sync
-stays charged although the runtime replaces its all-reduce with the sum (conservative: the
-all-reduce is mostly overlapped with the backward); the extra groups' own parameter
-all-gather and optimizer step are not charged (an approximation: group 0's stand in). A
-gloo ring over every holder is slow next to a group's own NCCL all-reduce: most extra groups
-do not pay for it (``docs/planning.md``).
+is added as the runtime runs it (``runtime/replica_sync.py``), after the backward: inside a
+datacenter in two levels (each group's own DP×CP all-reduce, ``1/k`` chunks between the
+groups in gloo, the all-reduce again), across datacenters in one gloo ring over every holder
+(:func:`groups_grad_sum_s`, the slowest rank's), and where an extra group is in a datacenter
+the plan does not use, its leaders' sum over the link once per such datacenter
+(:func:`cross_dc_sync_s`). Group 0's own DP sync stays charged although the runtime replaces
+its all-reduce with the sum (conservative: the all-reduce is mostly overlapped with the
+backward); the extra groups' own parameter all-gather and optimizer step are not charged (an
+approximation: group 0's stand in). The sum is not overlapped with the backward: most extra
+groups do not pay for it (``docs/planning.md``).
 
 Group 0 is the plan as searched (its stage ``time_ms`` are the search's); the extra groups'
 stage times come from ``cost.layer_time_s`` / ``cost.head_time_s`` on their device. The
