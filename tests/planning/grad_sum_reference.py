@@ -22,34 +22,49 @@ def grad_sum_s(model, inv, groups) -> float:
     """``groups``: ``(replicas, cp, [(layer start, layer end, tp, pools)])`` per group.
 
     One datacenter: per set, an all-reduce inside the rank's DP×CP group (nodes of the
-    stage's slowest pool: reduce-scatter / all-reduce / all-gather), its ``1/k`` chunk
+    stage's slowest pool: reduce-scatter / all-reduce / all-gather; between pools at gloo's
+    rate), its ``1/k`` chunk
     (``k`` the fewest holders of a group) to the host and back and in a gloo ring between the
     ``G`` groups, then the all-reduce again. Across datacenters: one gloo ring over every
-    holder, PCIe both ways, the broadcast once more. A ring step is a round trip; the NIC
-    share is the slowest pool's, at most gloo's ring rate."""
+    holder, PCIe both ways, the broadcast once more; so too, in one datacenter, a vocabulary
+    table whose holders do not pair. A ring step is a round trip; the NIC share is the slowest
+    pool's, at most gloo's ring rate."""
     holders = [dp * cp for dp, cp, _ in groups]
     n, k, g = sum(holders), min(holders), len(groups)
     pools = {p for _, _, stages in groups for *_, ps in stages for p in ps}
     nic = min([inv.pool(p).nic_gbytes_per_gpu for p in pools] + [GLOO_RING_GBYTES]) * 1e9
     one_dc = len({inv.pool(p).datacenter for p in pools}) == 1
     cuts = {a for _, _, stages in groups for a, *_ in stages}
+    # a table some group keeps whole on each TP rank, beside another TP degree, does not pair
+    per_replica = [{tp if model.vocab % tp else 1 for tp in tps}
+                   for tps in ([st[0][2] for *_, st in groups], [st[-1][2] for *_, st in groups])]
+    unpaired = [len(h) > 1 for h in per_replica]
+
+    def one_ring(nbytes, rings, pcie):
+        return (2 * nbytes / pcie + (2 * (n - 1) / n + 1) * nbytes / nic
+                + rings * (4 * (n - 1) * ALPHA + STAGING))
+
     worst = 0.0
     for dp, cp, stages in groups:
         for i, (a, b, tp, ps) in enumerate(stages):
-            nbytes = _grad_bytes(model, a, b, tp, i == 0, i == len(stages) - 1)
+            first, last = i == 0, i == len(stages) - 1
+            nbytes = _grad_bytes(model, a, b, tp, first, last)
             rings = 1 + sum(a < c < b for c in cuts)
             pcie = inv.pool(ps[0]).device.pcie_gbps * 1e9
             if not one_dc:
-                sec = (2 * nbytes / pcie + (2 * (n - 1) / n + 1) * nbytes / nic
-                       + rings * (4 * (n - 1) * ALPHA + STAGING))
+                sec = one_ring(nbytes, rings, pcie)
             else:
+                tables = (first and unpaired[0]) + (
+                    last and unpaired[1] and not model.tie_embeddings)
+                ring = tables * 4 * model.vocab * model.hidden / cost.vocab_shards(model, tp)
+                nbytes -= ring
                 pool = [inv.pool(p) for p in ps]
                 d = dp * cp
                 per_node = max(1, min(d, min(p.gpus_per_node for p in pool) // tp))
                 nodes = -(-d // per_node)
                 intra = min(p.device.intra_node_gbps for p in pool) * 1e9
                 link = min(p.nic_gbytes_per_gpu for p in pool) * 1e9
-                if len({p.vendor for p in pool}) > 1:
+                if len(pool) > 1:  # between pools: gloo on the host
                     link = min(link, GLOO_RING_GBYTES * 1e9, pcie)
                 inside = 0.0
                 if d > 1:
@@ -59,5 +74,7 @@ def grad_sum_s(model, inv, groups) -> float:
                 chunk = nbytes / k
                 sec = (2 * inside + 2 * chunk / pcie + 2 * (g - 1) / g * chunk / nic
                        + rings * (4 * (g - 1) * ALPHA + STAGING))
+                if ring:
+                    sec += one_ring(ring, tables, pcie)
             worst = max(worst, sec)
     return worst

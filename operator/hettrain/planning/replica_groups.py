@@ -545,25 +545,47 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
     at the NIC share, at most :data:`GLOO_RING_GBYTES`), and filled back in by a second
     all-reduce inside the group. Holders across datacenters (:func:`_one_ring_s`): one gloo
     ring over every holder of each set, ``n = Σ_g dp_g·cp_g``, its leaders' sum over the link
-    being :func:`groups_sync_s`'s. The sets whose holders do not pair one per replica (norms
-    beside unequal TP degrees) take the one ring in the runtime; their bytes are small and
-    priced with the rest."""
+    being :func:`groups_sync_s`'s. The sets whose holders do not pair one per replica take
+    the one ring in the runtime too: a vocabulary table one group replicates over its TP
+    ranks beside another TP degree (:func:`_vocab_unpaired`, priced so) and the norms beside
+    unequal TP degrees (small, priced with the rest)."""
     if len(groups) < 2:
         return 0.0
+    model = plan.model
     pools = [pool for _, _, stages in groups for *_, ps in stages for pool in ps]
     one_dc = len({inv.pool(p).datacenter for p in pools}) == 1
     cuts = {a for _, _, stages in groups for a, _, _, _ in stages}
     nic = min([inv.pool(p).nic_gbytes_per_gpu for p in pools] + [GLOO_RING_GBYTES])
+    vocab = cost.embedding_params(model) * 4.0
+    # the vocabulary tables' holders pair one per replica unless some group replicates the
+    # table over its TP ranks and another holds it at another TP degree (runtime cell_sets)
+    unpaired = [_vocab_unpaired(model, [stages[end][2] for _, _, stages in groups])
+                for end in (0, -1)]
     worst = 0.0
     for dp, cp, stages in groups:
         for i, (a, b, tp, ps) in enumerate(stages):
-            nbytes = stage_grad_bytes(plan.model, a, b, tp, i == 0, i == len(stages) - 1)
+            first, last = i == 0, i == len(stages) - 1
+            nbytes = stage_grad_bytes(model, a, b, tp, first, last)
             sets = _holder_sets(a, b, cuts)
             pcie = inv.pool(ps[0]).device.pcie_gbps
-            sec = (_two_level_s(inv, groups, dp * cp, tp, ps, nbytes, sets, nic, pcie) if one_dc
-                   else _one_ring_s(groups, nbytes, sets, nic, pcie))
+            if not one_dc:
+                worst = max(worst, _one_ring_s(groups, nbytes, sets, nic, pcie))
+                continue
+            tables = int(first and unpaired[0]) + int(
+                last and unpaired[1] and not model.tie_embeddings)
+            ring = tables * vocab / cost.vocab_shards(model, tp)
+            sec = _two_level_s(inv, groups, dp * cp, tp, ps, nbytes - ring, sets, nic, pcie)
+            if ring:
+                sec += _one_ring_s(groups, ring, tables, nic, pcie)
             worst = max(worst, sec)
     return worst
+
+
+def _vocab_unpaired(model, tps: Sequence[int]) -> bool:
+    """Whether the groups' holders of a vocabulary table (at TP degrees ``tps``, one per group)
+    cannot pair one per replica: a TP group that does not split the vocabulary holds the whole
+    table on each of its ``tp`` ranks, so the holders per replica differ between groups."""
+    return len({tp if cost.vocab_shards(model, tp) == 1 else 1 for tp in tps}) > 1
 
 
 def _one_ring_s(groups: Sequence[SumGroup], nbytes: float, sets: int, nic: float,
@@ -583,12 +605,12 @@ def _two_level_s(inv: ClusterInventory, groups: Sequence[SumGroup], d: int, tp: 
                  pcie: float) -> float:
     """One rank's two-level sum (:func:`groups_grad_sum_s`) of ``nbytes`` in ``sets`` sets:
     two all-reduces inside its group's DP×CP group of ``d`` ranks on ``pools`` (the slowest
-    pool's links; a group spanning vendors goes through the host at gloo's rate), and its
+    pool's links; a group spanning pools goes through the host at gloo's rate), and its
     ``1/k`` chunk between the groups in host memory."""
     devs = [inv.pool(p) for p in pools]
     intra = min(p.device.intra_node_gbps for p in devs)
     nic_g = min(p.nic_gbytes_per_gpu for p in devs)
-    if len({p.vendor for p in devs}) > 1:  # the host-staged bridge between vendors
+    if len(devs) > 1:  # between pools the communicator's hop goes through gloo on the host
         nic_g = min(nic_g, GLOO_RING_GBYTES, pcie)
     per_node = cost.dp_members_per_node(d, tp, min(p.gpus_per_node for p in devs))
     lat, per_byte = cost.node_hierarchical_all_reduce(d, per_node, intra,

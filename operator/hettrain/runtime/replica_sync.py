@@ -45,8 +45,10 @@ as in a plain plan) is already the global norm. The loss and validation loss of 
 
 Deadlocks: every process group is a rendezvous of its members, and every rank creates and uses
 the groups it belongs to in one global order (holder sets sorted, then the all-rank group), so
-no two ranks can wait on each other in opposite orders. The groups are built before any group
-world exists (:func:`run_grouped_rank` in the trainer).
+no two ranks can wait on each other in opposite orders. A two-level set holds the whole DP×CP
+group of each of its ranks, so every DP peer meets the same sets in the same order and runs
+the group's own all-reduces on them alike, between the same gloo steps. The groups are built
+before any group world exists (:func:`run_grouped_rank` in the trainer).
 """
 
 from __future__ import annotations
@@ -309,6 +311,7 @@ class ReplicaSync:
             s.chunked = (k, min(j, k), self._pg(f"set/{name}/chunk/{j}", cross)
                          if len(cross) > 1 else None)
             s.cross = cross
+            s.local_size = len(split[self.group])  # the rank's DP×CP group: 1 sums nothing
             return s
         if len(by_dc) == 1:
             s.full = self._pg(f"set/{name}", members) if len(members) > 1 else None
@@ -405,7 +408,8 @@ class ReplicaSync:
         k, j, pg = s.chunked
         one = len(parts) == 1 and parts[0].is_contiguous()
         buf = parts[0].view(-1) if one else torch.cat([p.reshape(-1) for p in parts])
-        group_sum(buf)
+        if s.local_size > 1:
+            group_sum(buf)
         chunks = buf.tensor_split(k)
         if j < k and pg is not None:
             mine = chunks[j]
@@ -416,10 +420,11 @@ class ReplicaSync:
             self._record(s.cross, int(2 * (n - 1) / n * host.numel() * host.element_size()), t0)
             if host is not mine:
                 mine.copy_(host)
-        for i, c in enumerate(chunks):
-            if i != j:
-                c.zero_()
-        group_sum(buf)
+        if s.local_size > 1:  # (alone in its group the rank owns every chunk: k = 1)
+            for i, c in enumerate(chunks):
+                if i != j:
+                    c.zero_()
+            group_sum(buf)
         if not one:
             offset = 0
             for p in parts:

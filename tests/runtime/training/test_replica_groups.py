@@ -90,6 +90,10 @@ CASES = {
                      {"splits": [(0, 4, "c")], "dp": 2, "num_microbatches": 2},
                      {"splits": [(0, 2, "d"), (2, 4, "e")], "dp": 1, "num_microbatches": 4,
                       "dc": "dc2"}],
+    # three replicas beside two: the two-level sum cuts each set into k = 2 chunks, the third
+    # replica of group 0 owns none (it zeros its copy and gets the sum from its group)
+    "dp3-vs-dp2": [{"splits": [(0, 4, "a")], "dp": 3, "num_microbatches": 2},
+                   {"splits": [(0, 4, "b")], "dp": 2, "num_microbatches": 1}],
     # context parallelism in group 0 (cp 2 on a 2-stage pipeline) beside two cp-1 replicas:
     # each CP rank a replica of its own in the sum, weighted by half its group's share
     "cp2-vs-cp1": [{"splits": [(0, 2, "a"), (2, 4, "b")], "cp": 2, "num_microbatches": 3},
@@ -106,6 +110,7 @@ TRAINING = {"two-dcs-no-zero": {"optimizer_sharding": False}, "2x-plus-1x": {"gr
             "tp2-both": {"grad_clip": 0.05}, "mixed-tp-runs": {"grad_clip": 0.05},
             "tp2-vs-tp1": {"grad_clip": 0.05}, "tp-runs-vs-tp2": {"grad_clip": 0.05},
             "three-groups": {"grad_clip": 0.05}, "cp2-vs-cp1": {"grad_clip": 0.05},
+            "dp3-vs-dp2": {"grad_clip": 0.05},
             "cp2-tp2-vs-cp2": {"grad_clip": 0.0},
             "pp2-vs-pp1": {"validation_interval": 2, "validation_batches": 2}}
 
