@@ -63,7 +63,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from hettrain.api.spec import JobSpec, chunked_schedule, splits_backward
+from hettrain.api.spec import JobSpec, ModelSpec, chunked_schedule, splits_backward
 from hettrain.planning import context, cost
 from hettrain.planning.arith import shard_bounds
 from hettrain.planning.catalog import DeviceSpec
@@ -521,7 +521,7 @@ def _plan_sum_groups(plan: Plan) -> list[SumGroup]:
                                              for s in g.stages)) for g in plan.groups]
 
 
-def stage_grad_bytes(model, a: int, b: int, tp: int, first: bool, last: bool) -> float:
+def stage_grad_bytes(model: ModelSpec, a: int, b: int, tp: int, first: bool, last: bool) -> float:
     """fp32 gradient bytes one TP rank of a stage holding layers ``[a, b)`` sums between the
     groups (``runtime/replica_sync.py``: every piece it holds): each layer's matmuls split
     ``tp`` ways and its two norms whole, the embedding (first stage) and the LM head (last,
@@ -581,7 +581,7 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
     return worst
 
 
-def _vocab_unpaired(model, tps: Sequence[int]) -> bool:
+def _vocab_unpaired(model: ModelSpec, tps: Sequence[int]) -> bool:
     """Whether the groups' holders of a vocabulary table (at TP degrees ``tps``, one per group)
     cannot pair one per replica: a TP group that does not split the vocabulary holds the whole
     table on each of its ``tp`` ranks, so the holders per replica differ between groups."""

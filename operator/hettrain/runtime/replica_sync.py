@@ -222,6 +222,16 @@ class _SetSync:
     # the gloo group of the j-th holder of every group, None when alone or owning none)
     chunked: tuple[int, int, dist.ProcessGroup | None] | None = None
     cross: tuple[int, ...] = ()  # the members of that gloo group
+    group_size: int = 1  # two-level: the rank's DP×CP group (1: its in-group sums are no-ops)
+
+
+def _unpack(buf: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """Copy the flat ``buf`` (``parts`` concatenated, possibly on another device) back into
+    ``parts``, in order."""
+    offset = 0
+    for p in parts:
+        p.copy_(buf[offset:offset + p.numel()].view(p.shape))
+        offset += p.numel()
 
 
 def two_level(plan: Plan, members: Sequence[int],
@@ -311,7 +321,7 @@ class ReplicaSync:
             s.chunked = (k, min(j, k), self._pg(f"set/{name}/chunk/{j}", cross)
                          if len(cross) > 1 else None)
             s.cross = cross
-            s.local_size = len(split[self.group])  # the rank's DP×CP group: 1 sums nothing
+            s.group_size = len(split[self.group])
             return s
         if len(by_dc) == 1:
             s.full = self._pg(f"set/{name}", members) if len(members) > 1 else None
@@ -390,10 +400,7 @@ class ReplicaSync:
                                  for p, piece in zip(parts, s.pieces, strict=True)]).cpu()
             self._sum(s, buf)
             if not whole:
-                offset = 0
-                for p in parts:
-                    p.copy_(buf[offset:offset + p.numel()].view(p.shape))
-                    offset += p.numel()
+                _unpack(buf, parts)
 
     def _sum_chunked(self, s: _SetSync, parts: list[torch.Tensor],
                      group_sum: Callable[[torch.Tensor], None]) -> None:
@@ -408,7 +415,7 @@ class ReplicaSync:
         k, j, pg = s.chunked
         one = len(parts) == 1 and parts[0].is_contiguous()
         buf = parts[0].view(-1) if one else torch.cat([p.reshape(-1) for p in parts])
-        if s.local_size > 1:
+        if s.group_size > 1:
             group_sum(buf)
         chunks = buf.tensor_split(k)
         if j < k and pg is not None:
@@ -420,16 +427,13 @@ class ReplicaSync:
             self._record(s.cross, int(2 * (n - 1) / n * host.numel() * host.element_size()), t0)
             if host is not mine:
                 mine.copy_(host)
-        if s.local_size > 1:  # (alone in its group the rank owns every chunk: k = 1)
+        if s.group_size > 1:  # (alone in its group the rank owns every chunk: k = 1)
             for i, c in enumerate(chunks):
                 if i != j:
                     c.zero_()
             group_sum(buf)
         if not one:
-            offset = 0
-            for p in parts:
-                p.copy_(buf[offset:offset + p.numel()].view(p.shape))
-                offset += p.numel()
+            _unpack(buf, parts)
 
     def _sum(self, s: _SetSync, buf: torch.Tensor) -> None:
         """Sum ``buf`` (host memory) over the set's holders."""
