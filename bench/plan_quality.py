@@ -16,9 +16,10 @@ elementwise terms the cost model puts on every plan.
 
 Cases: a FIXED seeded set of generated heterogeneous clusters (48–1016 GPUs, 2–4 device types
 from the catalog, 1–3 datacenters; :func:`clusters`) × models (llama3-8b, llama3-70b, and
-llama3-8b at 32k and 128k tokens; about 4M tokens per step each). Each plan runs in a planning
-worker with a wall-clock cap (``hettrain.planguard``, the operator's own mechanism): a plan over
-the cap is reported as ``timeout`` (and counted), never waited for.
+llama3-8b at 32k and 128k tokens; about 4M tokens per step each, ``--tokens-per-step`` to
+change it). Each plan runs in a planning worker with a wall-clock cap
+(``hettrain.planguard``, the operator's own mechanism): a plan over the cap is reported as
+``timeout`` (and counted), never waited for.
 
 Printed: one line per case (ratio, GPUs used/available, idle and partly idle pools, layout,
 planning seconds), then per model and overall the median, p10 and min ratio, GPUs used, idle
@@ -29,6 +30,7 @@ Usage: python bench/plan_quality.py [--clusters 40] [--models all] [--cap 60] [-
        python bench/plan_quality.py --replica-groups   # with spec.parallelism.replicaGroups
        python bench/plan_quality.py --compare   # plain and replicaGroups, side by side
        python bench/plan_quality.py --recompute auto   # the planner picks the recompute mode
+       python bench/plan_quality.py --tokens-per-step 16   # 16Mi tokens per step (batch x4)
 """
 
 from __future__ import annotations
@@ -119,13 +121,14 @@ def _fit(pools: list[dict], max_gpus: int) -> None:
         min(pools, key=lambda p: p["nodes"])["nodes"] += 1
 
 
-def job(model: str, replica_groups: bool = False, recompute: str = DEFAULT_RECOMPUTE
-        ) -> JobSpec:
-    """The job of one model case: bf16, ZeRO-1, ``recompute`` (default selective), ~4M tokens
-    per step (``replica_groups``: spec.parallelism.replicaGroups)."""
+def job(model: str, replica_groups: bool = False, recompute: str = DEFAULT_RECOMPUTE,
+        tokens: int = TOKENS_PER_STEP) -> JobSpec:
+    """The job of one model case: bf16, ZeRO-1, ``recompute`` (default selective), ``tokens``
+    per step (default ~4M; the global batch is ``tokens // seqLen`` sequences, at least one;
+    ``replica_groups``: spec.parallelism.replicaGroups)."""
     preset, seq = MODELS[model]
     return parse_job_spec({"model": {"preset": preset, "seqLen": seq},
-                           "training": {"globalBatch": max(1, TOKENS_PER_STEP // seq),
+                           "training": {"globalBatch": max(1, tokens // seq),
                                         "steps": 1, "recompute": recompute},
                            "parallelism": {"replicaGroups": replica_groups}})
 
@@ -182,10 +185,10 @@ class Case:
 
 
 def run_case(workers: PlanWorkers, doc: dict, model: str, replica_groups: bool = False,
-             recompute: str = DEFAULT_RECOMPUTE) -> Case:
+             recompute: str = DEFAULT_RECOMPUTE, tokens: int = TOKENS_PER_STEP) -> Case:
     """Plan one case in a worker (capped) and measure it."""
     inv = load_cluster(doc)
-    spec = job(model, replica_groups, recompute)
+    spec = job(model, replica_groups, recompute, tokens)
     case = Case(doc["metadata"]["name"], model, inv.gpus, len({p.device.name for p in inv.pools}),
                 len(inv.datacenters), "ok")
     t0 = time.perf_counter()
@@ -402,11 +405,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recompute", default=DEFAULT_RECOMPUTE, choices=RECOMPUTE_SPEC_MODES,
                     help="the jobs' spec.training.recompute (default selective; auto: the "
                          "planner picks the fastest mode that fits, the ideal pays none)")
+    ap.add_argument("--tokens-per-step", type=float, default=TOKENS_PER_STEP / 2**20,
+                    metavar="MTOKENS",
+                    help="tokens per optimizer step of every job, in Mi tokens (default 4: "
+                         "the global batch is this over the sequence length); a larger batch "
+                         "gives each GPU more sequences per step, so shows how much of the "
+                         "gap to the ideal the batch size, not the layout, sets")
     args = ap.parse_args(argv)
     if args.compare:
         args.replica_groups = True  # the full report is the after one
     if args.clusters < 1 or args.workers < 1 or not args.cap > 0:
         ap.error("--clusters and --workers must be >= 1 and --cap > 0")
+    if not (math.isfinite(args.tokens_per_step) and 0 < args.tokens_per_step <= 1024):
+        ap.error("--tokens-per-step must be a number of Mi tokens in (0, 1024], e.g. 4 or 16")
+    tokens = max(1, int(args.tokens_per_step * 2**20))
     models = list(MODELS) if args.models == "all" else args.models.split(",")
     bad = [m for m in models if m not in MODELS]
     if bad:
@@ -419,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                           plan_fn=timed_plan)
 
     def one(doc_model: tuple[dict, str], groups: bool = args.replica_groups) -> Case:
-        case = run_case(workers, *doc_model, replica_groups=groups, recompute=args.recompute)
+        case = run_case(workers, *doc_model, replica_groups=groups, recompute=args.recompute,
+                        tokens=tokens)
         if not args.json:
             print(f"  {case.cluster} {case.model}: {case.status} {_fmt(case.ratio, '.3f')} "
                   f"{_fmt(case.plan_s, '.1f')}s", file=sys.stderr, flush=True)
@@ -438,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     over = [c for c in cases if c.status == "ok" and c.ratio > 1 + 1e-9]
     if args.json:
         print(json.dumps({"seed": args.seed, "cap_s": args.cap, "quick": args.quick,
-                          "recompute": args.recompute,
+                          "recompute": args.recompute, "tokens_per_step": tokens,
                           "cases": [_jsonable(vars(c)) for c in cases],
                           "summary": {k: _jsonable(v) for k, v in summary.items()},
                           **({"before_summary": {

@@ -51,6 +51,31 @@ def test_ideal_bound_is_the_cost_model_rate_of_every_gpu():
     assert pq.peak_tokens_per_s(spec, inv) > ideal
 
 
+def test_tokens_per_step_sets_every_jobs_global_batch():
+    """The default job takes ~4Mi tokens per step; ``tokens`` scales the global batch (in whole
+    sequences, at least one), and a larger batch never plans a slower step per token on the
+    same cluster (more sequences per GPU: fewer bubbles and syncs per token)."""
+    assert pq.job("llama3-8b").training.global_batch == 4 * 2**20 // 8192 == 512
+    assert pq.job("llama3-8b-128k").training.global_batch == 32
+    assert pq.job("llama3-8b", tokens=16 * 2**20).training.global_batch == 2048
+    assert pq.job("llama3-8b-128k", tokens=2**16).training.global_batch == 1
+    inv = load_cluster(pq.clusters(1)[0])
+    small = plan_job("q", pq.job("llama3-8b"), inv)
+    large = plan_job("q", pq.job("llama3-8b", tokens=16 * 2**20), inv)
+    assert large.global_batch == 4 * small.global_batch
+    assert large.predicted.tokens_per_s >= small.predicted.tokens_per_s
+
+
+@pytest.mark.parametrize("value", ["0", "-4", "nan", "inf", "2048", "four"])
+def test_tokens_per_step_rejects_a_bad_value(value):
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'operator'}{os.pathsep}{ROOT}"}
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_quality.py"),
+                          "--tokens-per-step", value], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 2 and "--tokens-per-step" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_percentile_is_nearest_rank():
     assert pq.percentile([5, 1, 4, 2, 3], 10) == 1
     assert pq.percentile([float(x) for x in range(1, 21)], 10) == 2
