@@ -1,6 +1,8 @@
 """The order in which the operator applies a decision (hettrain.handlers.job._apply): a
 status that names a new plan is written only after that plan's ConfigMap exists, so no crash
-(operator SIGKILL, apiserver restart) can leave a recorded plan without its ConfigMap."""
+(operator SIGKILL, apiserver restart) can leave a recorded plan without its ConfigMap; and the
+gang is created only for a job that still exists, and taken back when the job goes away while
+it is created (a pass runs in a thread that deleting the job does not stop)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,22 @@ from hettrain.reconcile import Observed, reconcile
 class FakeKube:
     """Records the API calls of _apply; creating the ConfigMap can be made to fail."""
 
-    def __init__(self, fail_configmap: bool, foreign: bool = False) -> None:
+    def __init__(self, fail_configmap: bool, foreign: bool = False,
+                 alive: tuple[bool, ...] = (True, True)) -> None:
         self.fail_configmap, self.foreign = fail_configmap, foreign
+        self.alive = list(alive)  # what each job read answers, in turn
         self.calls: list[str] = []
+
+    def get_job(self, _api: Any, _ns: str, name: str) -> dict[str, Any] | None:
+        self.calls.append("get job")
+        if not self.alive.pop(0):
+            return None
+        return {"metadata": {"name": name, "uid": "u-1"}}
+
+    def delete_all(self, _api: Any, _ns: str, objs: list[tuple[str, str]],
+                   owner_uid: str | None = None) -> None:
+        assert owner_uid == "u-1"
+        self.calls.append(f"delete {len(objs)} {objs[0][0] if objs else ''}".strip())
 
     def create(self, _api: Any, _ns: str, obj: dict[str, Any], replace: bool = False) -> bool:
         if obj["kind"] == "ConfigMap" and self.foreign:
@@ -42,7 +57,7 @@ class FakeKube:
 def test_the_status_naming_a_new_plan_is_written_after_its_configmap(
         monkeypatch: pytest.MonkeyPatch, fail_configmap: bool) -> None:
     fake = FakeKube(fail_configmap)
-    for fn in ("create", "patch_status", "create_gang"):
+    for fn in ("create", "patch_status", "create_gang", "get_job", "delete_all"):
         monkeypatch.setattr(handlers.kube, fn, getattr(fake, fn))
     d = reconcile(job_body(), Observed([], hetero_nodes(), None, now=1.0))
     assert d.plan is not None and d.status["plan"]["configMap"]
@@ -53,7 +68,7 @@ def test_the_status_naming_a_new_plan_is_written_after_its_configmap(
     else:
         handlers._apply("ns", "job1", d, None, "u-1")
         assert fake.calls.index("status") > fake.calls.index("ConfigMap")
-        assert fake.calls[-1] == f"{len(d.plan.nodes())} pods"
+        assert fake.calls[-3:] == ["get job", f"{len(d.plan.nodes())} pods", "get job"]
     handlers._plans.pop(("ns", "job1"), None)
     handlers._expected.pop(("ns", "job1"), None)
 
@@ -64,10 +79,30 @@ def test_a_foreign_configmap_taking_the_plans_name_burns_the_attempt(
     attempt is recorded (so the next pass plans attempt+1 under a fresh name), no pod is
     created, and the error goes up (ForeignObject Warning)."""
     fake = FakeKube(False, foreign=True)
-    for fn in ("create", "patch_status", "create_gang"):
+    for fn in ("create", "patch_status", "create_gang", "get_job", "delete_all"):
         monkeypatch.setattr(handlers.kube, fn, getattr(fake, fn))
     d = reconcile(job_body(), Observed([], hetero_nodes(), None, now=1.0))
     with pytest.raises(handlers.kube.ForeignObjectError):
         handlers._apply("ns", "job1", d, None, "u-1")
     assert fake.calls[-1] == "status" and not any("pods" in x for x in fake.calls)
+    handlers._plans.pop(("ns", "job1"), None)
+
+
+@pytest.mark.parametrize("alive", [(False,), (True, False)])
+def test_a_job_deleted_during_the_pass_gets_no_gang(monkeypatch: pytest.MonkeyPatch,
+                                                     alive: tuple[bool, ...]) -> None:
+    """Deleted before the gang (the job read finds it gone): no pod is created; deleted while
+    the gang is created: the pods just created are deleted again. Either way no pod of a
+    gone job waits for the garbage collector holding its GPU (the chaos test's orphans)."""
+    fake = FakeKube(False, alive=alive)
+    for fn in ("create", "patch_status", "create_gang", "get_job", "delete_all"):
+        monkeypatch.setattr(handlers.kube, fn, getattr(fake, fn))
+    d = reconcile(job_body(), Observed([], hetero_nodes(), None, now=1.0))
+    n = len(d.plan.nodes())
+    handlers._apply("ns", "job1", d, None, "u-1")
+    if len(alive) == 1:
+        assert fake.calls[-1] == "get job" and not any("pods" in x for x in fake.calls)
+    else:
+        assert fake.calls[-3:] == [f"{n} pods", "get job", f"delete {n} Pod"]
+    assert ("ns", "job1") not in handlers._expected
     handlers._plans.pop(("ns", "job1"), None)

@@ -347,7 +347,8 @@ def _current_plan(ns: str, name: str, status: Mapping[str, Any], uid: str) -> Pl
 
 def _apply(ns: str, name: str, d: Decision, old_phase: str | None, uid: str) -> None:
     """Deletes; Service + plan ConfigMap; status (write-ahead: attempt and plan are recorded
-    before any pod exists, so a restart resumes the same attempt); then the pods as a gang."""
+    before any pod exists, so a restart resumes the same attempt); then the pods as a gang,
+    only for a job that still exists (:func:`_job_alive`, checked before and after)."""
     if d.delete:
         kube.delete_all(_api, ns, d.delete, owner_uid=uid)
     pods = [o for o in d.create if o["kind"] == "Pod"]
@@ -374,11 +375,25 @@ def _apply(ns: str, name: str, d: Decision, old_phase: str | None, uid: str) -> 
                          d.plan.predicted.mfu)
     if d.plan_seconds is not None:
         metrics.PLAN_DURATION.observe(d.plan_seconds)
+    if pods and not _job_alive(ns, name, uid):
+        log.info("%s/%s: deleted during this pass; its %d pods are not created", ns, name,
+                 len(pods))
+        pods = []
     if pods:
         t_gang = time.perf_counter()
         kube.create_gang(_api, ns, pods)
         log.info("%s/%s: %d pods created in %.0f ms", ns, name, len(pods),
                  1e3 * (time.perf_counter() - t_gang))
+        if not _job_alive(ns, name, uid):
+            # deleted while the gang was created (kopf stops the daemon, not this thread): a
+            # pod created after its owner is gone waits for the garbage collector's dangling
+            # owner check and holds its GPU meanwhile; take the gang back now
+            kube.delete_all(_api, ns, [("Pod", p["metadata"]["name"]) for p in pods],
+                            owner_uid=uid)
+            log.info("%s/%s: deleted while its gang was created; %d pods deleted", ns, name,
+                     len(pods))
+            pods = []
+    if pods:
         _expected[(ns, name)] = (int(pods[0]["metadata"]["labels"][c.LABEL_ATTEMPT]),
                                  time.monotonic(), {p["metadata"]["name"]: p for p in pods})
     if d.repair_cause:
@@ -389,6 +404,14 @@ def _apply(ns: str, name: str, d: Decision, old_phase: str | None, uid: str) -> 
     phase = d.status.get("phase") or old_phase
     if phase:
         metrics.set_phase(ns, name, phase)
+
+
+def _job_alive(ns: str, name: str, uid: str) -> bool:
+    """Whether the job ``uid`` still exists and is not being deleted (one GET): the pods of a
+    pass are created only for such a job, and taken back if it went away meanwhile."""
+    body = kube.get_job(_api, ns, name)
+    meta = (body or {}).get("metadata") or {}
+    return body is not None and meta.get("uid") == uid and not meta.get("deletionTimestamp")
 
 
 def _with_expected(ns: str, name: str, pods: list[dict[str, Any]], attempt: int
