@@ -19,7 +19,8 @@ CP ``c``, ``m`` microbatches of ``b`` sequences per replica) spends its ``T`` as
 - ``tp``: exposed TP all-reduces (layers and the vocab-parallel head); ``cp``: the exposed
   CP key/value exchange;
 - ``imbalance``: waiting ``m·(max stage − own stage)`` for the slowest stage (and, with
-  replica groups, for the slowest group);
+  replica groups, for the slowest group; with uneven data parallelism, the short replicas
+  for the full ones);
 - ``bubble``: the schedule's bubble of the stages alone (``cost.pipeline_time_s`` without
   boundaries);
 - ``boundary``: the pipeline time with the boundary transfers minus without them;
@@ -109,7 +110,8 @@ def _layout(spec: JobSpec, inv: ClusterInventory, plan: Plan):
     stage_units = [by_pool[s.pools[0]] for s in plan.stages]
     tps = [s.tp for s in plan.stages]
     dpcp = plan.dp * cp
-    m = spec.training.global_batch // (plan.dp * plan.micro_batch)  # without groups
+    # the fullest replica's microbatches (group 0's, as the search costed them)
+    m = -(-spec.training.global_batch // (plan.dp * plan.micro_batch))
     stages, _ = _stage_costs(stage_units, tps, dpcp, plan.micro_batch, m, plan.schedule, inv,
                              concrete, v=plan.virtual_stages)
     bounds = pipeline_hops(stage_units, tps, dpcp, plan.micro_batch, inv, concrete,
@@ -147,7 +149,12 @@ def breakdown(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> dict[str, flo
     with_b, _ = cost.pipeline_time_s(stage_s, bounds, m_solo, plan.schedule, v, zd)
     boundary = with_b - cost.pipeline_time_s(stage_s, [], m_solo, plan.schedule, v, zd)[0]
     # (replicas, microbatches, StagePlans, stage units, stage seconds) per replica group
-    groups = [(plan.dp, plan.num_microbatches, plan.stages, units, stage_s)]
+    # (uneven dp: the short replicas as a group of their own, one microbatch fewer: the
+    # pipeline time they wait for the full ones counts as imbalance)
+    r = plan.short_replicas
+    groups = [(plan.dp - r, plan.num_microbatches, plan.stages, units, stage_s)]
+    if r:
+        groups.append((r, plan.num_microbatches - 1, plan.stages, units, stage_s))
     for g in plan.groups[1:]:  # each extra group runs on one pool (its NIC for the CP link)
         ug = inv.pool(g.stages[0].pools[0])
         groups.append((g.dp, g.num_microbatches, g.stages, [ug] * g.pp,

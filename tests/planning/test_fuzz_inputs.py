@@ -19,7 +19,7 @@ from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import ClusterInventory, load_cluster
 from hettrain.planning.plan import Plan
 from hettrain.planning.planner import plan_job
-from hettrain.planning.support import context_parallel_errors
+from hettrain.planning.support import context_parallel_errors, uneven_dp_errors
 
 PARSE = settings(max_examples=150, deadline=timedelta(seconds=5),
                  suppress_health_check=[HealthCheck.too_slow])
@@ -223,7 +223,10 @@ def _check_plan(plan: Plan, inv: ClusterInventory, spec: JobSpec) -> None:
     if spec.placement.max_gpus is not None:
         assert plan.world_size <= spec.placement.max_gpus
     assert sum(s.layer_end - s.layer_start for s in plan.stages) == spec.model.layers
-    assert plan.dp * plan.micro_batch * plan.num_microbatches == spec.training.global_batch
+    # every replica runs num_microbatches, the last short_replicas one fewer (uneven dp)
+    assert plan.micro_batch * (plan.dp * plan.num_microbatches - plan.short_replicas) \
+        == plan.global_batch == spec.training.global_batch
+    assert uneven_dp_errors(plan) == []  # what the runtime accepts
     for s in plan.stages:
         assert s.layer_end > s.layer_start
         assert math.isfinite(s.time_ms) and s.time_ms > 0

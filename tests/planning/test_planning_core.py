@@ -13,6 +13,7 @@ from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import load_cluster
 from hettrain.planning.layers import StageCost, split_layers, split_layers_brute_force
 from hettrain.planning.planner import plan_job
+from hettrain.planning.support import uneven_dp_errors
 
 
 def _cluster(pools: list[dict], links: list[dict] | None = None) -> dict:
@@ -131,7 +132,10 @@ HET = _cluster([
 def _check_invariants(plan, inv, spec) -> None:
     assert len(plan.ranks) == plan.world_size == plan.dp * sum(s.tp for s in plan.stages)
     assert sum(s.layer_end - s.layer_start for s in plan.stages) == spec.model.layers
-    assert plan.dp * plan.micro_batch * plan.num_microbatches == spec.training.global_batch
+    # every replica runs num_microbatches, the last short_replicas one fewer (uneven dp)
+    assert plan.micro_batch * (plan.dp * plan.num_microbatches - plan.short_replicas) \
+        == plan.global_batch == spec.training.global_batch
+    assert uneven_dp_errors(plan) == []  # what the runtime accepts
     per_node: dict[str, int] = {}
     for r in plan.ranks:
         per_node[r.node] = per_node.get(r.node, 0) + 1

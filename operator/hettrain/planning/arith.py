@@ -104,6 +104,23 @@ def divisors_up_to(n: int, limit: int) -> list[int]:
     return sorted(d for d in divs if d <= limit)
 
 
+def uneven_dp_values(n: int, limit: int) -> list[int]:
+    """The replica counts ``q = ceil(n / m)`` for ``m ≥ 2`` that do not divide ``n``, up to
+    ``limit``, ascending: the fewest replicas that share ``n`` items with at most ``m`` each
+    (the others run ``m − 1``). One value per distinct quotient (``O(√n)`` of them), found
+    by jumping from each ``q`` to the first ``m`` with a smaller one."""
+    out = []
+    m = 2
+    while m <= n:
+        q = -(-n // m)
+        if q <= limit and n % q:
+            out.append(q)
+        if q == 1:
+            break
+        m = -(-n // (q - 1))  # the first m with ceil(n / m) <= q - 1
+    return sorted(out)
+
+
 def shard_bounds(n: int, shards: int) -> list[tuple[int, int]]:
     """Split ``n`` items into ``shards`` contiguous ranges (the first ``n % shards`` one
     longer): a flat buffer's shards in the runtime, a layer range's stages in the planner."""

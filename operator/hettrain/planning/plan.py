@@ -135,6 +135,10 @@ class Plan:
     # helix: the hop time (per-part cost units, planning/helix.py) the planner built its order
     # with; the runtime builds the same order from it
     helix_hop: float = 0.0
+    # uneven data parallelism (a global batch ``dp`` does not divide): the last
+    # ``short_replicas`` DP replicas run ``num_microbatches - 1`` microbatches per step, the
+    # others ``num_microbatches`` (:meth:`replica_microbatches`); 0 without (never with groups)
+    short_replicas: int = 0
 
     @property
     def world_size(self) -> int:
@@ -152,7 +156,19 @@ class Plan:
         """Microbatches per optimizer step over every replica (of every group)."""
         if self.groups:
             return sum(g.microbatches for g in self.groups)
-        return self.dp * self.num_microbatches
+        return self.dp * self.num_microbatches - self.short_replicas
+
+    def replica_microbatches(self, dp_index: int) -> int:
+        """Microbatches DP replica ``dp_index`` runs per step: ``num_microbatches``, one
+        fewer for the last ``short_replicas`` replicas (every stage and CP rank of a replica
+        runs the same count)."""
+        return self.num_microbatches - int(dp_index >= self.dp - self.short_replicas)
+
+    def replica_row_offset(self, dp_index: int) -> int:
+        """First global-batch row of DP replica ``dp_index`` (without groups): the replicas
+        take consecutive blocks of ``micro_batch * replica_microbatches`` rows in DP order."""
+        full = self.dp - self.short_replicas
+        return self.micro_batch * (dp_index * self.num_microbatches - max(0, dp_index - full))
 
     @property
     def all_stages(self) -> tuple[StagePlan, ...]:
@@ -217,6 +233,8 @@ class Plan:
             del d["groups"]
         if not d["helix_hop"]:
             del d["helix_hop"]
+        if not d["short_replicas"]:
+            del d["short_replicas"]
         return d
 
     def to_json(self, indent: int | None = None) -> str:
@@ -264,6 +282,7 @@ class Plan:
                                       stages=tuple(_build(StagePlan, s) for s in g["stages"]))
                          for g in d.get("groups", ())),
             helix_hop=float(d.get("helix_hop", 0.0)),
+            short_replicas=int(d.get("short_replicas", 0)),
         )
 
     @classmethod

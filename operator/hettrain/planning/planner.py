@@ -28,6 +28,7 @@ Context parallelism: each degree of :func:`_cp_options` is searched in turn with
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import math
@@ -45,7 +46,7 @@ from hettrain.api.spec import (
     splits_backward,
 )
 from hettrain.planning import context, cost, helix, interleaved_zb
-from hettrain.planning.arith import divisors_up_to
+from hettrain.planning.arith import divisors_up_to, uneven_dp_values
 from hettrain.planning.bounds import (
     Choice,
     LeafBound,
@@ -74,6 +75,7 @@ from hettrain.planning.replica_groups import (
     plan_with_replica_group,
     plan_zb_div,
 )
+from hettrain.planning.support import UNEVEN_DP_SCHEDULES
 from hettrain.planning.units import Unit, build_units, filter_pools, spans_datacenters
 
 K_FULL_WINDOW = 1
@@ -194,7 +196,7 @@ class _Search:
 # Context parallelism: a search runs one concrete ``spec.parallelism.cp`` at a time
 # (:func:`_cp`); its ``dp`` then counts the ``dp·cp`` replicas of the DP×CP gradient group (the
 # runtime's ``context_parallel.comm_view``): GPUs, DP sync and ZeRO-1 follow it unchanged,
-# while the microbatches per replica use the true ``dp`` (:func:`_replica_batch`) and the stage
+# while the microbatches per replica use the true ``dp`` (:func:`_microbatches`) and the stage
 # costs the CP model (``planning/context.py``).
 
 
@@ -204,8 +206,34 @@ def _cp(spec: JobSpec) -> int:
 
 
 def _replica_batch(spec: JobSpec, dp: int) -> int:
-    """Sequences per step of one true replica when ``dp`` counts the DP×CP group."""
+    """Sequences per step of one true replica when ``dp`` counts the DP×CP group (a ``dp``
+    that divides the global batch)."""
     return spec.training.global_batch // (dp // _cp(spec))
+
+
+def _microbatches(spec: JobSpec, dp: int, mb: int) -> int:
+    """Microbatches of ``mb`` sequences per step of the fullest true replica when ``dp``
+    counts the DP×CP group: ``ceil(globalBatch / (mb·dp))`` (exact when ``dp`` divides the
+    batch; an uneven ``dp``'s last replicas run one fewer: :func:`_uneven`)."""
+    return -(-spec.training.global_batch // (mb * (dp // _cp(spec))))
+
+
+def _uneven(spec: JobSpec, dp: int) -> bool:
+    """Whether ``dp`` (the DP×CP group) does not divide the global batch ``B``: with
+    microbatches of ``mb`` sequences (``mb`` divides ``B``) its replicas then run
+    ``m = ceil(B / (mb·dp))`` or ``m − 1`` of them (``Plan.short_replicas``: the last
+    ``dp·m − B/mb``; ``planning/support.uneven_dp_errors``)."""
+    return spec.training.global_batch % (dp // _cp(spec)) != 0
+
+
+def _mb_options(spec: JobSpec, dp: int) -> list[int]:
+    """Microbatch sizes searched at ``dp``: divisors of the replica's share; for an uneven
+    ``dp``, divisors of the global batch that leave every replica a microbatch (more than
+    ``dp`` of them: ``m ≥ 2``); the pinned one (``spec.training.microBatch``) if it is one."""
+    pinned, gb = spec.training.micro_batch, spec.training.global_batch
+    if _uneven(spec, dp):
+        return [b for b in _micro_batches(gb, pinned) if gb // b > dp // _cp(spec)]
+    return _micro_batches(_replica_batch(spec, dp), pinned)
 
 
 def _dp_words(spec: JobSpec, dp: int) -> str:
@@ -702,10 +730,13 @@ def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int
 
 def _dp_values(spec: JobSpec, units: Sequence[Unit]) -> list[int]:
     """Data-parallel degrees worth searching: divisors of the global batch (by factorisation,
-    :mod:`hettrain.planning.arith`) up to the GPUs of the largest unit (a stage takes all its
-    replicas from one unit) and ``spec.placement.maxGPUs``; the pinned one if pinned. Exact:
-    a larger ``dp`` leaves every unit without a stage. Cost independent of the batch size.
-    With context parallelism each value counts the ``dp·cp`` replicas (``_cp``)."""
+    :mod:`hettrain.planning.arith`) and, unless ``spec.parallelism.dp`` is pinned, the
+    uneven degrees ``ceil(B / m)`` for ``m ≥ 2`` microbatches per replica (:func:`_uneven`:
+    the fewest replicas that run at most ``m`` each; any other ``dp`` runs as many microbatches
+    on more GPUs), up to the GPUs of the largest unit (a stage takes all its replicas from one
+    unit) and ``spec.placement.maxGPUs``; the pinned one if pinned. Exact: a larger ``dp``
+    leaves every unit without a stage. With context parallelism each value counts the
+    ``dp·cp`` replicas (``_cp``)."""
     cap = max((u.gpus for u in units), default=0)
     if spec.placement.max_gpus is not None:
         cap = min(cap, spec.placement.max_gpus)
@@ -715,7 +746,8 @@ def _dp_values(spec: JobSpec, units: Sequence[Unit]) -> list[int]:
     gb = spec.training.global_batch
     if pinned is not None:
         return [pinned * cp] if pinned <= cap and gb % pinned == 0 else []
-    return [d * cp for d in divisors_up_to(gb, cap)]
+    uneven = () if _EVEN_ONLY.get() else uneven_dp_values(gb, cap)
+    return [d * cp for d in sorted({*divisors_up_to(gb, cap), *uneven})]
 
 
 def _micro_batches(per_replica: int, pinned: int | None) -> list[int]:
@@ -819,7 +851,7 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
               schedule: str, inv: ClusterInventory, grouping: str, v: int = 1) -> None:
     spec = search.spec
     model = spec.model
-    m = _replica_batch(spec, dp) // mb
+    m = _microbatches(spec, dp, mb)
     pp = len(units)
     if search.max_gpus is not None and dp * sum(tps) > search.max_gpus:
         search.over_max_gpus += 1  # exact: only removes layouts, every bound stays valid
@@ -827,6 +859,8 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
     if not chunked_schedule(schedule):
         v = 1
     if not _schedule_fits(schedule, v, pp, m, model.layers):
+        return
+    if _uneven(spec, dp) and schedule not in UNEVEN_DP_SCHEDULES:
         return
     stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec, search.stage_memo,
                                 v)
@@ -887,7 +921,6 @@ def _search_exhaustive(search: _Search, units: tuple[Unit, ...], inv: ClusterInv
                      grouping: str) -> None:
     spec = search.spec
     dp_values = _dp_values(spec, units)
-    mbs_pinned = spec.training.micro_batch
     dropped: list[float] = []
     outer = _candidates_outer(units, spec, dp_values, search.exhaustive, dropped)
     if dropped:
@@ -895,7 +928,7 @@ def _search_exhaustive(search: _Search, units: tuple[Unit, ...], inv: ClusterInv
     for bound, dp, tps_u, ks in outer:
         if not search.exhaustive and bound >= search.bound():
             break
-        mbs = _micro_batches(_replica_batch(spec, dp), mbs_pinned)
+        mbs = _mb_options(spec, dp)
         for order in _orders(units, ks, search.exhaustive):
             stage_units = tuple(units[i] for i in order for _ in range(ks[i]))
             stage_tps = tuple(tps_u[i] for i in order for _ in range(ks[i]))
@@ -911,7 +944,7 @@ def _unit_stats(unit: Unit, tp: int, dp: int, mb: int, inv: ClusterInventory,
     a = _layer_s(spec, unit, mb, tp)
     head = _head_s(spec, unit, mb, tp)
     # a middle stage's exposed DP time: no stage's is lower (the bounds stay valid)
-    dp_c, dp_e = _dp_sync_coeffs(unit, dp, tp, inv, spec, _replica_batch(spec, dp) // mb, a,
+    dp_c, dp_e = _dp_sync_coeffs(unit, dp, tp, inv, spec, _microbatches(spec, dp, mb), a,
                                  0.0, False, False)
     dp_c += _optimizer_coeffs(unit, tp, dp, spec, False, False)[0]  # a middle stage's too
     cp = _cp(spec)
@@ -926,7 +959,7 @@ def _unit_stats(unit: Unit, tp: int, dp: int, mb: int, inv: ClusterInventory,
            + cost.cp_attention_extra_bytes_per_layer(model, mb, tp, cp, training.recompute, eb,
                                                      masks=masks))
     return UnitStats(a, head, dp_c, dp_e, min(cap, model.layers), mem.fixed, mem.per_layer,
-                     act, usable, _replica_batch(spec, dp) // mb)
+                     act, usable, _microbatches(spec, dp, mb))
 
 
 def _max_stages(unit: Unit, tp: int, dp: int, spec: JobSpec) -> int:
@@ -1005,9 +1038,8 @@ def _search_fast(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory
     layer_s: dict[tuple[int, int, int], float] = {}  # (unit, tp, mb): cost.layer_time_s
     cheap = []
     for dp in dp_values:
-        per_replica = _replica_batch(spec, dp)
-        for mb in _micro_batches(per_replica, spec.training.micro_batch):
-            m = per_replica // mb
+        for mb in _mb_options(spec, dp):
+            m = _microbatches(spec, dp, mb)
             cheap.append((_cheap_root(search, units, tp_opts, dp, mb, m, layer_s), dp, mb, m))
     cheap.sort()
     pairs = []
@@ -1482,7 +1514,7 @@ def _caps_rows(search: _Search, units: tuple[Unit, ...], dp: int, mb: int,
     if rows is None:
         spec = search.spec
         model, training = spec.model, spec.training
-        m = _replica_batch(spec, dp) // mb  # dp counts the dp·cp replicas
+        m = _microbatches(spec, dp, mb)  # dp counts the dp·cp replicas
         cp = _cp(spec)
         usable = [u.device.hbm_bytes * cost.MEMORY_HEADROOM for u in units]
         caps: dict[tuple, int] = {}  # (unit, tp, position key): layer cap
@@ -1569,7 +1601,7 @@ def _evaluate_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Cho
     zb_div = 0.0  # ZB-H1's divisor of this layout, once it ran
     for schedule, v in schedules:
         if zb_caps is not None and _bubble_divisor(
-                schedule, v, zb_div, pp, _replica_batch(spec, dp) // mb) <= zb_div and all(
+                schedule, v, zb_div, pp, _microbatches(spec, dp, mb)) <= zb_div and all(
                 c <= z for c, z in zip(_layer_caps(search, stage_units, stage_tps, dp, mb,
                                                    schedule, v, inv), zb_caps, strict=True)):
             continue  # dominated by ZB-H1 (docstring)
@@ -1582,7 +1614,7 @@ def _evaluate_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Cho
 def _layer_caps(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int,
                 schedule: str, v: int, inv: ClusterInventory) -> list[int]:
     """Layers each stage can hold under ``schedule`` (memoised stage costs)."""
-    m = _replica_batch(search.spec, dp) // mb
+    m = _microbatches(search.spec, dp, mb)
     stages, _ = _stage_costs(units, tps, dp, mb, m, schedule, inv, search.spec,
                              search.stage_memo, v)
     return [s.max_layers for s in stages]
@@ -1664,7 +1696,7 @@ def _widest_shortfall(search: _Search, units: tuple[Unit, ...], dp: int, mb: int
 
 def _izb_note(best: Candidate, spec: JobSpec) -> str:
     """What interleaved-zb's replayed order divides 1F1B's bubble by (with F = B = W)."""
-    m = spec.training.global_batch // (best.dp // best.cp) // best.micro_batch
+    m = _microbatches(spec, best.dp, best.micro_batch)
     div = interleaved_zb.bubble_divisor(best.pp, m, best.chunks)
     return (f"interleaved-zb order ({best.chunks} chunks, {m} microbatches): 1F1B's bubble / "
             f"{div:.2f} at F = B = W (at best / {3 * best.chunks})")
@@ -1698,6 +1730,13 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
         f"mb={best.micro_batch} schedule={best.schedule}"
         + (f" chunks={best.chunks}" if chunked_schedule(best.schedule) else ""),
     ]
+    if _uneven(spec, best.dp):
+        true_dp, m = best.dp // best.cp, _microbatches(spec, best.dp, best.micro_batch)
+        short = true_dp * m - spec.training.global_batch // best.micro_batch
+        notes.append(f"uneven data parallelism: globalBatch {spec.training.global_batch} over "
+                     f"dp={true_dp}, {true_dp - short} replicas run {m} microbatches and "
+                     f"{short} run {m - 1} (the step waits for the {m}; gradients weighted "
+                     "by each replica's share)")
     crossings = [i for i in range(best.pp - 1)
                  if not set(best.units[i].datacenters) & set(best.units[i + 1].datacenters)]
     if crossings:
@@ -1849,8 +1888,20 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     plan = _to_plan(name, concrete, chosen, ranks, notes, inventory)
     if spec.parallelism.replica_groups:
         plan = plan_with_replica_group(plan, spec, inventory, previous)
-    return _with_idle_notes(plan, chosen, concrete, inventory, previous is not None, searched,
+    plan = _with_idle_notes(plan, chosen, concrete, inventory, previous is not None, searched,
                             trials)
+    if spec.parallelism.replica_groups and plan.short_replicas:
+        # replica groups split an even batch: the best even layout with its groups may still
+        # beat the uneven one (searched again without the uneven degrees)
+        try:
+            with even_data_parallel():
+                even = plan_job(name, spec, inventory, exhaustive=exhaustive,
+                                previous=previous, ceiling_s=ceiling_s)
+        except PlanningError:
+            return plan
+        if even.predicted.step_time_s < plan.predicted.step_time_s * (1 - 1e-9):
+            return even
+    return plan
 
 
 def _with_idle_notes(plan: Plan, chosen: Candidate, spec: JobSpec, inventory: ClusterInventory,
@@ -2040,6 +2091,21 @@ def pipeline_hops(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int,
 
 
 _PROBING: ContextVar[bool] = ContextVar("hettrain_planner_probing", default=False)
+# set while planning the even alternative of an uneven plan for replica groups (plan_job):
+# only divisors of the global batch are searched (_dp_values)
+_EVEN_ONLY: ContextVar[bool] = ContextVar("hettrain_planner_even_only", default=False)
+
+
+@contextlib.contextmanager
+def even_data_parallel() -> Iterator[None]:
+    """Plan, inside it, with only the data-parallel degrees that divide the global batch (no
+    uneven replicas): what :func:`plan_job` plans replica groups on when the best plain
+    layout is uneven, and the layouts before uneven data parallelism, for comparisons."""
+    token = _EVEN_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _EVEN_ONLY.reset(token)
 SHARDING_ORDER = ("none", "optimizer", "gradients", "full")  # least to most sharded
 
 
@@ -2138,7 +2204,7 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
     model = spec.model
     gb = spec.training.global_batch
     dp = c.dp // c.cp  # c.dp counts the DP×CP group
-    m = gb // (dp * c.micro_batch)
+    m = _microbatches(spec, c.dp, c.micro_batch)  # the fullest replica's (uneven dp)
     stages = []
     start = 0
     for i, (u, tp, n) in enumerate(zip(c.units, c.tps, c.split, strict=True)):
@@ -2177,7 +2243,8 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         dp_comm_s=max(d - o for d, o in zip(c.stage_dp_s, opt_s, strict=True)),
         optimizer_s=max(opt_s),
         cross_dc_bytes_per_step=cross_bytes,
-        pp_bytes_per_step=c.dp * (
+        # (uneven dp: the short replicas send one microbatch fewer; gb / (dp·m·mb) of it)
+        pp_bytes_per_step=c.dp * gb / (dp * m * c.micro_batch) * (
             cost.helix_bytes_per_step(model, c.micro_batch, cost.precision_bytes(spec.training),
                                       m, c.pp, c.helix_hop) if c.schedule == "helix" else
             cost.pipeline_bytes_per_step(
@@ -2194,5 +2261,6 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         stages=tuple(stages), ranks=ranks, predicted=pred, cross_dc=cross, notes=tuple(notes),
         virtual_stages=c.chunks if chunked_schedule(c.schedule) else 1,
         data=spec.data.to_plan(), helix_hop=c.helix_hop,
+        short_replicas=dp * m - gb // c.micro_batch,
     )
 

@@ -733,7 +733,10 @@ def greedy_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOpti
 
 def add_replica_groups(plan: Plan, inv: ClusterInventory, max_gpus: int | None = None) -> Plan:
     """``plan`` with the extra replica groups :func:`greedy_groups` picks, or ``plan`` itself
-    when none makes the modelled step faster (or it already has groups)."""
+    when none makes the modelled step faster (or it already has groups, or uneven replicas:
+    groups split an even batch)."""
+    if plan.short_replicas:
+        return plan
     chosen, best = greedy_groups(plan, inv, group_options(plan, inv), max_gpus)
     return plan if best is None else with_groups(plan, inv, chosen, best[1], best[0])
 
@@ -906,7 +909,10 @@ def groups_on_idle(plan: Plan, spec: JobSpec, inventory: ClusterInventory) -> Pl
     (with no group: the plan itself, with that note)."""
     mode = (plan.cross_dc or {}).get("mode", "sync")
     why = (f"the {plan.schedule} schedule" if chunked_schedule(plan.schedule)
-           else f"crossDC.mode {mode}" if mode != "sync" else "")
+           else f"crossDC.mode {mode}" if mode != "sync"
+           else (f"uneven data parallelism ({plan.short_replicas} of {plan.dp} replicas run "
+                 "one microbatch fewer; groups split an even batch)")
+           if plan.short_replicas else "")
     allowed = replace(inventory, pools=filter_pools(inventory, spec.placement))
     idle = [p.name for p, _ in _idle_pools(plan, allowed)]
     if not idle:

@@ -46,6 +46,34 @@ def unsupported(plan: Plan) -> list[str]:
     out += context_parallel_errors(plan)
     out += replica_group_errors(plan)
     out += helix_errors(plan)
+    out += uneven_dp_errors(plan)
+    return out
+
+
+UNEVEN_DP_SCHEDULES = ("1f1b", "zb-h1")  # whose order suits any microbatch count
+
+
+def uneven_dp_errors(plan: Plan) -> list[str]:
+    """Why the runtime cannot run this plan's uneven data parallelism (``short_replicas``:
+    the last replicas run one microbatch fewer; empty: it can, or the plan is even): fewer
+    short replicas than ``dp``, at least one microbatch on each, no replica groups, and a
+    schedule of :data:`UNEVEN_DP_SCHEDULES`."""
+    r = plan.short_replicas
+    if r == 0:
+        return []
+    out = []
+    if not 0 < r < plan.dp:
+        out.append(f"plan.short_replicas={r}: must be in [0, dp={plan.dp}) (the replicas that "
+                   "run one microbatch fewer)")
+    if plan.num_microbatches < 2:
+        out.append(f"plan.short_replicas={r} with num_microbatches={plan.num_microbatches}: "
+                   "a short replica would run no microbatch")
+    if plan.groups:
+        out.append(f"plan.short_replicas={r} with replica groups: each group's replicas run "
+                   "the same microbatch count")
+    if plan.schedule not in UNEVEN_DP_SCHEDULES:
+        out.append(f"plan.short_replicas={r} with schedule {plan.schedule}: uneven replicas "
+                   f"run {' or '.join(UNEVEN_DP_SCHEDULES)}")
     return out
 
 

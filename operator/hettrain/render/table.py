@@ -148,7 +148,9 @@ def summary_table(plan: Plan) -> Table:
         ("DP×PP×TP", layout_summary(plan)),
         ("microbatch", f"{plan.micro_batch} seq × " + (
             " / ".join(f"{g.num_microbatches} (group {g.index})" for g in plan.groups)
-            if plan.groups else f"{plan.num_microbatches}")
+            if plan.groups else f"{plan.num_microbatches}"
+            + (f" ({plan.short_replicas} of {plan.dp} replicas: "
+               f"{plan.num_microbatches - 1})" if plan.short_replicas else ""))
             + f" per replica (global batch {plan.global_batch})"),
         ("schedule", schedule_summary(plan)),
         ("training", training_summary(plan)),

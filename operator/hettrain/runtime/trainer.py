@@ -99,8 +99,21 @@ def validation_batches(plan: Plan, data: DataSource,
     out = []
     for k in range(t.validation_batches):
         x, y = data.validation_batch(k, plan.global_batch)
-        out += replica_rows(x, y, plan.dp, dp_index, plan.micro_batch, plan.num_microbatches)
+        out += replica_block(plan, x, y, dp_index)
     return out
+
+
+def replica_block(plan: Plan, x: torch.Tensor, y: torch.Tensor,
+                  dp_index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Replica ``dp_index``'s microbatches of a global batch ``x, y`` (a plan without
+    groups): its block of consecutive rows, ``plan.replica_microbatches(dp_index)`` of them
+    (one fewer on the short replicas of an uneven plan)."""
+    if not 0 <= dp_index < plan.dp:
+        raise ValueError(f"dp_index={dp_index} out of range for dp={plan.dp}")
+    if not plan.short_replicas:
+        return replica_rows(x, y, plan.dp, dp_index, plan.micro_batch, plan.num_microbatches)
+    return rows_microbatches(x, y, plan.replica_row_offset(dp_index), plan.micro_batch,
+                             plan.replica_microbatches(dp_index))
 
 
 def validation_due(plan: Plan, done: int) -> bool:
@@ -150,6 +163,9 @@ def _all_microbatches(plan: Plan, data: DataSource,
     if not plan.groups:
         if step is None:
             return [b for d in range(plan.dp) for b in validation_batches(plan, data, d)]
+        if plan.short_replicas:
+            x, y = data.global_batch(t.seed, step, plan.global_batch)
+            return [b for d in range(plan.dp) for b in replica_block(plan, x, y, d)]
         return [b for d in range(plan.dp) for b in data.microbatches(
             t.seed, step, dp=plan.dp, dp_index=d, micro_batch=plan.micro_batch,
             num_microbatches=plan.num_microbatches, seq_len=plan.model.seq_len,
@@ -182,6 +198,9 @@ class Trainer:
         self.job_plan = cfg.plan
         self.plan = plan = comm_view(cfg.plan)
         self.me = plan.ranks[rank]
+        # this rank's replica's microbatches per step (uneven plans: one fewer on the short
+        # replicas)
+        self.my_microbatches = cfg.plan.replica_microbatches(cfg.plan.ranks[rank].dp)
         st = plan.stages[self.me.stage]
         refused = unsupported(self.job_plan)
         if refused:
@@ -340,6 +359,9 @@ class Trainer:
         """This rank's microbatches of ``step`` (replica groups: its group's rows of the
         job's global batch, then its replica's block)."""
         plan, t = self.job_plan, self.plan.training
+        if self.replica is None and plan.short_replicas:
+            x, y = self.data.global_batch(t.seed, step, plan.global_batch)
+            return replica_block(plan, x, y, plan.ranks[self.rank].dp)
         if self.replica is None:
             return self.data.microbatches(
                 t.seed, step, dp=plan.dp, dp_index=plan.ranks[self.rank].dp,
@@ -429,6 +451,16 @@ class Trainer:
             self.opt.params_from_master()
         return info
 
+    def _per_microbatch(self, x: float) -> float:
+        """``x`` weighted for one microbatch of this rank: ``x / M`` (the replicas' mean,
+        which the DP average turns into the global batch's mean), or with uneven replicas
+        ``x · dp / N`` (``N``: the step's microbatches; a replica's ``M_i / N`` share of the
+        sum, times ``dp`` for the DP average)."""
+        plan = self.job_plan
+        if plan.short_replicas:
+            return x * plan.dp / plan.total_microbatches
+        return x / plan.num_microbatches
+
     def _reduce_loss(self, total: float) -> torch.Tensor:
         loss = self._group_loss(total)
         if self.replica is not None:  # the groups' means, weighted by their shares
@@ -436,7 +468,7 @@ class Trainer:
         return loss
 
     def _group_loss(self, total: float) -> torch.Tensor:
-        loss = torch.tensor([total / self.plan.num_microbatches])
+        loss = torch.tensor([self._per_microbatch(total)])
         if self.me.stage == self.plan.pp - 1 and self.plan.dp > 1:
             # plain (never compressed) average over the replicas; 4 bytes, still accounted
             g = self.comm.dp_size
@@ -461,12 +493,12 @@ class Trainer:
             t0, c0 = time.perf_counter(), time.process_time()
             comm0 = sum(s.seconds for _, s in self.comm.stats.items())
             self.opt.zero_grad()
-            self.opt.begin_step(plan.num_microbatches)  # arms the overlapped DP sync
+            self.opt.begin_step(self.my_microbatches)  # arms the overlapped DP sync
             # the data replica of this rank (CP ranks share it)
             batches = self._shard(self._batches(step))
             if self.device.type != "cpu":
                 batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
-            total = self.runner.run(batches, self.opt.loss_scale / plan.num_microbatches)
+            total = self.runner.run(batches, self._per_microbatch(self.opt.loss_scale))
             done = step + 1
             last = done == t.steps
             if last and self.diloco is not None and done % self.diloco.outer_steps:
@@ -529,7 +561,7 @@ class Trainer:
         self.model.eval()
         total = self.runner.evaluate(batches)
         self.model.train()
-        per = len(batches) / self.plan.num_microbatches  # _reduce_loss divides by M
+        per = len(batches) / self.my_microbatches  # validation batches (_reduce_loss: ÷ M)
         val = self._reduce_loss(total / per).item()  # replica groups: already the job's mean
         log.info("rank %d: validation loss %.6f", self.rank, val)
         return val

@@ -1,0 +1,106 @@
+"""Uneven data parallelism in the planner: replica counts that do not divide the global batch.
+
+The search takes, besides the divisors of the global batch ``B``, every ``dp = ceil(B / m)``
+(the fewest replicas that run at most ``m`` microbatches each); the last ``short_replicas``
+replicas then run one fewer. Checked against brute force (every even ``dp`` pinned), the
+plan's own arithmetic, and the replica-group interplay.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from hettrain.api.spec import parse_job_spec
+from hettrain.planning.arith import divisors_up_to, uneven_dp_values
+from hettrain.planning.errors import PlanningError
+from hettrain.planning.inventory import load_cluster
+from hettrain.planning.planner import even_data_parallel, plan_job
+from hettrain.planning.support import unsupported
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import plan_quality as pq
+
+
+def _cluster(nodes: int) -> dict:
+    return {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "t"},
+            "datacenters": [{"name": "a"}],
+            "pools": [{"name": "h", "datacenter": "a", "device": "H100-SXM", "nodes": nodes,
+                       "gpusPerNode": 8, "nicGbps": 400}]}
+
+
+def _job(gb: int, **parallelism):
+    return parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": 8192},
+                           "training": {"globalBatch": gb, "steps": 10},
+                           "parallelism": parallelism, "data": {"synthetic": True}})
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 12, 37, 512, 1000, 4096])
+def test_uneven_values_are_every_ceiling_quotient_that_does_not_divide(n):
+    brute = sorted({-(-n // m) for m in range(2, n + 1)} - set(divisors_up_to(n, n)))
+    assert uneven_dp_values(n, n) == brute
+    assert uneven_dp_values(n, 5) == [q for q in brute if q <= 5]
+
+
+def test_three_nodes_of_tp8_take_three_uneven_replicas():
+    """32 sequences on 3 nodes of one TP-8 stage: dp 2 (16 each, even) or dp 3 (11/11/10
+    sequences). The search picks 3 uneven replicas, faster than every even dp (brute force:
+    each divisor pinned), and the plan's arithmetic covers the batch exactly."""
+    inv = load_cluster(_cluster(3))
+    plan = plan_job("j", _job(32, tp=8, pp=1), inv)
+    assert plan.dp == 3 and plan.short_replicas > 0
+    mb, m, r = plan.micro_batch, plan.num_microbatches, plan.short_replicas
+    assert mb * (plan.dp * m - r) == plan.global_batch == 32
+    assert 0 < r < plan.dp and m >= 2
+    assert [plan.replica_microbatches(d) for d in range(3)] == [m] * (3 - r) + [m - 1] * r
+    assert unsupported(plan) == [] and plan.schedule in ("1f1b", "zb-h1")
+    assert any(n.startswith("uneven data parallelism: globalBatch 32 over dp=3")
+               for n in plan.notes), plan.notes
+    evens = []
+    for d in divisors_up_to(32, 32):
+        try:
+            evens.append(plan_job("j", _job(32, tp=8, pp=1, dp=d), inv).predicted.step_time_s)
+        except PlanningError:
+            continue
+    assert evens and plan.predicted.step_time_s < min(evens)
+    with even_data_parallel():
+        even = plan_job("j", _job(32, tp=8, pp=1), inv)
+    assert even.short_replicas == 0 and 32 % even.dp == 0
+    assert even.predicted.step_time_s == pytest.approx(min(evens))
+    # the tokens per second count the real global batch, not dp·mb·m
+    assert plan.predicted.tokens_per_s == pytest.approx(
+        32 * 8192 / plan.predicted.step_time_s)
+
+
+def test_fast_equals_exhaustive_with_uneven_degrees():
+    inv = load_cluster(_cluster(3))
+    spec = _job(32, tp=8, pp=1)
+    fast, full = plan_job("j", spec, inv), plan_job("j", spec, inv, exhaustive=True)
+    assert (fast.dp, fast.micro_batch, fast.short_replicas) == (
+        full.dp, full.micro_batch, full.short_replicas)
+    assert fast.predicted.step_time_s == pytest.approx(full.predicted.step_time_s)
+
+
+def test_pinned_schedules_that_need_even_counts_get_even_plans():
+    inv = load_cluster(_cluster(4))
+    plan = plan_job("j", _job(48, schedule="interleaved", tp=8), inv)
+    assert plan.short_replicas == 0 and 48 % plan.dp == 0
+
+
+def test_replica_groups_take_the_faster_of_the_uneven_plan_and_the_grouped_even_one():
+    """bench/plan_quality's cluster 4, llama3-8b: with spec.parallelism.replicaGroups the
+    planner compares the uneven plain plan with the even plan and its groups (groups split an
+    even batch) and keeps the faster; each is what planning it alone gives."""
+    inv = load_cluster(pq.clusters(40)[4])
+    uneven = plan_job("q", pq.job("llama3-8b"), inv)
+    with even_data_parallel():
+        grouped_even = plan_job("q", pq.job("llama3-8b", replica_groups=True), inv)
+    got = plan_job("q", pq.job("llama3-8b", replica_groups=True), inv)
+    assert uneven.short_replicas > 0 and len(grouped_even.groups) >= 2
+    want = min(uneven.predicted.step_time_s, grouped_even.predicted.step_time_s)
+    assert got.predicted.step_time_s == pytest.approx(want)
+    if got.short_replicas:
+        assert got.groups == () and any("uneven data parallelism" in n and "stay idle" in n
+                                        for n in got.notes)
