@@ -8,6 +8,7 @@ plan's own arithmetic, and the replica-group interplay.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from hettrain.api.spec import parse_job_spec
 from hettrain.planning.arith import divisors_up_to, uneven_dp_values
 from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import load_cluster
-from hettrain.planning.planner import even_data_parallel, plan_job
+from hettrain.planning.planner import UNEVEN_DP_STEP, _thinned, even_data_parallel, plan_job
 from hettrain.planning.support import unsupported
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -42,6 +43,19 @@ def test_uneven_values_are_every_ceiling_quotient_that_does_not_divide(n):
     brute = sorted({-(-n // m) for m in range(2, n + 1)} - set(divisors_up_to(n, n)))
     assert uneven_dp_values(n, n) == brute
     assert uneven_dp_values(n, 5) == [q for q in brute if q <= 5]
+
+
+@pytest.mark.parametrize("n", [32, 512, 1000, 4096])
+def test_the_searched_uneven_degrees_step_down_the_microbatches(n):
+    """Every divisor is searched; an uneven degree only when its replicas run at most
+    ``1 − UNEVEN_DP_STEP`` of the microbatches of the degree before it (ascending)."""
+    even, uneven = divisors_up_to(n, n), uneven_dp_values(n, n)
+    got = _thinned(n, even, uneven)
+    assert set(even) <= set(got) <= set(even) | set(uneven) and got == sorted(got)
+    for a, b in itertools.pairwise(got):
+        if n % b:
+            assert -(-n // b) <= (1 - UNEVEN_DP_STEP) * -(-n // a)
+    assert len(got) < len(even) + len(uneven)
 
 
 def test_three_nodes_of_tp8_take_three_uneven_replicas():
