@@ -97,10 +97,37 @@ def test_fast_equals_exhaustive_with_uneven_degrees():
     assert fast.predicted.step_time_s == pytest.approx(full.predicted.step_time_s)
 
 
-def test_pinned_schedules_that_need_even_counts_get_even_plans():
-    inv = load_cluster(_cluster(4))
-    plan = plan_job("j", _job(48, schedule="interleaved", tp=8), inv)
-    assert plan.short_replicas == 0 and 48 % plan.dp == 0
+def _job_with(gb: int, training: dict | None = None, **parallelism):
+    training = dict(training or {})
+    cross_dc = training.pop("crossDC", {})
+    return parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": 8192},
+                           "training": {"globalBatch": gb, "steps": 10, **training},
+                           "parallelism": parallelism, "crossDC": cross_dc,
+                           "data": {"synthetic": True}})
+
+
+def test_a_pinned_interleaved_schedule_gets_an_even_plan():
+    """6 nodes of TP 8, two stages, 32 sequences: unpinned the search runs 3 uneven replicas;
+    with schedule interleaved (m a multiple of pp) it keeps to a divisor."""
+    inv = load_cluster(_cluster(6))
+    free = plan_job("j", _job(32, tp=8, pp=2), inv)
+    assert free.short_replicas > 0
+    pinned = plan_job("j", _job(32, tp=8, pp=2, schedule="interleaved"), inv)
+    assert pinned.schedule == "interleaved" and pinned.short_replicas == 0
+    assert 32 % pinned.dp == 0
+
+
+@pytest.mark.parametrize("training", [{"sharding": "gradients"}, {"sharding": "full"},
+                                      {"crossDC": {"mode": "diloco"}, "sharding": "none"}])
+def test_zero2_zero3_and_diloco_get_even_plans(training):
+    """ZeRO-2/3 reduce per microbatch and DiLoCo averages per datacenter: the runtime refuses
+    uneven replicas there (support.uneven_dp_errors), so the search never proposes them; the
+    same job with ZeRO-1 does run 3 uneven replicas on these 3 nodes."""
+    inv = load_cluster(_cluster(3))
+    plan = plan_job("j", _job_with(32, training, tp=8, pp=1), inv)
+    assert plan.short_replicas == 0 and 32 % plan.dp == 0
+    assert plan_job("j", _job_with(32, {"sharding": "optimizer"}, tp=8, pp=1),
+                    inv).short_replicas > 0
 
 
 def test_replica_groups_take_the_faster_of_the_uneven_plan_and_the_grouped_even_one():

@@ -75,7 +75,7 @@ from hettrain.planning.replica_groups import (
     plan_with_replica_group,
     plan_zb_div,
 )
-from hettrain.planning.support import UNEVEN_DP_SCHEDULES
+from hettrain.planning.support import UNEVEN_DP_SCHEDULES, UNEVEN_DP_SHARDINGS
 from hettrain.planning.units import Unit, build_units, filter_pools, spans_datacenters
 
 K_FULL_WINDOW = 1
@@ -881,7 +881,9 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
         v = 1
     if not _schedule_fits(schedule, v, pp, m, model.layers):
         return
-    if _uneven(spec, dp) and schedule not in UNEVEN_DP_SCHEDULES:
+    if _uneven(spec, dp) and (schedule not in UNEVEN_DP_SCHEDULES
+                              or spec.training.sharding not in UNEVEN_DP_SHARDINGS
+                              or spec.cross_dc.mode == "diloco"):
         return
     stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec, search.stage_memo,
                                 v)

@@ -877,7 +877,10 @@ def per_pool_plans(plan: Plan, spec: JobSpec, inventory: ClusterInventory,
     replica group per pool, shares by speed; only those that got a group. The search over all
     pools places pools as pipeline stages of one layout; this places them side by side."""
     from hettrain.planning.errors import PlanningError
-    from hettrain.planning.planner import plan_job  # the planner imports this module
+    from hettrain.planning.planner import (  # the planner imports this module
+        even_data_parallel,
+        plan_job,
+    )
 
     allowed = filter_pools(inventory, spec.placement)
     solo = replace(spec, parallelism=replace(spec.parallelism, replica_groups=False))
@@ -887,7 +890,8 @@ def per_pool_plans(plan: Plan, spec: JobSpec, inventory: ClusterInventory,
             continue
         sub = replace(solo, placement=replace(spec.placement, pools=(pool.name,)))
         try:
-            base = plan_job(plan.job, sub, inventory)
+            with even_data_parallel():  # groups split an even batch
+                base = plan_job(plan.job, sub, inventory)
         except PlanningError:
             continue
         # the other pools are not idle for this layout: they get the groups

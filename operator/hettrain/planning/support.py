@@ -51,13 +51,18 @@ def unsupported(plan: Plan) -> list[str]:
 
 
 UNEVEN_DP_SCHEDULES = ("1f1b", "zb-h1")  # whose order suits any microbatch count
+# ZeRO-2/3 reduce (and ZeRO-3 gathers) per unit and microbatch: a short replica would issue
+# fewer collectives than its DP peers and the step would hang
+UNEVEN_DP_SHARDINGS = ("none", "optimizer")
 
 
 def uneven_dp_errors(plan: Plan) -> list[str]:
     """Why the runtime cannot run this plan's uneven data parallelism (``short_replicas``:
     the last replicas run one microbatch fewer; empty: it can, or the plan is even): fewer
-    short replicas than ``dp``, at least one microbatch on each, no replica groups, and a
-    schedule of :data:`UNEVEN_DP_SCHEDULES`."""
+    short replicas than ``dp``, at least one microbatch on each, no replica groups, a
+    schedule of :data:`UNEVEN_DP_SCHEDULES`, a sharding of :data:`UNEVEN_DP_SHARDINGS` (the
+    others sync per microbatch) and no DiLoCo (its DP average is per datacenter, the runtime's
+    weights are the job's)."""
     r = plan.short_replicas
     if r == 0:
         return []
@@ -74,6 +79,14 @@ def uneven_dp_errors(plan: Plan) -> list[str]:
     if plan.schedule not in UNEVEN_DP_SCHEDULES:
         out.append(f"plan.short_replicas={r} with schedule {plan.schedule}: uneven replicas "
                    f"run {' or '.join(UNEVEN_DP_SCHEDULES)}")
+    if plan.training.sharding not in UNEVEN_DP_SHARDINGS:
+        out.append(f"plan.short_replicas={r} with plan.training.sharding="
+                   f"{plan.training.sharding}: ZeRO-2/3 reduce per microbatch, so every "
+                   "replica must run as many; use spec.training.sharding optimizer or none, "
+                   "or a global batch dp divides")
+    if (plan.cross_dc or {}).get("mode") == "diloco":
+        out.append(f"plan.short_replicas={r} with plan.cross_dc.mode=diloco: each datacenter "
+                   "averages its own replicas; use a global batch dp divides")
     return out
 
 

@@ -69,6 +69,12 @@ def test_plan_json_round_trip_and_runtime_rules():
         "must be in [0, dp=3)": replace(plan, short_replicas=3),
         "would run no microbatch": replace(plan, num_microbatches=1, short_replicas=1),
         "with schedule interleaved": replace(plan, schedule="interleaved", virtual_stages=2),
+        "sharding=gradients": replace(plan, schedule="1f1b", training=replace(
+            plan.training, sharding="gradients")),
+        "sharding=full": replace(plan, schedule="1f1b", training=replace(
+            plan.training, sharding="full")),
+        "cross_dc.mode=diloco": replace(plan, cross_dc={"mode": "diloco"}, training=replace(
+            plan.training, sharding="none", optimizer_sharding=False)),
     }
     for message, p in bad.items():
         errors = uneven_dp_errors(p)
