@@ -29,7 +29,7 @@ from hettrain.manifests.builders import (
     plan_fingerprint,
     pod_names,
 )
-from hettrain.manifests.ownership import owned_by
+from hettrain.manifests.ownership import controller_job, owned_by
 from hettrain.manifests.profiling import (
     build_profiling_configmap,
     build_profiling_pods,
@@ -87,6 +87,9 @@ class Decision:
     calibration: list[cal.StageComparison] = field(default_factory=list)
     profiles_to_store: dict[str, str] = field(default_factory=dict)
     calibration_replan: bool = False
+    # pods of an earlier job of the same name (deleted, then recreated) the garbage collector
+    # has not removed yet: (pod name, that job's uid), deleted with a uid check
+    leftovers: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -479,6 +482,11 @@ def reconcile(body: Mapping[str, Any], obs: Observed,
     job = JobRef.from_body(body)
     b = _Builder(body, obs.now)
     d = Decision()
+    # a deleted job's pods under this name hold their GPUs until the garbage collector removes
+    # them, which can take minutes (its retries back off, e.g. across an apiserver restart)
+    d.leftovers = [(str(p["metadata"]["name"]), owner[1]) for p in obs.pods
+                   if (owner := controller_job(p)) is not None and owner[0] == job.name
+                   and owner[1] != job.uid and not p["metadata"].get("deletionTimestamp")]
     old = b.old
     phase = old.get("phase")
     attempt = int(old.get("attempt") or 0)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from optest_helpers import hetero_nodes, job_body
 
+from hettrain.api import constants as c
 from hettrain.handlers import job as handlers
 from hettrain.reconcile import Observed, reconcile
 
@@ -106,3 +107,36 @@ def test_a_job_deleted_during_the_pass_gets_no_gang(monkeypatch: pytest.MonkeyPa
         assert fake.calls[-3:] == [f"{n} pods", "get job", f"delete {n} Pod"]
     assert ("ns", "job1") not in handlers._expected
     handlers._plans.pop(("ns", "job1"), None)
+
+
+def _pod(name: str, job: str, uid: str, deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": "ns", "labels": {c.LABEL_JOB: job},
+                            "ownerReferences": [{"apiVersion": c.API_VERSION, "kind": c.KIND,
+                                                 "name": job, "uid": uid,
+                                                 "controller": True}]}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-05T00:00:00Z"
+    return {"kind": "Pod", "metadata": meta, "status": {"phase": "Running"}}
+
+
+def test_a_deleted_jobs_pods_under_the_same_name_are_taken_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """job1 was deleted and recreated (uid u-1 now): the old job's pods (uid u-0) the garbage
+    collector has not removed yet hold their GPUs, so the new job's pass deletes them, each
+    only while the old job still controls it (a uid-checked delete); its own pods and pods
+    already deleting are left alone."""
+    old = [_pod("job1-a3-r0", "job1", "u-0"), _pod("job1-a3-r8", "job1", "u-0"),
+           _pod("job1-a2-r0", "job1", "u-0", deleting=True)]
+    d = reconcile(job_body(), Observed(old, hetero_nodes(), None, now=1.0))
+    assert d.leftovers == [("job1-a3-r0", "u-0"), ("job1-a3-r8", "u-0")]
+    assert d.plan is not None  # the new job still launches: the old pods are not its own
+    deleted: list[tuple[str, str, str | None]] = []
+    fake = FakeKube(False)
+    for fn in ("create", "patch_status", "create_gang", "get_job", "delete_all"):
+        monkeypatch.setattr(handlers.kube, fn, getattr(fake, fn))
+    monkeypatch.setattr(handlers.kube, "delete", lambda _api, _ns, kind, name, owner=None:
+                        deleted.append((kind, name, owner)) or True)
+    handlers._apply("ns", "job1", d, None, "u-1")
+    assert sorted(deleted) == [("Pod", "job1-a3-r0", "u-0"), ("Pod", "job1-a3-r8", "u-0")]
+    handlers._plans.pop(("ns", "job1"), None)
+    handlers._expected.pop(("ns", "job1"), None)

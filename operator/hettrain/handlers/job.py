@@ -349,6 +349,11 @@ def _apply(ns: str, name: str, d: Decision, old_phase: str | None, uid: str) -> 
     """Deletes; Service + plan ConfigMap; status (write-ahead: attempt and plan are recorded
     before any pod exists, so a restart resumes the same attempt); then the pods as a gang,
     only for a job that still exists (:func:`_job_alive`, checked before and after)."""
+    if d.leftovers:  # a deleted job's pods under this name: only if that job still owns them
+        kube.run_all([functools.partial(kube.delete, _api, ns, "Pod", pod, owner)
+                      for pod, owner in d.leftovers])
+        log.info("%s/%s: deleted %d pods of a deleted job of the same name", ns, name,
+                 len(d.leftovers))
     if d.delete:
         kube.delete_all(_api, ns, d.delete, owner_uid=uid)
     pods = [o for o in d.create if o["kind"] == "Pod"]
