@@ -12,6 +12,7 @@ import pytest
 import torch
 from tests.runtime.checkpoints import rewind
 from tests.runtime.training.plans import grouped_plan, tiny_plan
+from tests.runtime.training.runs import sgd_run_and_reference
 
 from hettrain.api.spec import MODEL_PRESETS, ModelSpec
 from hettrain.runtime import checkpoint as ckpt
@@ -118,14 +119,8 @@ TRAINING = {"two-dcs-no-zero": {"optimizer_sharding": False}, "2x-plus-1x": {"gr
 @pytest.mark.parametrize("case", list(CASES))
 def test_groups_match_the_single_process_reference(tmp_path, case):
     plan = grouped_plan(CASES[case], steps=4, model=LLAMA, lr=SGD_LR, **TRAINING.get(case, {}))
-    ck = tmp_path / "ckpt"
-    got = _run(plan, tmp_path, {"HETTRAIN_CHECKPOINT_URI": f"file://{ck}",
-                                "HETTRAIN_CHECKPOINT_INTERVAL": "100",
-                                "HETTRAIN_OPTIMIZER": "sgd"})
-    final: dict[str, torch.Tensor] = {}
-    validation: dict[int, float] = {}
-    ref = reference_losses(plan, plan.training.steps, optimizer="sgd", final=final,
-                           validation=validation)
+    run = sgd_run_and_reference(plan, tmp_path)
+    got, ref, final, validation, ck = run.got, run.ref, run.final, run.validation, run.ckpt
     assert sorted(got) == list(range(plan.training.steps))
     clip = TRAINING.get(case, {}).get("grad_clip")
     assert clip or ref[-1] < ref[0]  # it learns (unclipped)

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from tests.runtime.training.plans import tiny_plan, with_cp
+from tests.runtime.training.runs import sgd_run_and_reference
 
 from hettrain.api.spec import MODEL_PRESETS, ModelSpec
 from hettrain.planning.plan import Plan
 from hettrain.planning.support import uneven_dp_errors, unsupported
 from hettrain.runtime import checkpoint as ckpt
 from hettrain.runtime.dataset import open_data
-from hettrain.runtime.launch import launch_local, wait_all
 from hettrain.runtime.model import whole_model
-from hettrain.runtime.trainer import reference_losses, replica_block, validation_batches
+from hettrain.runtime.trainer import replica_block, validation_batches
 
 RTOL = 1e-5  # fp32 on CPU: only summation orders differ (as the other parallel runtime tests)
 LLAMA = ModelSpec(name="llama-tiny", **{**MODEL_PRESETS["llama-tiny"], "seq_len": 32})
@@ -81,16 +80,6 @@ def test_plan_json_round_trip_and_runtime_rules():
         assert any(message in e and "plan.short_replicas" in e for e in errors), (message, errors)
 
 
-def _run(plan: Plan, workdir: Path, env: dict[str, str]) -> dict[int, float]:
-    env = {"HETTRAIN_LOSS_LOG": str(workdir / "loss.jsonl"), "HETTRAIN_METRICS_PORT": "0",
-           "HETTRAIN_SUMMARY_DIR": str(workdir / "summary"), **env}
-    codes = wait_all(launch_local(plan, workdir, env), 240)
-    logs = "\n".join(p.read_text()[-2000:] for p in sorted(workdir.glob("rank-*.log")))
-    assert codes == [0] * plan.world_size, logs
-    return {d["step"]: d["loss"] for d in map(json.loads,
-                                              (workdir / "loss.jsonl").read_text().splitlines())}
-
-
 CASES = {
     # 3 replicas of a 2-stage pipeline, 8 sequences: 3 + 3 + 2 microbatches, ZeRO-1
     "pp2-zb-h1": (dict(splits=[(0, 2, "a"), (2, 4, "b")], dp=3, num_microbatches=3,
@@ -110,14 +99,8 @@ def test_uneven_replicas_match_the_single_process_reference(tmp_path, case):
     plan = uneven(with_cp(tiny_plan(steps=4, micro_batch=1, model=LLAMA, lr=0.1, **kw), cp),
                   short)
     assert unsupported(plan) == []
-    ck = tmp_path / "ckpt"
-    got = _run(plan, tmp_path, {"HETTRAIN_CHECKPOINT_URI": f"file://{ck}",
-                                "HETTRAIN_CHECKPOINT_INTERVAL": "100",
-                                "HETTRAIN_OPTIMIZER": "sgd"})
-    final: dict[str, torch.Tensor] = {}
-    validation: dict[int, float] = {}
-    ref = reference_losses(plan, plan.training.steps, optimizer="sgd", final=final,
-                           validation=validation)
+    run = sgd_run_and_reference(plan, tmp_path)
+    got, ref, final, validation, ck = run.got, run.ref, run.final, run.validation, run.ckpt
     assert sorted(got) == list(range(plan.training.steps))
     for step, want in enumerate(ref):
         assert got[step] == pytest.approx(want, rel=RTOL), (step, got, ref)
