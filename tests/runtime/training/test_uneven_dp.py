@@ -2,8 +2,9 @@
 
 The last ``short_replicas`` replicas run one microbatch fewer; each rank weights its
 microbatches by ``dp / N`` so the DP average is the global batch's mean. Real gloo processes
-must reproduce the single-process reference (losses, validation losses, the updated weights),
-and the plan's rows must cover the global batch exactly once.
+must reproduce the single-process reference (losses, validation losses, the updated weights,
+and after resuming an even layout's checkpoint), and the plan's rows must cover the global
+batch exactly once.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tests.runtime.checkpoints import rewind
 from tests.runtime.training.plans import tiny_plan, with_cp
-from tests.runtime.training.runs import sgd_run_and_reference
+from tests.runtime.training.runs import run_losses, sgd_run_and_reference
 
 from hettrain.api.spec import MODEL_PRESETS, ModelSpec
 from hettrain.planning.plan import Plan
@@ -22,7 +24,7 @@ from hettrain.planning.support import uneven_dp_errors, unsupported
 from hettrain.runtime import checkpoint as ckpt
 from hettrain.runtime.dataset import open_data
 from hettrain.runtime.model import whole_model
-from hettrain.runtime.trainer import replica_block, validation_batches
+from hettrain.runtime.trainer import reference_losses, replica_block, validation_batches
 
 RTOL = 1e-5  # fp32 on CPU: only summation orders differ (as the other parallel runtime tests)
 LLAMA = ModelSpec(name="llama-tiny", **{**MODEL_PRESETS["llama-tiny"], "seq_len": 32})
@@ -119,3 +121,28 @@ def test_uneven_replicas_match_the_single_process_reference(tmp_path, case):
               model=ckpt.model_meta(LLAMA))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), final[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_onto_uneven_replicas(tmp_path):
+    """What a repair may now plan: 2 even replicas (4 + 4 sequences, ZeRO-1 AdamW) write a
+    checkpoint at step 2; 3 uneven replicas (3 + 3 + 2) resume from it, the optimizer state
+    resharded from halves to thirds, and train on as the single-process reference does."""
+    steps = 4
+    first = tiny_plan([(0, 2, "a"), (2, 4, "b")], dp=2, steps=steps, micro_batch=1,
+                      num_microbatches=4, model=LLAMA)
+    second = uneven(tiny_plan([(0, 3, "a"), (3, 4, "b")], dp=3, steps=steps, micro_batch=1,
+                              num_microbatches=3, model=LLAMA), 1)
+    assert first.global_batch == second.global_batch == 8
+    ck = tmp_path / "ckpt"
+    env = {"HETTRAIN_CHECKPOINT_URI": f"file://{ck}", "HETTRAIN_CHECKPOINT_INTERVAL": "2",
+           "HETTRAIN_METRICS_PORT": "0"}
+    before = run_losses(first, tmp_path / "run1", env, tmp_path / "before.jsonl")
+    rewind(ck, 2)  # as if the even job had died right after checkpoint 2
+    after = run_losses(second, tmp_path / "run2", {**env, "HETTRAIN_RESUME": "1"},
+                       tmp_path / "after.jsonl")
+    ref = reference_losses(second, steps)
+    assert sorted(before) == [0, 1, 2, 3] and sorted(after) == [2, 3]
+    before = {k: v for k, v in before.items() if k < 2}
+    for step, got in {**before, **after}.items():
+        assert got == pytest.approx(ref[step], rel=1e-4), (step, before, after, ref)
