@@ -75,7 +75,7 @@ from hettrain.planning.replica_groups import (
     plan_with_replica_group,
     plan_zb_div,
 )
-from hettrain.planning.support import UNEVEN_DP_SCHEDULES, UNEVEN_DP_SHARDINGS
+from hettrain.planning.support import uneven_dp_limits
 from hettrain.planning.units import Unit, build_units, filter_pools, spans_datacenters
 
 K_FULL_WINDOW = 1
@@ -228,6 +228,12 @@ def _uneven(spec: JobSpec, dp: int) -> bool:
     ``m = ceil(B / (mb·dp))`` or ``m − 1`` of them (``Plan.short_replicas``: the last
     ``dp·m − B/mb``; ``planning/support.uneven_dp_errors``)."""
     return spec.training.global_batch % (dp // _cp(spec)) != 0
+
+
+def _short_replicas(spec: JobSpec, dp: int, mb: int) -> int:
+    """The replicas that run one microbatch fewer (``Plan.short_replicas``; 0 when ``dp``
+    divides the batch): ``dp·m − B/mb`` with ``dp`` the true replicas."""
+    return (dp // _cp(spec)) * _microbatches(spec, dp, mb) - spec.training.global_batch // mb
 
 
 def _mb_options(spec: JobSpec, dp: int) -> list[int]:
@@ -881,9 +887,8 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
         v = 1
     if not _schedule_fits(schedule, v, pp, m, model.layers):
         return
-    if _uneven(spec, dp) and (schedule not in UNEVEN_DP_SCHEDULES
-                              or spec.training.sharding not in UNEVEN_DP_SHARDINGS
-                              or spec.cross_dc.mode == "diloco"):
+    if _uneven(spec, dp) and uneven_dp_limits(_short_replicas(spec, dp, mb), schedule,
+                                              spec.training, spec.cross_dc.mode):
         return
     stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec, search.stage_memo,
                                 v)
@@ -1755,7 +1760,7 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
     ]
     if _uneven(spec, best.dp):
         true_dp, m = best.dp // best.cp, _microbatches(spec, best.dp, best.micro_batch)
-        short = true_dp * m - spec.training.global_batch // best.micro_batch
+        short = _short_replicas(spec, best.dp, best.micro_batch)
         notes.append(f"uneven data parallelism: globalBatch {spec.training.global_batch} over "
                      f"dp={true_dp}, {true_dp - short} replicas run {m} microbatches and "
                      f"{short} run {m - 1} (the step waits for the {m}; gradients weighted "
@@ -2284,6 +2289,6 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         stages=tuple(stages), ranks=ranks, predicted=pred, cross_dc=cross, notes=tuple(notes),
         virtual_stages=c.chunks if chunked_schedule(c.schedule) else 1,
         data=spec.data.to_plan(), helix_hop=c.helix_hop,
-        short_replicas=dp * m - gb // c.micro_batch,
+        short_replicas=_short_replicas(spec, c.dp, c.micro_batch),
     )
 

@@ -8,7 +8,8 @@ spec field that sets it.
 
 from __future__ import annotations
 
-from hettrain.api.spec import LR_SCHEDULES, PRECISIONS, SHARDINGS, splits_backward
+from hettrain.api.spec import LR_SCHEDULES, PRECISIONS, SHARDINGS, TrainingSpec, splits_backward
+from hettrain.planning.cost import sharded_grads
 from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan, StagePlan
 
@@ -51,18 +52,13 @@ def unsupported(plan: Plan) -> list[str]:
 
 
 UNEVEN_DP_SCHEDULES = ("1f1b", "zb-h1")  # whose order suits any microbatch count
-# ZeRO-2/3 reduce (and ZeRO-3 gathers) per unit and microbatch: a short replica would issue
-# fewer collectives than its DP peers and the step would hang
-UNEVEN_DP_SHARDINGS = ("none", "optimizer")
 
 
 def uneven_dp_errors(plan: Plan) -> list[str]:
     """Why the runtime cannot run this plan's uneven data parallelism (``short_replicas``:
     the last replicas run one microbatch fewer; empty: it can, or the plan is even): fewer
-    short replicas than ``dp``, at least one microbatch on each, no replica groups, a
-    schedule of :data:`UNEVEN_DP_SCHEDULES`, a sharding of :data:`UNEVEN_DP_SHARDINGS` (the
-    others sync per microbatch) and no DiLoCo (its DP average is per datacenter, the runtime's
-    weights are the job's)."""
+    short replicas than ``dp``, at least one microbatch on each, no replica groups, and
+    :func:`uneven_dp_limits`."""
     r = plan.short_replicas
     if r == 0:
         return []
@@ -76,17 +72,29 @@ def uneven_dp_errors(plan: Plan) -> list[str]:
     if plan.groups:
         out.append(f"plan.short_replicas={r} with replica groups: each group's replicas run "
                    "the same microbatch count")
-    if plan.schedule not in UNEVEN_DP_SCHEDULES:
-        out.append(f"plan.short_replicas={r} with schedule {plan.schedule}: uneven replicas "
+    return out + uneven_dp_limits(r, plan.schedule, plan.training,
+                                  (plan.cross_dc or {}).get("mode", "sync"))
+
+
+def uneven_dp_limits(short: int, schedule: str, training: TrainingSpec,
+                     cross_dc_mode: str) -> list[str]:
+    """Why ``short`` uneven replicas cannot run with these options (empty: they can; the
+    planner searches uneven degrees only there): a schedule of :data:`UNEVEN_DP_SCHEDULES`,
+    not ZeRO-2/3 (they reduce, and ZeRO-3 gathers, per unit and microbatch: a short replica
+    would issue fewer collectives than its DP peers and the step would hang) and not DiLoCo
+    (its DP average is per datacenter, the runtime's weights are the job's)."""
+    out = []
+    if schedule not in UNEVEN_DP_SCHEDULES:
+        out.append(f"plan.short_replicas={short} with schedule {schedule}: uneven replicas "
                    f"run {' or '.join(UNEVEN_DP_SCHEDULES)}")
-    if plan.training.sharding not in UNEVEN_DP_SHARDINGS:
-        out.append(f"plan.short_replicas={r} with plan.training.sharding="
-                   f"{plan.training.sharding}: ZeRO-2/3 reduce per microbatch, so every "
+    if sharded_grads(training):
+        out.append(f"plan.short_replicas={short} with plan.training.sharding="
+                   f"{training.sharding}: ZeRO-2/3 reduce per microbatch, so every "
                    "replica must run as many; use spec.training.sharding optimizer or none, "
                    "or a global batch dp divides")
-    if (plan.cross_dc or {}).get("mode") == "diloco":
-        out.append(f"plan.short_replicas={r} with plan.cross_dc.mode=diloco: each datacenter "
-                   "averages its own replicas; use a global batch dp divides")
+    if cross_dc_mode == "diloco":
+        out.append(f"plan.short_replicas={short} with plan.cross_dc.mode=diloco: each "
+                   "datacenter averages its own replicas; use a global batch dp divides")
     return out
 
 

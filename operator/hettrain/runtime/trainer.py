@@ -19,7 +19,7 @@ from hettrain.runtime import checkpoint as ckpt
 from hettrain.runtime.collectives import DiLoCo, HetCommunicator, Tier, tier_of
 from hettrain.runtime.config import ENV_OPTIMIZER, OPTIMIZERS, RuntimeConfig
 from hettrain.runtime.context_parallel import ContextParallel, comm_view, enable_
-from hettrain.runtime.dataset import DataSource, open_data, replica_rows, rows_microbatches
+from hettrain.runtime.dataset import DataSource, open_data, rows_microbatches
 from hettrain.runtime.devices import activate, select_device
 from hettrain.runtime.grad_sync import UnitGradSync
 from hettrain.runtime.metrics import RuntimeMetrics
@@ -110,8 +110,6 @@ def replica_block(plan: Plan, x: torch.Tensor, y: torch.Tensor,
     (one fewer on the short replicas of an uneven plan)."""
     if not 0 <= dp_index < plan.dp:
         raise ValueError(f"dp_index={dp_index} out of range for dp={plan.dp}")
-    if not plan.short_replicas:
-        return replica_rows(x, y, plan.dp, dp_index, plan.micro_batch, plan.num_microbatches)
     return rows_microbatches(x, y, plan.replica_row_offset(dp_index), plan.micro_batch,
                              plan.replica_microbatches(dp_index))
 
@@ -163,13 +161,8 @@ def _all_microbatches(plan: Plan, data: DataSource,
     if not plan.groups:
         if step is None:
             return [b for d in range(plan.dp) for b in validation_batches(plan, data, d)]
-        if plan.short_replicas:
-            x, y = data.global_batch(t.seed, step, plan.global_batch)
-            return [b for d in range(plan.dp) for b in replica_block(plan, x, y, d)]
-        return [b for d in range(plan.dp) for b in data.microbatches(
-            t.seed, step, dp=plan.dp, dp_index=d, micro_batch=plan.micro_batch,
-            num_microbatches=plan.num_microbatches, seq_len=plan.model.seq_len,
-            vocab=plan.model.vocab)]
+        x, y = data.global_batch(t.seed, step, plan.global_batch)
+        return [b for d in range(plan.dp) for b in replica_block(plan, x, y, d)]
     globals_ = ([data.global_batch(t.seed, step, plan.global_batch)] if step is not None else
                 [data.validation_batch(k, plan.global_batch)
                  for k in range(t.validation_batches)])
@@ -359,14 +352,9 @@ class Trainer:
         """This rank's microbatches of ``step`` (replica groups: its group's rows of the
         job's global batch, then its replica's block)."""
         plan, t = self.job_plan, self.plan.training
-        if self.replica is None and plan.short_replicas:
+        if self.replica is None:
             x, y = self.data.global_batch(t.seed, step, plan.global_batch)
             return replica_block(plan, x, y, plan.ranks[self.rank].dp)
-        if self.replica is None:
-            return self.data.microbatches(
-                t.seed, step, dp=plan.dp, dp_index=plan.ranks[self.rank].dp,
-                micro_batch=plan.micro_batch, num_microbatches=plan.num_microbatches,
-                seq_len=plan.model.seq_len, vocab=plan.model.vocab)
         x, y = self.data.global_batch(t.seed, step, self.full_plan.global_batch)
         return rows_microbatches(x, y, self._row_offset(), plan.micro_batch,
                                  plan.num_microbatches)
@@ -374,9 +362,8 @@ class Trainer:
     def _row_offset(self) -> int:
         """First global-batch row of this rank's replica (replica groups)."""
         plan = self.job_plan
-        block = plan.ranks[self.rank].dp * plan.micro_batch * plan.num_microbatches
-        return self.full_plan.group_row_offset(self.full_plan.ranks[self.global_rank].group) \
-            + block
+        return (self.full_plan.group_row_offset(self.full_plan.ranks[self.global_rank].group)
+                + plan.replica_row_offset(plan.ranks[self.rank].dp))
 
     def _validation_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's share of the fixed validation set (see :func:`validation_batches`)."""
