@@ -150,3 +150,26 @@ def test_step_time_for_split_reproduces_the_plan(case: str) -> None:
         plan.predicted.step_time_s, rel=1e-12)
     with pytest.raises(ValueError, match="split must have"):
         step_time_for_split(spec, inv, plan, [1] * (plan.pp + 1))
+
+
+def _without_search_count(plan) -> dict:
+    d = plan.to_dict()
+    d["notes"] = [n for n in d["notes"] if not n.startswith("searched ")]
+    return d
+
+
+@pytest.mark.parametrize("seed", [2, 9, 25, 38, 56])
+def test_replan_searching_the_previous_pair_first_changes_only_the_work(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the re-plan visits the previous plan's (dp, mb) first so its layout prunes the rest
+    # early; which layout wins is Candidate.sort_key's, so the plan must be the one the search
+    # in bound order gives (only the "searched N layouts" note may differ)
+    pools, spec, pick = _random_case(seed)
+    inv = load_cluster(_cluster(pools))
+    first = plan_job("j", spec, inv)
+    smaller = inv.without_nodes([first.ranks[pick % first.world_size].node])
+    assert P._previous_pair(first, first.stages[0].cp) == (first.dp, first.micro_batch)
+    ordered = plan_job("j", spec, smaller, previous=first)
+    monkeypatch.setattr(P, "_previous_pair", lambda previous, cp: None)
+    plain = plan_job("j", spec, smaller, previous=first)
+    assert _without_search_count(ordered) == _without_search_count(plain)

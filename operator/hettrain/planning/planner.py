@@ -159,6 +159,9 @@ class _Search:
         self.leaf_bounds: dict[tuple[Choice, ...], LeafBound] = {}  # leaves of one pair
         self.pair_rows: CapsRows | None = None  # the block layer caps of the current pair
         self.between_memo: dict[tuple, tuple[float, float]] = {}  # boundary bounds, one pair
+        # a re-plan's previous (search dp, mb): that pair is searched first, so its layout (as
+        # a rule nearly as fast on the smaller cluster) prunes the others from the start
+        self.first_pair: tuple[int, int] | None = None
 
     def use_cp(self, spec: JobSpec) -> None:
         """Search the context-parallel degree ``spec.parallelism.cp`` next (a concrete spec);
@@ -1069,10 +1072,14 @@ def _search_fast(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory
         for mb in _mb_options(spec, dp):
             m = _microbatches(spec, dp, mb)
             cheap.append((_cheap_root(search, units, tp_opts, dp, mb, m, layer_s), dp, mb, m))
-    cheap.sort()
+    # best root bound first; a re-plan's previous pair before all (the order decides only how
+    # early the incumbent prunes, not which layout wins: Candidate.sort_key does)
+    cheap.sort(key=lambda c: (c[1:3] != search.first_pair, c))
     pairs = []
     for root_lb, dp, mb, m in cheap:
         if root_lb >= search.bound():
+            if (dp, mb) == search.first_pair:
+                continue  # out of order: the rest are sorted by their bound
             break
         pair = _pair(search, units, tp_opts, dp, mb, m, inv, window)
         pairs.append(pair)
@@ -1083,6 +1090,14 @@ def _search_fast(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory
         pairs += [_pair(search, units, tp_opts, dp, mb, m, inv, window)
                   for _, dp, mb, m in cheap if (dp, mb) not in built]
         _record_shortfall(search, units, spec, dp_values, pairs, inv)
+
+
+def _previous_pair(previous: Plan | None, cp: int) -> tuple[int, int] | None:
+    """The search's ``(dp, mb)`` of ``previous`` (its dp times its CP degree, as
+    :func:`_dp_values` counts replicas) when it ran context-parallel degree ``cp``, else None."""
+    if previous is None or previous.stages[0].cp != cp:
+        return None
+    return previous.dp * cp, previous.micro_batch
 
 
 def _cheap_root(search: _Search, units: Sequence[Unit], tp_opts: Sequence[Sequence[int]],
@@ -1879,6 +1894,7 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
         # measured: 2-8x less planning than narrowest first on the plan-quality 32k/128k jobs)
         for cp in reversed(cps):
             search.use_cp(replace(spec, parallelism=replace(spec.parallelism, cp=cp)))
+            search.first_pair = _previous_pair(previous, cp)
             if exhaustive:
                 _search_exhaustive(search, units, inventory, grouping)
             else:
