@@ -1092,6 +1092,19 @@ def _search_fast(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory
         _record_shortfall(search, units, spec, dp_values, pairs, inv)
 
 
+def _grouping_ceiling(ceiling_s: float | None, best_by: dict[str, Candidate], slack: float,
+                      exhaustive: bool) -> float:
+    """The bound a grouping's search starts from: ``ceiling_s`` and, in fast mode, the best
+    layout of the groupings searched before it (times the re-plan slack, so a re-plan's
+    near-best layouts stay; a hair above it, so a layout of equal time is still found and
+    :meth:`Candidate.sort_key` still breaks the tie): the merged grouping then prunes
+    against the split one's best from the start. Which layout wins does not change; the note
+    comparing the groupings then says only that the other had none as fast."""
+    found = [c.step_time_s for c in best_by.values()] if not exhaustive else []
+    return min([math.inf if ceiling_s is None else ceiling_s,
+                *(t * slack * (1 + 1e-9) for t in found)])
+
+
 def _previous_pair(previous: Plan | None, cp: int) -> tuple[int, int] | None:
     """The search's ``(dp, mb)`` of ``previous`` (its dp times its CP degree, as
     :func:`_dp_values` counts replicas) when it ran context-parallel degree ``cp``, else None."""
@@ -1765,7 +1778,7 @@ def _zb_note(best: Candidate, spec: JobSpec) -> str:
 
 
 def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: ClusterInventory,
-           spec: JobSpec) -> list[str]:
+           spec: JobSpec, merged_slower: bool = False) -> list[str]:
     notes = [
         f"searched {search.evaluated} layouts ({'exhaustive' if search.exhaustive else 'fast'})",
         f"chose dp={best.dp // best.cp} pp={best.pp} tp={'/'.join(map(str, best.tps))} "
@@ -1784,7 +1797,10 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
                  if not set(best.units[i].datacenters) & set(best.units[i + 1].datacenters)]
     if crossings:
         notes.append(f"pipeline boundaries after stage(s) {crossings} cross a datacenter link")
-    if alt is not None:
+    if merged_slower:
+        notes.append(f"PP across datacenters beats DP across them: no DP-across layout "
+                     f"within {best.step_time_s:.3f}s per step")
+    elif alt is not None:
         better, worse = ("PP", "DP") if best.grouping == "split" else ("DP", "PP")
         notes.append(
             f"{better} across datacenters beats {worse} across them: "
@@ -1885,9 +1901,10 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     best_by: dict[str, Candidate] = {}
     searches = []
     cps = _cp_options(spec, pools)
+    slack = REPLAN_TOLERANCE if previous is not None else 1.0
     for grouping, units in groupings:
-        search = _Search(spec, exhaustive, REPLAN_TOLERANCE if previous is not None else 1.0,
-                         math.inf if ceiling_s is None else ceiling_s,
+        search = _Search(spec, exhaustive, slack,
+                         _grouping_ceiling(ceiling_s, best_by, slack, exhaustive),
                          [p.device for p in pools])
         # one incumbent over every CP degree, which prunes the next: the widest first (where
         # CP is searched it usually wins, and its plan bounds the narrower degrees tightly;
@@ -1910,6 +1927,8 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     ranked = sorted(best_by.values(), key=Candidate.sort_key)
     best = ranked[0]
     alt = ranked[1] if len(ranked) > 1 else None
+    # the merged grouping (searched under the split one's best) had no layout as fast
+    merged_slower = alt is None and len(groupings) > 1 and best.grouping == "split"
     near = [c for s in searches for c in s.near]
     added: list[str] = []
     trials: dict = {}  # the idle check's trials over ``chosen``, reused by its notes
@@ -1924,25 +1943,29 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
         ranks = _place(chosen, None)
     else:
         chosen, ranks = _fewest_moves(best, near, previous)
-    notes = [*_notes(chosen, searches[0], alt, inventory, spec), *added]
+    notes = [*_notes(chosen, searches[0], alt, inventory, spec, merged_slower), *added]
     searched = len(notes)  # the idle-pool notes go here, before the later decisions' notes
     if previous is not None:
         notes.append(f"re-plan: {moved_ranks(previous, ranks)} of {len(ranks)} ranks change stage")
     concrete = replace(spec, parallelism=replace(spec.parallelism, cp=chosen.cp))
     plan = _to_plan(name, concrete, chosen, ranks, notes, inventory)
     if spec.parallelism.replica_groups:
-        plan = plan_with_replica_group(plan, spec, inventory, previous)
+        plan = plan_with_replica_group(plan, spec, inventory, previous,
+                                       per_pool=not _PER_POOL_DONE.get())
     plan = _with_idle_notes(plan, chosen, concrete, inventory, previous is not None, searched,
                             trials)
     if spec.parallelism.replica_groups and plan.short_replicas:
         # replica groups split an even batch: the best even layout with its groups may still
         # beat the uneven one (searched again without the uneven degrees)
+        token = _PER_POOL_DONE.set(True)
         try:
             with even_data_parallel():
                 even = plan_job(name, spec, inventory, exhaustive=exhaustive,
                                 previous=previous, ceiling_s=ceiling_s)
         except PlanningError:
             return plan
+        finally:
+            _PER_POOL_DONE.reset(token)
         if even.predicted.step_time_s < plan.predicted.step_time_s * (1 - 1e-9):
             return even
     return plan
@@ -2138,6 +2161,12 @@ _PROBING: ContextVar[bool] = ContextVar("hettrain_planner_probing", default=Fals
 # set while planning the even alternative of an uneven plan for replica groups (plan_job):
 # only divisors of the global batch are searched (_dp_values)
 _EVEN_ONLY: ContextVar[bool] = ContextVar("hettrain_planner_even_only", default=False)
+
+
+# set while plan_job plans that even alternative: the per-pool layouts (replica_groups.
+# per_pool_plans, searched even already) were compared with the uneven plan, so the even one
+# only needs its groups on idle nodes
+_PER_POOL_DONE: ContextVar[bool] = ContextVar("hettrain_planner_per_pool_done", default=False)
 
 
 @contextlib.contextmanager

@@ -845,14 +845,17 @@ def _idle_reason(plan: Plan, inv: ClusterInventory, grouped: Plan,
 
 
 def plan_with_replica_group(plan: Plan, spec: JobSpec, inventory: ClusterInventory,
-                            previous: Plan | None = None) -> Plan:
+                            previous: Plan | None = None, per_pool: bool = True) -> Plan:
     """``spec.parallelism.replicaGroups``: the faster of ``plan`` with extra groups on its
     idle nodes (:func:`groups_on_idle`) and the :func:`per_pool_plans` layouts (group 0
     searched on one pool alone, the other pools' nodes as extra groups): every pool for a
     first plan; for a re-plan after failures (``previous``), only the pool that held all of
     ``previous``'s group 0, if one did (its per-pool layout stays one, not a search over every
-    pool)."""
+    pool). ``per_pool=False``: only the groups on idle nodes (the caller compared the per-pool
+    layouts already)."""
     grouped = groups_on_idle(plan, spec, inventory)
+    if not per_pool:
+        return grouped
     only = None
     if previous is not None:
         home = {p for s in (previous.groups[0].stages if previous.groups else ()) for p in s.pools}
@@ -872,10 +875,11 @@ def plan_with_replica_group(plan: Plan, spec: JobSpec, inventory: ClusterInvento
 def per_pool_plans(plan: Plan, spec: JobSpec, inventory: ClusterInventory,
                    only: str | None = None) -> list[Plan]:
     """For each pool ``spec.placement`` allows (``only``: that pool alone; not a pool ``plan``
-    uses alone): the search's plan on that pool alone (``planner.plan_job``, the spec's pins
-    and caps) as group 0, with :func:`groups_on_idle` on every other pool's nodes -- one
-    replica group per pool, shares by speed; only those that got a group. The search over all
-    pools places pools as pipeline stages of one layout; this places them side by side."""
+    uses alone, unless ``plan`` is uneven: groups need an even layout): the search's plan on
+    that pool alone (``planner.plan_job``, the spec's pins and caps) as group 0, with
+    :func:`groups_on_idle` on every other pool's nodes -- one replica group per pool, shares by
+    speed; only those that got a group. The search over all pools places pools as pipeline
+    stages of one layout; this places them side by side."""
     from hettrain.planning.errors import PlanningError
     from hettrain.planning.planner import (  # the planner imports this module
         even_data_parallel,
@@ -886,7 +890,9 @@ def per_pool_plans(plan: Plan, spec: JobSpec, inventory: ClusterInventory,
     solo = replace(spec, parallelism=replace(spec.parallelism, replica_groups=False))
     out = []
     for pool in allowed if len(allowed) > 1 else ():
-        if plan.pools == (pool.name,) or only not in (None, pool.name):
+        # (a pool an uneven plan uses alone gets its even layout with groups here)
+        if (plan.pools == (pool.name,) and not plan.short_replicas) or only not in (
+                None, pool.name):
             continue
         sub = replace(solo, placement=replace(spec.placement, pools=(pool.name,)))
         try:
