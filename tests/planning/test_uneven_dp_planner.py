@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import itertools
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from hettrain.api.spec import parse_job_spec
+from hettrain.planning import replica_groups
 from hettrain.planning.arith import divisors_up_to, uneven_dp_values
 from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import load_cluster
@@ -145,3 +147,25 @@ def test_replica_groups_take_the_faster_of_the_uneven_plan_and_the_grouped_even_
     if got.short_replicas:
         assert got.groups == () and any("uneven data parallelism" in n and "stay idle" in n
                                         for n in got.notes)
+
+
+def test_grouped_plan_is_the_fastest_of_every_layout_it_compares():
+    """bench/plan_quality's cluster 0, llama3-8b: the plain best runs uneven replicas on one
+    pool alone. With replicaGroups the planner compares the per-pool layouts once (the pool
+    the uneven plan uses alone included) and the even plan with its groups on idle nodes;
+    the result is the fastest of those, each planned here on its own."""
+    inv = load_cluster(pq.clusters(40)[0])
+    spec = pq.job("llama3-8b", replica_groups=True)
+    uneven = plan_job("q", pq.job("llama3-8b"), inv)
+    assert uneven.short_replicas > 0 and len(uneven.pools) == 1
+    with even_data_parallel():
+        even = plan_job("q", pq.job("llama3-8b"), inv)
+        per_pool = [
+            replica_groups.groups_on_idle(plan_job("q", replace(
+                pq.job("llama3-8b"), placement=replace(spec.placement, pools=(p.name,))), inv),
+                spec, inv) for p in inv.pools]
+    layouts = [uneven, replica_groups.groups_on_idle(even, spec, inv),
+               *(p for p in per_pool if p.groups)]
+    got = plan_job("q", spec, inv)
+    assert got.predicted.step_time_s == pytest.approx(
+        min(p.predicted.step_time_s for p in layouts), rel=1e-9)
