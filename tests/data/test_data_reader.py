@@ -22,6 +22,7 @@ from hettrain.runtime.dataset import (
     epoch_key,
     open_data,
     permute,
+    rows_microbatches,
 )
 
 SEQ = 32
@@ -74,10 +75,9 @@ LAYOUTS = [(1, 16, 1), (1, 1, 16), (2, 2, 4), (4, 1, 4), (8, 2, 1), (16, 1, 1)] 
 def test_the_global_batch_of_a_step_is_the_same_for_every_layout(opticks_set, step):
     ds = TokenDataset(opticks_set, seq_len=SEQ, model_vocab=VOCAB, verify="size")
     batches = []
-    for dp, mb, m in LAYOUTS:
-        rows = [b for d in range(dp) for b in ds.microbatches(
-            11, step, dp=dp, dp_index=d, micro_batch=mb, num_microbatches=m, seq_len=SEQ,
-            vocab=VOCAB)]
+    for dp, mb, m in LAYOUTS:  # each replica's rows, cut as the trainer cuts them
+        x, y = ds.global_batch(11, step, dp * mb * m)
+        rows = [b for d in range(dp) for b in rows_microbatches(x, y, d * mb * m, mb, m)]
         assert all(x.shape == (mb, SEQ) for x, _ in rows) and len(rows) == dp * m
         batches.append((torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])))
     for x, y in batches[1:]:
@@ -138,10 +138,9 @@ def test_an_object_store_uri_is_downloaded_verified_and_reads_the_same(opticks_s
                        cache_dir=cache)
     local = open_data({"uri": str(opticks_set)}, seed=4, seq_len=SEQ, vocab=VOCAB)
     for step in (0, 9):
-        a = remote.microbatches(4, step, dp=2, dp_index=1, micro_batch=2, num_microbatches=2,
-                                seq_len=SEQ, vocab=VOCAB)
-        b = local.microbatches(4, step, dp=2, dp_index=1, micro_batch=2, num_microbatches=2,
-                               seq_len=SEQ, vocab=VOCAB)
+        # replica 1 of 2, two microbatches of 2 sequences
+        a = rows_microbatches(*remote.global_batch(4, step, 8), 4, 2, 2)
+        b = rows_microbatches(*local.global_batch(4, step, 8), 4, 2, 2)
         assert len(a) == len(b) == 2
         assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1])
                    for p, q in zip(a, b, strict=True))

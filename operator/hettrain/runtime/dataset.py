@@ -132,12 +132,8 @@ class TokenStream:
 
 
 class DataSource(Protocol):
-    """What the trainer reads: its replica's microbatches of a step, validation batches."""
-
-    def microbatches(self, seed: int, step: int, *, dp: int, dp_index: int, micro_batch: int,
-                     num_microbatches: int, seq_len: int, vocab: int) -> list[Batch]:
-        """Replica ``dp_index``'s microbatches of optimizer step ``step``."""
-        ...
+    """What the trainer reads: a step's global batch (each replica cuts its rows from it,
+    :func:`rows_microbatches`) and validation batches."""
 
     def validation_batch(self, index: int, batch: int) -> Batch:
         """Validation batch ``index`` of ``batch`` sequences."""
@@ -146,17 +142,6 @@ class DataSource(Protocol):
     def global_batch(self, seed: int, step: int, batch: int) -> Batch:
         """The whole global batch (``batch`` rows) of optimizer step ``step``."""
         ...
-
-
-def replica_rows(x: torch.Tensor, y: torch.Tensor, dp: int, dp_index: int, micro_batch: int,
-                 num_microbatches: int) -> list[Batch]:
-    """Replica ``dp_index``'s rows of a global batch, cut into its microbatches."""
-    if not 0 <= dp_index < dp:
-        raise ValueError(f"dp_index={dp_index} out of range for dp={dp}")
-    per = micro_batch * num_microbatches
-    x, y = x[dp_index * per:(dp_index + 1) * per], y[dp_index * per:(dp_index + 1) * per]
-    return [(x[m * micro_batch:(m + 1) * micro_batch], y[m * micro_batch:(m + 1) * micro_batch])
-            for m in range(num_microbatches)]
 
 
 def rows_microbatches(x: torch.Tensor, y: torch.Tensor, offset: int, micro_batch: int,
@@ -177,10 +162,6 @@ class SyntheticData:
     seed: int
     seq_len: int
     vocab: int
-
-    def microbatches(self, seed: int, step: int, **kw: Any) -> list[Batch]:
-        """As :func:`hettrain.runtime.data.microbatches`."""
-        return synthetic.microbatches(seed, step, **kw)
 
     def global_batch(self, seed: int, step: int, batch: int) -> Batch:
         """As :func:`hettrain.runtime.data.global_batch`."""
@@ -239,14 +220,6 @@ class TokenDataset:
         rows = np.stack([self.sample(int(j)) for j in self.sample_ids(seed, step, batch)])
         t = torch.from_numpy(rows)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
-
-    def microbatches(self, seed: int, step: int, *, dp: int, dp_index: int, micro_batch: int,
-                     num_microbatches: int, seq_len: int, vocab: int = 0) -> list[Batch]:
-        """Replica ``dp_index``'s slice of the global batch (same rows as the synthetic path)."""
-        if seq_len != self.seq_len:
-            raise ValueError(f"seq_len {seq_len} != the dataset's {self.seq_len}")
-        x, y = self.global_batch(seed, step, dp * micro_batch * num_microbatches)
-        return replica_rows(x, y, dp, dp_index, micro_batch, num_microbatches)
 
     def validation_batch(self, index: int, batch: int) -> Batch:
         """Validation rows ``index·batch ..`` in order, wrapping around the split."""
