@@ -10,7 +10,13 @@ import pytest
 
 from hettrain.api.spec import parse_job_spec
 from hettrain.planning import cost
-from hettrain.planning.interleaved_zb import interleaved_zb_orders, makespan
+from hettrain.planning.interleaved_zb import (
+    bubble_divisor,
+    interleaved_zb_orders,
+    makespan,
+    stage_moments,
+    stage_peaks,
+)
 from hettrain.planning.inventory import load_cluster
 from hettrain.planning.planner import plan_job, split_costs
 from hettrain.runtime.schedules import simulate, stage_actions
@@ -119,3 +125,38 @@ def test_interleaved_pipelines_pay_the_hop_from_the_last_stage_back_to_the_first
     unpriced, _ = cost.pipeline_time_s(stage_s, hops[:1], m, schedule, 2, zb)
     assert unpriced < pipe
     assert units[0].device.name == units[1].device.name
+
+
+def _moments_of(actions, v):
+    """Brute force: every (in flight, pending W) state a stage's actions pass through (after
+    each action, and during each B), reduced to the undominated ones, in stage units."""
+    live = pend = 0
+    states = set()
+    for kind, _, _ in actions:
+        if kind == "B":
+            states.add((live, pend + 1))
+        live += (kind == "F") - (kind == "B")
+        pend += (kind == "B") - (kind == "W")
+        states.add((live, pend))
+    front = [(a, b) for a, b in states
+             if not any(x >= a and y >= b and (x, y) != (a, b) for x, y in states)]
+    return tuple(sorted((a / v, b / v) for a, b in front))
+
+
+@pytest.mark.parametrize("pp,v", [(1, 2), (2, 2), (3, 3), (4, 2), (5, 4), (7, 3), (11, 2)])
+def test_the_planners_one_pass_summary_is_what_the_orders_do(pp, v):
+    """The planner prices interleaved-zb from one pass of the list scheduler that keeps no
+    actions (its length and each stage's memory states); on every microbatch count up to
+    3·pp + 2 they are the built orders' own: the unit-cost makespan, and the states found by
+    walking each stage's actions."""
+    for m in range(1, 3 * pp + 3):
+        orders = interleaved_zb_orders(pp, m, v)
+        moments = stage_moments(pp, m, v)
+        for s, actions in enumerate(orders):
+            assert moments[s] == _moments_of(actions, v)
+            assert stage_peaks(pp, m, v)[s] == (max(a for a, _ in moments[s]),
+                                                max(b for _, b in moments[s]))
+        unit = [{k: 1.0 / v for k in "FBW"}] * pp
+        bubble = makespan(orders, v, unit) - 3 * m
+        assert bubble_divisor(pp, m, v) == (pytest.approx(3 * (pp - 1) / bubble)
+                                            if bubble > 1e-9 else float("inf"))

@@ -75,15 +75,36 @@ def bubble_divisor(pp: int, m: int, v: int) -> float:
     return math.inf if bubble <= 1e-12 else 3 * (pp - 1) / bubble
 
 
-@lru_cache(maxsize=4096)
 def _ticks(pp: int, m: int, v: int) -> int:
-    """The order's length in ticks (its unit-cost makespan), kept apart from the orders."""
-    return _orders_and_ticks(pp, m, v)[1]
+    """The order's length in ticks (its unit-cost makespan)."""
+    return _summary(pp, m, v)[0]
+
+
+@lru_cache(maxsize=4096)
+def _summary(pp: int, m: int, v: int) -> tuple[int, tuple[tuple[tuple[int, int], ...], ...]]:
+    """The order's length in ticks and, per stage, the ``(in_flight, pending_w)`` chunk counts
+    it passes through, from one pass of the list scheduler that keeps no actions (what the
+    planner asks for at every ``(pp, m, v)`` it prices; the orders themselves are built only
+    for the runtime and the renderer)."""
+    _, ticks, states = _schedule(pp, m, v, keep_orders=False)
+    return ticks, states
 
 
 @lru_cache(maxsize=8)  # the orders themselves are large (3·m·pp·v actions): few are kept
 def _orders_and_ticks(pp: int, m: int, v: int
                       ) -> tuple[tuple[tuple[ChunkAction, ...], ...], int]:
+    orders, ticks, _ = _schedule(pp, m, v, keep_orders=True)
+    return orders, ticks
+
+
+def _schedule(pp: int, m: int, v: int, keep_orders: bool
+              ) -> tuple[tuple[tuple[ChunkAction, ...], ...], int,
+                         tuple[tuple[tuple[int, int], ...], ...]]:
+    """Run the list scheduler (module doc): every stage's actions (empty unless
+    ``keep_orders``), the length in ticks, and per stage the sorted distinct ``(live,
+    pending)`` chunk counts after each action and during each B (its chunk's activations still
+    held, its stash already made). Within a tick the stages decide independently: an action's
+    result is ready one tick later."""
     _check(pp, m, v)
     last_k = pp * v - 1
     never = 1 << 62
@@ -96,52 +117,56 @@ def _orders_and_ticks(pp: int, m: int, v: int
     caps = [activation_cap(s, pp, v, m) for s in range(pp)]
     w_cap = pending_w_cap(pp, v)
     out: list[list[ChunkAction]] = [[] for _ in range(pp)]
+    seen: list[set[tuple[int, int]]] = [set() for _ in range(pp)]
+    # per stage, its chunks latest first with their virtual stage k = c·pp + s
+    chunks = [[(c, c * pp + s) for c in range(v - 1, -1, -1)] for s in range(pp)]
     remaining = 3 * m * pp * v
-    chunks_down = range(v - 1, -1, -1)
     tick = 0
     while remaining:
         acted = False
         for s in range(pp):
-            pend = pending[s]
+            pend, states = pending[s], seen[s]
+            action: ChunkAction | None = None
             if len(pend) >= w_cap:
-                out[s].append(("W", *pend.popleft()))
-                remaining -= 1
-                acted = True
-                continue
-            nb, done = next_b[s], False
-            for c in chunks_down:
-                i, k = nb[c], c * pp + s
-                if i < m and f_end[k][i] <= tick and (k == last_k or b_end[k + 1][i] <= tick):
-                    nb[c] += 1
-                    live[s] -= 1
-                    pend.append((i, c))
-                    b_end[k][i] = tick + 1
-                    out[s].append(("B", i, c))
-                    done = True
-                    break
-            if not done:
-                nf = next_f[s]
-                for c in chunks_down:
-                    i, k = nf[c], c * pp + s
-                    if (i < m and live[s] + v - c <= caps[s]
-                            and (k == 0 or f_end[k - 1][i] <= tick)):
-                        nf[c] += 1
-                        live[s] += 1
-                        f_end[k][i] = tick + 1
-                        out[s].append(("F", i, c))
-                        done = True
+                action = ("W", *pend.popleft())
+            else:
+                nb = next_b[s]
+                for c, k in chunks[s]:
+                    i = nb[c]
+                    if i < m and f_end[k][i] <= tick and (k == last_k
+                                                          or b_end[k + 1][i] <= tick):
+                        nb[c] = i + 1
+                        pend.append((i, c))
+                        b_end[k][i] = tick + 1
+                        states.add((live[s], len(pend)))  # during B: both held
+                        live[s] -= 1
+                        action = ("B", i, c)
                         break
-            if not done and pend:
-                out[s].append(("W", *pend.popleft()))
-                done = True
-            if done:
+                if action is None:
+                    nf = next_f[s]
+                    room = caps[s] - live[s] - v  # chunk c may start while room + c >= 0
+                    for c, k in chunks[s]:
+                        i = nf[c]
+                        if i < m and room + c >= 0 and (k == 0 or f_end[k - 1][i] <= tick):
+                            nf[c] = i + 1
+                            live[s] += 1
+                            f_end[k][i] = tick + 1
+                            action = ("F", i, c)
+                            break
+                if action is None and pend:
+                    action = ("W", *pend.popleft())
+            if action is not None:
+                states.add((live[s], len(pend)))
+                if keep_orders:
+                    out[s].append(action)
                 remaining -= 1
                 acted = True
         if not acted:  # every action ends one tick later: nothing left can ever start
             raise RuntimeError(f"interleaved-zb order deadlocks for pp={pp}, m={m}, v={v} "
                                f"at tick {tick}")
         tick += 1
-    return tuple(tuple(a) for a in out), tick
+    return (tuple(tuple(a) for a in out), tick,
+            tuple(tuple(sorted(states)) for states in seen))
 
 
 def interleaved_zb_actions(stage: int, pp: int, m: int, v: int) -> list[ChunkAction]:
@@ -154,20 +179,19 @@ def interleaved_zb_actions(stage: int, pp: int, m: int, v: int) -> list[ChunkAct
 @lru_cache(maxsize=4096)
 def stage_moments(pp: int, m: int, v: int) -> tuple[tuple[tuple[float, float], ...], ...]:
     """Per stage, the ``(in_flight, pending_w)`` states (whole-stage units) its order passes
-    through that no other state dominates in both: after each F, and during each B (its
+    through that no other state dominates in both: after each action, and during each B (its
     chunk's activations still held, its stash already made). The stage's memory peaks at one
     of them whatever a layer's activation and stash bytes are (``cost.stage_memory``'s
     ``moments``)."""
+    return _fronts(_summary(pp, m, v)[1], v)
+
+
+def _fronts(per_stage: tuple[tuple[tuple[int, int], ...], ...], v: int
+            ) -> tuple[tuple[tuple[float, float], ...], ...]:
+    """Each stage's ``(live, pending)`` chunk counts reduced to those no other dominates in
+    both, in whole-stage units (``/v``), sorted."""
     out = []
-    for actions in interleaved_zb_orders(pp, m, v):
-        live = pend = 0
-        states = set()
-        for kind, _, _ in actions:
-            if kind == "B":
-                states.add((live, pend + 1))
-            live += (kind == "F") - (kind == "B")
-            pend += (kind == "B") - (kind == "W")
-            states.add((live, pend))
+    for states in per_stage:
         front, best_pend = [], -1  # by in-flight descending: keep what raises pending
         for a, b in sorted(states, reverse=True):
             if b > best_pend:
