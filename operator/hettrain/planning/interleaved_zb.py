@@ -83,11 +83,12 @@ def _ticks(pp: int, m: int, v: int) -> int:
 @lru_cache(maxsize=4096)
 def _summary(pp: int, m: int, v: int) -> tuple[int, tuple[tuple[tuple[int, int], ...], ...]]:
     """The order's length in ticks and, per stage, the ``(in_flight, pending_w)`` chunk counts
-    it passes through, from one pass of the list scheduler that keeps no actions (what the
-    planner asks for at every ``(pp, m, v)`` it prices; the orders themselves are built only
-    for the runtime and the renderer)."""
+    it passes through that no other dominates in both, from one pass of the list scheduler
+    that keeps no actions (what the planner asks for at every ``(pp, m, v)`` it prices; the
+    orders themselves are built only for the runtime and the renderer). Only the fronts are
+    kept: a few states per stage, where a stage passes through up to thousands."""
     _, ticks, states = _schedule(pp, m, v, keep_orders=False)
-    return ticks, states
+    return ticks, tuple(_front(s) for s in states)
 
 
 @lru_cache(maxsize=8)  # the orders themselves are large (3·m·pp·v actions): few are kept
@@ -101,8 +102,8 @@ def _schedule(pp: int, m: int, v: int, keep_orders: bool
               ) -> tuple[tuple[tuple[ChunkAction, ...], ...], int,
                          tuple[tuple[tuple[int, int], ...], ...]]:
     """Run the list scheduler (module doc): every stage's actions (empty unless
-    ``keep_orders``), the length in ticks, and per stage the sorted distinct ``(live,
-    pending)`` chunk counts after each action and during each B (its chunk's activations still
+    ``keep_orders``), the length in ticks, and per stage the distinct ``(live, pending)``
+    chunk counts after each action and during each B (its chunk's activations still
     held, its stash already made). Within a tick the stages decide independently: an action's
     result is ready one tick later."""
     _check(pp, m, v)
@@ -165,8 +166,7 @@ def _schedule(pp: int, m: int, v: int, keep_orders: bool
             raise RuntimeError(f"interleaved-zb order deadlocks for pp={pp}, m={m}, v={v} "
                                f"at tick {tick}")
         tick += 1
-    return (tuple(tuple(a) for a in out), tick,
-            tuple(tuple(sorted(states)) for states in seen))
+    return tuple(tuple(a) for a in out), tick, tuple(tuple(states) for states in seen)
 
 
 def interleaved_zb_actions(stage: int, pp: int, m: int, v: int) -> list[ChunkAction]:
@@ -183,22 +183,17 @@ def stage_moments(pp: int, m: int, v: int) -> tuple[tuple[tuple[float, float], .
     chunk's activations still held, its stash already made). The stage's memory peaks at one
     of them whatever a layer's activation and stash bytes are (``cost.stage_memory``'s
     ``moments``)."""
-    return _fronts(_summary(pp, m, v)[1], v)
+    return tuple(tuple((a / v, b / v) for a, b in front) for front in _summary(pp, m, v)[1])
 
 
-def _fronts(per_stage: tuple[tuple[tuple[int, int], ...], ...], v: int
-            ) -> tuple[tuple[tuple[float, float], ...], ...]:
-    """Each stage's ``(live, pending)`` chunk counts reduced to those no other dominates in
-    both, in whole-stage units (``/v``), sorted."""
-    out = []
-    for states in per_stage:
-        front, best_pend = [], -1  # by in-flight descending: keep what raises pending
-        for a, b in sorted(states, reverse=True):
-            if b > best_pend:
-                front.append((a / v, b / v))
-                best_pend = b
-        out.append(tuple(sorted(front)))
-    return tuple(out)
+def _front(states: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The ``(live, pending)`` states no other dominates in both, sorted."""
+    front, best_pend = [], -1  # by in-flight descending: keep what raises pending
+    for a, b in sorted(states, reverse=True):
+        if b > best_pend:
+            front.append((a, b))
+            best_pend = b
+    return tuple(sorted(front))
 
 
 @lru_cache(maxsize=4096)
