@@ -138,6 +138,17 @@ class _Worker:
         self.conn.close()
 
 
+def _slow_search_hint(spec: JobSpec) -> str:
+    """What to pin when the spec asks for the slowest search there is: ``schedule:
+    interleaved-zb`` with ``pp`` free replays its order at every depth it checks
+    (docs/planning.md §Search)."""
+    par = spec.parallelism
+    if par.schedule == "interleaved-zb" and par.pp is None:
+        return ("; schedule interleaved-zb searches every pipeline depth: set "
+                "spec.parallelism.pp too")
+    return ""
+
+
 class PlanWorkers:
     """A few planning worker processes; :meth:`plan` has the :data:`Planner` shape plus a key.
 
@@ -195,7 +206,7 @@ class PlanWorkers:
                 raise PlanBudgetError(
                     f"planning took longer than {self.budget.timeout_s:g}s and was stopped; "
                     "make the job smaller or pin spec.parallelism (operator limit "
-                    "HETTRAIN_PLAN_TIMEOUT_SECONDS)")
+                    "HETTRAIN_PLAN_TIMEOUT_SECONDS)" + _slow_search_hint(spec))
             try:
                 answer = worker.conn.recv()
             except (EOFError, OSError):

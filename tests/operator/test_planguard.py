@@ -72,6 +72,24 @@ def test_deadline_kills_the_worker_and_fails_with_plan_failed(inv) -> None:
         workers.close()
 
 
+@pytest.mark.parametrize("pinned", [{}, {"pp": 2}])
+def test_a_pinned_interleaved_zb_over_the_deadline_says_to_pin_pp(inv, pinned) -> None:
+    """schedule interleaved-zb with pp free is the slowest search (docs/planning.md): the
+    deadline's message says to pin pp, and says nothing of it once pp is pinned."""
+    spec = parse_job_spec({"model": {"preset": "gpt3-1.3b"},
+                           "training": {"globalBatch": 64, "steps": 10},
+                           "parallelism": {"schedule": "interleaved-zb", **pinned}})
+    workers = PlanWorkers(Budget(timeout_s=1.0, workers=1), plan_fn=slow_plan)
+    try:
+        with pytest.raises(PlanBudgetError) as err:
+            workers.plan(("ns", "izb"), "izb", spec, inv, None)
+    finally:
+        workers.close()
+    assert "HETTRAIN_PLAN_TIMEOUT_SECONDS" in err.value.message
+    hint = "set spec.parallelism.pp too"
+    assert (hint in err.value.message) == (not pinned)
+
+
 def test_memory_cap_fails_with_plan_failed_naming_the_budget(inv) -> None:
     workers = PlanWorkers(Budget(timeout_s=60, memory_mb=512, workers=1), plan_fn=greedy_plan)
     try:
