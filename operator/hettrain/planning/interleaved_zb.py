@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from functools import lru_cache
 
 from hettrain.planning.replay import replay
@@ -87,8 +88,8 @@ def _summary(pp: int, m: int, v: int) -> tuple[int, tuple[tuple[tuple[int, int],
     that keeps no actions (what the planner asks for at every ``(pp, m, v)`` it prices; the
     orders themselves are built only for the runtime and the renderer). Only the fronts are
     kept: a few states per stage, where a stage passes through up to thousands."""
-    _, ticks, states = _schedule(pp, m, v, keep_orders=False)
-    return ticks, tuple(_front(s) for s in states)
+    _, ticks, fronts = _schedule(pp, m, v, keep_orders=False)
+    return ticks, fronts
 
 
 @lru_cache(maxsize=8)  # the orders themselves are large (3·m·pp·v actions): few are kept
@@ -102,10 +103,10 @@ def _schedule(pp: int, m: int, v: int, keep_orders: bool
               ) -> tuple[tuple[tuple[ChunkAction, ...], ...], int,
                          tuple[tuple[tuple[int, int], ...], ...]]:
     """Run the list scheduler (module doc): every stage's actions (empty unless
-    ``keep_orders``), the length in ticks, and per stage the distinct ``(live, pending)``
-    chunk counts after each action and during each B (its chunk's activations still
-    held, its stash already made). Within a tick the stages decide independently: an action's
-    result is ready one tick later."""
+    ``keep_orders``), the length in ticks, and per stage the undominated ``(live, pending)``
+    chunk counts (:func:`_front`) among those after each action and during each B (its
+    chunk's activations still held, its stash already made). Within a tick the stages decide
+    independently: an action's result is ready one tick later."""
     _check(pp, m, v)
     last_k = pp * v - 1
     never = 1 << 62
@@ -166,7 +167,7 @@ def _schedule(pp: int, m: int, v: int, keep_orders: bool
             raise RuntimeError(f"interleaved-zb order deadlocks for pp={pp}, m={m}, v={v} "
                                f"at tick {tick}")
         tick += 1
-    return tuple(tuple(a) for a in out), tick, tuple(tuple(states) for states in seen)
+    return tuple(tuple(a) for a in out), tick, tuple(_front(states) for states in seen)
 
 
 def interleaved_zb_actions(stage: int, pp: int, m: int, v: int) -> list[ChunkAction]:
@@ -186,7 +187,7 @@ def stage_moments(pp: int, m: int, v: int) -> tuple[tuple[tuple[float, float], .
     return tuple(tuple((a / v, b / v) for a, b in front) for front in _summary(pp, m, v)[1])
 
 
-def _front(states: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+def _front(states: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     """The ``(live, pending)`` states no other dominates in both, sorted."""
     front, best_pend = [], -1  # by in-flight descending: keep what raises pending
     for a, b in sorted(states, reverse=True):
