@@ -35,6 +35,7 @@ from hettrain.api.spec import JobSpec
 from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import ClusterInventory
 from hettrain.planning.plan import Plan
+from hettrain.planning.planner import search_time_hint
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MEMORY_MB = 1024
@@ -138,17 +139,6 @@ class _Worker:
         self.conn.close()
 
 
-def _slow_search_hint(spec: JobSpec) -> str:
-    """What to pin when the spec asks for the slowest search there is: ``schedule:
-    interleaved-zb`` with ``pp`` free replays its order at every depth it checks
-    (docs/planning.md §Search)."""
-    par = spec.parallelism
-    if par.schedule == "interleaved-zb" and par.pp is None:
-        return ("; schedule interleaved-zb searches every pipeline depth: set "
-                "spec.parallelism.pp too")
-    return ""
-
-
 class PlanWorkers:
     """A few planning worker processes; :meth:`plan` has the :data:`Planner` shape plus a key.
 
@@ -206,7 +196,7 @@ class PlanWorkers:
                 raise PlanBudgetError(
                     f"planning took longer than {self.budget.timeout_s:g}s and was stopped; "
                     "make the job smaller or pin spec.parallelism (operator limit "
-                    "HETTRAIN_PLAN_TIMEOUT_SECONDS)" + _slow_search_hint(spec))
+                    "HETTRAIN_PLAN_TIMEOUT_SECONDS)" + search_time_hint(spec))
             try:
                 answer = worker.conn.recv()
             except (EOFError, OSError):

@@ -609,6 +609,18 @@ def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
     return [("1f1b", 1)] if pp == 1 else [("zb-h1", 1), ("1f1b", 1), *inter]
 
 
+def search_time_hint(spec: JobSpec) -> str:
+    """A clause for a "planning took too long" message (``hettrain.planguard``), or "":
+    ``schedule: interleaved-zb`` with ``pp`` free is the slowest search there is (its order is
+    replayed at every pipeline depth whose memory the search checks; docs/planning.md
+    §Search), and pinning ``pp`` brings it to seconds."""
+    par = spec.parallelism
+    if par.schedule == "interleaved-zb" and par.pp is None:
+        return ("; schedule interleaved-zb searches every pipeline depth: set "
+                "spec.parallelism.pp too")
+    return ""
+
+
 def _schedule_fits(schedule: str, v: int, pp: int, m: int, layers: int) -> bool:
     """Whether ``schedule`` can run a ``pp``-stage pipeline of ``m`` microbatches: ZB-H1 and
     interleaved need ``pp ≥ 2``; interleaved also ``m`` a multiple of ``pp`` and at least
