@@ -85,15 +85,18 @@ def _stage_parts(spec: JobSpec, plan_spec: JobSpec, unit, tp: int, cp: int, mb: 
         link = context.cp_link(dev, unit.gpus_per_node, unit.nic_gbytes_per_gpu, tp, cp)
         cpc = context.cp_comm_per_layer_s(model, mb, tp, cp, eb, mode, *link,
                                           scatter_rows=context.scatters_rows(dev))
-    head_c = head_tp = 0.0
+    head_c = head_tp = rerun = 0.0
     if last:
         head = cost.head_time_s(local, mb, tp, dev, eb)
+        # the chunked loss's recomputed logits: recompute beyond the ideal's
+        rerun = (cost.head_time_s(local, mb, tp, dev, eb,
+                                  plan_spec.training.loss_chunk_tokens) - head)
         if cost.vocab_shards(local, tp) > 1:
             nbytes = local.seq_len * mb * local.hidden * eb
             head_tp = cost.ring_all_reduce_s(nbytes, tp, dev.intra_node_gbps
                                              * cost.TP_BUS_EFFICIENCY, cost.TP_LATENCY_S)
         head_c = head - head_tp
-    return {"compute": n * lc_ideal + head_c, "recompute": n * (lc_plan - lc_ideal),
+    return {"compute": n * lc_ideal + head_c, "recompute": n * (lc_plan - lc_ideal) + rerun,
             "tp": n * tpc + head_tp, "cp": n * cpc}
 
 

@@ -160,7 +160,7 @@ def test_loss_breakdown_counts_attention_free_recompute() -> None:
     """llama3-8b at 128k tokens on 8 H100s, ``recompute: auto``: the plan recomputes
     attention-free; the breakdown rebuilds its step (``step_err`` 0) and charges the re-run
     forward as 'recompute' (the ideal recomputes nothing), while a job that asks for
-    attention-free pays it in the ideal instead."""
+    attention-free pays it in the ideal instead (all but the chunked loss's re-run head)."""
     cluster = {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
                "metadata": {"name": "t"}, "datacenters": [{"name": "a"}],
                "pools": [{"name": "h", "datacenter": "a", "device": "H100-SXM", "nodes": 1,
@@ -176,5 +176,8 @@ def test_loss_breakdown_counts_attention_free_recompute() -> None:
         parts[mode] = breakdown(spec, inv, plan)
         assert parts[mode]["step_err"] == pytest.approx(0.0, abs=1e-9)
     assert parts["auto"]["recompute"] > 0.05 and parts["auto"]["recompute in ideal"] == 0.0
-    assert parts["attention-free"]["recompute"] == pytest.approx(0.0, abs=1e-12)
+    # beyond the job's mode only the chunked loss's recomputed logits (one head forward GEMM
+    # on the last stage; 128k tokens: the plan chunks the loss)
+    assert plan.training.loss_chunk_tokens > 0
+    assert 0.0 < parts["attention-free"]["recompute"] < 0.01
     assert parts["attention-free"]["recompute in ideal"] > 0.05

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -41,16 +42,20 @@ def _brute_force_one_stage(spec, inv) -> tuple[float, int, int, int]:
     ``tp·cp ≤`` GPUs per node, the step is ``layers·layer + head`` (one stage, one microbatch:
     no bubble, no pipeline boundary) plus the gradient sync of the ``cp`` ranks and the
     optimizer step, and the stage
-    must fit ``MEMORY_HEADROOM`` of its HBM."""
+    must fit ``MEMORY_HEADROOM`` of its HBM; each with the whole-sequence loss and, from 16k
+    tokens, the chunked one."""
     pool = inv.pools[0]
-    dev, model, training = pool.device, spec.model, spec.training
+    dev, model = pool.device, spec.model
     best = (float("inf"), 0, 0, 0)
-    for cp, tp in itertools.product((1, 2, 4, 8), repeat=2):
+    # the whole-sequence loss and, from 16k tokens, the chunked one (cost.loss_chunk_tokens)
+    chunks = sorted({0, cost.loss_chunk_tokens(model)})
+    for chunk, cp, tp in itertools.product(chunks, (1, 2, 4, 8), (1, 2, 4, 8)):
+        training = replace(spec.training, loss_chunk_tokens=chunk)
         if tp * cp > pool.gpus_per_node or model.seq_len % (2 * cp):
             continue
         link = context.cp_link(dev, pool.gpus_per_node, pool.nic_gbytes_per_gpu, tp, cp)
         layer = context.cp_layer_time_s(model, training, 1, tp, cp, dev, link)
-        head = context.cp_head_time_s(model, 1, tp, cp, dev)
+        head = context.cp_head_time_s(model, 1, tp, cp, dev, loss_chunk_tokens=chunk)
         mem = cost.stage_memory(model, training, tp=tp, dp=1, cp=cp, micro_batch=1,
                                 first=True, last=True,
                                 **cost.schedule_memory_args(0, 1, 1, "1f1b"))

@@ -78,10 +78,13 @@ def test_group_stage_times_are_the_searchs_cp_pricing(planned):
     """An extra group's stage on one pool costs what the search charges a CP stage on a unit
     of that pool alone (``planner._layer_s`` / ``_stage_fixed_s`` at the spec's cp)."""
     spec, inv, _, grouped = planned
+    # the spec as the search priced it: the loss chunked as the plan says (long sequences)
+    training = replace(spec.training, loss_chunk_tokens=grouped.training.loss_chunk_tokens)
     for pool in inv.pools:
         (unit,) = build_units((pool,), merged=False)
         for cp in (1, 2, 8):
-            at = replace(spec, parallelism=replace(spec.parallelism, cp=cp))
+            at = replace(spec, training=training,
+                         parallelism=replace(spec.parallelism, cp=cp))
             for tp in (1, 4):
                 got = group_stage_s(grouped, [(0, 3), (3, 32)], [tp, tp], pool, cp)
                 want = [n * _layer_s(at, unit, grouped.micro_batch, tp)

@@ -184,6 +184,9 @@ class TrainingSpec:
     sharding: str = ""
     # flash | eager (ATTENTION_KERNELS): eager prices the materialised s×s scores (cost.py)
     attention: str = "flash"
+    # set by the planner, never by a spec (planning/cost.py loss_chunk_tokens): > 0, the
+    # runtime computes the LM head and loss that many tokens at a time (runtime/model.py)
+    loss_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         # one truth for both fields: unset follows the flag; otherwise "off" wins, so

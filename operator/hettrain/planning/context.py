@@ -145,6 +145,7 @@ def cp_layer_time_s(model: ModelSpec, training: TrainingSpec, micro_batch: int, 
 
 
 def cp_head_time_s(model: ModelSpec, micro_batch: int, tp: int, cp: int, device: DeviceSpec,
-                   elem_bytes: int = 2) -> float:
+                   elem_bytes: int = 2, loss_chunk_tokens: int = 0) -> float:
     """The LM head of a CP rank: :func:`cost.head_time_s` on its ``s/cp`` tokens."""
-    return cost.head_time_s(cost.cp_local_model(model, cp), micro_batch, tp, device, elem_bytes)
+    return cost.head_time_s(cost.cp_local_model(model, cp), micro_batch, tp, device, elem_bytes,
+                            loss_chunk_tokens)

@@ -293,20 +293,25 @@ def layer_time_s(model: ModelSpec, training: TrainingSpec, micro_batch: int, tp:
 
 
 def head_time_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
-                elem_bytes: int = 2) -> float:
+                elem_bytes: int = 2, loss_chunk_tokens: int = 0) -> float:
     """Seconds of the LM head (forward + 2 backward GEMMs) per microbatch on one TP rank: the
     logits are vocab-parallel where :func:`vocab_shards` splits them, else replicated. A
     vocab-parallel head also all-reduces its input gradient over the TP group (its
     cross-entropy's three ``s·b``-float all-reduces are left out: latency only). A device
     profile that measured this model's stage (``profiles.StageProfile``: shape and
-    vocabulary) gives the head's compute instead: its measured final norm, head and loss."""
+    vocabulary) gives the head's compute instead: its measured final norm, head and loss.
+    ``loss_chunk_tokens`` (:func:`loss_chunk_tokens`): the chunked loss's backward recomputes
+    the logits, one more forward GEMM (a third of the measured head), in
+    ``⌈s·b / chunk⌉`` chunks of four GEMMs each."""
     shards = vocab_shards(model, tp)
     prof = device.profile
+    passes = 4 if loss_chunk_tokens else 3
+    chunks = -(-micro_batch * model.seq_len // loss_chunk_tokens) if loss_chunk_tokens else 1
     if prof is not None and prof.stage_matches(model, elem_bytes):
-        t = prof.stage.part_s("head", micro_batch) / shards
+        t = prof.stage.part_s("head", micro_batch) / shards * passes / 3
     else:
-        flops = 3 * head_forward_flops(model, micro_batch * model.seq_len) / shards
-        t = flops / device.matmul_flops(elem_bytes) + 3 * KERNEL_FIXED_S
+        flops = passes * head_forward_flops(model, micro_batch * model.seq_len) / shards
+        t = flops / device.matmul_flops(elem_bytes) + passes * chunks * KERNEL_FIXED_S
     if shards > 1:
         nbytes = model.seq_len * micro_batch * model.hidden * elem_bytes
         t += ring_all_reduce_s(nbytes, tp, *node_ring_link(device))
@@ -738,6 +743,44 @@ class StageMemory:
         return self.fixed + self.per_layer * layers
 
 
+# the chunked loss (runtime.model._ChunkedHeadLoss): tokens per chunk, and the shortest sequence
+# it is planned for. A chunk's logits in fp32 are 2048·V·4 bytes (1 GiB at Llama 3's 128k
+# vocabulary) against a whole sequence's, which from 16k tokens outgrow a GPU's share of the
+# model (16k·128k·12 bytes while the unchunked loss runs: 25 GB); below it the extra forward
+# GEMM of the head costs more than the memory buys on the plan_quality clusters (measured:
+# docs/planning.md §Chunked loss)
+LOSS_CHUNK_TOKENS = 2048
+LOSS_CHUNK_MIN_SEQ_LEN = 16384
+
+
+def loss_chunk_tokens(model: ModelSpec) -> int:
+    """The plan's ``training.loss_chunk_tokens`` for ``model``: :data:`LOSS_CHUNK_TOKENS` from
+    :data:`LOSS_CHUNK_MIN_SEQ_LEN` tokens per sequence, else 0 (the loss over the whole
+    microbatch at once)."""
+    return LOSS_CHUNK_TOKENS if model.seq_len >= LOSS_CHUNK_MIN_SEQ_LEN else 0
+
+
+def chunked_loss_transient_bytes(model: ModelSpec, micro_batch: int, tp: int, elem_bytes: int,
+                                 chunk: int) -> float:
+    """What the chunked loss's backward (``runtime.model._ChunkedHeadLoss``) holds at its
+    peak on one rank, ``model`` the rank's token-local view: the fp32 sum of the head's weight
+    gradient and the input gradient for the whole microbatch, plus the largest of one chunk's
+    logits in the plan precision and fp32 together (while they are converted), its logit
+    gradient beside the chunk's weight-gradient product, and at the end that fp32 sum cast to
+    the plan precision. ``chunk``: tokens per chunk; ``model.vocab / vocab_shards`` rows."""
+    rows = model.vocab / vocab_shards(model, tp)
+    tokens = model.seq_len * micro_batch
+    c = min(chunk, tokens)
+    eb = float(elem_bytes)
+    fp32 = eb == 4
+    weight_sum = rows * model.hidden * 4.0
+    input_grad = tokens * model.hidden * eb
+    convert = c * rows * (eb + (0.0 if fp32 else 4.0))
+    product = c * rows * eb + rows * model.hidden * eb
+    cast = 0.0 if fp32 else rows * model.hidden * eb
+    return weight_sum + input_grad + max(convert, product, cast)
+
+
 def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, micro_batch: int,
                  in_flight: float, first: bool, last: bool,
                  virtual_stages: int = 1, pending_w: float = 0.0,
@@ -833,14 +876,25 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
         # (vocab-parallel: softmax); the int64 targets
         sp = sequence_shards(model, tp)
         norm_saved = s * b * eb * h * (1.0 / sp + (1.0 / sp if vs > 1 else 1.0))
-        fixed += head_in_flight * (norm_saved
-                                   + logits * 4.0 + s * b * (8.0 + mask) + LOSS_SCALAR_BYTES)
-        # transient while the loss runs: the logits, their gradient and, below fp32, the fp32
-        # copy the loss computes in (8 bytes a logit in bf16 and fp32, measured on an H200:
-        # docs/runtime.md §GPU readiness check); never alive with full recompute's re-run
-        # layer (the loss's backward ends before the first layer is re-run): the larger counts
-        fixed += max(working, logits * (2 * eb + (4.0 if eb != 4 else 0.0)))
-        fixed += pending_w * (s * b * h + logits) * eb  # ZB-H1: the head's stashed W inputs
+        chunk = training.loss_chunk_tokens
+        if chunk:
+            # chunked (runtime.model._ChunkedHeadLoss): per microbatch in flight one fp32
+            # log-sum-exp per token instead of the log-softmax; the backward's chunk-sized
+            # buffers (chunked_loss_transient_bytes); the head's weight gradient is made in
+            # the backward, so a zero-bubble schedule stashes nothing for it
+            fixed += head_in_flight * (norm_saved + s * b * (4.0 + 8.0 + mask)
+                                       + LOSS_SCALAR_BYTES)
+            fixed += max(working, chunked_loss_transient_bytes(model, b, tp, int(eb), chunk))
+        else:
+            fixed += head_in_flight * (norm_saved + logits * 4.0 + s * b * (8.0 + mask)
+                                       + LOSS_SCALAR_BYTES)
+            # transient while the loss runs: the logits, their gradient and, below fp32, the
+            # fp32 copy the loss computes in (8 bytes a logit in bf16 and fp32, measured on an
+            # H200: docs/runtime.md §GPU readiness check); never alive with full recompute's
+            # re-run layer (the loss's backward ends before the first layer is re-run): the
+            # larger counts
+            fixed += max(working, logits * (2 * eb + (4.0 if eb != 4 else 0.0)))
+            fixed += pending_w * (s * b * h + logits) * eb  # ZB-H1: the head's stashed W inputs
     fixed += sharding_transient_bytes(training, unit)
     return StageMemory(fixed, per_layer)
 

@@ -267,7 +267,8 @@ def _layer_s(spec: JobSpec, unit: Unit, mb: int, tp: int) -> float:
 def _head_s(spec: JobSpec, unit: Unit, mb: int, tp: int) -> float:
     """Seconds of the LM head per microbatch on ``unit`` at ``tp`` (and the spec's CP)."""
     return context.cp_head_time_s(spec.model, mb, tp, _cp(spec), unit.device,
-                                  cost.precision_bytes(spec.training))
+                                  cost.precision_bytes(spec.training),
+                                  spec.training.loss_chunk_tokens)
 
 
 def _stage_fixed_s(spec: JobSpec, unit: Unit, mb: int, tp: int, first: bool, last: bool
@@ -1898,6 +1899,21 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
                 prune=True)
         finally:
             _PROBING.reset(token)
+    chunk = cost.loss_chunk_tokens(spec.model)
+    if chunk and not _LOSS_CHOSEN.get():
+        # long sequences: the whole-sequence loss and the chunked one (less memory on the
+        # last stage, one more head GEMM), the faster wins (ties: whole); the chunked search
+        # only looks below the whole one's step (docs/planning.md §Chunked loss)
+        token = _LOSS_CHOSEN.set(True)
+        try:
+            return _plan_auto(name, inventory, exhaustive, previous, "loss", [
+                (mode, replace(spec, training=replace(spec.training, loss_chunk_tokens=c)))
+                for mode, c in (("whole", 0), (f"{chunk}-token chunks", chunk))],
+                prune=True, ceiling_s=ceiling_s)
+        finally:
+            _LOSS_CHOSEN.reset(token)
+    if not chunk and spec.training.loss_chunk_tokens:
+        spec = replace(spec, training=replace(spec.training, loss_chunk_tokens=0))
     pools = filter_pools(inventory, spec.placement)
     if not pools:
         pl = spec.placement
@@ -2040,7 +2056,7 @@ def _place(c: Candidate, previous: Plan | None) -> tuple[RankPlan, ...]:
 
 def _plan_auto(name: str, inventory: ClusterInventory, exhaustive: bool,
                previous: Plan | None, field: str, variants: Sequence[tuple[str, JobSpec]],
-               prune: bool = False) -> Plan:
+               prune: bool = False, ceiling_s: float | None = None) -> Plan:
     """An ``auto`` spec option (``recompute``, ``crossDC.mode``, ``sharding``): the best plan
     over ``variants``, each a concrete spec.
 
@@ -2053,17 +2069,20 @@ def _plan_auto(name: str, inventory: ClusterInventory, exhaustive: bool,
     fastest that fits, the only one that fits) and every variant's time, or that it was not
     faster, or that no layout fit it. A re-plan takes, among the variants' plans within
     ``REPLAN_TOLERANCE`` of the fastest, the one moving the fewest ranks. The plan carries the
-    chosen mode: the runtime never sees ``auto``.
+    chosen mode: the runtime never sees ``auto``. ``ceiling_s`` (the caller's, see
+    :func:`plan_job`) bounds every variant; none faster raises :class:`NotFaster`.
     """
     plans: list[tuple[str, Plan]] = []
     failures: list[PlanningError] = []
     failed: list[str] = []
     slower: list[str] = []
     for mode, concrete in variants:
-        ceiling = None
+        ceiling = ceiling_s
         if prune and plans:  # later variants search only below the fastest so far
             ceiling = min(p.predicted.step_time_s for _, p in plans) * (
                 REPLAN_TOLERANCE if previous is not None else 1.0)
+            if ceiling_s is not None:
+                ceiling = min(ceiling, ceiling_s)
         try:
             plans.append((mode, plan_job(name, concrete, inventory, exhaustive=exhaustive,
                                          previous=previous, ceiling_s=ceiling)))
@@ -2073,6 +2092,8 @@ def _plan_auto(name: str, inventory: ClusterInventory, exhaustive: bool,
             failures.append(exc)
             failed.append(mode)
     if not plans:
+        if not failures:
+            raise NotFaster(REASON_PLAN_FAILED, f"no layout faster than {ceiling_s:.4g}s")
         raise failures[-1]  # the last variant needs the least memory: the most telling refusal
     fastest = min(p.predicted.step_time_s for _, p in plans)
     chosen, best = next((m, p) for m, p in plans if p.predicted.step_time_s == fastest)
@@ -2170,6 +2191,8 @@ def pipeline_hops(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int,
 
 
 _PROBING: ContextVar[bool] = ContextVar("hettrain_planner_probing", default=False)
+# set while plan_job plans the loss variants of a long-sequence job (whole, chunked)
+_LOSS_CHOSEN: ContextVar[bool] = ContextVar("hettrain_planner_loss_chosen", default=False)
 # set while planning the even alternative of an uneven plan for replica groups (plan_job):
 # only divisors of the global batch are searched (_dp_values)
 _EVEN_ONLY: ContextVar[bool] = ContextVar("hettrain_planner_even_only", default=False)

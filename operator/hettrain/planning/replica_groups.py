@@ -471,7 +471,7 @@ def group_stage_s(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequence[i
         sec = (b - a) * context.cp_layer_time_s(model, t, mb, tp, cp, device, link)
         sec += cost.stage_overhead_s(local, mb, tp, device, s == 0, eb)
         if s == len(splits) - 1:
-            sec += context.cp_head_time_s(model, mb, tp, cp, device, eb)
+            sec += context.cp_head_time_s(model, mb, tp, cp, device, eb, t.loss_chunk_tokens)
         out.append(sec)
     return out
 

@@ -28,6 +28,10 @@ def unsupported(plan: Plan) -> list[str]:
         out.append(f"plan.training.attention={t.attention!r}: the runtime's attention is "
                    "fused (torch SDPA, flash); eager attention is only priced, for published "
                    "runs that used it; set spec.training.attention: flash (or omit it)")
+    if not isinstance(t.loss_chunk_tokens, int) or t.loss_chunk_tokens < 0:
+        out.append(f"plan.training.loss_chunk_tokens={t.loss_chunk_tokens!r}: must be a whole "
+                   "number >= 0 (0: the loss over the whole microbatch); the planner sets it, "
+                   "so re-plan the job rather than editing the plan")
     mode = (plan.cross_dc or {}).get("mode", "sync")
     if t.sharding not in SHARDINGS:
         out.append(f"plan.training.sharding={t.sharding!r}: the runtime shards "

@@ -232,7 +232,7 @@ class HelixRunner:
             x = state[("q", j, k)][0]
             out = run_part(post_attention, self.ckpt_parts, layer(k), x, y)
             if k == L - 1:
-                loss = model.loss(model.lm_head(model.model.norm(out)), batches[j][1])
+                loss = model.loss(model.head_output(model.model.norm(out)), batches[j][1])
                 total += loss.item()
                 out = loss * loss_scale
             else:

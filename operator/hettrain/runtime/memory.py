@@ -23,7 +23,10 @@ activations and gradients standing in for its pipeline peers. It reports:
 - ``loss_buffers`` (last stage): the logits, their gradient and (below fp32) their fp32 copy,
   alive together while the loss and its backward run (the saved log-softmax is part of
   ``activations``): counted from the logits' size, as the CPU has no allocator peak; the CUDA
-  peak of ``bench/gpu_check.py`` on an H200 showed this sum.
+  peak of ``bench/gpu_check.py`` on an H200 showed this sum. With the chunked loss
+  (``plan.training.loss_chunk_tokens``) its backward's chunk-sized buffers and fp32
+  weight-gradient sum (``cost.chunked_loss_transient_bytes``; its saved log-sum-exp is part
+  of ``activations``).
 
 TP is measured on the local shard with a stand-in TP group: its collectives move nothing but
 keep their shapes (a sequence-parallel all-gather repeats the shard), as their buffers are
@@ -183,6 +186,8 @@ def build_stage(plan: Plan, stage: int, tp_index: int = 0) -> tuple[StageModel, 
     kwargs = {}
     if "recompute" in inspect.signature(StageModel).parameters:
         kwargs["recompute"] = plan.training.recompute
+    if "loss_chunk_tokens" in inspect.signature(StageModel).parameters:
+        kwargs["loss_chunk_tokens"] = plan.training.loss_chunk_tokens
     model = StageModel(plan.model, st.layer_start, st.layer_end, has_embedding=stage == 0,
                        has_head=stage == plan.pp - 1, seed=plan.training.seed,
                        chunks=chunk_layer_ranges(plan)[stage], **kwargs)
@@ -332,13 +337,21 @@ def _run_helix(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer,
     opt.zero_grad()
     if stage != plan.pp - 1:
         return 0
-    return _loss_buffer_bytes(b * spec.seq_len * spec.vocab, opt.dtype)
+    return _loss_buffer_bytes(plan, stage, b * spec.seq_len * spec.vocab, opt.dtype)
 
 
-def _loss_buffer_bytes(logits: int, dtype: torch.dtype) -> int:
+def _loss_buffer_bytes(plan: Plan, stage: int, logits: int, dtype: torch.dtype) -> int:
     """What the loss holds while it and its backward run: ``logits`` logits and their
-    gradient in ``dtype``, and below fp32 their fp32 copy."""
-    return 2 * logits * dtype.itemsize + (0 if dtype == torch.float32 else logits * 4)
+    gradient in ``dtype`` and, below fp32, their fp32 copy; with the chunked loss
+    (``plan.training.loss_chunk_tokens``) its backward's chunk-sized buffers instead
+    (``cost.chunked_loss_transient_bytes`` on the rank's tokens and vocabulary rows)."""
+    chunk = plan.training.loss_chunk_tokens
+    if not chunk:
+        return 2 * logits * dtype.itemsize + (0 if dtype == torch.float32 else logits * 4)
+    st = plan.stages[stage]
+    local = cost.cp_local_model(plan.model, st.cp)
+    return int(cost.chunked_loss_transient_bytes(local, plan.micro_batch, st.tp,
+                                                 dtype.itemsize, chunk))
 
 
 def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer,
@@ -365,7 +378,9 @@ def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer
             with _saved_tensors(tracker):
                 out = model.forward_chunk(c, x) if chunked else model(x)
                 if last and c == v - 1:
-                    loss_buffers = max(loss_buffers, _loss_buffer_bytes(out.numel(), out.dtype))
+                    loss_buffers = max(loss_buffers, _loss_buffer_bytes(
+                        plan, stage, out.numel() if not plan.training.loss_chunk_tokens else 0,
+                        out.dtype))
                     y = torch.randint(0, spec.vocab, (b, seq), generator=gen)
                     out = model.loss(out, y)
             held[(i, c)] = (out, tracker.hold(out))  # the runner keeps it for backward

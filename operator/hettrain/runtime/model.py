@@ -285,6 +285,82 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g.to(ctx.dtype), None, None, None
 
 
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """Mean cross-entropy of the LM head's logits ``x · weightᵀ`` that never holds more than
+    ``chunk`` tokens' logits (the plan's ``training.loss_chunk_tokens``). The forward computes
+    each chunk's logits, its log-sum-exp and target logit and drops them, keeping one fp32
+    log-sum-exp per token; the backward recomputes each chunk's logits (one more head GEMM),
+    forms the softmax gradient from the kept log-sum-exp and adds the chunk's input and weight
+    gradients. The weight gradient is summed over the chunks in fp32 and returned by the
+    backward itself, also inside :class:`defer_weight_grads`: deferring it to the W pass would
+    stash every chunk's logit gradient, the memory this saves.
+
+    Vocabulary-parallel (``tp``: the head holds rows ``[start, start + V/tp)``): each chunk's
+    row max, sum of exponentials and target logit are all-reduced over the TP group, as
+    :class:`_VocabParallelCrossEntropy` does for the whole sequence; the input gradient is then
+    this rank's part of the sum, which ``copy_to_tp``'s backward all-reduces, or (``sp``:
+    sequence parallel, ``x`` a token shard gathered here) the gradient's reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                chunk: int, start: int, tp, sp) -> torch.Tensor:
+        full = start_seq_gather(x, sp).wait() if sp is not None else x
+        xs, t = full.reshape(-1, full.shape[-1]), targets.reshape(-1)
+        n, rows = xs.shape[0], weight.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=x.device)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for a in range(0, n, chunk):
+            logits = F.linear(xs[a:a + chunk], weight).float()
+            mx = logits.amax(dim=-1)
+            all_reduce_in_tp(mx, tp, torch.distributed.ReduceOp.MAX)
+            logits.sub_(mx.unsqueeze(-1))
+            local = t[a:a + chunk] - start
+            inside = (local >= 0) & (local < rows)
+            picked = logits.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1)
+            picked = picked * inside
+            sums = logits.exp_().sum(dim=-1)
+            del logits
+            all_reduce_in_tp(sums, tp)
+            all_reduce_in_tp(picked, tp)
+            log_sums = sums.log()
+            lse[a:a + chunk] = log_sums + mx
+            total += (log_sums - picked).sum()
+        ctx.save_for_backward(x, weight, targets, lse)
+        ctx.chunk, ctx.start, ctx.tp, ctx.sp = chunk, start, tp, sp
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, targets, lse = ctx.saved_tensors
+        sp, chunk, start = ctx.sp, ctx.chunk, ctx.start
+        full = start_seq_gather(x, sp).wait() if sp is not None else x
+        xs, t = full.reshape(-1, full.shape[-1]), targets.reshape(-1)
+        n, rows = xs.shape[0], weight.shape[0]
+        scale = grad.float() / n
+        gx = torch.empty_like(xs)
+        gw = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+              if ctx.needs_input_grad[1] else None)
+        for a in range(0, n, chunk):
+            xc = xs[a:a + chunk]
+            p = F.linear(xc, weight).float().sub_(lse[a:a + chunk].unsqueeze(-1)).exp_()
+            local = t[a:a + chunk] - start
+            inside = (local >= 0) & (local < rows)
+            p.scatter_add_(-1, local.clamp(0, rows - 1).unsqueeze(-1),
+                           -inside.unsqueeze(-1).to(p.dtype))
+            g = p.mul_(scale).to(x.dtype)
+            del p
+            gx[a:a + chunk] = g.matmul(weight)
+            if gw is not None:
+                gw.add_(_weight_grad_gemm(xc, g))
+            del g
+        gx = gx.view(full.shape)
+        if sp is not None:  # each rank's part of the sum, summed into its token shard
+            gx = start_seq_reduce_scatter(gx, sp).wait()
+        if gw is not None and weight.dtype != torch.float32:
+            gw = gw.to(weight.dtype)
+        return gx, gw, None, None, None, None, None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm (as HF): normalised in fp32, cast back, then scaled."""
     h = x.float()
@@ -629,8 +705,11 @@ class StageModel(nn.Module):
     def __init__(self, spec: ModelSpec, layer_start: int, layer_end: int, *,
                  has_embedding: bool, has_head: bool, seed: int,
                  chunks: Sequence[tuple[int, int]] | None = None,
-                 recompute: str = "none") -> None:
+                 recompute: str = "none", loss_chunk_tokens: int = 0) -> None:
         super().__init__()
+        if loss_chunk_tokens < 0:
+            raise ValueError(f"plan.training.loss_chunk_tokens={loss_chunk_tokens}: must be >= 0 "
+                             "(0: the loss over the whole microbatch at once)")
         ranges = list(chunks) if chunks is not None else [(layer_start, layer_end)]
         if not ranges:
             raise ValueError("stage chunks: need at least one (layer_start, layer_end) range")
@@ -668,6 +747,9 @@ class StageModel(nn.Module):
         self._rope: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.positions: torch.Tensor | None = None  # context parallel: this shard's positions
         self.layer_clock: Any = None  # runtime.stage_timing.LayerClock: layer times measured
+        # > 0: the head and loss run chunked (_ChunkedHeadLoss): forward_chunk's last chunk then
+        # returns the head's input and loss() applies the head, that many tokens at a time
+        self.loss_chunk_tokens = loss_chunk_tokens
 
     @property
     def layers(self) -> nn.ModuleDict:
@@ -710,19 +792,35 @@ class StageModel(nn.Module):
         if chunk == len(self.chunks) - 1 and self.lm_head is not None:
             x = self.model.norm(x)
             if sp is not None and self.vocab_sharded:  # the head gathers (Linear.gather)
-                return self.lm_head(x)
+                return x if self.loss_chunk_tokens else self.lm_head(x)
             if sp is not None:  # a replicated head: every rank computes the same loss
                 x = gather_sequence(x, sp)
             elif self.vocab_sharded:
                 x = copy_to_tp(x, self.tp_group)
-            return self.lm_head(x)
+            return self.head_output(x)
         if sp is not None:  # the stage's output, whole, for the next stage or chunk
             x = gather_sequence(x, sp)
         return x
 
+    def head_output(self, x: torch.Tensor) -> torch.Tensor:
+        """What the last chunk hands to :meth:`loss` from the head's input ``x`` (normed; whole
+        sequence or, vocabulary-parallel, entering the TP region): the logits, or with
+        ``loss_chunk_tokens`` ``x`` itself (the loss applies the head chunk by chunk)."""
+        return x if self.loss_chunk_tokens else self.lm_head(x)
+
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of this stage's (last stage) logits: :func:`lm_loss`,
-        or the vocabulary-parallel cross-entropy over the TP group when the head is sharded."""
+        or the vocabulary-parallel cross-entropy over the TP group when the head is sharded.
+        With ``loss_chunk_tokens`` the argument is the head's input (:meth:`head_output`) and
+        the head runs inside the loss, that many tokens at a time (:class:`_ChunkedHeadLoss`;
+        sequence parallel with a sharded head: the token shard, gathered there)."""
+        if self.loss_chunk_tokens:
+            sharded = self.vocab_sharded
+            sp = self.sp if sharded and self.sp is not None else None
+            return _ChunkedHeadLoss.apply(logits, self.lm_head.weight, targets,
+                                          self.loss_chunk_tokens,
+                                          self.vocab_start if sharded else 0,
+                                          self.tp_group if sharded else None, sp)
         if not self.vocab_sharded:
             return lm_loss(logits, targets)
         return _VocabParallelCrossEntropy.apply(logits, targets, self.vocab_start,

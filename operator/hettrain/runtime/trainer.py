@@ -217,7 +217,8 @@ class Trainer:
                                 has_embedding=st.index == 0, has_head=st.index == plan.pp - 1,
                                 seed=plan.training.seed,
                                 chunks=chunk_layer_ranges(plan)[st.index],
-                                recompute=plan.training.recompute)
+                                recompute=plan.training.recompute,
+                                loss_chunk_tokens=plan.training.loss_chunk_tokens)
         tp_members = ([plan.ranks[g].tp for g in dist.get_process_group_ranks(self.comm.tp_group)]
                       if st.tp > 1 else [0])
         self.tp = shard_stage_(self.model, plan.model, st.tp, self.me.tp, self.comm.tp_group,
@@ -247,6 +248,9 @@ class Trainer:
         self.metrics.set_schedule(self.runner.schedule, self.runner.planned)
         log.info("rank %d: executing schedule %r (model chunks %s)", rank,
                  self.runner.schedule, self.model.chunks)
+        if self.model.lm_head is not None and self.model.loss_chunk_tokens:
+            log.info("rank %d: LM head and loss in chunks of %d tokens", rank,
+                     self.model.loss_chunk_tokens)
         self.ckpt = self._checkpointer(cfg)
         self._loss_tier = self._dp_tier()
         self.validation: dict[int, float] = {}

@@ -106,6 +106,36 @@ def test_measured_stage_bytes_match_the_plan_and_never_exceed_it(case):
         assert got.activations > 0 and got.params > 0
 
 
+# the chunked loss (plan.training.loss_chunk_tokens): the last stage keeps one fp32
+# log-sum-exp per token instead of the log-softmax, and its backward holds chunk-sized buffers
+# plus an fp32 sum of the head's weight gradient. (GRID case, tokens per chunk, whether it
+# saves): one sequence is 64 tokens, so 16 and 24 cut it and save; 200 covers the whole
+# microbatch, yet the saved fp32 log-softmax outweighs the larger loss buffers; 48 of a
+# 64-token fp32 microbatch at TP 2 saves nothing: the fp32 weight-gradient sum of this small
+# model's head (256 vocabulary rows × hidden 64) outweighs the logits it spares
+CHUNKED = [((1, 1, 1, 2, 2, "1f1b", "bf16", False, MODEL), 16, True),
+           ((2, 2, 2, 1, 4, "1f1b", "bf16", True, GATED, "selective"), 24, True),
+           ((2, 1, 2, 2, 4, "zb-h1", "bf16", False, MODEL), 16, True),
+           ((3, 2, 1, 1, 6, "interleaved", "fp32", False, GATED), 48, False),
+           ((2, 1, 2, 2, 4, "1f1b", "fp16", True, MODEL, "full"), 200, True)]
+
+
+@pytest.mark.parametrize("case,chunk,saves", CHUNKED,
+                         ids=lambda c: "-".join(map(str, c[:8] + c[9:]))
+                         if isinstance(c, tuple) else str(c))
+def test_chunked_loss_stage_bytes_match_the_plan_and_never_exceed_it(case, chunk, saves):
+    """Every stage of a plan with the chunked loss within 10% of its prediction and never
+    above; where the chunks cut the sequence its last stage measures fewer bytes than with the
+    whole-sequence loss, and the prediction says so too."""
+    whole = _plan(*case)
+    plan = replace(whole, training=replace(whole.training, loss_chunk_tokens=chunk))
+    got = _assert_every_stage_matches_the_plan(plan, f"{_case_id(case)} chunk {chunk}")
+    last = whole.pp - 1
+    before = measure_stage(whole, last)
+    predicted_saving = predicted_stage_bytes(whole, last) - predicted_stage_bytes(plan, last)
+    assert (got[-1].total < before.total) == saves == (predicted_saving > 0)
+
+
 # helix (runtime/helix.py): one layer per chunk, each layer's three parts differentiated
 # apart; (pp, microbatches, micro_batch, precision, model, recompute)
 HELIX = [(2, 4, 2, "bf16", MODEL, "none"), (3, 6, 1, "fp32", GATED, "none"),
@@ -186,3 +216,15 @@ def test_context_parallel_stage_bytes_match_the_plan_and_never_exceed_it(case):
     from tests.runtime.cp.plans import with_cp
     cp, rest = case[0], case[1:]
     _assert_every_stage_matches_the_plan(with_cp(_plan(*rest), cp), f"cp={cp} {rest[:8]}")
+
+
+@pytest.mark.parametrize("case,chunk", [(CP_GRID[1], 64), (CP_GRID[6], 100)],
+                         ids=lambda c: "cp" + "-".join(map(str, c[:9] + c[10:]))
+                         if isinstance(c, tuple) else str(c))
+def test_context_parallel_chunked_loss_stage_bytes_match_the_plan(case, chunk):
+    """The chunked loss on a CP rank's tokens (its share of the sequence, cut into chunks)."""
+    from tests.runtime.cp.plans import with_cp
+    cp, rest = case[0], case[1:]
+    plan = with_cp(_plan(*rest), cp)
+    plan = replace(plan, training=replace(plan.training, loss_chunk_tokens=chunk))
+    _assert_every_stage_matches_the_plan(plan, f"cp={cp} {rest[:8]} chunk {chunk}")

@@ -1,0 +1,183 @@
+"""The chunked LM head and loss (``plan.training.loss_chunk_tokens``) against the whole-sequence
+head on this machine's CPU: time of the head + loss forward and backward, and the process's
+peak resident memory, each variant in a fresh process (``ru_maxrss``), beside the cost model's
+bytes for what the loss holds (``cost.stage_memory``'s last-stage loss terms: the saved
+log-softmax or log-sum-exp and the loss's transient buffers) and its head time ratio
+(``cost.head_time_s``: one more forward GEMM, 4/3). The model's bytes here are the last
+stage's fixed bytes without the framework overhead and the head's parameter state, plus the
+head weight's ``.grad`` (this process has no optimizer to fold it into).
+
+``--plans`` instead plans llama3-8b (1M tokens per step, bf16, ZeRO-1) at 32k–128k tokens on
+single-pool clusters twice, side by side: with the whole-sequence loss only (the planner
+before the chunked loss) and as ``plan_job`` plans it (the faster of whole and chunked), and
+prints tokens/s and the layouts.
+
+Usage: python bench/chunked_loss.py [--seq 8192] [--hidden 256] [--vocab 32000]
+                                    [--chunk 2048] [--repeats 3] [--precision fp32|bf16]
+       python bench/chunked_loss.py --plans
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+
+
+def _child(args: argparse.Namespace) -> None:
+    """One variant: build the head, run forward + backward ``repeats`` times, print JSON."""
+    import torch
+
+    from hettrain.api.spec import ModelSpec
+    from hettrain.runtime.model import StageModel
+
+    torch.set_num_threads(2)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
+    model = ModelSpec(layers=1, hidden=args.hidden, heads=8, seq_len=args.seq, vocab=args.vocab,
+                      ffn_hidden=4 * args.hidden, kv_heads=8)
+    net = StageModel(model, 0, 1, has_embedding=False, has_head=True, seed=1,
+                     loss_chunk_tokens=args.chunk if args.variant == "chunked" else 0).to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    y = torch.randint(0, args.vocab, (1, args.seq), generator=gen)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    times = []
+    for _ in range(args.repeats):
+        h = torch.randn(1, args.seq, args.hidden, generator=gen).to(dtype).requires_grad_()
+        t0 = time.perf_counter()
+        net.loss(net.head_output(net.model.norm(h)), y).backward()
+        times.append(time.perf_counter() - t0)
+        net.zero_grad(set_to_none=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"seconds": statistics.median(times), "peak_over_base": peak - base}))
+
+
+def _predicted(args: argparse.Namespace, chunk: int) -> float:
+    """The cost model's loss bytes of one microbatch on the last stage (saved + transient)."""
+    from hettrain.api.spec import ModelSpec, TrainingSpec
+    from hettrain.planning import cost
+
+    model = ModelSpec(layers=1, hidden=args.hidden, heads=8, seq_len=args.seq, vocab=args.vocab,
+                      ffn_hidden=4 * args.hidden, kv_heads=8)
+    training = TrainingSpec(global_batch=1, steps=1, precision=args.precision,
+                            optimizer_sharding=False, recompute="none")
+    training = replace(training, loss_chunk_tokens=chunk)
+    mem = cost.stage_memory(model, training, tp=1, dp=1, micro_batch=1, first=False, last=True,
+                            **cost.schedule_memory_args(0, 1, 1, "1f1b"))
+    # the head's weight and norm state, but the weight's .grad, which this process holds too
+    head = cost.embedding_params(model) + model.hidden
+    grad = cost.embedding_params(model) * cost.precision_bytes(training)
+    return (mem.fixed - cost.FRAMEWORK_OVERHEAD_BYTES
+            - head * cost.state_bytes_per_param(training, 1) + grad)
+
+
+PLAN_CLUSTERS = (("H100-SXM", 1), ("H100-SXM", 2), ("A100-80GB", 1), ("MI300X", 1),
+                 ("L40S", 2))
+
+
+def _plans() -> None:
+    """The ``--plans`` table (module docstring)."""
+    from hettrain.api.spec import parse_job_spec
+    from hettrain.planning import planner
+    from hettrain.planning.errors import PlanningError
+    from hettrain.planning.inventory import load_cluster
+
+    def layout(p) -> str:
+        st = p.stages
+        return (f"pp={p.pp} tp={'/'.join(str(s.tp) for s in st)} cp={st[0].cp} dp={p.dp} "
+                f"{p.training.recompute}")
+
+    print("llama3-8b, 1M tokens per step, bf16, ZeRO-1: tokens/s with the whole-sequence loss "
+          "only -> as planned (whole or chunked)")
+    for device, nodes in PLAN_CLUSTERS:
+        inv = load_cluster({"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
+                            "metadata": {"name": "x"}, "datacenters": [{"name": "a"}],
+                            "pools": [{"name": "p", "datacenter": "a", "device": device,
+                                       "nodes": nodes, "gpusPerNode": 8}]})
+        for seq in (32768, 65536, 131072):
+            for recompute in ("selective", "auto"):
+                spec = parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": seq},
+                                       "training": {"globalBatch": max(1, 2**20 // seq),
+                                                    "steps": 1, "recompute": recompute}})
+                out = []
+                for only_whole in (True, False):
+                    token = planner._LOSS_CHOSEN.set(only_whole)
+                    try:
+                        p = planner.plan_job("x", spec, inv)
+                        out.append((p.predicted.tokens_per_s, p))
+                    except PlanningError:
+                        out.append(None)
+                    finally:
+                        planner._LOSS_CHOSEN.reset(token)
+                (before, after) = out
+                head = f"{nodes}x8 {device:<10} {seq // 1024:>4}k {recompute:<9}"
+                if before is None and after is None:
+                    print(f"{head} no layout fits either way")
+                    continue
+                b = f"{before[0]:9.0f}" if before else f"{'-':>9}"
+                gain = f"{after[0] / before[0] - 1:+6.1%}" if before else "   new"
+                print(f"{head} {b} -> {after[0]:9.0f} {gain}  chunk "
+                      f"{after[1].training.loss_chunk_tokens:>4}  {layout(after[1])}"
+                      + (f"  (was {layout(before[1])})" if before and
+                         layout(before[1]) != layout(after[1]) else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both variants side by side and print the table."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--plans", action="store_true",
+                    help="plan long-sequence jobs with the whole loss only and as planned")
+    ap.add_argument("--variant", choices=("whole", "chunked"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.plans:
+        _plans()
+        return 0
+    if min(args.seq, args.hidden, args.vocab, args.chunk, args.repeats) < 1:
+        ap.error("--seq, --hidden, --vocab, --chunk and --repeats must be >= 1")
+    if args.variant:
+        _child(args)
+        return 0
+    from hettrain.planning import cost
+    from hettrain.planning.catalog import CATALOG
+
+    rows = {}
+    for variant in ("whole", "chunked"):
+        cmd = [sys.executable, __file__, "--variant", variant, "--seq", str(args.seq),
+               "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--chunk",
+               str(args.chunk), "--repeats", str(args.repeats), "--precision", args.precision]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        rows[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"head + loss, 1 × {args.seq} tokens, hidden {args.hidden}, vocab {args.vocab}, "
+          f"{args.precision}, chunk {args.chunk}, median of {args.repeats} (CPU)")
+    print(f"{'variant':>8} {'seconds':>9} {'peak RSS over base MB':>22} {'model loss MB':>14}")
+    for variant, chunk in (("whole", 0), ("chunked", args.chunk)):
+        r = rows[variant]
+        print(f"{variant:>8} {r['seconds']:9.3f} {r['peak_over_base'] / 1e6:22.1f} "
+              f"{_predicted(args, chunk) / 1e6:14.1f}")
+    from hettrain.api.spec import ModelSpec
+    model = ModelSpec(layers=1, hidden=args.hidden, heads=8, seq_len=args.seq, vocab=args.vocab,
+                      ffn_hidden=4 * args.hidden, kv_heads=8)
+    dev = CATALOG["H100-SXM"]
+    ratio = cost.head_time_s(model, 1, 1, dev, 2, args.chunk) / cost.head_time_s(model, 1, 1,
+                                                                                dev, 2)
+    measured = rows["chunked"]["seconds"] / rows["whole"]["seconds"]
+    print(f"time chunked / whole: measured {measured:.2f}, cost model (H100 catalog) "
+          f"{ratio:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
