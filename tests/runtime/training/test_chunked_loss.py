@@ -12,12 +12,12 @@ from dataclasses import replace
 import pytest
 import torch
 from tests.runtime.training.plans import TINY, tiny_plan
+from tests.runtime.training.runs import run_losses
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hettrain.api.spec import parse_job_spec
 from hettrain.planning import cost
 from hettrain.planning.catalog import CATALOG
-from hettrain.runtime.launch import launch_local, wait_all
 from hettrain.runtime.model import StageModel
 from hettrain.runtime.trainer import reference_losses
 
@@ -87,16 +87,6 @@ def test_no_op_ever_makes_more_than_one_chunk_of_logits():
         assert max(seen.tokens) == most
 
 
-def _run(work, plan, env=None):
-    env = {"HETTRAIN_LOSS_LOG": str(work / "loss.jsonl"), "HETTRAIN_METRICS_PORT": "0",
-           **(env or {})}
-    codes = wait_all(launch_local(plan, work, env), 150)
-    logs = "\n".join(p.read_text()[-2000:] for p in sorted(work.glob("rank-*.log")))
-    assert codes == [0] * plan.world_size, logs
-    return {d["step"]: d["loss"]
-            for d in map(json.loads, (work / "loss.jsonl").read_text().splitlines())}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("seq_len,tp,schedule", [(32, 2, "1f1b"), (31, 2, "1f1b"),
                                                  (32, 1, "zb-h1")])
@@ -113,7 +103,9 @@ def test_chunked_loss_runs_match_the_single_process_reference(tmp_path, seq_len,
                      num_microbatches=4, model=model, schedule=schedule, loss_chunk_tokens=5)
     assert plan.training.loss_chunk_tokens == 5
     summary = tmp_path / "summary"
-    got = _run(tmp_path / "run", plan, {"HETTRAIN_SUMMARY_DIR": str(summary)})
+    got = run_losses(plan, tmp_path / "run", {"HETTRAIN_METRICS_PORT": "0",
+                                              "HETTRAIN_SUMMARY_DIR": str(summary)},
+                     tmp_path / "loss.jsonl")
     ref = reference_losses(plan, steps)  # one process, the whole-sequence head (lm_loss)
     assert sorted(got) == list(range(steps))
     for step, want in enumerate(ref):
