@@ -32,50 +32,89 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 
-def _child(args: argparse.Namespace) -> None:
-    """One variant: build the head, run forward + backward ``repeats`` times, print JSON."""
+def head_model(seq: int, hidden: int, vocab: int):
+    """A one-layer model of these sizes (only its final norm and LM head are run)."""
+    from hettrain.api.spec import ModelSpec
+
+    return ModelSpec(layers=1, hidden=hidden, heads=8, seq_len=seq, vocab=vocab,
+                     ffn_hidden=4 * hidden, kv_heads=8)
+
+
+def run_head_loss(device, seq: int, hidden: int, vocab: int, chunk: int, precision: str,
+                  repeats: int) -> tuple[float, int | None]:
+    """The final norm, LM head and loss of one ``seq``-token sequence, forward + backward, as
+    the last stage runs them (``chunk`` 0: the whole-sequence loss): the median seconds of
+    ``repeats`` (after one warm-up on CUDA) and, on CUDA, the peak bytes allocated beyond the
+    weights (None elsewhere)."""
     import torch
 
-    from hettrain.api.spec import ModelSpec
     from hettrain.runtime.model import StageModel
 
-    torch.set_num_threads(2)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
-    model = ModelSpec(layers=1, hidden=args.hidden, heads=8, seq_len=args.seq, vocab=args.vocab,
-                      ffn_hidden=4 * args.hidden, kv_heads=8)
-    net = StageModel(model, 0, 1, has_embedding=False, has_head=True, seed=1,
-                     loss_chunk_tokens=args.chunk if args.variant == "chunked" else 0).to(dtype)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    cuda = torch.device(device).type == "cuda"
+    net = StageModel(head_model(seq, hidden, vocab), 0, 1, has_embedding=False, has_head=True,
+                     seed=1, loss_chunk_tokens=chunk).to(device, dtype)
     gen = torch.Generator().manual_seed(0)
-    y = torch.randint(0, args.vocab, (1, args.seq), generator=gen)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    y = torch.randint(0, vocab, (1, seq), generator=gen).to(device)
+    base = 0
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
     times = []
-    for _ in range(args.repeats):
-        h = torch.randn(1, args.seq, args.hidden, generator=gen).to(dtype).requires_grad_()
+    for step in range(repeats + int(cuda)):
+        h = torch.randn(1, seq, hidden, generator=gen).to(device, dtype).requires_grad_()
         t0 = time.perf_counter()
         net.loss(net.head_output(net.model.norm(h)), y).backward()
-        times.append(time.perf_counter() - t0)
+        if cuda:
+            torch.cuda.synchronize(device)
+        if step or not cuda:
+            times.append(time.perf_counter() - t0)
         net.zero_grad(set_to_none=True)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"seconds": statistics.median(times), "peak_over_base": peak - base}))
+    peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
+    return statistics.median(times), peak
 
 
-def _predicted(args: argparse.Namespace, chunk: int) -> float:
-    """The cost model's loss bytes of one microbatch on the last stage (saved + transient)."""
-    from hettrain.api.spec import ModelSpec, TrainingSpec
+def predicted_loss_bytes(seq: int, hidden: int, vocab: int, precision: str, chunk: int) -> float:
+    """The cost model's bytes of the final norm, head and loss of one sequence on the last
+    stage (saved + transient: ``cost.stage_memory``'s fixed bytes without the framework
+    overhead and the head's parameter state), plus the head weight's ``.grad`` (no optimizer
+    here folds it into a main grad)."""
+    from hettrain.api.spec import TrainingSpec
     from hettrain.planning import cost
 
-    model = ModelSpec(layers=1, hidden=args.hidden, heads=8, seq_len=args.seq, vocab=args.vocab,
-                      ffn_hidden=4 * args.hidden, kv_heads=8)
-    training = TrainingSpec(global_batch=1, steps=1, precision=args.precision,
-                            optimizer_sharding=False, recompute="none")
-    training = replace(training, loss_chunk_tokens=chunk)
+    model = head_model(seq, hidden, vocab)
+    training = replace(TrainingSpec(global_batch=1, steps=1, precision=precision,
+                                    optimizer_sharding=False, recompute="none"),
+                       loss_chunk_tokens=chunk)
     mem = cost.stage_memory(model, training, tp=1, dp=1, micro_batch=1, first=False, last=True,
                             **cost.schedule_memory_args(0, 1, 1, "1f1b"))
-    # the head's weight and norm state, but the weight's .grad, which this process holds too
     head = cost.embedding_params(model) + model.hidden
     grad = cost.embedding_params(model) * cost.precision_bytes(training)
     return (mem.fixed - cost.FRAMEWORK_OVERHEAD_BYTES
             - head * cost.state_bytes_per_param(training, 1) + grad)
+
+
+def head_time_ratio(seq: int, hidden: int, vocab: int, chunk: int, device: str) -> float:
+    """The cost model's chunked over whole head time on catalog ``device`` (bf16)."""
+    from hettrain.planning import cost
+    from hettrain.planning.catalog import CATALOG
+
+    model, dev = head_model(seq, hidden, vocab), CATALOG[device]
+    return cost.head_time_s(model, 1, 1, dev, 2, chunk) / cost.head_time_s(model, 1, 1, dev, 2)
+
+
+def _child(args: argparse.Namespace) -> None:
+    """One variant on the CPU in this fresh process: time and peak resident memory."""
+    import torch
+
+    torch.set_num_threads(2)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    seconds, _ = run_head_loss("cpu", args.seq, args.hidden, args.vocab,
+                               args.chunk if args.variant == "chunked" else 0, args.precision,
+                               args.repeats)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"seconds": seconds, "peak_over_base": peak - base}))
 
 
 PLAN_CLUSTERS = (("H100-SXM", 1), ("H100-SXM", 2), ("A100-80GB", 1), ("MI300X", 1),
@@ -150,9 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.variant:
         _child(args)
         return 0
-    from hettrain.planning import cost
-    from hettrain.planning.catalog import CATALOG
-
     rows = {}
     for variant in ("whole", "chunked"):
         cmd = [sys.executable, __file__, "--variant", variant, "--seq", str(args.seq),
@@ -165,14 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'variant':>8} {'seconds':>9} {'peak RSS over base MB':>22} {'model loss MB':>14}")
     for variant, chunk in (("whole", 0), ("chunked", args.chunk)):
         r = rows[variant]
+        model_mb = predicted_loss_bytes(args.seq, args.hidden, args.vocab, args.precision,
+                                        chunk) / 1e6
         print(f"{variant:>8} {r['seconds']:9.3f} {r['peak_over_base'] / 1e6:22.1f} "
-              f"{_predicted(args, chunk) / 1e6:14.1f}")
-    from hettrain.api.spec import ModelSpec
-    model = ModelSpec(layers=1, hidden=args.hidden, heads=8, seq_len=args.seq, vocab=args.vocab,
-                      ffn_hidden=4 * args.hidden, kv_heads=8)
-    dev = CATALOG["H100-SXM"]
-    ratio = cost.head_time_s(model, 1, 1, dev, 2, args.chunk) / cost.head_time_s(model, 1, 1,
-                                                                                dev, 2)
+              f"{model_mb:14.1f}")
+    ratio = head_time_ratio(args.seq, args.hidden, args.vocab, args.chunk, "H100-SXM")
     measured = rows["chunked"]["seconds"] / rows["whole"]["seconds"]
     print(f"time chunked / whole: measured {measured:.2f}, cost model (H100 catalog) "
           f"{ratio:.2f}")

@@ -16,7 +16,10 @@ per-device memory minus its fixed framework overhead, and the median step time n
 plan's forward+backward time of the stage plus its optimizer step (``plan.predicted.
 optimizer_s``). Ratios are measured / predicted. Then one context-parallel rank's attention
 core with the runtime's lower-right causal bias against the same masks as boolean tensors, next
-to the cost model's ratio of the two (below 1 where the kernels skip masked tiles).
+to the cost model's ratio of the two (below 1 where the kernels skip masked tiles). Last, the
+last stage's final norm, LM head and loss of one long sequence (llama3-8b's 4096 × 128256 head,
+16k tokens, bf16; the small shape on the CPU) with the whole-sequence loss and the chunked one
+(``bench/chunked_loss.py``): measured seconds and peak bytes next to the cost model's.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
@@ -219,7 +223,42 @@ def main(argv: list[str] | None = None) -> int:
           "mask also keeps SDPA off the flash kernel, so on a GPU the measured ratio may be lower; "
           "difference = largest gap between the two runs' outputs and gradients over the "
           "largest value (rounding only: about 1e-2 in bf16, 1e-6 in fp32)")
+    chunked_loss_check(device, dev_name, args.repeats)
     return 0
+
+
+def chunked_loss_check(device: torch.device, dev_name: str, repeats: int) -> None:
+    """Print the whole-sequence and the chunked loss of one long sequence side by side
+    (module docstring): seconds, peak bytes (CUDA; '-' on the CPU, see
+    ``bench/chunked_loss.py`` for its resident memory), the cost model's bytes and head time."""
+    import chunked_loss as cl
+
+    cuda = device.type == "cuda"
+    seq, hidden, vocab = (16384, 4096, 128256) if cuda else (2048, 512, 8192)
+    precision = "bf16" if cuda else "fp32"
+    print(f"final norm + LM head + loss, 1 × {seq} tokens, hidden {hidden}, vocab {vocab}, "
+          f"{precision}, fwd+bwd, median of {repeats}: whole vs {cost.LOSS_CHUNK_TOKENS}-token "
+          "chunks")
+    print(f"{'variant':>8} {'ms':>9} {'peak GiB':>9} {'planned GiB':>11}")
+    seconds = {}
+    for variant, chunk in (("whole", 0), ("chunked", cost.LOSS_CHUNK_TOKENS)):
+        try:
+            seconds[variant], peak = cl.run_head_loss(device, seq, hidden, vocab, chunk,
+                                                      precision, repeats)
+        except torch.OutOfMemoryError:
+            print(f"{variant:>8} out of memory")
+            torch.cuda.empty_cache()
+            continue
+        planned = cl.predicted_loss_bytes(seq, hidden, vocab, precision, chunk)
+        shown = f"{peak / GIB:9.3f}" if peak is not None else f"{'-':>9}"
+        print(f"{variant:>8} {seconds[variant] * 1e3:9.1f} {shown} {planned / GIB:11.3f}")
+        if cuda:
+            torch.cuda.empty_cache()
+    if len(seconds) == 2:
+        planned_ratio = cl.head_time_ratio(seq, hidden, vocab, cost.LOSS_CHUNK_TOKENS, dev_name
+                                           if dev_name != "CPU" else "H100-SXM")
+        print(f"chunked / whole seconds: measured {seconds['chunked'] / seconds['whole']:.3f}, "
+              f"planned {planned_ratio:.3f} (the head's time; the final norm is in both)")
 
 
 if __name__ == "__main__":

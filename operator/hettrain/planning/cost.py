@@ -879,11 +879,11 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
         chunk = training.loss_chunk_tokens
         if chunk:
             # chunked (runtime.model._ChunkedHeadLoss): per microbatch in flight one fp32
-            # log-sum-exp per token instead of the log-softmax; the backward's chunk-sized
-            # buffers (chunked_loss_transient_bytes); the head's weight gradient is made in
-            # the backward, so a zero-bubble schedule stashes nothing for it
-            fixed += head_in_flight * (norm_saved + s * b * (4.0 + 8.0 + mask)
-                                       + LOSS_SCALAR_BYTES)
+            # log-sum-exp per token instead of the log-softmax, the int64 targets (the
+            # in-range mask is made per chunk); the backward's chunk-sized buffers
+            # (chunked_loss_transient_bytes); the head's weight gradient is made in the
+            # backward, so a zero-bubble schedule stashes nothing for it
+            fixed += head_in_flight * (norm_saved + s * b * (4.0 + 8.0) + LOSS_SCALAR_BYTES)
             fixed += max(working, chunked_loss_transient_bytes(model, b, tp, int(eb), chunk))
         else:
             fixed += head_in_flight * (norm_saved + logits * 4.0 + s * b * (8.0 + mask)

@@ -218,14 +218,16 @@ def test_helix_pp4_moves_cores_matches_reference_and_resumes_as_1f1b(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recompute", ["none", "attention-free"])
-def test_helix_pp2_dp2_matches_reference(tmp_path, recompute):
+@pytest.mark.parametrize("recompute,chunk", [("none", 0), ("attention-free", 0),
+                                             ("attention-free", 7)])
+def test_helix_pp2_dp2_matches_reference(tmp_path, recompute, chunk):
     """Training losses and the validation losses (the forward-only pass over the chunk
-    streams) match the single-process reference."""
+    streams) match the single-process reference, also with the loss in chunks of 7 tokens
+    (``loss_chunk_tokens``)."""
     steps = 3
     plan = _helix([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=2, steps=steps,
                   num_microbatches=3, recompute=recompute, validation_interval=2,
-                  validation_batches=2)
+                  validation_batches=2, loss_chunk_tokens=chunk)
     got, logs, sums, _ = _run(tmp_path, plan)
     _assert_ran(logs, sums, plan, "helix")
     validation: dict[int, float] = {}
