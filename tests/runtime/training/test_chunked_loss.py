@@ -54,6 +54,21 @@ def test_chunked_loss_and_gradients_equal_the_whole_sequence_head(dtype, chunk):
         assert (a - b).abs().max().item() <= tol * a.abs().max().item() + 1e-8, name
 
 
+def test_tied_embeddings_sum_both_gradients_into_the_one_tensor():
+    """``tie_embeddings`` (pp = 1): the chunked loss's head gradient and the embedding's add
+    up in the one shared weight, as with the whole-sequence head."""
+    model = replace(TINY, tie_embeddings=True)
+    whole, chunked = _pair(5, torch.float32, model)
+    assert chunked.lm_head.weight is chunked.model.embed_tokens.weight
+    x = torch.randint(0, model.vocab, (2, model.seq_len))
+    y = torch.randint(0, model.vocab, (2, model.seq_len))
+    whole.loss(whole(x), y).backward()
+    chunked.loss(chunked(x), y).backward()
+    for (name, p), (_, q) in zip(whole.named_parameters(), chunked.named_parameters(),
+                                 strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
+
+
 class _LogitShapes(TorchDispatchMode):
     """Records the leading sizes of every op output whose last dimension is ``rows``, except
     views of ``weight`` (the head's transposed weight is ``hidden × rows``)."""
