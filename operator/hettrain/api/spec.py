@@ -148,6 +148,10 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# TrainingSpec fields the planner sets in a plan and no spec (nor the CRD) has
+PLANNER_TRAINING_FIELDS = ("loss_chunk_tokens",)
+
+
 @dataclass(frozen=True, slots=True)
 class TrainingSpec:
     """Batch sizes are in sequences. ``micro_batch`` None lets the planner choose."""
@@ -184,8 +188,9 @@ class TrainingSpec:
     sharding: str = ""
     # flash | eager (ATTENTION_KERNELS): eager prices the materialised s×s scores (cost.py)
     attention: str = "flash"
-    # set by the planner, never by a spec (planning/cost.py loss_chunk_tokens): > 0, the
-    # runtime computes the LM head and loss that many tokens at a time (runtime/model.py)
+    # set by the planner, never by a spec (PLANNER_TRAINING_FIELDS; planning/cost.py
+    # loss_chunk_tokens): > 0, the runtime computes the LM head and loss that many tokens at
+    # a time (runtime/model.py)
     loss_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
