@@ -744,19 +744,21 @@ class StageMemory:
 
 
 # the chunked loss (runtime.model._ChunkedHeadLoss): tokens per chunk, and the shortest sequence
-# it is planned for. A chunk's logits in fp32 are 2048·V·4 bytes (1 GiB at Llama 3's 128k
-# vocabulary) against a whole sequence's, which from 16k tokens outgrow a GPU's share of the
-# model (16k·128k·12 bytes while the unchunked loss runs: 25 GB); below it the extra forward
-# GEMM of the head costs more than the memory buys on the plan_quality clusters (measured:
-# docs/planning.md §Chunked loss)
+# for which the planner tries it beside the whole-sequence loss. A chunk's logits in fp32 are
+# 2048·V·4 bytes (1 GiB at Llama 3's 128k vocabulary) against a whole sequence's, which from
+# 16k tokens outgrow a GPU's share of the model (16k·128k·12 bytes while the unchunked loss
+# runs: 25 GB); below it trying both rarely paid for the second search (plan_quality at 8k: 6
+# of 80 plans faster, by at most 0.7%, for 1.8x the planning time; docs/planning.md §Chunked
+# loss)
 LOSS_CHUNK_TOKENS = 2048
 LOSS_CHUNK_MIN_SEQ_LEN = 16384
 
 
 def loss_chunk_tokens(model: ModelSpec) -> int:
-    """The plan's ``training.loss_chunk_tokens`` for ``model``: :data:`LOSS_CHUNK_TOKENS` from
-    :data:`LOSS_CHUNK_MIN_SEQ_LEN` tokens per sequence, else 0 (the loss over the whole
-    microbatch at once)."""
+    """The chunk the planner tries for ``model`` beside the whole-sequence loss (``plan_job``
+    keeps the faster as the plan's ``training.loss_chunk_tokens``): :data:`LOSS_CHUNK_TOKENS`
+    from :data:`LOSS_CHUNK_MIN_SEQ_LEN` tokens per sequence, else 0 (only the loss over the
+    whole microbatch at once)."""
     return LOSS_CHUNK_TOKENS if model.seq_len >= LOSS_CHUNK_MIN_SEQ_LEN else 0
 
 
