@@ -20,6 +20,7 @@ Usage: python bench/chunked_loss.py [--seq 8192] [--hidden 256] [--vocab 32000]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
@@ -147,14 +148,13 @@ def _plans() -> None:
                                                     "steps": 1, "recompute": recompute}})
                 out = []
                 for only_whole in (True, False):
-                    token = planner._LOSS_CHOSEN.set(only_whole)
                     try:
-                        p = planner.plan_job("x", spec, inv)
+                        with (planner.loss_as_given() if only_whole
+                              else contextlib.nullcontext()):
+                            p = planner.plan_job("x", spec, inv)
                         out.append((p.predicted.tokens_per_s, p))
                     except PlanningError:
                         out.append(None)
-                    finally:
-                        planner._LOSS_CHOSEN.reset(token)
                 (before, after) = out
                 head = f"{nodes}x8 {device:<10} {seq // 1024:>4}k {recompute:<9}"
                 if before is None and after is None:

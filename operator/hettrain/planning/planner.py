@@ -1904,14 +1904,11 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
         # long sequences: the whole-sequence loss and the chunked one (less memory on the
         # last stage, one more head GEMM), the faster wins (ties: whole); the chunked search
         # only looks below the whole one's step (docs/planning.md §Chunked loss)
-        token = _LOSS_CHOSEN.set(True)
-        try:
+        with loss_as_given():
             return _plan_auto(name, inventory, exhaustive, previous, "loss", [
                 (mode, replace(spec, training=replace(spec.training, loss_chunk_tokens=c)))
                 for mode, c in (("whole", 0), (f"{chunk}-token chunks", chunk))],
                 prune=True, ceiling_s=ceiling_s)
-        finally:
-            _LOSS_CHOSEN.reset(token)
     if not chunk and spec.training.loss_chunk_tokens:
         spec = replace(spec, training=replace(spec.training, loss_chunk_tokens=0))
     pools = filter_pools(inventory, spec.placement)
@@ -2214,6 +2211,21 @@ def even_data_parallel() -> Iterator[None]:
         yield
     finally:
         _EVEN_ONLY.reset(token)
+
+
+@contextlib.contextmanager
+def loss_as_given() -> Iterator[None]:
+    """Plan, inside it, with ``spec.training.loss_chunk_tokens`` as given (0: the
+    whole-sequence loss) instead of planning both losses of a long-sequence job and keeping
+    the faster: how :func:`plan_job` plans each of the two, and the planner before the chunked
+    loss, for comparisons."""
+    token = _LOSS_CHOSEN.set(True)
+    try:
+        yield
+    finally:
+        _LOSS_CHOSEN.reset(token)
+
+
 SHARDING_ORDER = ("none", "optimizer", "gradients", "full")  # least to most sharded
 
 

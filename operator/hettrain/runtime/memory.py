@@ -379,8 +379,7 @@ def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer
                 out = model.forward_chunk(c, x) if chunked else model(x)
                 if last and c == v - 1:
                     loss_buffers = max(loss_buffers, _loss_buffer_bytes(
-                        plan, stage, out.numel() if not plan.training.loss_chunk_tokens else 0,
-                        out.dtype))
+                        plan, stage, out.numel(), out.dtype))
                     y = torch.randint(0, spec.vocab, (b, seq), generator=gen)
                     out = model.loss(out, y)
             held[(i, c)] = (out, tracker.hold(out))  # the runner keeps it for backward

@@ -792,7 +792,7 @@ class StageModel(nn.Module):
         if chunk == len(self.chunks) - 1 and self.lm_head is not None:
             x = self.model.norm(x)
             if sp is not None and self.vocab_sharded:  # the head gathers (Linear.gather)
-                return x if self.loss_chunk_tokens else self.lm_head(x)
+                return self.head_output(x)
             if sp is not None:  # a replicated head: every rank computes the same loss
                 x = gather_sequence(x, sp)
             elif self.vocab_sharded:

@@ -200,13 +200,10 @@ def test_the_planner_keeps_the_faster_of_the_whole_and_the_chunked_loss(device, 
     plan = planner.plan_job("j", spec, inv)
     assert plan.training.loss_chunk_tokens == (2048 if chunked else 0)
     if seq >= cost.LOSS_CHUNK_MIN_SEQ_LEN:
-        token = planner._LOSS_CHOSEN.set(True)  # each variant alone, as plan_job plans them
-        try:
+        with planner.loss_as_given():  # each variant alone, as plan_job plans them
             times = [planner.plan_job("j", replace(spec, training=replace(
                 spec.training, loss_chunk_tokens=c)), inv).predicted.step_time_s
                 for c in (0, 2048)]
-        finally:
-            planner._LOSS_CHOSEN.reset(token)
         assert plan.predicted.step_time_s == pytest.approx(min(times), rel=1e-12)
         assert (times[1] < times[0]) == chunked
         assert any(n.startswith("loss=auto chose") for n in plan.notes)
