@@ -13,7 +13,7 @@ import pytest
 
 from hettrain.api.spec import parse_job_spec
 from hettrain.planning.inventory import load_cluster
-from hettrain.planning.planner import plan_job
+from hettrain.planning.planner import loss_as_given, plan_job
 from hettrain.planning.profiles import apply_profiles, profile_doc, profile_from_doc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,7 +177,12 @@ def test_loss_breakdown_counts_attention_free_recompute() -> None:
         assert parts[mode]["step_err"] == pytest.approx(0.0, abs=1e-9)
     assert parts["auto"]["recompute"] > 0.05 and parts["auto"]["recompute in ideal"] == 0.0
     # beyond the job's mode only the chunked loss's recomputed logits (one head forward GEMM
-    # on the last stage; 128k tokens: the plan chunks the loss)
+    # on the last stage; 128k tokens: the plan chunks the loss) ...
     assert plan.training.loss_chunk_tokens > 0
     assert 0.0 < parts["attention-free"]["recompute"] < 0.01
     assert parts["attention-free"]["recompute in ideal"] > 0.05
+    # ... and with the whole-sequence loss nothing at all
+    with loss_as_given():
+        whole = plan_job("j", spec, inv)
+    assert whole.training.loss_chunk_tokens == 0
+    assert breakdown(spec, inv, whole)["recompute"] == pytest.approx(0.0, abs=1e-12)
