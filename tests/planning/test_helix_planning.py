@@ -15,7 +15,7 @@ from hettrain.planning import cost, helix
 from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import load_cluster
 from hettrain.planning.plan import Plan
-from hettrain.planning.planner import plan_job, split_costs
+from hettrain.planning.planner import helix_capped_only, plan_job, split_costs
 from hettrain.planning.support import helix_errors, unsupported
 from hettrain.runtime.helix import plan_costs
 
@@ -108,14 +108,15 @@ def test_the_price_is_the_order_the_runtime_builds_replayed():
 
 
 @pytest.mark.parametrize("pp,layers", [(2, 4), (3, 6), (4, 8), (4, 16), (8, 16)])
-def test_the_memory_bound_holds_every_order(pp, layers):
+@pytest.mark.parametrize("filo", [False, True], ids=["capped", "filo"])
+def test_the_memory_bound_holds_every_order(pp, layers, filo):
     """Brute force over microbatches, sequence lengths (the part costs) and hops: no stage
     of any order holds more layers than ``in_flight_bound`` stages' worth."""
     for m, seq, hop in itertools.product(range(1, 4 * pp + 1), (1024, 32768, 131072),
                                          (0.0, 0.2, 1.0)):
         costs = helix.part_costs(seq, 4096, 32, 8, 14336)
-        orders = helix.helix_orders(pp, layers, m, costs, hop)
-        bound = helix.in_flight_bound(pp, m) * layers / pp
+        orders = helix.helix_orders(pp, layers, m, costs, hop, filo)
+        bound = helix.in_flight_bound(pp, m, filo) * layers / pp
         for s, actions in enumerate(orders):
             held = peak = 0
             for kind, _, k in actions:
@@ -177,3 +178,48 @@ def test_the_runtime_side_check_names_what_helix_cannot_run():
            "parallelism": {"schedule": "helix"}}
     with pytest.raises(SpecError, match=r"sharding: full cannot combine .* helix"):
         parse_job_spec(job)
+
+
+def test_the_planner_keeps_the_faster_helix_order_that_fits():
+    """Both orders are searched, each with its memory: the plan is the faster of the capped
+    one (``helix_capped_only``) and the first-in-last-out one, which wins with more
+    microbatches than stages (m 8 on 4 stages) and is priced, stored, restated and charged
+    its memory (``m`` microbatches in flight) as such."""
+    spec, inv = _spec(seq=16384), _cluster()
+    plan = plan_job("j", spec, inv)
+    with helix_capped_only():
+        capped = plan_job("j", spec, inv)
+    assert not capped.helix_filo
+    assert plan.helix_filo and plan.num_microbatches > plan.pp
+    assert plan.predicted.step_time_s < capped.predicted.step_time_s
+    assert Plan.from_json(plan.to_json()) == plan and "helix_filo" not in capped.to_dict()
+    m = plan.num_microbatches
+    stage_s, hops, dp_s = split_costs(spec, inv, plan, [2] * 4)
+    pipe, _ = cost.pipeline_time_s(stage_s, hops, m, "helix", plan.virtual_stages,
+                                   model=spec.model, helix_hop=plan.helix_hop, helix_filo=True)
+    assert plan.predicted.step_time_s == pytest.approx(pipe + dp_s, rel=1e-9)
+    assert plan.predicted.pp_bytes_per_step == pytest.approx(
+        plan.dp * cost.helix_bytes_per_step(spec.model, plan.micro_batch, 2, m, plan.pp,
+                                            plan.helix_hop, filo=True))
+    # every stage's memory is the FILO order's (m in flight), within the device
+    for s, st in enumerate(plan.stages):
+        args = cost.schedule_memory_args(s, plan.pp, m, "helix", plan.virtual_stages, True)
+        assert args["in_flight"] == m + 1
+        mem = cost.stage_memory(spec.model, plan.training, tp=1, dp=plan.dp,
+                                micro_batch=plan.micro_batch, first=s == 0,
+                                last=s == plan.pp - 1, **args)
+        assert st.memory_gib == pytest.approx(mem.bytes_for(2) / cost.GIB, abs=0.005)
+        low = cost.stage_memory(spec.model, plan.training, tp=1, dp=plan.dp,
+                                micro_batch=plan.micro_batch, first=s == 0,
+                                last=s == plan.pp - 1, **cost.schedule_memory_args(
+                                    s, plan.pp, m, "helix", plan.virtual_stages))
+        assert low.bytes_for(2) / cost.GIB < st.memory_gib - 0.1  # the capped order's
+        assert mem.bytes_for(2) <= inv.pools[0].device.hbm_bytes * cost.MEMORY_HEADROOM
+
+
+def test_a_plan_with_a_bad_filo_flag_is_refused_naming_it():
+    plan = plan_job("j", _spec(seq=16384), _cluster())
+    d = plan.to_dict()
+    d["helix_filo"] = "yes"
+    with pytest.raises(ValueError, match=r"plan.helix_filo='yes': must be true or false"):
+        Plan.from_dict(d)

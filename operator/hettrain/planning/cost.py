@@ -700,17 +700,22 @@ def weight_grad_stash_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: in
 
 
 def schedule_memory_args(stage: int, pp: int, m: int, schedule: str,
-                         virtual_stages: int = 1) -> dict[str, float]:
+                         virtual_stages: int = 1, helix_filo: bool = False
+                         ) -> dict[str, float]:
     """The schedule-dependent keyword arguments of :func:`stage_memory` for ``stage``
     (``interleaved-zb``: the peaks of its replayed order, :func:`interleaved_zb.stage_peaks`;
-    ``helix``: its order's caps, :func:`helix.in_flight_bound`)."""
+    ``helix``: its order's caps, :func:`helix.in_flight_bound`, ``helix_filo``: the
+    first-in-last-out order's)."""
     if schedule == "helix":
         # its entry cap and foreign-core cap (helix.in_flight_bound), never below 1F1B's at
         # the same position (the search's memory bounds assume it)
-        in_flight = max(helix.in_flight_bound(pp, m), float(min(pp - stage, m)))
+        in_flight = max(helix.in_flight_bound(pp, m, helix_filo), float(min(pp - stage, m)))
+        # first in, last out: every microbatch's loss state waits for the backwards too
         return {"in_flight": in_flight, "pending_w": 0.0, "zb_stash": 0.0,
-                "head_in_flight": 1.0, "virtual_stages": virtual_stages,
-                "ids_in_flight": float(min(pp, m)), "split_layers": True}
+                "head_in_flight": float(m) if helix_filo else 1.0,
+                "virtual_stages": virtual_stages,
+                "ids_in_flight": float(m if helix_filo else min(pp, m)),
+                "split_layers": True}
     if schedule == "interleaved-zb":
         v = virtual_stages
         in_flight, pending = interleaved_zb.stage_peaks(pp, m, v)[stage]
@@ -1104,14 +1109,17 @@ def pipeline_bytes_per_step(model: ModelSpec, micro_batch: int, elem_bytes: int,
 
 
 def helix_bytes_per_step(model: ModelSpec, micro_batch: int, elem_bytes: int,
-                         num_microbatches: int, pp: int, hop: float = 0.0) -> float:
-    """Bytes one replica of the ``helix`` schedule sends per step, from its order
-    (:func:`helix.transfers`): layer outputs to the next layer's owner, and each core moved
-    off its owner's q/k/v and output, every one with its gradient (what ``runtime/helix.py``
-    sends; ``tests/runtime/training/test_helix.py`` counts it)."""
+                         num_microbatches: int, pp: int, hop: float = 0.0,
+                         filo: bool = False) -> float:
+    """Bytes one replica of the ``helix`` schedule (``filo``: its first-in-last-out order)
+    sends per step, from its order (:func:`helix.transfers`): layer outputs to the next
+    layer's owner, and each core moved off its owner's q/k/v and output, every one with its
+    gradient (what ``runtime/helix.py`` sends; ``tests/runtime/training/test_helix.py``
+    counts it)."""
     if pp == 1:
         return 0.0
-    orders = helix.helix_orders(pp, model.layers, num_microbatches, helix.costs_for(model), hop)
+    orders = helix.helix_orders(pp, model.layers, num_microbatches, helix.costs_for(model), hop,
+                                filo)
     n = helix.transfers(orders, model.layers)
     shapes = helix.message_shapes(model, micro_batch, model.seq_len)
     return float(sum(n[k] * math.prod(shape) for k, shape in shapes.items()) * elem_bytes)
@@ -1155,8 +1163,8 @@ def boundary_charges(hops: Sequence[float], pp: int, schedule: str,
 
 def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, schedule: str,
                     virtual_stages: int = 1, zb_div: float = ZB_CATALOG_DIVISOR,
-                    model: ModelSpec | None = None, helix_hop: float = 0.0
-                    ) -> tuple[float, float]:
+                    model: ModelSpec | None = None, helix_hop: float = 0.0,
+                    helix_filo: bool = False) -> tuple[float, float]:
     """Time of the pipelined part of a step and its bubble, for heterogeneous stages.
 
     1F1B: ``(m−1)·max + Σ`` over stages and boundary transfers (a slow link is a stage of its
@@ -1173,8 +1181,9 @@ def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, sched
     ``helix`` (``planning/helix.py``; needs ``model``): the stages' bubble ``Σ − max`` over
     stages only, divided by its order's divisor replayed on equal stages with ``helix_hop``
     per transfer (:func:`helix.bubble_divisor`: every transfer's delay, the moved cores'
-    included, is in that replay), and interleaved's boundary traffic at one layer per chunk in
-    the slowest term only (a link busier than a stage).
+    included, is in that replay; ``helix_filo``: the first-in-last-out order's), and
+    interleaved's boundary traffic at one layer per chunk in the slowest term only (a link
+    busier than a stage).
     Returns (total seconds, bubble seconds).
     """
     boundaries = boundary_charges(boundary_s, len(stage_s), schedule, virtual_stages)
@@ -1193,5 +1202,5 @@ def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, sched
             raise ValueError("pipeline_time_s: the helix order needs the model")
         # the replay already delays every transfer by the hop: the stages' bubble alone
         bubble = (sum(stage_s) - max(stage_s)) / helix.bubble_divisor(
-            len(stage_s), model.layers, m, helix.costs_for(model), helix_hop)
+            len(stage_s), model.layers, m, helix.costs_for(model), helix_hop, helix_filo)
     return m * slowest + bubble, bubble

@@ -33,10 +33,22 @@ deadlock-free for any real costs: it was realised once with the same dependencie
 runtime's sends never block. Messages carry a tag unique to (microbatch, layer, kind), so
 matching does not depend on order.
 
+**First in, last out** (``filo``; HelixPipe's own order is a two-fold FILO): every forward
+before any backward, layer-major (all microbatches through a layer before the next layer's),
+then the backwards from the last layer, the latest microbatch first; no entry cap, so every
+stage holds all ``m`` microbatches of its layers at the peak (the paper pairs it with
+attention-free recompute). With one layer per chunk its fill and drain are one layer's, and a
+hop is hidden behind the other microbatches of the same layer, so where ``m > pp`` it replays
+far faster than the capped orders (llama3-8b at 32k, pp 4, m 16: 1.03 of the ideal against
+1.21 at a hop of 0.2 layer-forwards). HelixPipe's two folds (microbatches in pairs, each
+pair's transfers overlapping the other's compute) replayed no faster here than one fold:
+the list scheduler already overlaps transfers with whatever is ready.
+
 Pinned (``schedule: helix``; ``auto`` leaves it out), the planner searches it where
 microbatches are scarce (``m ≤ 4·pp``,
-:data:`MAX_MICROBATCHES_PER_STAGE`), prices its replayed bubble (:func:`bubble_divisor`) with
-the hop the plan then carries (``plan.helix_hop``), and bounds its memory without building it
+:data:`MAX_MICROBATCHES_PER_STAGE`), both orders (capped and FILO, each with its own memory),
+prices its replayed bubble (:func:`bubble_divisor`) with the hop the plan then carries
+(``plan.helix_hop``, ``plan.helix_filo``), and bounds its memory without building it
 (:func:`in_flight_bound`). Pure Python (no torch): the runtime (``runtime/helix.py``)
 executes the same order.
 """
@@ -77,12 +89,16 @@ def check_layout(layers: int, pp: int, m: int) -> None:
 MAX_MICROBATCHES_PER_STAGE = 4  # helix is searched where m ≤ 4·pp (module docstring)
 
 
-def in_flight_bound(pp: int, m: int) -> float:
+def in_flight_bound(pp: int, m: int, filo: bool = False) -> float:
     """Activations a stage holds at most, in microbatches of its whole stage: ``min(pp, m)``
-    of its own layers (the entry cap) and, with ``pp > 1``, one stage's worth of other
-    stages' cores (each counted as a whole layer: an upper bound). Independent of the costs,
-    so the planner's memory needs no order."""
-    return float(min(pp, m)) + (1.0 if pp > 1 else 0.0)
+    of its own layers (the entry cap; first-in-last-out, ``filo``: all ``m``) and, with
+    ``pp > 1``, one stage's worth more: other stages' cores (each counted as a whole layer:
+    an upper bound). The FILO order moves no core (:data:`FILO_VARIANTS`) but keeps the
+    margin: charged ``m`` alone, the CPU measurement exceeded the plan by up to 6.5%
+    (``test_memory_honesty.py``; an under-count per microbatch the capped orders' margin also
+    covers, not yet located). Independent of the costs, so the planner's memory needs no
+    order."""
+    return float(m if filo else min(pp, m)) + (1.0 if pp > 1 else 0.0)
 
 
 def quantize_hop(hop: float) -> float:
@@ -150,41 +166,52 @@ def _dependents(action: HelixAction, layers: int) -> list[HelixAction]:
 
 
 def _priority(action: HelixAction, pp: int, rule: str) -> tuple:
-    """Backwards before forwards. ``depth``: the highest layer first (forwards: the
-    microbatch furthest along; backwards: the one closest to the loss), then the earliest
-    microbatch; ``layer``: the earliest group of ``pp`` microbatches, layer-major within it
-    (forwards from the first layer, backwards from the last)."""
+    """``depth`` and ``layer``: backwards before forwards. ``depth``: the highest layer first
+    (forwards: the microbatch furthest along; backwards: the one closest to the loss), then
+    the earliest microbatch; ``layer``: the earliest group of ``pp`` microbatches,
+    layer-major within it (forwards from the first layer, backwards from the last).
+    ``filo``: forwards before backwards, layer-major (the lowest layer, then the earliest
+    microbatch); backwards from the last layer, the latest microbatch first."""
     kind, j, k = action
     back = kind in BACKWARD
     if rule == "depth":
         return (0 if back else 1, -k, j)
+    if rule == "filo":
+        return (1, -k, -j) if back else (0, k, j)
     return (0, j // pp, -k, j) if back else (1, j // pp, k, j)
 
 
-RULES = ("depth", "layer")
-# the variants built: of the four (rule × stealing) these two lose 0.01% on average (1.6% at
-# most) to the best of all four, on llama3-8b/70b shapes at 4k-128k, pp 2-16, m ≤ 4·pp, hops
-# 0-0.5 layer-forwards (measured when the schedule was added)
+RULES = ("depth", "layer", "filo")
+# the variants built with at most ``pp`` microbatches in flight: of the four (rule ×
+# stealing) these two lose 0.01% on average (1.6% at most) to the best of all four, on
+# llama3-8b/70b shapes at 4k-128k, pp 2-16, m ≤ 4·pp, hops 0-0.5 layer-forwards (measured
+# when the schedule was added)
 VARIANTS = (("layer", False), ("depth", True))
+# the variant built first-in-last-out (every microbatch in flight): without stealing cores,
+# which never won in the same grid (pp 8, m 8, hop 0: 1.22 of the ideal without, 1.27 with;
+# equal from hop 0.2 on), so a stage holds no other stage's core
+FILO_VARIANTS = (("filo", False),)
 
 
 def helix_orders(pp: int, layers: int, m: int, costs: Mapping[str, float],
-                 hop: float = 0.0) -> tuple[tuple[HelixAction, ...], ...]:
+                 hop: float = 0.0, filo: bool = False) -> tuple[tuple[HelixAction, ...], ...]:
     """Every stage's ordered actions (module docstring): the fastest of the list-scheduled
     variants under ``costs`` (kind → duration, every stage alike) and ``hop`` per transfer
-    between stages."""
+    between stages; ``filo``: of the first-in-last-out ones (every microbatch in flight,
+    :data:`FILO_VARIANTS`), else of those with at most ``pp`` in flight (:data:`VARIANTS`)."""
     check_layout(layers, pp, m)
     frozen = _freeze([costs] * pp)
-    return _best(pp, layers, m, frozen, round(float(hop), 12))
+    return _best(pp, layers, m, frozen, round(float(hop), 12), bool(filo))
 
 
 @lru_cache(maxsize=512)
 def _best(pp: int, layers: int, m: int, frozen: tuple[tuple[float, ...], ...],
-          hop: float) -> tuple[tuple[HelixAction, ...], ...]:
+          hop: float, filo: bool = False) -> tuple[tuple[HelixAction, ...], ...]:
     per = [dict(zip(KINDS, row, strict=True)) for row in frozen]
+    cap = m if filo else pp  # microbatches in flight
     best = None
-    for rule, steal in VARIANTS:
-        orders = _orders(pp, layers, m, frozen, pp, hop, rule, steal)  # pp in flight
+    for rule, steal in FILO_VARIANTS if filo else VARIANTS:
+        orders = _orders(pp, layers, m, frozen, cap, hop, rule, steal)
         t = makespan(orders, layers, per, hop)
         if best is None or t < best[0] - 1e-12:
             best = (t, orders)
@@ -192,22 +219,23 @@ def _best(pp: int, layers: int, m: int, frozen: tuple[tuple[float, ...], ...],
 
 
 def bubble_divisor(pp: int, layers: int, m: int, costs: Mapping[str, float],
-                   hop: float = 0.0) -> float:
-    """What the order divides 1F1B's bubble by, for ``pp`` equal stages: 1F1B runs
-    ``(m + pp − 1)`` stage passes, the helix order ``m`` plus ``(pp − 1)/divisor``."""
+                   hop: float = 0.0, filo: bool = False) -> float:
+    """What the order (``filo``: the first-in-last-out one) divides 1F1B's bubble by, for
+    ``pp`` equal stages: 1F1B runs ``(m + pp − 1)`` stage passes, the helix order ``m`` plus
+    ``(pp − 1)/divisor``."""
     check_layout(layers, pp, m)
     if pp == 1:
         return 1.0
-    return _bubble_divisor(pp, layers, m, _freeze([costs]), round(float(hop), 12))
+    return _bubble_divisor(pp, layers, m, _freeze([costs]), round(float(hop), 12), bool(filo))
 
 
 @lru_cache(maxsize=1024)
 def _bubble_divisor(pp: int, layers: int, m: int, frozen: tuple[tuple[float, ...], ...],
-                    hop: float) -> float:
+                    hop: float, filo: bool = False) -> float:
     costs = dict(zip(KINDS, frozen[0], strict=True))
     per_layer = sum(costs[k] for k in KINDS)
     stage = per_layer * layers / pp  # one microbatch through one stage, forward + backward
-    t = makespan(helix_orders(pp, layers, m, costs, hop), layers, [costs] * pp, hop)
+    t = makespan(helix_orders(pp, layers, m, costs, hop, filo), layers, [costs] * pp, hop)
     bubble = max(t - m * stage, 1e-12 * stage)
     return (pp - 1) * stage / bubble
 

@@ -135,6 +135,9 @@ class Plan:
     # helix: the hop time (per-part cost units, planning/helix.py) the planner built its order
     # with; the runtime builds the same order from it
     helix_hop: float = 0.0
+    # helix: the first-in-last-out order (every microbatch in flight, helix.FILO_VARIANTS)
+    # instead of the one with at most pp in flight
+    helix_filo: bool = False
     # uneven data parallelism (a global batch ``dp`` does not divide): the last
     # ``short_replicas`` DP replicas run ``num_microbatches - 1`` microbatches per step, the
     # others ``num_microbatches`` (:meth:`replica_microbatches`); 0 without (never with groups)
@@ -233,6 +236,8 @@ class Plan:
             del d["groups"]
         if not d["helix_hop"]:
             del d["helix_hop"]
+        if not d["helix_filo"]:
+            del d["helix_filo"]
         if not d["short_replicas"]:
             del d["short_replicas"]
         return d
@@ -282,6 +287,7 @@ class Plan:
                                       stages=tuple(_build(StagePlan, s) for s in g["stages"]))
                          for g in d.get("groups", ())),
             helix_hop=float(d.get("helix_hop", 0.0)),
+            helix_filo=_flag(d.get("helix_filo", False), "helix_filo"),
             short_replicas=int(d.get("short_replicas", 0)),
         )
 
@@ -289,6 +295,13 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         """Parse :meth:`to_json` output."""
         return cls.from_dict(json.loads(text))
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A plan's boolean field, or ``ValueError`` naming it."""
+    if not isinstance(value, bool):
+        raise ValueError(f"plan.{name}={value!r}: must be true or false")
+    return value
 
 
 def _build(cls: type, d: dict[str, Any]) -> Any:

@@ -116,6 +116,7 @@ class Candidate:
     chunks: int = 1  # interleaved: model chunks per stage (virtual stages)
     cp: int = 1  # context-parallel degree; ``dp`` counts the dp·cp replicas of the DP×CP group
     helix_hop: float = 0.0  # helix: hop time in per-part cost units its order was built with
+    helix_filo: bool = False  # helix: the first-in-last-out order (helix.FILO_VARIANTS)
 
     @property
     def pp(self) -> int:
@@ -126,7 +127,7 @@ class Candidate:
         """Deterministic preference: faster, then fewer stages, then names."""
         return (round(self.step_time_s, 12), self.pp, self.dp, self.cp, self.micro_batch,
                 self.schedule, self.chunks,
-                tuple(u.key for u in self.units), self.tps, self.split)
+                tuple(u.key for u in self.units), self.tps, self.split, self.helix_filo)
 
 
 class _Search:
@@ -528,17 +529,19 @@ def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_b
 
 def _bubble_divisor(schedule: str, v: int, zb_div: float = cost.ZB_CATALOG_DIVISOR,
                     pp: int | None = None, m: int | None = None,
-                    model: ModelSpec | None = None, hop: float = 0.0) -> float:
+                    model: ModelSpec | None = None, hop: float = 0.0,
+                    filo: bool = False) -> float:
     """What a schedule divides the 1F1B bubble by (:func:`cost.pipeline_time_s`); ZB-H1's is
     ``zb_div`` (:func:`_zb_div` of a layout, or a bound on it: :attr:`_Search.zb_div`);
     interleaved-zb's its replayed order's for ``pp`` stages of ``m`` microbatches scaled by
     ``zb_div/3``, or (``pp=None``) its bound ``v·zb_div`` (the order's is at most ``3·v``);
-    helix's its replayed order's for ``model`` (:func:`helix.bubble_divisor`), or (no ``pp``)
-    ``inf``: a bound may only assume its bubble is not negative."""
+    helix's its replayed order's for ``model`` (:func:`helix.bubble_divisor`; ``filo``: the
+    first-in-last-out one), or (no ``pp``) ``inf``: a bound may only assume its bubble is not
+    negative."""
     if schedule == "helix":
         if pp is None or m is None or model is None:
             return math.inf
-        return helix.bubble_divisor(pp, model.layers, m, helix.costs_for(model), hop)
+        return helix.bubble_divisor(pp, model.layers, m, helix.costs_for(model), hop, filo)
     if schedule == "interleaved-zb":
         if pp is None or m is None:
             return v * zb_div
@@ -653,18 +656,21 @@ def _any_schedule_fits(search: _Search, pp: int, m: int) -> bool:
 
 def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
                  schedule: str, inv: ClusterInventory, spec: JobSpec, memo: dict | None = None,
-                 v: int = 1) -> tuple[list[StageCost], list[tuple[cost.StageMemory, float]]]:
-    """Per-stage cost coefficients and memory; identical stages are memoised in ``memo``.
-    Each stage's compute is slowed by :func:`_crowding` where its node runs several ranks."""
+                 v: int = 1, filo: bool = False
+                 ) -> tuple[list[StageCost], list[tuple[cost.StageMemory, float]]]:
+    """Per-stage cost coefficients and memory (``filo``: of helix's first-in-last-out order);
+    identical stages are memoised in ``memo``. Each stage's compute is slowed by
+    :func:`_crowding` where its node runs several ranks."""
     if memo is not None:
         pp = len(units)
         out, mems = [], []
         for i, (u, tp) in enumerate(zip(units, tps, strict=True)):
-            hit = _stage_cost_at(memo, u, tp, dp, mb, i, pp, m, schedule, v, inv, spec)
+            hit = _stage_cost_at(memo, u, tp, dp, mb, i, pp, m, schedule, v, inv, spec, filo)
             out.append(hit[0])
             mems.append(hit[1])
     else:
-        out, mems = _stage_costs_raw(units, tps, dp, mb, m, schedule, inv, spec, None, None, v)
+        out, mems = _stage_costs_raw(units, tps, dp, mb, m, schedule, inv, spec, None, None, v,
+                                     filo)
     slow = _crowding(units, tps, dp, mb, spec)
     if slow:  # a layer measured sharded ran with its node's TP ranks busy: not slowed again
         out = [StageCost(s.a if _measured_tp(spec, u, tp) else s.a * f, s.b * f, s.c, s.e,
@@ -702,26 +708,26 @@ def _crowding(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, spec:
 
 
 def _stage_cost_at(memo: dict, u: Unit, tp: int, dp: int, mb: int, i: int, pp: int, m: int,
-                   schedule: str, v: int, inv: ClusterInventory, spec: JobSpec
-                   ) -> tuple[StageCost, tuple[cost.StageMemory, float]]:
+                   schedule: str, v: int, inv: ClusterInventory, spec: JobSpec,
+                   filo: bool = False) -> tuple[StageCost, tuple[cost.StageMemory, float]]:
     """Cost and memory of the stage at position ``i`` of ``pp`` (memoised in ``memo``)."""
     # by position first (cheap key), then by what the costs depend on (shared)
-    where = ("at", u.key, tp, dp, mb, i, pp, m, schedule, v)
+    where = ("at", u.key, tp, dp, mb, i, pp, m, schedule, v, filo)
     hit = memo.get(where)
     if hit is None:
         key = (u.key, tp, dp, mb, i == 0, i == pp - 1,
-               *cost.schedule_memory_args(i, pp, m, schedule, v).values())
+               *cost.schedule_memory_args(i, pp, m, schedule, v, filo).values())
         hit = memo.get(key)
         if hit is None:
             hit = memo[key] = _stage_costs_raw([u], [tp], dp, mb, m, schedule, inv,
-                                               spec, i, pp, v)
+                                               spec, i, pp, v, filo)
         memo[where] = hit
     return hit
 
 
 def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
                      schedule: str, inv: ClusterInventory, spec: JobSpec, only: int | None,
-                     pp_real: int | None, v: int = 1):
+                     pp_real: int | None, v: int = 1, filo: bool = False):
     """Costs of all stages, or (``only``) of stage ``only`` of a ``pp_real``-stage pipeline."""
     model, training = spec.model, spec.training
     pp = len(units)
@@ -741,7 +747,7 @@ def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int
         mem = cost.stage_memory(model, training, tp=tp, dp=dp // _cp(spec), cp=_cp(spec),
                                 micro_batch=mb, first=first, last=last,
                                 cp_masks=not cost.skips_masked_tiles(u.device),
-                                **cost.schedule_memory_args(i, pp, m, schedule, v))
+                                **cost.schedule_memory_args(i, pp, m, schedule, v, filo))
         usable = u.device.hbm_bytes * cost.MEMORY_HEADROOM
         max_layers = int((usable - mem.fixed) // mem.per_layer) if usable > mem.fixed else 0
         out.append(StageCost(a, b, c, e, max_layers))
@@ -892,6 +898,17 @@ def _boundary_memo(search: _Search, src: Unit, dst: Unit, tp_src: int, tp_dst: i
 
 def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int,
               schedule: str, inv: ClusterInventory, grouping: str, v: int = 1) -> None:
+    """Offer the best layer split of one layout (``units``, ``tps``, ``dp``, ``mb``) under
+    ``schedule``; helix under both its orders (capped, then first-in-last-out: more memory,
+    often less bubble), each with its own memory."""
+    both = schedule == "helix" and not _HELIX_CAPPED.get()
+    for filo in (False, True) if both else (False,):
+        _evaluate_one(search, units, tps, dp, mb, schedule, inv, grouping, v, filo)
+
+
+def _evaluate_one(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: int,
+                  mb: int, schedule: str, inv: ClusterInventory, grouping: str, v: int,
+                  filo: bool) -> None:
     spec = search.spec
     model = spec.model
     m = _microbatches(spec, dp, mb)
@@ -907,14 +924,14 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
                                               spec.training, spec.cross_dc.mode):
         return
     stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec, search.stage_memo,
-                                v)
+                                v, filo)
     hops = [_boundary_memo(search, units[a], units[b], tps[a], tps[b], dp, mb, inv)
             for a, b in hop_pairs(pp, v)]
     boundaries = cost.boundary_charges(hops, pp, schedule, v)
     zb_div = (_zb_div(spec, (u.device for u in units), mb) if splits_backward(schedule)
               else cost.ZB_CATALOG_DIVISOR)
     hop = helix_hop_units(stages, hops) if schedule == "helix" else 0.0
-    f = _bubble_divisor(schedule, v, zb_div, pp, m, model, hop)
+    f = _bubble_divisor(schedule, v, zb_div, pp, m, model, hop, filo)
     scaled = [StageCost(s.a, s.b, s.c * f, s.e * f, s.max_layers) for s in stages]
     p_max, p_sum = max(boundaries, default=0.0), sum(boundaries)
     search.evaluated += 1
@@ -943,12 +960,13 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
     _, split = result
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
     stage_dp = [s.dp(n) for s, n in zip(stages, split, strict=True)]
-    pipe, bubble = cost.pipeline_time_s(stage_s, hops, m, schedule, v, zb_div, model, hop)
+    pipe, bubble = cost.pipeline_time_s(stage_s, hops, m, schedule, v, zb_div, model, hop,
+                                        filo)
     t = pipe + max(stage_dp)
     memory = tuple(mem.bytes_for(n) / cost.GIB for (mem, _), n in zip(mems, split, strict=True))
     search.offer(Candidate(t, dp, mb, schedule, tuple(units), tuple(tps), tuple(split),
                            tuple(stage_s), tuple(stage_dp), tuple(boundaries), bubble, memory,
-                           grouping, v, _cp(spec), hop))
+                           grouping, v, _cp(spec), hop, filo))
 
 
 def helix_hop_units(stages: Sequence[StageCost], hops: Sequence[float]) -> float:
@@ -2137,7 +2155,7 @@ def step_time_for_split(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
     pipe, _ = cost.pipeline_time_s(stage_s, boundaries, plan.num_microbatches, plan.schedule,
                                    plan.virtual_stages,
                                    plan_zb_div(plan, plan_devices(plan, inventory)), plan.model,
-                                   plan.helix_hop)
+                                   plan.helix_hop, plan.helix_filo)
     return pipe + dp_s
 
 
@@ -2162,7 +2180,7 @@ def split_costs(spec: JobSpec, inventory: ClusterInventory, plan: Plan, split: S
     spec = replace(spec, parallelism=replace(spec.parallelism, cp=cp))
     dp = plan.dp * cp  # the DP×CP group, as the search counts it
     stages, _ = _stage_costs(stage_units, tps, dp, plan.micro_batch, m, plan.schedule,
-                             inventory, spec, v=v)
+                             inventory, spec, v=v, filo=plan.helix_filo)
     if any(n < 1 or n > s.max_layers for s, n in zip(stages, split, strict=True)):
         return None
     boundaries = pipeline_hops(stage_units, tps, dp, plan.micro_batch, inventory, spec,
@@ -2211,6 +2229,22 @@ def even_data_parallel() -> Iterator[None]:
         yield
     finally:
         _EVEN_ONLY.reset(token)
+
+
+# set while planning helix with its capped orders only (helix_capped_only)
+_HELIX_CAPPED: ContextVar[bool] = ContextVar("hettrain_planner_helix_capped", default=False)
+
+
+@contextlib.contextmanager
+def helix_capped_only() -> Iterator[None]:
+    """Plan, inside it, ``schedule: helix`` with its capped orders only (at most ``pp``
+    microbatches in flight), not also the first-in-last-out one: the planner before that
+    order, for comparisons (``bench/helix_crossover.py``)."""
+    token = _HELIX_CAPPED.set(True)
+    try:
+        yield
+    finally:
+        _HELIX_CAPPED.reset(token)
 
 
 @contextlib.contextmanager
@@ -2366,7 +2400,8 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         # (uneven dp: the short replicas send one microbatch fewer; gb / (dp·m·mb) of it)
         pp_bytes_per_step=c.dp * gb / (dp * m * c.micro_batch) * (
             cost.helix_bytes_per_step(model, c.micro_batch, cost.precision_bytes(spec.training),
-                                      m, c.pp, c.helix_hop) if c.schedule == "helix" else
+                                      m, c.pp, c.helix_hop, c.helix_filo)
+            if c.schedule == "helix" else
             cost.pipeline_bytes_per_step(
                 cost.cp_local_model(model, c.cp), c.micro_batch,
                 cost.precision_bytes(spec.training), m, c.pp,
@@ -2380,7 +2415,7 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
         micro_batch=c.micro_batch, num_microbatches=m, schedule=c.schedule,
         stages=tuple(stages), ranks=ranks, predicted=pred, cross_dc=cross, notes=tuple(notes),
         virtual_stages=c.chunks if chunked_schedule(c.schedule) else 1,
-        data=spec.data.to_plan(), helix_hop=c.helix_hop,
+        data=spec.data.to_plan(), helix_hop=c.helix_hop, helix_filo=c.helix_filo,
         short_replicas=_short_replicas(spec, c.dp, c.micro_batch),
     )
 

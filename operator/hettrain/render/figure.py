@@ -61,7 +61,8 @@ def plan_timeline(plan: Plan) -> Timeline:
     """The Gantt schedule of one replica of ``plan``."""
     if plan.schedule == "helix":
         return helix_timeline([s.time_ms for s in plan.stages], plan.num_microbatches,
-                              plan.model.layers, helix.costs_for(plan.model), plan.helix_hop)
+                              plan.model.layers, helix.costs_for(plan.model), plan.helix_hop,
+                              filo=plan.helix_filo)
     chunks = plan.virtual_stages if chunked_schedule(plan.schedule) else 1
     schedule = plan.schedule if plan.schedule in SCHEDULE_NAMES else "1f1b"
     return build_timeline(

@@ -255,15 +255,16 @@ def _simulate(orders: list[list[_Key]], durations: list[dict[str, float]], stage
 
 
 def helix_timeline(stage_times_ms: Sequence[float], microbatches: int, layers: int,
-                   costs: dict[str, float], hop: float = 0.0, p2p_ms: float = 0.0) -> Timeline:
+                   costs: dict[str, float], hop: float = 0.0, p2p_ms: float = 0.0,
+                   filo: bool = False) -> Timeline:
     """Time one replica of the ``helix`` schedule: the planner's order
-    (:func:`hettrain.planning.helix.helix_orders` with ``costs`` and ``hop``, as the plan
-    carries them), replayed with stage ``s``'s part times (its ``stage_times_ms[s]`` split over
+    (:func:`hettrain.planning.helix.helix_orders` with ``costs``, ``hop`` and ``filo``, as the
+    plan carries them), replayed with stage ``s``'s part times (its ``stage_times_ms[s]`` split over
     its ``layers / pp`` layers by ``costs``) and ``p2p_ms`` per transfer between stages. A
     core runs at the speed of the stage that runs it. Parameter parts are ``F``/``B`` ops,
     cores ``A``/``a``; ``chunk`` is the layer's chunk on its owner (``layer // pp``)."""
     pp = len(stage_times_ms)
-    orders = helix.helix_orders(pp, layers, microbatches, costs, hop)
+    orders = helix.helix_orders(pp, layers, microbatches, costs, hop, filo)
     per_layer = sum(costs.values())
     unit = [t / (layers / pp) / per_layer for t in stage_times_ms]
     kinds = {"Fq": FORWARD, "Fo": FORWARD, "Fa": CORE, "Bo": BACKWARD, "Bq": BACKWARD,

@@ -173,7 +173,8 @@ class HelixRunner:
         """Forward+backward every microbatch in the helix order; gradients accumulate in the
         model's ``.grad``. Returns the sum of unscaled microbatch losses (the head's stage)."""
         m, L, pp, me = len(batches), self.layers, self.pp, self.stage
-        orders = order.helix_orders(pp, L, m, self.costs, self.plan.helix_hop)
+        orders = order.helix_orders(pp, L, m, self.costs, self.plan.helix_hop,
+                                    self.plan.helix_filo)
         place = order.placement(orders)
         spec, model = self.plan.model, self.model
         b, t = batches[0][0].shape

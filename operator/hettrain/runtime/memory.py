@@ -215,7 +215,8 @@ def predicted_stage_bytes(plan: Plan, stage: int) -> float:
                             micro_batch=plan.micro_batch, first=stage == 0,
                             last=stage == plan.pp - 1,
                             **cost.schedule_memory_args(stage, plan.pp, plan.num_microbatches,
-                                                        plan.schedule, plan.virtual_stages))
+                                                        plan.schedule, plan.virtual_stages,
+                                                        plan.helix_filo))
     return mem.bytes_for(st.layers) - cost.FRAMEWORK_OVERHEAD_BYTES
 
 

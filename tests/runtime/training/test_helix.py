@@ -81,8 +81,9 @@ def _in_flight_peak(orders, m):
 
 @pytest.mark.parametrize("pp,layers,m", GRID)
 @pytest.mark.parametrize("costs", [LONG, SHORT], ids=["128k", "2k"])
-def test_every_part_once_in_dependency_order_on_its_stage(pp, layers, m, costs):
-    orders = helix_orders(pp, layers, m, costs)
+@pytest.mark.parametrize("filo", [False, True], ids=["capped", "filo"])
+def test_every_part_once_in_dependency_order_on_its_stage(pp, layers, m, costs, filo):
+    orders = helix_orders(pp, layers, m, costs, filo=filo)
     every = sorted((k, j, layer) for k in KINDS for j in range(m) for layer in range(layers))
     assert sorted(a for actions in orders for a in actions) == every
     place = placement(orders)
@@ -97,7 +98,15 @@ def test_every_part_once_in_dependency_order_on_its_stage(pp, layers, m, costs):
     for _ in range(3):
         per = [{k: rng.uniform(0.1, 2.0) for k in KINDS} for _ in range(pp)]
         assert makespan(orders, layers, per, hop_s=rng.uniform(0, 0.5)) > 0
-    assert _in_flight_peak(orders, m) <= pp
+    assert _in_flight_peak(orders, m) <= (m if filo else pp)
+    if filo:  # first in, last out: every forward first, then the latest microbatch's backward
+        for s, actions in enumerate(orders):
+            kinds = [kind in FORWARD for kind, _, _ in actions]
+            assert kinds == sorted(kinds, reverse=True)
+            for k in range(s, layers, pp):
+                assert [j for kind, j, kk in actions if (kind, kk) == ("Bo", k)] == \
+                    list(reversed(range(m)))
+        assert all(s == owner(k, pp) for (_, k), s in placement(orders).items())
     # within a stage, each microbatch's parts run in chain order
     chain = [(f, k) for k in range(layers) for f in FORWARD] + \
         [(b, k) for k in reversed(range(layers)) for b in ("Bo", "Ba", "Bq")]
@@ -138,13 +147,32 @@ def test_cores_move_to_idle_stages_where_attention_dominates():
     assert transfers(short, 32)["qkv"] == 0
 
 
-def test_the_bubble_divisor_restates_the_replayed_makespan():
+@pytest.mark.parametrize("filo", [False, True], ids=["capped", "filo"])
+def test_the_bubble_divisor_restates_the_replayed_makespan(filo):
     for pp, layers, m in [(2, 8, 4), (4, 16, 6), (8, 32, 8)]:
-        div = bubble_divisor(pp, layers, m, LONG)
-        stage = sum(LONG.values()) * layers / pp
-        t = makespan(helix_orders(pp, layers, m, LONG), layers, [LONG] * pp)
-        assert t == pytest.approx((m + (pp - 1) / div) * stage)
-        assert t < (m + pp - 1) * stage  # beats 1F1B on equal stages
+        for hop in (0.0, 0.2):
+            div = bubble_divisor(pp, layers, m, LONG, hop, filo)
+            stage = sum(LONG.values()) * layers / pp
+            t = makespan(helix_orders(pp, layers, m, LONG, hop, filo), layers, [LONG] * pp, hop)
+            assert t == pytest.approx((m + (pp - 1) / div) * stage)
+            if hop == 0:
+                assert t < (m + pp - 1) * stage  # beats 1F1B on equal stages (free hops)
+
+
+def test_first_in_last_out_hides_hops_behind_more_microbatches():
+    """With more microbatches than stages and a hop per transfer, the first-in-last-out order
+    replays faster than the capped one (each hop hidden behind the same layer's other
+    microbatches): llama3-8b shapes at 32k and 128k, 32 layers."""
+    for seq in (32768, 131072):
+        costs = part_costs(seq, 4096, 32, 8, 14336)
+        for pp, m in ((2, 8), (4, 16), (8, 32)):
+            for hop in (0.2, 0.5):
+                capped = makespan(helix_orders(pp, 32, m, costs, hop), 32, [costs] * pp, hop)
+                filo = makespan(helix_orders(pp, 32, m, costs, hop, filo=True), 32,
+                                [costs] * pp, hop)
+                ideal = m * sum(costs.values()) * 32 / pp
+                assert filo < 0.9 * capped
+                assert filo < 1.08 * ideal
 
 
 # ---------------------------------------------------------------- the layer parts
@@ -185,7 +213,8 @@ def test_runner_rejects_layouts_helix_cannot_run():
 def _message_bytes(plan, steps):
     """Bytes one replica's helix step sends between stages (fp32 plans), from the order."""
     spec, b, m = plan.model, plan.micro_batch, plan.num_microbatches
-    orders = helix_orders(plan.pp, spec.layers, m, plan_costs(plan))
+    orders = helix_orders(plan.pp, spec.layers, m, plan_costs(plan), plan.helix_hop,
+                          plan.helix_filo)
     n = transfers(orders, spec.layers)
     hidden = b * spec.seq_len * spec.hidden
     qkv = b * (spec.heads + 2 * spec.kv_heads) * spec.seq_len * spec.head_dim
@@ -218,16 +247,19 @@ def test_helix_pp4_moves_cores_matches_reference_and_resumes_as_1f1b(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recompute,chunk", [("none", 0), ("attention-free", 0),
-                                             ("attention-free", 7)])
-def test_helix_pp2_dp2_matches_reference(tmp_path, recompute, chunk):
+@pytest.mark.parametrize("recompute,chunk,filo", [("none", 0, False),
+                                                  ("attention-free", 0, False),
+                                                  ("attention-free", 7, False),
+                                                  ("attention-free", 0, True)])
+def test_helix_pp2_dp2_matches_reference(tmp_path, recompute, chunk, filo):
     """Training losses and the validation losses (the forward-only pass over the chunk
     streams) match the single-process reference, also with the loss in chunks of 7 tokens
-    (``loss_chunk_tokens``)."""
+    (``loss_chunk_tokens``) and in the first-in-last-out order (``helix_filo``)."""
     steps = 3
     plan = _helix([(0, 2, "pool-a"), (2, 4, "pool-b")], dp=2, steps=steps,
                   num_microbatches=3, recompute=recompute, validation_interval=2,
                   validation_batches=2, loss_chunk_tokens=chunk)
+    plan = dataclasses.replace(plan, helix_filo=filo)
     got, logs, sums, _ = _run(tmp_path, plan)
     _assert_ran(logs, sums, plan, "helix")
     validation: dict[int, float] = {}

@@ -141,22 +141,26 @@ def test_chunked_loss_stage_bytes_match_the_plan_and_never_exceed_it(case, chunk
 HELIX = [(2, 4, 2, "bf16", MODEL, "none"), (3, 6, 1, "fp32", GATED, "none"),
          (3, 9, 1, "bf16", MODEL, "none"), (3, 3, 1, "bf16", MODEL, "selective"),
          (2, 3, 2, "bf16", GATED, "attention-free"), (3, 5, 2, "bf16", GATED, "attention-free"),
-         (2, 4, 1, "fp16", GATED, "full")]
+         (2, 4, 1, "fp16", GATED, "full"),
+         # first in, last out (plan.helix_filo): every microbatch in flight
+         (2, 4, 2, "bf16", MODEL, "none", True), (3, 6, 1, "fp32", GATED, "none", True),
+         (3, 5, 2, "bf16", GATED, "attention-free", True),
+         (2, 4, 1, "bf16", MODEL, "selective", True)]
 HELIX_TOLERANCE = 0.25  # the plan bounds the order by its caps (helix.in_flight_bound)
 
 
 @pytest.mark.parametrize("case", HELIX, ids=lambda c: "-".join(map(str, c[:4] + c[5:])))
 def test_helix_stage_bytes_never_exceed_the_plan(case):
     """The helix order holds at most its caps (pp microbatches of a stage's layers, one
-    stage's worth of other stages' cores: ``helix.in_flight_bound``), which the plan charges
-    whatever the order does: measured never above, within 25% below (a core the order keeps
-    home, a stage that never reaches the cap)."""
-    pp, m, mb, precision, model, recompute = case
+    stage's worth of other stages' cores: ``helix.in_flight_bound``; first in, last out: all
+    m of its own), which the plan charges whatever the order does: measured never above,
+    within 25% below (a core the order keeps home, a stage that never reaches the cap)."""
+    pp, m, mb, precision, model, recompute, *filo = case
     splits = [(2 * i, 2 * i + 2, p) for i, p in enumerate("abc"[:pp])]
     plan = replace(tiny_plan(splits, dp=1, micro_batch=mb, num_microbatches=m,
                              model=replace(model, layers=2 * pp), schedule="helix",
                              precision=precision, sharding="none", recompute=recompute),
-                   virtual_stages=2)
+                   virtual_stages=2, helix_filo=bool(filo and filo[0]))
     for stage in range(pp):
         got = measure_stage(plan, stage)
         want = predicted_stage_bytes(plan, stage)
