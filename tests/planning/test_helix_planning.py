@@ -193,6 +193,8 @@ def test_the_planner_keeps_the_faster_helix_order_that_fits():
     assert plan.helix_filo and plan.num_microbatches > plan.pp
     assert plan.predicted.step_time_s < capped.predicted.step_time_s
     assert Plan.from_json(plan.to_json()) == plan and "helix_filo" not in capped.to_dict()
+    assert any(n.startswith("helix order: first in, last out") for n in plan.notes)
+    assert any(n.startswith("helix order: at most 4 microbatches") for n in capped.notes)
     m = plan.num_microbatches
     stage_s, hops, dp_s = split_costs(spec, inv, plan, [2] * 4)
     pipe, _ = cost.pipeline_time_s(stage_s, hops, m, "helix", plan.virtual_stages,

@@ -549,18 +549,31 @@ def activation_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: int, reco
 def split_layer_extra_bytes(model: ModelSpec, micro_batch: int, recompute: str,
                             elem_bytes: int = 2) -> float:
     """The helix schedule (``runtime/helix.py``): what one layer keeps beyond
-    :func:`activation_bytes_per_layer` because its three parts are differentiated apart. The
-    attention core, which may run on another stage, keeps its q/k/v inputs where a whole
-    layer's re-run would recompute them: ``(heads + 2·kv_heads)·head_dim`` per token with
-    attention-free recompute, and with full recompute also the core's output (the
-    post-attention part's checkpointed input). 0 for ``none`` and ``selective``, whose layers
-    keep the same tensors either way."""
-    if not reruns_layer(recompute):
-        return 0.0
+    :func:`activation_bytes_per_layer` because its three parts are differentiated apart and
+    its q/k/v travel packed in one tensor (``runtime.helix.pre_attention``), whose storage
+    the attention kernel's saved query (a view of it) keeps whole. Per token:
+
+    * ``none``: with grouped-query attention (``kv_heads < heads``) the pack's k/v part,
+      ``2·kv_heads·head_dim`` (the kernel keeps the repeated k/v, new tensors, as the whole
+      layer does); with ``kv_heads == heads`` nothing (the kernel keeps the pack's own k/v);
+    * ``selective``: nothing (the re-run core keeps its packed input, the whole layer's
+      keeps the same q/k/v apart);
+    * ``attention-free``: what the core keeps where a whole layer's re-run recomputes it:
+      the pack, ``(heads + 2·kv_heads)·head_dim``, and with grouped-query attention the
+      repeated k/v, ``2·heads·head_dim``;
+    * ``full``: the pack and the core's output (the post-attention part's checkpointed
+      input), ``(2·heads + 2·kv_heads)·head_dim``.
+
+    Measured on the CPU against a GPipe stage of whole layers, same in-flight count
+    (``test_memory_honesty.py``: the helix cases within 10% of the plan)."""
     s, b, d = model.seq_len, micro_batch, model.head_dim
-    qkv = (model.heads + 2 * model.kv_heads) * d
-    out = model.heads * d if recompute == "full" else 0
-    return s * b * (qkv + out) * float(elem_bytes)
+    gqa = model.kv_heads < model.heads
+    pack = (model.heads + 2 * model.kv_heads) * d
+    per_token = {"none": 2 * model.kv_heads * d if gqa else 0,
+                 "selective": 0,
+                 "attention-free": pack + (2 * model.heads * d if gqa else 0),
+                 "full": pack + model.heads * d}.get(recompute, 0)
+    return s * b * per_token * float(elem_bytes)
 
 
 def cp_local_model(model: ModelSpec, cp: int) -> ModelSpec:
@@ -870,7 +883,9 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
         fixed += working
         fixed += s * b * h * eb * chunks_in_flight  # stage output kept for backward
     else:
-        if virtual_stages > 1:  # the last stage's earlier chunks feed stage 0
+        if split_layers:  # helix: each of its layers' outputs but the last goes on
+            fixed += s * b * h * eb * in_flight * (virtual_stages - 1)
+        elif virtual_stages > 1:  # the last stage's earlier chunks feed stage 0
             fixed += s * b * h * eb * max(0.0, chunks_in_flight - 1)
         head_table = 0 if (first and model.tie_embeddings) else embedding_params(model) / vs
         head = head_table + (1 + NORM_BIAS_PARAMS_H // 2) * h  # + final norm

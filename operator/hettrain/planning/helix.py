@@ -92,12 +92,14 @@ MAX_MICROBATCHES_PER_STAGE = 4  # helix is searched where m ≤ 4·pp (module do
 def in_flight_bound(pp: int, m: int, filo: bool = False) -> float:
     """Activations a stage holds at most, in microbatches of its whole stage: ``min(pp, m)``
     of its own layers (the entry cap; first-in-last-out, ``filo``: all ``m``) and, with
-    ``pp > 1``, one stage's worth more: other stages' cores (each counted as a whole layer:
-    an upper bound). The FILO order moves no core (:data:`FILO_VARIANTS`) but keeps the
-    margin: charged ``m`` alone, the CPU measurement exceeded the plan by up to 6.5%
-    (``test_memory_honesty.py``; an under-count per microbatch the capped orders' margin also
-    covers, not yet located). Independent of the costs, so the planner's memory needs no
-    order."""
+    ``pp > 1``, one stage's worth more. For the capped orders that is other stages' cores
+    (each counted as a whole layer: an upper bound). The FILO order moves no core
+    (:data:`FILO_VARIANTS`), but its peak is its first backward, with every microbatch
+    still held: charged ``m`` alone, the CPU measurement (which counts what the backward
+    saves too) exceeded the plan by up to 4.3%, the MLP backward's recompute of its
+    activation (``runtime.model._ActDown``) on top of the held microbatches; the margin
+    covers it (docs/planning.md §Known limits). Independent of the costs, so the planner's
+    memory needs no order."""
     return float(m if filo else min(pp, m)) + (1.0 if pp > 1 else 0.0)
 
 

@@ -1789,6 +1789,17 @@ def _izb_note(best: Candidate, spec: JobSpec) -> str:
             f"{div:.2f} at F = B = W (at best / {3 * best.chunks})")
 
 
+def _helix_note(best: Candidate, spec: JobSpec) -> str:
+    """Which helix order the plan runs and what its replay divides 1F1B's bubble by."""
+    m = _microbatches(spec, best.dp, best.micro_batch)
+    div = helix.bubble_divisor(best.pp, spec.model.layers, m, helix.costs_for(spec.model),
+                               best.helix_hop, best.helix_filo)
+    order = ("first in, last out (all microbatches in flight)" if best.helix_filo
+             else f"at most {min(best.pp, m)} microbatches in flight")
+    return (f"helix order: {order}, {m} microbatches, hop {best.helix_hop:g} layer-forwards: "
+            f"1F1B's bubble / {div:.2f}")
+
+
 def _zb_note(best: Candidate, spec: JobSpec) -> str:
     """Where a zero-bubble schedule's bubble came from: the measured B/W split of the devices
     whose profile has one (:func:`_zb_div`), or the catalog rule."""
@@ -1864,6 +1875,8 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
                      "layers, the first stage's embedding, the last stage's head and loss)")
     if best.schedule == "interleaved-zb":
         notes.append(_izb_note(best, spec))
+    if best.schedule == "helix":
+        notes.append(_helix_note(best, spec))
     if splits_backward(best.schedule):
         notes.append(_zb_note(best, spec))
     sharded = sorted({(u.device.name, tp) for u, tp in zip(best.units, best.tps, strict=True)

@@ -18,7 +18,9 @@ gradient is complete after ``Bq`` and only then leaves for the previous layer's 
 
 Transfers: every message (a layer output, q/k/v, a core output, or their gradients) is cast
 to the plan's precision and travels host-staged over the gloo world group with a tag unique
-to ``(microbatch, layer, payload)`` (:func:`message_tag`), so matching never depends on order.
+to ``(microbatch, layer, payload)`` (:func:`message_tag`), so matching never depends on order;
+q/k/v and core outputs (and their gradients) travel token-major, the layout
+:func:`pre_attention` packs them in.
 Sends never block (``isend``; the host copies of finished ones are dropped after each part)
 and each stage receives in its own order, which the planner's list scheduler realised once
 with the same dependencies: no deadlock. The stage times it reports for closed-loop
@@ -70,14 +72,18 @@ def plan_costs(plan: Plan) -> dict[str, float]:
 def pre_attention(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
     """Norm, q/k/v projections and RoPE of ``layer``: ``(batch, heads + 2·kv_heads, seq,
-    head_dim)`` (q, then k, then v)."""
+    head_dim)`` (q, then k, then v), laid out token-major in memory (``(batch, seq, heads,
+    head_dim)`` transposed) like the whole layer's q/k/v: the attention kernel's output then
+    follows that layout and the output projection reshapes it without a copy (a head-major
+    pack cost a hidden-sized copy per layer and microbatch, measured)."""
     attn = layer.self_attn
     h = layer.input_layernorm(x)
     b, t, _ = h.shape
     q = attn.q_proj(h).view(b, t, attn.heads, attn.head_dim).transpose(1, 2)
     k = attn.k_proj(h).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
     v = attn.v_proj(h).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
-    return torch.cat((apply_rope(q, cos, sin), apply_rope(k, cos, sin), v), dim=1)
+    parts = (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    return torch.cat([p.transpose(1, 2) for p in parts], dim=2).transpose(1, 2)
 
 
 def attention_core(qkv: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
@@ -192,13 +198,17 @@ class HelixRunner:
             key = tag(j, k, payload, grad)
             if stage == me:
                 local[key] = x.detach()
-            else:
-                self._send(x, stage, key, k, GRADIENT if grad else ACTIVATION)
+            else:  # q/k/v and core outputs travel token-major (the layout pre_attention packs)
+                wire = x.transpose(1, 2) if payload in (QKV, CORE) else x
+                self._send(wire, stage, key, k, GRADIENT if grad else ACTIVATION)
 
         def take(stage: int, j: int, k: int, payload: int, grad: bool) -> torch.Tensor:
             key = tag(j, k, payload, grad)
             if stage == me:
                 return local.pop(key)
+            if payload in (QKV, CORE):
+                b_, heads_, t_, d_ = shapes[payload]
+                return self._recv((b_, t_, heads_, d_), stage, key).transpose(1, 2)
             return self._recv(shapes[payload], stage, key)
 
         def run_part(fn: Callable, ckpt: bool, *args) -> torch.Tensor:

@@ -170,6 +170,27 @@ def test_helix_stage_bytes_never_exceed_the_plan(case):
         assert 1.0 - HELIX_TOLERANCE <= ratio <= 1.0, (stage, got, want)
 
 
+@pytest.mark.parametrize("model", [MODEL, GATED], ids=["gqa", "mha"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "attention-free", "full"])
+def test_each_helix_microbatch_holds_exactly_what_the_plan_charges(model, recompute):
+    """What one more microbatch in flight adds to a helix stage (the first-in-last-out order
+    holds all of them): measured exactly the plan's per-layer charge, the split parts'
+    extra (``cost.split_layer_extra_bytes``: the packed q/k/v the core's views keep) and the
+    layer outputs the stage keeps for other stages, on a first and a last stage."""
+    splits = [(0, 2, "a"), (2, 4, "b")]
+    rows = []
+    for m in (3, 4):
+        plan = replace(tiny_plan(splits, dp=1, micro_batch=2, num_microbatches=m,
+                                 model=replace(model, layers=4), schedule="helix",
+                                 precision="bf16", sharding="none", recompute=recompute),
+                       virtual_stages=2, helix_filo=True)
+        rows.append([(measure_stage(plan, s).total, predicted_stage_bytes(plan, s))
+                     for s in range(2)])
+    for (got3, want3), (got4, want4) in zip(*rows, strict=True):
+        assert got4 - got3 == pytest.approx(want4 - want3, abs=1)
+        assert got4 > got3
+
+
 def test_state_bytes_are_exactly_the_cost_models_per_parameter_bytes():
     for precision, sharding, dp in (("bf16", True, 2), ("bf16", False, 2), ("fp32", True, 4),
                                     ("fp16", False, 1), ("bf16", "gradients", 4),
