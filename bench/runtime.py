@@ -29,10 +29,11 @@ With ``--schedule``: 1F1B vs interleaved 1F1B (virtual stages v) vs ZB-H1 vs int
 and the ratio to 1F1B.
 
 With ``--helix``: 1F1B vs ZB-H1 vs interleaved with one layer per chunk vs helix (the same
-round-robin placement, each layer in three parts, attention cores on idle stages) on pp=2
-layouts with few microbatches (m = pp and 2·pp; runs alternated, median of repeats), ms/step,
-the ratio to 1F1B, and what the planner's replays predict for helix/1F1B (its order with the
-model's part costs vs 1F1B's ``(m + pp − 1)/m``, compute only).
+round-robin placement, each layer in three parts, attention cores on idle stages) in its
+capped order and in its first-in-last-out one (``plan.helix_filo``) on pp=2 layouts with few
+microbatches (m = pp, 2·pp and 4·pp; runs alternated, median of repeats), ms/step, the ratio
+to 1F1B, and what the planner's replays predict for helix/1F1B (each order with the model's
+part costs vs 1F1B's ``(m + pp − 1)/m``, compute only).
 
 With ``--overlap``: the DP gradient sync overlapped with the backward (bucketed async
 all-reduces, ``spec.training.overlapGradReduce`` true, the default) vs synced after it (false),
@@ -337,38 +338,43 @@ def schedules_compare(repeats: int, steps: int) -> None:
 
 
 def helix_compare(repeats: int, steps: int) -> None:
-    """Print 1F1B vs ZB-H1 vs interleaved (one layer per chunk) vs helix step times on pp=2,
-    dp=1 with m = pp and 2·pp microbatches (runs alternated, medians of repeats; ratios to
-    1F1B), and the replayed helix/1F1B ratio the planner would price."""
+    """Print 1F1B vs ZB-H1 vs interleaved (one layer per chunk) vs helix (capped and
+    first-in-last-out orders) step times on pp=2, dp=1 with m = pp, 2·pp and 4·pp
+    microbatches (runs alternated, medians of repeats; ratios to 1F1B), and the replayed
+    helix/1F1B ratios the planner would price."""
     from hettrain.planning import helix
 
     # the attention core is about a third of a layer at 512 tokens (helix.part_costs)
     model = dataclasses.replace(TINY, layers=8, hidden=128, ffn_hidden=256, heads=4,
                                 kv_heads=2, seq_len=512, name="gpt-helix-8")
     split = [(0, 4, "pool-a"), (4, 8, "pool-b")]
-    scheds = ("1f1b", "zb-h1", "interleaved", "helix")
+    scheds = ("1f1b", "zb-h1", "interleaved", "helix", "helix-filo")
     costs = helix.costs_for(model)
     print(f"median of {repeats}; {steps} steps; microbatches of 1 x {model.seq_len} tokens; "
           f"pp2 dp1, 8 layers (core {costs['Fa']:.0%} of a layer's forward); ms/step (wall, "
-          "rank 0)")
-    print(f"{'m':>3} {'1f1b':>7} {'zb-h1':>7} {'inter':>7} {'helix':>7} {'zb/1f1b':>8} "
-          f"{'int/1f1b':>9} {'hx/1f1b':>8} {'replay hx/1f1b':>15}")
-    for m in (2, 4):
+          "rank 0); replay: the order's makespan over 1F1B's, compute only")
+    print(f"{'m':>3} {'1f1b':>7} {'zb-h1':>7} {'inter':>7} {'helix':>7} {'filo':>7} "
+          f"{'zb/1f1b':>8} {'int/1f1b':>9} {'hx/1f1b':>8} {'filo/1f1b':>10} {'replay hx':>10} "
+          f"{'replay filo':>12}")
+    for m in (2, 4, 8):
         res: dict[str, list[tuple[float, float]]] = {k: [] for k in scheds}
         for _ in range(repeats):
             for sched in scheds:
                 plan = tiny_plan(split, dp=1, steps=steps, num_microbatches=m, micro_batch=1,
-                                 schedule=sched, model=model)
-                if sched in ("interleaved", "helix"):
-                    plan = dataclasses.replace(plan, virtual_stages=4)
+                                 schedule=sched.removesuffix("-filo"), model=model)
+                if sched in ("interleaved", "helix", "helix-filo"):
+                    plan = dataclasses.replace(plan, virtual_stages=4,
+                                               helix_filo=sched == "helix-filo")
                 res[sched].append(runtime(plan, steps))
         w = {k: 1e3 * statistics.median(x for x, _ in res[k]) for k in scheds}
-        replay = helix.makespan(helix.helix_orders(2, 8, m, costs), 8, [costs] * 2)
         one = (m + 1) * 4 * sum(costs.values())
+        replay = {filo: helix.makespan(helix.helix_orders(2, 8, m, costs, filo=filo), 8,
+                                       [costs] * 2) / one for filo in (False, True)}
         print(f"{m:3d} {w['1f1b']:7.1f} {w['zb-h1']:7.1f} {w['interleaved']:7.1f} "
-              f"{w['helix']:7.1f} {w['zb-h1'] / w['1f1b']:8.2f} "
+              f"{w['helix']:7.1f} {w['helix-filo']:7.1f} {w['zb-h1'] / w['1f1b']:8.2f} "
               f"{w['interleaved'] / w['1f1b']:9.2f} {w['helix'] / w['1f1b']:8.2f} "
-              f"{replay / one:15.2f}")
+              f"{w['helix-filo'] / w['1f1b']:10.2f} {replay[False]:10.2f} "
+              f"{replay[True]:12.2f}")
 
 
 def _dp_run(plan, steps: int, env: dict[str, str]) -> tuple[float, float, float]:
