@@ -173,6 +173,11 @@ def test_the_runtime_side_check_names_what_helix_cannot_run():
         _spec(pp=1)
     one = dataclasses.replace(plan, pp=1, stages=plan.stages[:1])
     assert "plan.pp=1" in helix_errors(one)[0]
+    other = dataclasses.replace(plan, schedule="1f1b", virtual_stages=1, helix_filo=True)
+    assert helix_errors(other) == ["plan.helix_filo=true with plan.schedule=1f1b: only the "
+                                   "helix schedule has that order; set it false or plan with "
+                                   "schedule: helix"]
+    assert helix_errors(dataclasses.replace(other, helix_filo=False)) == []
     job = {"model": {"layers": 8, "hidden": 1024, "heads": 16, "seqLen": 2048, "vocab": 32000},
            "training": {"globalBatch": 8, "steps": 1, "sharding": "full"},
            "parallelism": {"schedule": "helix"}}

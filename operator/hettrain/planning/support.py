@@ -106,8 +106,12 @@ def helix_errors(plan: Plan) -> list[str]:
     """Why the runtime cannot run this plan's helix schedule (empty: it can, or another
     schedule): ``pp ≥ 2``, one layer per model chunk (``layers`` a multiple of ``pp``,
     ``layers / pp`` on every stage, ``virtual_stages = layers / pp``), stages without TP or
-    CP, no replica groups (``runtime/helix.py``; ZeRO-2/3: :func:`sharding_errors`)."""
+    CP, no replica groups (``runtime/helix.py``; ZeRO-2/3: :func:`sharding_errors`); its
+    first-in-last-out order (``plan.helix_filo``) on no other schedule."""
     if plan.schedule != "helix":
+        if plan.helix_filo:
+            return [f"plan.helix_filo=true with plan.schedule={plan.schedule}: only the helix "
+                    "schedule has that order; set it false or plan with schedule: helix"]
         return []
     out = []
     layers, pp = plan.model.layers, plan.pp
