@@ -564,8 +564,9 @@ def split_layer_extra_bytes(model: ModelSpec, micro_batch: int, recompute: str,
     * ``full``: the pack and the core's output (the post-attention part's checkpointed
       input), ``(2·heads + 2·kv_heads)·head_dim``.
 
-    Measured on the CPU against a GPipe stage of whole layers, same in-flight count
-    (``test_memory_honesty.py``: the helix cases within 10% of the plan)."""
+    Measured on the CPU: one more first-in-last-out microbatch adds exactly this beside a
+    whole layer's bytes, in every mode with and without grouped-query attention
+    (``test_memory_honesty.py``)."""
     s, b, d = model.seq_len, micro_batch, model.head_dim
     gqa = model.kv_heads < model.heads
     pack = (model.heads + 2 * model.kv_heads) * d

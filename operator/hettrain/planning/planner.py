@@ -1922,14 +1922,11 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
         # each option the rules allow (api.spec.sharding_options), least sharded first: the
         # fastest that fits wins, ties the least sharded (exact: each search is). A variant's
         # refusal does not try the stronger shardings (_sharding_that_fits): auto does
-        token = _PROBING.set(True)
-        try:
+        with _raised(_PROBING):
             return _plan_auto(name, inventory, exhaustive, previous, "sharding", [
                 (mode, replace(spec, training=replace(spec.training, sharding=mode)))
                 for mode in sharding_options("auto", spec.model, spec.parallelism)],
                 prune=True)
-        finally:
-            _PROBING.reset(token)
     chunk = cost.loss_chunk_tokens(spec.model)
     if chunk and not _LOSS_CHOSEN.get():
         # long sequences: the whole-sequence loss and the chunked one (less memory on the
@@ -2013,15 +2010,12 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     if spec.parallelism.replica_groups and plan.short_replicas:
         # replica groups split an even batch: the best even layout with its groups may still
         # beat the uneven one (searched again without the uneven degrees)
-        token = _PER_POOL_DONE.set(True)
         try:
-            with even_data_parallel():
+            with _raised(_PER_POOL_DONE), even_data_parallel():
                 even = plan_job(name, spec, inventory, exhaustive=exhaustive,
                                 previous=previous, ceiling_s=ceiling_s)
         except PlanningError:
             return plan
-        finally:
-            _PER_POOL_DONE.reset(token)
         if even.predicted.step_time_s < plan.predicted.step_time_s * (1 - 1e-9):
             return even
     return plan
@@ -2233,44 +2227,39 @@ _PER_POOL_DONE: ContextVar[bool] = ContextVar("hettrain_planner_per_pool_done", 
 
 
 @contextlib.contextmanager
-def even_data_parallel() -> Iterator[None]:
-    """Plan, inside it, with only the data-parallel degrees that divide the global batch (no
-    uneven replicas): what :func:`plan_job` plans replica groups on when the best plain
-    layout is uneven, and the layouts before uneven data parallelism, for comparisons."""
-    token = _EVEN_ONLY.set(True)
+def _raised(flag: ContextVar[bool]) -> Iterator[None]:
+    """``flag`` true inside it, its previous value restored on the way out."""
+    token = flag.set(True)
     try:
         yield
     finally:
-        _EVEN_ONLY.reset(token)
+        flag.reset(token)
+
+
+def even_data_parallel() -> contextlib.AbstractContextManager[None]:
+    """Plan, inside it, with only the data-parallel degrees that divide the global batch (no
+    uneven replicas): what :func:`plan_job` plans replica groups on when the best plain
+    layout is uneven, and the layouts before uneven data parallelism, for comparisons."""
+    return _raised(_EVEN_ONLY)
 
 
 # set while planning helix with its capped orders only (helix_capped_only)
 _HELIX_CAPPED: ContextVar[bool] = ContextVar("hettrain_planner_helix_capped", default=False)
 
 
-@contextlib.contextmanager
-def helix_capped_only() -> Iterator[None]:
+def helix_capped_only() -> contextlib.AbstractContextManager[None]:
     """Plan, inside it, ``schedule: helix`` with its capped orders only (at most ``pp``
     microbatches in flight), not also the first-in-last-out one: the planner before that
     order, for comparisons (``bench/helix_crossover.py``)."""
-    token = _HELIX_CAPPED.set(True)
-    try:
-        yield
-    finally:
-        _HELIX_CAPPED.reset(token)
+    return _raised(_HELIX_CAPPED)
 
 
-@contextlib.contextmanager
-def loss_as_given() -> Iterator[None]:
+def loss_as_given() -> contextlib.AbstractContextManager[None]:
     """Plan, inside it, with ``spec.training.loss_chunk_tokens`` as given (0: the
     whole-sequence loss) instead of planning both losses of a long-sequence job and keeping
     the faster: how :func:`plan_job` plans each of the two, and the planner before the chunked
     loss, for comparisons."""
-    token = _LOSS_CHOSEN.set(True)
-    try:
-        yield
-    finally:
-        _LOSS_CHOSEN.reset(token)
+    return _raised(_LOSS_CHOSEN)
 
 
 SHARDING_ORDER = ("none", "optimizer", "gradients", "full")  # least to most sharded
@@ -2285,8 +2274,7 @@ def _sharding_that_fits(spec: JobSpec, inventory: ClusterInventory) -> str | Non
     if _PROBING.get() or current == "auto" or spec.cross_dc.mode == "diloco":
         return None
     allowed = sharding_options("auto", spec.model, spec.parallelism)
-    token = _PROBING.set(True)
-    try:
+    with _raised(_PROBING):
         for alt in SHARDING_ORDER[SHARDING_ORDER.index(current) + 1:]:
             if alt not in allowed:
                 continue
@@ -2296,8 +2284,6 @@ def _sharding_that_fits(spec: JobSpec, inventory: ClusterInventory) -> str | Non
             except PlanningError:
                 continue
             return alt
-    finally:
-        _PROBING.reset(token)
     return None
 
 
