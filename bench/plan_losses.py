@@ -63,7 +63,11 @@ def device_rate(spec: JobSpec, device) -> tuple[float, float, float]:
     computing the global batch as one microbatch at tp 1 (the ideal's per-GPU rate)."""
     m, gb = spec.model, spec.training.global_batch
     eb = cost.precision_bytes(spec.training)
-    lc = cost.layer_compute_s(m, gb, 1, device, ideal_mode(spec), eb)
+    mode = ideal_mode(spec)
+    # the chunked MLP where the planner may choose it (a re-run layer at long sequences)
+    chunk = cost.mlp_chunk_tokens(m, replace(spec.training, recompute=mode))
+    lc = min(cost.layer_compute_s(m, gb, 1, device, mode, eb, mlp_chunk_tokens=c)
+             for c in {0, chunk})
     head = cost.head_time_s(m, gb, 1, device, eb)
     return gb * m.seq_len / (m.layers * lc + head), lc, head
 
@@ -77,8 +81,12 @@ def _stage_parts(spec: JobSpec, plan_spec: JobSpec, unit, tp: int, cp: int, mb: 
     eb = cost.precision_bytes(spec.training)
     mode = plan_spec.training.recompute
     local = cost.cp_local_model(model, cp)
-    lc_plan = context.cp_layer_compute_s(model, mb, tp, cp, dev, mode, eb)
-    lc_ideal = context.cp_layer_compute_s(model, mb, tp, cp, dev, ideal_mode(spec), eb)
+    lc_plan = context.cp_layer_compute_s(model, mb, tp, cp, dev, mode, eb,
+                                         plan_spec.training.mlp_chunk_tokens)
+    ideal = ideal_mode(spec)
+    chunk = cost.mlp_chunk_tokens(model, replace(spec.training, recompute=ideal))
+    lc_ideal = min(context.cp_layer_compute_s(model, mb, tp, cp, dev, ideal, eb, c)
+                   for c in {0, chunk})
     tpc = cost.tp_comm_per_layer_s(local, mb, tp, dev, eb, mode)
     cpc = 0.0
     if cp > 1:

@@ -43,14 +43,16 @@ def _brute_force_one_stage(spec, inv) -> tuple[float, int, int, int]:
     no bubble, no pipeline boundary) plus the gradient sync of the ``cp`` ranks and the
     optimizer step, and the stage
     must fit ``MEMORY_HEADROOM`` of its HBM; each with the whole-sequence loss and, from 16k
-    tokens, the chunked one."""
+    tokens, the chunked one (and with a re-run layer the whole and the chunked MLP)."""
     pool = inv.pools[0]
     dev, model = pool.device, spec.model
     best = (float("inf"), 0, 0, 0)
     # the whole-sequence loss and, from 16k tokens, the chunked one (cost.loss_chunk_tokens)
     chunks = sorted({0, cost.loss_chunk_tokens(model)})
-    for chunk, cp, tp in itertools.product(chunks, (1, 2, 4, 8), (1, 2, 4, 8)):
-        training = replace(spec.training, loss_chunk_tokens=chunk)
+    # and, with a re-run layer from 16k tokens, the whole and the chunked MLP
+    mlps = sorted({0, cost.mlp_chunk_tokens(model, spec.training)})
+    for chunk, mlp, cp, tp in itertools.product(chunks, mlps, (1, 2, 4, 8), (1, 2, 4, 8)):
+        training = replace(spec.training, loss_chunk_tokens=chunk, mlp_chunk_tokens=mlp)
         if tp * cp > pool.gpus_per_node or model.seq_len % (2 * cp):
             continue
         link = context.cp_link(dev, pool.gpus_per_node, pool.nic_gbytes_per_gpu, tp, cp)

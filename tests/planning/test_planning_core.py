@@ -60,9 +60,11 @@ def test_activation_bytes_count_the_runtimes_saved_tensors() -> None:
     assert cost.activation_bytes_per_layer(odd, 1, 8, "selective") == \
         2047 * (norms + (h + 2 * h + h + f) * 2 / 8) + 8 * 2047 * d
     assert cost.activation_bytes_per_layer(odd, 1, 8, "full") == 2047 * h * 2
-    # full recompute re-runs one layer in the backward: counted once per stage, not per layer
+    # full recompute re-runs one layer in the backward, then runs its backward: counted
+    # once per stage, not per layer
     assert cost.recompute_working_set_bytes(model, 1, 8, "full") == \
-        cost.activation_bytes_per_layer(model, 1, 8, "none") + 2 * 4 * s * d
+        cost.activation_bytes_per_layer(model, 1, 8, "none") + 2 * 4 * s * d \
+        + cost.backward_transient_bytes(model, 1, 8)
     assert cost.recompute_working_set_bytes(model, 1, 8, "selective") == 0
 
 

@@ -149,7 +149,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 
 
 # TrainingSpec fields the planner sets in a plan and no spec (nor the CRD) has
-PLANNER_TRAINING_FIELDS = ("loss_chunk_tokens",)
+PLANNER_TRAINING_FIELDS = ("loss_chunk_tokens", "mlp_chunk_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +192,10 @@ class TrainingSpec:
     # loss_chunk_tokens): > 0, the runtime computes the LM head and loss that many tokens at
     # a time (runtime/model.py)
     loss_chunk_tokens: int = 0
+    # set by the planner (planning/cost.py mlp_chunk_tokens): > 0, a layer re-run in the
+    # backward (full or attention-free recompute) computes its MLP that many tokens at a time
+    # and keeps none of its ffn-wide tensors for the whole sequence (runtime/model.py)
+    mlp_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         # one truth for both fields: unset follows the flag; otherwise "off" wins, so

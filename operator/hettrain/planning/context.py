@@ -91,22 +91,32 @@ def cp_comm_per_layer_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
 
 
 def cp_layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
-                       device: DeviceSpec, recompute: str, elem_bytes: int = 2) -> float:
+                       device: DeviceSpec, recompute: str, elem_bytes: int = 2,
+                       mlp_chunk_tokens: int = 0) -> float:
     """Compute seconds of one layer for one microbatch on one CP×TP rank (no communication):
     :func:`cost.layer_compute_s` on the rank's ``s/cp`` tokens, with the attention term
     raised to the rank's :func:`attention_share` of the whole sequence's causal attention
     (on ``s/cp`` tokens the model counts ``(s/cp)²`` pairs, ``1/cp²`` of ``s²``).
     A device profile's measured layer time (if it matches the full model) is scaled by the
-    rank's share of the FLOPs instead."""
+    rank's share of the FLOPs instead. ``mlp_chunk_tokens``: the chunked MLP over the rank's
+    tokens (:func:`cost.modelled_layer_s`)."""
+    chunk = mlp_chunk_tokens
     if cp <= 1:
-        return cost.layer_compute_s(model, micro_batch, tp, device, recompute, elem_bytes)
+        return cost.layer_compute_s(model, micro_batch, tp, device, recompute, elem_bytes,
+                                    mlp_chunk_tokens=chunk)
     share = attention_share(cp, skips_masked=cost.skips_masked_tiles(device))
     prof = device.profile
+    local = cost.cp_local_model(model, cp)
     if prof is not None and prof.matches(model, elem_bytes):
         full = cost.layer_compute_s(model, micro_batch, tp, device, recompute, elem_bytes)
+        if chunk:
+            full *= (cost.modelled_layer_s(local, micro_batch, tp, device, recompute,
+                                           elem_bytes, chunk)
+                     / cost.modelled_layer_s(local, micro_batch, tp, device, recompute,
+                                             elem_bytes))
         return full * _flops_share(model, cp, share)
-    local = cost.cp_local_model(model, cp)
-    t = cost.layer_compute_s(local, micro_batch, tp, device, recompute, elem_bytes)
+    t = cost.layer_compute_s(local, micro_batch, tp, device, recompute, elem_bytes,
+                             mlp_chunk_tokens=chunk)
     s_loc = local.seq_len
     # the model's attention term is 4·tokens·s·h per pass (s² pairs counted in full); a CP
     # rank's share of it is share·s², of which (s/cp)² is already in t
@@ -137,7 +147,8 @@ def cp_layer_time_s(model: ModelSpec, training: TrainingSpec, micro_batch: int, 
     eager = (cost.eager_score_bytes(model, micro_batch, tp, training.recompute, eb)
              * attention_share(cp, skips_masked=False) / (device.hbm_tbps * 1e12)
              if training.attention == "eager" else 0.0)
-    return (cp_layer_compute_s(model, micro_batch, tp, cp, device, training.recompute, eb)
+    return (cp_layer_compute_s(model, micro_batch, tp, cp, device, training.recompute, eb,
+                               training.mlp_chunk_tokens)
             + eager
             + cost.tp_comm_per_layer_s(local, micro_batch, tp, device, eb, training.recompute)
             + cp_comm_per_layer_s(model, micro_batch, tp, cp, eb, training.recompute, *link,

@@ -152,6 +152,7 @@ FP32_ATTENTION_EFFICIENCY = 0.50
 ELEMENTWISE_BYTES_PER_HIDDEN = 24.0  # counted: 2 norms, 2 bias+dropout+residual, bf16
 ELEMENTWISE_BYTES_PER_FFN = 4.0  # counted: the MLP activation reads + writes f, bf16
 KERNELS_PER_PASS = 14  # counted: 4-5 GEMMs, attention, ~8 elementwise per layer forward
+MLP_CHUNK_KERNELS = 23  # counted: one chunk of runtime.model._ChunkedMLP, forward + backward
 TP_BUS_EFFICIENCY = 0.75  # NCCL ring bus bandwidth / link bandwidth on NVLink; FITTED (Table 1)
 TP_LATENCY_S = 5e-6  # α of one ring step over NVLink (NCCL small-message latency); estimate
 # eager (unfused) attention, ``spec.training.attention: eager``: element reads + writes of the
@@ -210,7 +211,8 @@ def gemm_efficiency(device: DeviceSpec, gemm_flops: float) -> float:
 
 
 def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
-                    recompute: str, elem_bytes: int = 2, attention: str = "flash") -> float:
+                    recompute: str, elem_bytes: int = 2, attention: str = "flash",
+                    mlp_chunk_tokens: int = 0) -> float:
     """Compute seconds of one layer for one microbatch on one TP rank (no communication).
 
     A device profile that measured this layer shape in this precision
@@ -218,7 +220,9 @@ def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceS
     (a version-1 profile without a measured selective mode: plus one modelled attention
     forward; attention-free, never measured: the full line scaled by the model's
     attention-free / full ratio, at least the ``none`` line: :func:`profiled_layer_s`);
-    else :func:`modelled_layer_s`. ``attention`` ``eager``
+    else :func:`modelled_layer_s`. ``mlp_chunk_tokens`` (:func:`mlp_chunk_tokens`): the
+    chunked MLP's GEMMs and kernels (:func:`modelled_layer_s`; a profile's line scaled by
+    the model's chunked / whole ratio). ``attention`` ``eager``
     adds the materialised scores' memory traffic (:func:`eager_score_bytes`) at the HBM
     bandwidth, on the model and on a profile (which measured the runtime's fused attention).
     """
@@ -226,24 +230,48 @@ def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceS
              / (device.hbm_tbps * 1e12) if attention == "eager" else 0.0)
     prof = device.profile
     if prof is not None and prof.matches(model, elem_bytes):
-        return profiled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes) + eager
-    return modelled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes) + eager
+        t = profiled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes)
+        if mlp_chunk_tokens:
+            t *= (modelled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes,
+                                   mlp_chunk_tokens)
+                  / modelled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes))
+        return t + eager
+    return modelled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes,
+                            mlp_chunk_tokens) + eager
+
+
+def mlp_input_params(model: ModelSpec) -> int:
+    """Parameters of the MLP's input projections: gate and up (SwiGLU), or up (GELU)."""
+    return (2 if model.gated_mlp else 1) * model.hidden * model.ffn_hidden
 
 
 def modelled_layer_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
-                     recompute: str, elem_bytes: int = 2) -> float:
-    """:func:`layer_compute_s` from the catalog model alone (flash attention, no profile)."""
+                     recompute: str, elem_bytes: int = 2, mlp_chunk_tokens: int = 0) -> float:
+    """:func:`layer_compute_s` from the catalog model alone (flash attention, no profile).
+
+    The chunked MLP (``mlp_chunk_tokens``, ``runtime.model._ChunkedMLP``) runs its GEMMs in
+    three passes plus its input projections once more (recomputed per chunk in the backward)
+    whatever the recompute mode, as a re-run layer skips the MLP; its activation is made
+    twice (forward and backward); each of its ``⌈tokens / chunk⌉`` chunks launches
+    :data:`MLP_CHUNK_KERNELS` kernels, counted apart from the whole MLP's."""
     tokens = micro_batch * model.seq_len
     passes = compute_passes(recompute)
-    gemm = passes * 2.0 * tokens * layer_matmul_params(model) / tp
+    gemm_params = passes * layer_matmul_params(model)
+    ffn_passes, kernels = passes, passes * KERNELS_PER_PASS
+    if mlp_chunk_tokens:
+        mlp = mlp_input_params(model) + model.hidden * model.ffn_hidden
+        gemm_params += (3 - passes) * mlp + mlp_input_params(model)
+        ffn_passes = 3
+        kernels += (-(-tokens // mlp_chunk_tokens) - 1) * MLP_CHUNK_KERNELS
+    gemm = 2.0 * tokens * gemm_params / tp
     attn = attention_passes(recompute) * attention_core_forward_flops(model, tokens) / tp
     peak = device.matmul_flops(elem_bytes)
-    elementwise = (passes * tokens * (ELEMENTWISE_BYTES_PER_HIDDEN * model.hidden
-                                      + ELEMENTWISE_BYTES_PER_FFN * model.ffn_hidden)
+    elementwise = (tokens * (passes * ELEMENTWISE_BYTES_PER_HIDDEN * model.hidden
+                             + ffn_passes * ELEMENTWISE_BYTES_PER_FFN * model.ffn_hidden)
                    / tp * elem_bytes / 2)
     return (gemm / peak + attn / (peak * attention_efficiency(device, elem_bytes))
             + elementwise / (device.hbm_tbps * 1e12)
-            + passes * KERNELS_PER_PASS * KERNEL_FIXED_S)
+            + kernels * KERNEL_FIXED_S)
 
 
 def profiled_layer_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
@@ -288,7 +316,7 @@ def layer_time_s(model: ModelSpec, training: TrainingSpec, micro_batch: int, tp:
         return line[0] + line[1] * micro_batch
     eb = precision_bytes(training)
     return (layer_compute_s(model, micro_batch, tp, device, training.recompute, eb,
-                            training.attention)
+                            training.attention, training.mlp_chunk_tokens)
             + tp_comm_per_layer_s(model, micro_batch, tp, device, eb, training.recompute))
 
 
@@ -629,14 +657,137 @@ def cp_attention_extra_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: i
 
 
 def recompute_working_set_bytes(model: ModelSpec, micro_batch: int, tp: int, recompute: str,
-                                elem_bytes: int = 2) -> float:
+                                elem_bytes: int = 2, mlp_chunk_tokens: int = 0,
+                                cp_gathered: int = 0) -> float:
     """A re-run layer (:func:`reruns_layer`): what the backward of one layer holds while it
     re-runs that layer's forward (everything the layer keeps without recompute, one
-    microbatch); 0 otherwise."""
+    microbatch, less what the chunked MLP does not keep: :func:`chunked_mlp_saved_bytes`) and
+    then runs its backward (:func:`backward_transient_bytes`), plus the RoPE tables
+    (:func:`recompute_rope_table_bytes`); 0 otherwise."""
     if not reruns_layer(recompute):
         return 0.0
-    return (activation_bytes_per_layer(model, micro_batch, tp, "none", elem_bytes)
-            + recompute_rope_table_bytes(model, recompute))
+    working = (activation_bytes_per_layer(model, micro_batch, tp, "none", elem_bytes)
+               + backward_transient_bytes(model, micro_batch, tp, elem_bytes,
+                                          mlp_chunk_tokens, cp_gathered))
+    if mlp_chunk_tokens:
+        working -= chunked_mlp_saved_bytes(model, micro_batch, tp, elem_bytes)
+    return working + recompute_rope_table_bytes(model, recompute)
+
+
+# The chunked MLP (runtime.model._ChunkedMLP; HelixPipe's chunked MLP), with a re-run layer:
+# the planner tries it beside the whole MLP from MLP_CHUNK_MIN_SEQ_LEN tokens per sequence
+# (plan_job keeps the faster that fits). MLP_CHUNK_TOKENS: GEMMs of 4096 tokens stay large
+# (4096 x hidden x ffn/tp); one chunk's backward holds 7 ffn-wide tensors of it.
+MLP_CHUNK_TOKENS = 4096
+MLP_CHUNK_MIN_SEQ_LEN = 16384
+# live bytes at the peak of one MLP backward, in ffn-wide tensors of the plan precision over
+# the microbatch's tokens (the whole MLP, runtime.model._ActDown: gated 5, GELU 3 and one
+# weight gradient) or over one chunk (the chunked MLP: gated 7, GELU 4), measured on the CPU
+# with runtime.memory.LiveBytes (test_memory_honesty.py)
+MLP_BACKWARD_FFN = {True: 5, False: 3}
+CHUNKED_MLP_BACKWARD_FFN = {True: 7, False: 4}
+# the whole MLP's input-gradient phase, (gated, sequence parallel) -> tensors of T·h, T·F and
+# h·F alive at its peak (the products with the weights, their sum, the gathered input and
+# the reduce-scatter's buffers under SP; the gate and up gradients; the weight gradients before
+# their fold into the fp32 main grads), the largest measured the same way
+MLP_INPUT_GRAD_PHASE = {(True, False): (3, 2, 2), (False, False): (1, 1, 1),
+                        (True, True): (4, 3, 2), (False, True): (2, 1, 3)}
+
+
+def mlp_chunk_tokens(model: ModelSpec, training: TrainingSpec) -> int:
+    """The chunk the planner tries for ``model`` beside the whole MLP (``plan_job`` keeps the
+    faster as the plan's ``training.mlp_chunk_tokens``): :data:`MLP_CHUNK_TOKENS` where the
+    recompute mode re-runs the layer (:func:`reruns_layer`: the chunked MLP then costs no
+    extra GEMM, it saves the re-run's down projection) and a sequence has at least
+    :data:`MLP_CHUNK_MIN_SEQ_LEN` tokens; else 0."""
+    if reruns_layer(training.recompute) and model.seq_len >= MLP_CHUNK_MIN_SEQ_LEN:
+        return MLP_CHUNK_TOKENS
+    return 0
+
+
+def mlp_backward_transient_bytes(model: ModelSpec, micro_batch: int, tp: int,
+                                 elem_bytes: int = 2, chunk: int = 0) -> float:
+    """What one layer's MLP backward allocates at its peak on one rank, ``model`` the rank's
+    token-local view: the larger of its two phases, each counting what can be alive at once
+    (``T`` tokens of the microbatch, ``F = ffn/tp``, ``h`` hidden; measured against
+    ``runtime.memory``'s live count in ``test_memory_honesty.py``).
+
+    The whole MLP: the activation phase (``runtime.model._ActDown``: the recomputed
+    activation, its gradient, the gate and up gradients: :data:`MLP_BACKWARD_FFN` ``T·F``
+    tensors, GELU also the down weight's gradient), then the input-gradient phase (the gate
+    and up gradients ``T·F`` each, their products with the weights and their sum ``T·h``
+    each, weight gradients ``h·F``: :data:`MLP_INPUT_GRAD_PHASE`). The chunked MLP: during
+    its loop the fp32 weight-gradient sums, one weight-gradient product, the input gradient
+    ``T·h`` and one chunk's :data:`CHUNKED_MLP_BACKWARD_FFN` ``chunk·F`` tensors; after it
+    the input gradient (handed on: twice) and the sums cast to the plan precision.
+
+    Sequence parallelism adds the gathered output gradient ``T·h`` to the activation phase
+    (both MLPs' loops), and the input gathered again (the gather's buffer and its ordered
+    copy) and the reduce-scatter's input to the input-gradient phase. The chunked MLP's
+    counts are bounds: on small shapes whose ``h·F`` terms rival ``T·F`` (where the phases
+    blur) they are up to 1.4× what was measured, exact where ``T·F`` dominates."""
+    tokens = model.seq_len * micro_batch
+    f, h, eb = model.ffn_hidden / tp, model.hidden, float(elem_bytes)
+    gated = model.gated_mlp
+    inputs = 2 if gated else 1  # gate and up, or up
+    sp = 1.0 if sequence_shards(model, tp) > 1 else 0.0
+    th = tokens * h * eb
+    if not chunk:
+        act = (tokens * f * eb * MLP_BACKWARD_FFN[gated] + (0.0 if gated else h * f * eb)
+               + sp * th)
+        th_n, tf_n, hf_n = MLP_INPUT_GRAD_PHASE[(gated, sp > 0)]
+        grad = th_n * th + (tf_n * tokens * f + hf_n * h * f) * eb
+        return max(act, grad)
+    c = min(chunk, tokens)
+    sums = (inputs + 1) * h * f * FP32_BYTES
+    loop = (sums + h * f * eb + th + CHUNKED_MLP_BACKWARD_FFN[gated] * c * f * eb
+            + sp * 2 * th)
+    after = 2 * th + (inputs + 1) * h * f * eb + sums + sp * 3 * th
+    return max(loop, after)
+
+
+ATTENTION_BACKWARD_TH = 4.0  # T·h tensors of the attention backward's peak, plus 3/tp more
+
+
+def attention_backward_transient_bytes(model: ModelSpec, micro_batch: int, tp: int,
+                                       elem_bytes: int = 2, cp_gathered: int = 0) -> float:
+    """A bound on what one attention half's backward (the input norm, q/k/v/o projections,
+    RoPE and the attention kernel's backward) allocates at its peak on one rank, ``model``
+    the rank's token-local view: ``(4 + 3/tp)·T·h`` fp32 values (the query, key and value
+    gradients, the repeated keys' and values', the output gradient: the kernel's backward
+    and the norm work in fp32 whatever the plan precision; under sequence parallelism the
+    gathered input and gradient are whole-sequence) plus the four projections' weight
+    gradients, at most ``h²/tp`` each. Context parallelism (``cp_gathered``: the other ranks'
+    tokens of a sequence) adds the gradients of the gathered keys and values,
+    ``2·cp_gathered·h/tp`` per sequence. Measured on the CPU (``runtime.memory``'s live
+    count): 7.00-7.02·T·h fp32 values at TP 1 in fp32 and in bf16, below the bound at TP 2
+    with sequence parallelism and with CP (``test_memory_honesty.py``)."""
+    tokens = model.seq_len * micro_batch
+    h = model.hidden
+    gathered = 2.0 * cp_gathered * micro_batch * h / tp
+    return ((ATTENTION_BACKWARD_TH + 3.0 / tp) * tokens * h * FP32_BYTES
+            + (gathered + 4.0 * h * h / tp) * float(elem_bytes))
+
+
+def backward_transient_bytes(model: ModelSpec, micro_batch: int, tp: int,
+                             elem_bytes: int = 2, chunk: int = 0, cp_gathered: int = 0) -> float:
+    """What one layer's backward allocates at its peak beyond what it keeps: the larger of
+    its MLP's (:func:`mlp_backward_transient_bytes`) and its attention's
+    (:func:`attention_backward_transient_bytes`), each counted on top of everything the
+    layer keeps (the attention's runs after the MLP has freed its own saved tensors: a
+    bound)."""
+    return max(mlp_backward_transient_bytes(model, micro_batch, tp, elem_bytes, chunk),
+               attention_backward_transient_bytes(model, micro_batch, tp, elem_bytes,
+                                                  cp_gathered))
+
+
+def chunked_mlp_saved_bytes(model: ModelSpec, micro_batch: int, tp: int,
+                            elem_bytes: int = 2) -> float:
+    """What the chunked MLP does not keep of :func:`activation_bytes_per_layer`'s ``none``
+    count: the whole MLP's saved gate and up projections (``_ActDown``'s), ``T·f/tp`` each
+    (GELU: up only); it keeps only its input, the norm's output counted there already."""
+    ffn = (SWIGLU_FFN if model.gated_mlp else GELU_FFN) * model.ffn_hidden
+    return model.seq_len * micro_batch * ffn / tp * float(elem_bytes)
 
 
 def recompute_rope_table_bytes(model: ModelSpec, recompute: str) -> float:
@@ -860,11 +1011,17 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     params = layer_matmul_params(model) / tp + (2 + NORM_BIAS_PARAMS_H) * h
     per_layer = params * per_param + act + stash
     fixed = float(FRAMEWORK_OVERHEAD_BYTES)
-    # a re-run layer (full, attention-free): the RoPE tables stay for the step; the re-run
-    # layer (its ``none`` bytes, recompute_working_set_bytes without the tables) is a transient
+    # the backward's working set, a transient on top of what the stage holds: one MLP
+    # backward (the first thing a layer's backward runs); a re-run layer (full,
+    # attention-free) holds that layer's re-run too (recompute_working_set_bytes without the
+    # RoPE tables, which stay for the step)
     rerun = reruns_layer(training.recompute)
     fixed += recompute_rope_table_bytes(model, training.recompute)
-    working = activation_bytes_per_layer(model, micro_batch, tp, "none", eb) if rerun else 0.0
+    gathered = full.seq_len - model.seq_len if cp > 1 else 0  # CP: the other ranks' tokens
+    working = ((recompute_working_set_bytes(model, micro_batch, tp, training.recompute, eb,
+                                            training.mlp_chunk_tokens, gathered)
+                - recompute_rope_table_bytes(model, training.recompute)) if rerun
+               else backward_transient_bytes(model, micro_batch, tp, eb, cp_gathered=gathered))
     if rerun and cp > 1:  # the re-run layer's gathered keys/values
         working += cp_attention_extra_bytes_per_layer(full, micro_batch, tp, cp, "none", eb,
                                                       masks=cp_masks)

@@ -601,7 +601,8 @@ def _schedule_options(spec: JobSpec, pp: int, layers: int | None,
     inter = [("interleaved", v) for v in chunks]
     if par.schedule != "auto":
         return [(par.schedule, 1)]
-    if cost.sharded_grads(spec.training):  # ZeRO-2/3 do not run ZB-H1 (planning/support.py)
+    if cost.sharded_grads(spec.training) or spec.training.mlp_chunk_tokens:
+        # ZeRO-2/3 and the chunked MLP do not run ZB-H1 (planning/support.py)
         return [("1f1b", 1), *inter]
     if exhaustive:
         return [("1f1b", 1), *inter, ("zb-h1", 1)]
@@ -1939,6 +1940,20 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
                 prune=True, ceiling_s=ceiling_s)
     if not chunk and spec.training.loss_chunk_tokens:
         spec = replace(spec, training=replace(spec.training, loss_chunk_tokens=0))
+    mlp_chunk = (0 if splits_backward(spec.parallelism.schedule)
+                 else cost.mlp_chunk_tokens(spec.model, spec.training))
+    if mlp_chunk and not _MLP_CHOSEN.get():
+        # a re-run layer at long sequences: the chunked MLP (less memory, and the re-run
+        # skips its down projection; no ZB-H1 beside it) and the whole one, the faster wins
+        # (ties: chunked, searched first so the whole one's search prunes below it;
+        # docs/planning.md §Chunked MLP)
+        with mlp_as_given():
+            return _plan_auto(name, inventory, exhaustive, previous, "mlp", [
+                (mode, replace(spec, training=replace(spec.training, mlp_chunk_tokens=c)))
+                for mode, c in ((f"{mlp_chunk}-token chunks", mlp_chunk), ("whole", 0))],
+                prune=True, ceiling_s=ceiling_s)
+    if not mlp_chunk and spec.training.mlp_chunk_tokens:
+        spec = replace(spec, training=replace(spec.training, mlp_chunk_tokens=0))
     pools = filter_pools(inventory, spec.placement)
     if not pools:
         pl = spec.placement
@@ -2215,6 +2230,8 @@ def pipeline_hops(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int,
 _PROBING: ContextVar[bool] = ContextVar("hettrain_planner_probing", default=False)
 # set while plan_job plans the loss variants of a long-sequence job (whole, chunked)
 _LOSS_CHOSEN: ContextVar[bool] = ContextVar("hettrain_planner_loss_chosen", default=False)
+# set while plan_job plans the MLP variants of a re-run layer at long sequences (chunked, whole)
+_MLP_CHOSEN: ContextVar[bool] = ContextVar("hettrain_planner_mlp_chosen", default=False)
 # set while planning the even alternative of an uneven plan for replica groups (plan_job):
 # only divisors of the global batch are searched (_dp_values)
 _EVEN_ONLY: ContextVar[bool] = ContextVar("hettrain_planner_even_only", default=False)
@@ -2260,6 +2277,14 @@ def loss_as_given() -> contextlib.AbstractContextManager[None]:
     the faster: how :func:`plan_job` plans each of the two, and the planner before the chunked
     loss, for comparisons."""
     return _raised(_LOSS_CHOSEN)
+
+
+def mlp_as_given() -> contextlib.AbstractContextManager[None]:
+    """Plan, inside it, with ``spec.training.mlp_chunk_tokens`` as given (0: the whole MLP)
+    instead of planning both MLPs of a long-sequence job with a re-run layer and keeping the
+    faster: how :func:`plan_job` plans each of the two, and the planner before the chunked
+    MLP, for comparisons."""
+    return _raised(_MLP_CHOSEN)
 
 
 SHARDING_ORDER = ("none", "optimizer", "gradients", "full")  # least to most sharded

@@ -9,7 +9,7 @@ spec field that sets it.
 from __future__ import annotations
 
 from hettrain.api.spec import LR_SCHEDULES, PRECISIONS, SHARDINGS, TrainingSpec, splits_backward
-from hettrain.planning.cost import sharded_grads
+from hettrain.planning.cost import reruns_layer, sharded_grads
 from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan, StagePlan
 
@@ -32,6 +32,7 @@ def unsupported(plan: Plan) -> list[str]:
         out.append(f"plan.training.loss_chunk_tokens={t.loss_chunk_tokens!r}: must be a whole "
                    "number >= 0 (0: the loss over the whole microbatch); the planner sets it, "
                    "so re-plan the job rather than editing the plan")
+    out += mlp_chunk_errors(plan)
     mode = (plan.cross_dc or {}).get("mode", "sync")
     if t.sharding not in SHARDINGS:
         out.append(f"plan.training.sharding={t.sharding!r}: the runtime shards "
@@ -52,6 +53,32 @@ def unsupported(plan: Plan) -> list[str]:
     out += replica_group_errors(plan)
     out += helix_errors(plan)
     out += uneven_dp_errors(plan)
+    return out
+
+
+def mlp_chunk_errors(plan: Plan) -> list[str]:
+    """The chunked MLP (``plan.training.mlp_chunk_tokens``, ``runtime.model._ChunkedMLP``):
+    a whole number of tokens; only with a layer re-run in the backward, whose re-run it skips
+    (the cost model prices it so), and never beside a deferred W pass (its weight gradients
+    are made in the backward)."""
+    t = plan.training
+    chunk = t.mlp_chunk_tokens
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+        return [f"plan.training.mlp_chunk_tokens={chunk!r}: must be a whole number >= 0 (0: "
+                "the MLP over the whole microbatch); the planner sets it, so re-plan the job "
+                "rather than editing the plan"]
+    if not chunk:
+        return []
+    out = []
+    if not reruns_layer(t.recompute):
+        out.append(f"plan.training.mlp_chunk_tokens={chunk} with plan.training.recompute="
+                   f"{t.recompute}: the chunked MLP runs with full or attention-free recompute "
+                   "only; re-plan the job (the planner sets it)")
+    if splits_backward(plan.schedule):
+        out.append(f"plan.training.mlp_chunk_tokens={chunk} with plan.schedule="
+                   f"{plan.schedule}: the chunked MLP has no deferred weight-gradient pass; "
+                   "re-plan the job (the planner sets it) or set spec.parallelism.schedule to "
+                   "1f1b, interleaved or helix")
     return out
 
 

@@ -51,7 +51,7 @@ from hettrain.runtime.collectives.p2p import (
     to_host,
     wire_dtype,
 )
-from hettrain.runtime.model import _attention_core, apply_rope
+from hettrain.runtime.model import _attention_core, apply_rope, rerun_contexts
 
 # payloads of a message; each has an activation and a gradient direction
 HIDDEN, QKV, CORE = 0, 2, 4
@@ -213,7 +213,7 @@ class HelixRunner:
 
         def run_part(fn: Callable, ckpt: bool, *args) -> torch.Tensor:
             if ckpt:
-                return checkpoint(fn, *args, use_reentrant=False)
+                return checkpoint(fn, *args, use_reentrant=False, context_fn=rerun_contexts())
             return fn(*args)
 
         def layer(k: int) -> torch.nn.Module:

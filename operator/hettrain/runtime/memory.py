@@ -15,11 +15,12 @@ activations and gradients standing in for its pipeline peers. It reports:
   ``torch.autograd.graph.saved_tensors_hooks`` (each storage counted once, parameters excluded)
   and, for attention-free recompute, the attention outputs its checkpoints cache (counted
   from the forward that saves them to the re-run that takes them, :func:`_counted_contexts`),
-  plus, for full and attention-free recompute, one layer's forward working set re-run in the
-  backward, plus what
-  the runner itself keeps alive per in-flight microbatch (the stage output it will
-  call ``backward`` on) and, for ZB-H1, the ``(input, grad_output)`` stash of deferred weight
-  gradients;
+  plus the backward's working set: the peak of what one MLP backward allocates (the
+  ffn-wide gradients and products the saved-tensor hooks cannot see: counted by
+  ``runtime.live_bytes.LiveBytes``, every allocation until it is freed) and, for full and
+  attention-free recompute, one layer's forward re-run in the backward; plus what the runner
+  itself keeps alive per in-flight microbatch (the stage output it will call ``backward``
+  on) and, for ZB-H1, the ``(input, grad_output)`` stash of deferred weight gradients;
 - ``loss_buffers`` (last stage): the logits, their gradient and (below fp32) their fp32 copy,
   alive together while the loss and its backward run (the saved log-softmax is part of
   ``activations``): counted from the logits' size, as the CPU has no allocator peak; the CUDA
@@ -58,6 +59,7 @@ from hettrain.planning.plan import Plan
 from hettrain.runtime.context_parallel import StandInContextParallel, enable_
 from hettrain.runtime.grad_sync import Completed
 from hettrain.runtime.helix import HelixRunner
+from hettrain.runtime.live_bytes import LiveBytes
 from hettrain.runtime.model import (
     StageModel,
     WeightGradStore,
@@ -78,14 +80,15 @@ class StageBytes:
     optimizer: int
     activations: int
     loss_buffers: int
-    working: int = 0  # full/attention-free recompute's re-run layer, in ``activations``
+    working: int = 0  # the backward's working set (_backward_working_set), in ``activations``
     transient: int = 0  # ZeRO-2/3: gradient buckets and gathered units at their peak
 
     @property
     def total(self) -> int:
         """Everything measured (what the plan's prediction minus its fixed overhead covers).
-        The loss buffers and a recomputing backward's re-run layer are never alive together (the
-        loss's backward ends before the first layer is re-run): the larger of the two counts."""
+        The loss buffers and the backward's working set are never alive together (the loss's
+        backward ends before the first layer's backward starts): the larger of the two
+        counts."""
         return (self.params + self.grads + self.optimizer + self.activations - self.working
                 + max(self.working, self.loss_buffers) + self.transient)
 
@@ -188,6 +191,8 @@ def build_stage(plan: Plan, stage: int, tp_index: int = 0) -> tuple[StageModel, 
         kwargs["recompute"] = plan.training.recompute
     if "loss_chunk_tokens" in inspect.signature(StageModel).parameters:
         kwargs["loss_chunk_tokens"] = plan.training.loss_chunk_tokens
+    if "mlp_chunk_tokens" in inspect.signature(StageModel).parameters:
+        kwargs["mlp_chunk_tokens"] = plan.training.mlp_chunk_tokens
     model = StageModel(plan.model, st.layer_start, st.layer_end, has_embedding=stage == 0,
                        has_head=stage == plan.pp - 1, seed=plan.training.seed,
                        chunks=chunk_layer_ranges(plan)[stage], **kwargs)
@@ -242,7 +247,7 @@ def measure_stage(plan: Plan, stage: int) -> StageBytes:
     run = _run_helix if plan.schedule == "helix" else _run_schedule
     loss_buffers = run(plan, stage, model, opt, tracker)
     transient = opt.peak_transient_bytes
-    working = _recompute_working_set(plan, model, opt)
+    working = _backward_working_set(plan, model, opt)
     return StageBytes(params, grads, optim, tracker.peak + working, loss_buffers, working,
                       transient)
 
@@ -258,15 +263,15 @@ def _parameter_storages(opt: StageOptimizer) -> Callable[[int], bool]:
     return check
 
 
-def _recompute_working_set(plan: Plan, model: StageModel, opt: StageOptimizer) -> int:
-    """Full and attention-free recompute: the bytes the backward of one layer keeps while it
-    re-runs the layer's forward (``torch.utils.checkpoint`` re-runs ``_block`` and saves what it
-    saves; attention-free takes the attention kernel's cached outputs instead of re-running
-    it, which then count here), measured by running that block forward under the saved-tensor
-    hooks for one microbatch; 0 for the other modes. Added to the stage's peak (the recompute
-    happens on top of what is held)."""
-    if not cost.reruns_layer(plan.training.recompute):
-        return 0
+def _backward_working_set(plan: Plan, model: StageModel, opt: StageOptimizer) -> int:
+    """The backward's working set, added to the stage's peak (it runs on top of what is held):
+    the larger of what one MLP backward and one attention half's backward allocate at their
+    peaks (:func:`_mlp_backward_transient`, :func:`_attention_backward_transient`, one
+    microbatch) and, with full and attention-free recompute, what the backward of one layer
+    keeps while it re-runs the layer's forward (``torch.utils.checkpoint`` re-runs ``_block``
+    and saves what it saves; attention-free takes the attention kernel's cached outputs
+    instead of re-running it, which then count here), measured by running that block forward
+    under the saved-tensor hooks for one microbatch."""
     key, layer = next(iter(model.layers.items()))
     spec = plan.model
     gen = torch.Generator().manual_seed(1)
@@ -277,11 +282,64 @@ def _recompute_working_set(plan: Plan, model: StageModel, opt: StageOptimizer) -
     x = torch.randn((plan.micro_batch, seq, spec.hidden), generator=gen)
     x = x.to(opt.dtype).requires_grad_()
     with opt.gathered([f"model.layers.{key}"]):  # ZeRO-3: as the re-run finds it
+        transient = max(_mlp_backward_transient(layer, x.detach(), gen),
+                        _attention_backward_transient(layer, x.detach(), cos, sin, gen))
+        if not cost.reruns_layer(plan.training.recompute):
+            return transient
         tracker = _Tracker(_parameter_storages(opt))
         with _saved_tensors(tracker):
             out = layer._block(x, cos, sin)
         del out
-    return tracker.peak
+    return tracker.peak + transient
+
+
+def _mlp_backward_transient(layer: torch.nn.Module, x: torch.Tensor,
+                            gen: torch.Generator) -> int:
+    """The peak of what one MLP backward of ``layer`` allocates (:class:`LiveBytes`), on input
+    ``x`` (the layer input's shape) and a random output gradient: a layer's backward starts
+    with it, on top of what the stage holds."""
+    return _backward_peak(layer.mlp, x, gen)
+
+
+class _AttentionHalf(torch.nn.Module):
+    """``x + attn(norm(x))`` of a decoder layer (its modules, not copies)."""
+
+    def __init__(self, layer: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        super().__init__()
+        self.input_layernorm, self.self_attn = layer.input_layernorm, layer.self_attn
+        self.cos, self.sin = cos, sin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.self_attn(self.input_layernorm(x), self.cos, self.sin)
+
+
+def _attention_backward_transient(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
+                                  sin: torch.Tensor, gen: torch.Generator) -> int:
+    """The peak of what one attention half's backward of ``layer`` allocates: a layer's
+    backward runs it after its MLP's."""
+    return _backward_peak(_AttentionHalf(layer, cos, sin), x, gen)
+
+
+def _backward_peak(module: torch.nn.Module, x: torch.Tensor, gen: torch.Generator) -> int:
+    """Run ``module`` on a copy of ``x`` and measure the peak of what its backward allocates
+    (:class:`LiveBytes`) for a random output gradient."""
+    inp = x.clone().requires_grad_()
+    # the weights as leaves whose gradient is dropped once accumulated, as the optimizer's
+    # hooks fold it into the fp32 main grads (allocated once, counted as ``grads``) and free
+    # it; ZeRO-2/3's unit buckets are counted as ``transient``
+    weights = {name: p.detach().requires_grad_() for name, p in module.named_parameters()}
+    for w in weights.values():
+        w.register_post_accumulate_grad_hook(_drop_grad)
+    out = torch.func.functional_call(module, weights, (inp,))
+    grad = torch.randn(out.shape, generator=gen).to(out.dtype)
+    live = LiveBytes()
+    with live:
+        out.backward(grad)
+    return live.peak
+
+
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None
 
 
 class _HeldState(dict):

@@ -55,6 +55,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -445,6 +446,114 @@ class _ActDown(torch.autograd.Function):
         return grads[0], gw, (grads[1] if gr is not None else None)
 
 
+_rerunning = 0  # > 0 while a layer checkpoint re-runs its forward in the backward
+
+
+class rerun_contexts:
+    """Checkpoint contexts (``torch.utils.checkpoint``'s ``context_fn``) of a layer re-run in
+    the backward: ``inner`` (attention-free's selective-checkpoint modes) if given, and
+    during the re-run a flag :class:`_ChunkedMLP` reads to skip its output, which nothing
+    reads there (its backward recomputes each chunk itself)."""
+
+    def __init__(self, inner: Callable[[], tuple[Any, Any]] | None = None) -> None:
+        self.inner = inner
+
+    def __call__(self) -> tuple[Any, Any]:
+        forward, recompute = self.inner() if self.inner is not None else (nullcontext(),
+                                                                           nullcontext())
+        return forward, _Rerun(recompute)
+
+
+class _Rerun:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __enter__(self) -> Any:
+        global _rerunning
+        _rerunning += 1
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        global _rerunning
+        _rerunning -= 1
+        return self.inner.__exit__(*exc)
+
+
+class _ChunkedMLP(torch.autograd.Function):
+    """The MLP ``down(act(gate(x), up(x)))`` computed ``chunk`` tokens at a time, keeping only
+    its input ``x`` for the backward (HelixPipe's chunked MLP; the plan's
+    ``training.mlp_chunk_tokens``, used with a layer re-run in the backward). The forward
+    writes each chunk's output into one tensor; the backward recomputes each chunk's gate and
+    up projections and activation, and adds its weight gradients into fp32 sums, so no
+    ffn-wide tensor ever spans more than one chunk. Inside a layer's re-run
+    (:class:`rerun_contexts`) the forward only saves ``x``: the checkpoint discards the re-run's
+    output, and the backward recomputes the chunks anyway, so the layer runs the MLP's GEMMs
+    as often as an unchunked re-run does.
+
+    Sequence parallelism (``tp``): ``x`` is this rank's token shard, gathered over the TP
+    group in the forward and again in the backward (like :class:`_GatherLinears`), whose input
+    gradient is reduce-scattered. Weight gradients are never deferred (no W pass: the planner
+    chunks only schedules without one)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, chunk: int, tp: TPGroup | None,
+                gate_w: torch.Tensor | None, up_w: torch.Tensor,
+                down_w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, gate_w, up_w, down_w)
+        ctx.chunk, ctx.tp = chunk, tp
+        b, t = x.shape[0], x.shape[1] * (tp.size if tp is not None else 1)
+        if _rerunning:
+            return x.new_empty((b, t, down_w.shape[0]))
+        full = x if tp is None else start_seq_gather(x, tp).wait()
+        flat = full.reshape(b * t, full.shape[-1])
+        out = flat.new_empty((b * t, down_w.shape[0]))
+        for a in range(0, b * t, chunk):
+            xc = flat[a:a + chunk]
+            gate = None if gate_w is None else F.linear(xc, gate_w)
+            out[a:a + chunk] = F.linear(_mlp_act(gate, F.linear(xc, up_w)), down_w)
+        return out.view(b, t, -1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if _STORE:
+            raise RuntimeError("plan.training.mlp_chunk_tokens with a deferred W pass: the "
+                               "chunked MLP computes its weight gradients in the backward")
+        x, gate_w, up_w, down_w = ctx.saved_tensors
+        tp, chunk = ctx.tp, ctx.chunk
+        full = x if tp is None else start_seq_gather(x, tp).wait()
+        b, t, h = full.shape
+        flat, g = full.reshape(b * t, h), grad.reshape(b * t, -1)
+        gx = torch.empty_like(flat)
+        sums = [None if w is None else torch.zeros(  # fp32 (fp64 stays fp64)
+                    w.shape, dtype=torch.promote_types(w.dtype, torch.float32), device=w.device)
+                for w in (gate_w, up_w, down_w)]
+        for a in range(0, b * t, chunk):
+            xc, gc = flat[a:a + chunk], g[a:a + chunk]
+            up = F.linear(xc, up_w).requires_grad_()
+            gate = None if gate_w is None else F.linear(xc, gate_w).requires_grad_()
+            with torch.enable_grad():
+                act = _mlp_act(gate, up)
+            gact = gc.matmul(down_w)
+            sums[2].add_(gc.t().mm(act.detach()))
+            inputs = (up,) if gate is None else (gate, up)
+            *g_gate, g_up = torch.autograd.grad(act, inputs, gact)
+            del act, gact
+            part = g_up.matmul(up_w)
+            sums[1].add_(g_up.t().mm(xc))
+            if g_gate:
+                part.addmm_(g_gate[0], gate_w)
+                sums[0].add_(g_gate[0].t().mm(xc))
+            gx[a:a + chunk] = part
+            del up, gate, g_gate, g_up, part
+        gx = gx.view(b, t, h)
+        if tp is not None:
+            gx = start_seq_reduce_scatter(gx, tp).wait()
+        need = ctx.needs_input_grad
+        grads = [None if s is None or not need[3 + i] else s.to(w.dtype)
+                 for i, (s, w) in enumerate(zip(sums, (gate_w, up_w, down_w), strict=True))]
+        return gx if need[0] else None, None, None, *grads
+
+
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     """RoPE inverse frequencies (fp32, ``head_dim/2``), with Llama 3.1 scaling when
     ``spec.rope_factor > 1``: wavelengths above ``original/low_freq_factor`` are divided by the
@@ -550,8 +659,17 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(spec.ffn_hidden, spec.hidden)
         self.tp_group = None  # set by tensor_parallel.shard_stage_ (ffn columns are then local)
         self.sp = False  # sequence parallelism: x is this rank's shard of the tokens
+        self.chunk_tokens = 0  # > 0: _ChunkedMLP, that many tokens at a time
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chunked = self.chunk_tokens and torch.is_grad_enabled()
+        y = self._chunked(x) if chunked else self._whole(x)
+        if self.sp:
+            return scatter_sequence(y, self.tp_group, summed=True)
+        return reduce_from_tp(y, self.tp_group)
+
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP over every token at once, before the row-parallel reduction."""
         if self.sp:
             *gate, up = gather_linears(x, self.tp_group, ((self.gate_proj, self.up_proj)
                                                           if self.gated else (self.up_proj,)))
@@ -561,12 +679,16 @@ class LlamaMLP(nn.Module):
             gate = self.gate_proj(x) if self.gated else None
             up = self.up_proj(x)
         if torch.is_grad_enabled():
-            y = _ActDown.apply(up, self.down_proj.weight, gate)
-        else:
-            y = self.down_proj(_mlp_act(gate, up))
-        if self.sp:
-            return scatter_sequence(y, self.tp_group, summed=True)
-        return reduce_from_tp(y, self.tp_group)
+            return _ActDown.apply(up, self.down_proj.weight, gate)
+        return self.down_proj(_mlp_act(gate, up))
+
+    def _chunked(self, x: torch.Tensor) -> torch.Tensor:
+        """:class:`_ChunkedMLP`, before the row-parallel reduction."""
+        if not self.sp:
+            x = copy_to_tp(x, self.tp_group)
+        return _ChunkedMLP.apply(x, self.chunk_tokens, self.tp_group if self.sp else None,
+                                 self.gate_proj.weight if self.gated else None,
+                                 self.up_proj.weight, self.down_proj.weight)
 
 
 # The fused attention kernels scaled_dot_product_attention dispatches to (CPU flash; CUDA/ROCm
@@ -647,11 +769,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full" and torch.is_grad_enabled():
-            return checkpoint(self._block, x, cos, sin, use_reentrant=False)
+            return checkpoint(self._block, x, cos, sin, use_reentrant=False,
+                              context_fn=rerun_contexts())
         if self.recompute == "attention-free" and torch.is_grad_enabled():
             before = _attention_saves
             out = checkpoint(self._block, x, cos, sin, use_reentrant=False,
-                             context_fn=self.checkpoint_contexts)
+                             context_fn=rerun_contexts(self.checkpoint_contexts))
             _warn_if_attention_unsaved(before, x.device)
             return out
         return self._block(x, cos, sin)
@@ -705,11 +828,15 @@ class StageModel(nn.Module):
     def __init__(self, spec: ModelSpec, layer_start: int, layer_end: int, *,
                  has_embedding: bool, has_head: bool, seed: int,
                  chunks: Sequence[tuple[int, int]] | None = None,
-                 recompute: str = "none", loss_chunk_tokens: int = 0) -> None:
+                 recompute: str = "none", loss_chunk_tokens: int = 0,
+                 mlp_chunk_tokens: int = 0) -> None:
         super().__init__()
         if loss_chunk_tokens < 0:
             raise ValueError(f"plan.training.loss_chunk_tokens={loss_chunk_tokens}: must be >= 0 "
                              "(0: the loss over the whole microbatch at once)")
+        if mlp_chunk_tokens < 0:
+            raise ValueError(f"plan.training.mlp_chunk_tokens={mlp_chunk_tokens}: must be >= 0 "
+                             "(0: the MLP over the whole microbatch at once)")
         ranges = list(chunks) if chunks is not None else [(layer_start, layer_end)]
         if not ranges:
             raise ValueError("stage chunks: need at least one (layer_start, layer_end) range")
@@ -729,6 +856,7 @@ class StageModel(nn.Module):
                     raise ValueError(f"stage chunks {ranges} overlap at layer {i}")
                 blk = LlamaDecoderLayer(spec)
                 _seeded_init(blk, seed * 1000 + i, spec.layers)
+                blk.mlp.chunk_tokens = mlp_chunk_tokens
                 self.model.layers[str(i)] = blk
         self.lm_head: Linear | None = None
         if has_head:

@@ -218,7 +218,8 @@ class Trainer:
                                 seed=plan.training.seed,
                                 chunks=chunk_layer_ranges(plan)[st.index],
                                 recompute=plan.training.recompute,
-                                loss_chunk_tokens=plan.training.loss_chunk_tokens)
+                                loss_chunk_tokens=plan.training.loss_chunk_tokens,
+                                mlp_chunk_tokens=plan.training.mlp_chunk_tokens)
         tp_members = ([plan.ranks[g].tp for g in dist.get_process_group_ranks(self.comm.tp_group)]
                       if st.tp > 1 else [0])
         self.tp = shard_stage_(self.model, plan.model, st.tp, self.me.tp, self.comm.tp_group,
@@ -251,6 +252,8 @@ class Trainer:
         if self.model.lm_head is not None and self.model.loss_chunk_tokens:
             log.info("rank %d: LM head and loss in chunks of %d tokens", rank,
                      self.model.loss_chunk_tokens)
+        if plan.training.mlp_chunk_tokens:
+            log.info("rank %d: MLP in chunks of %d tokens", rank, plan.training.mlp_chunk_tokens)
         self.ckpt = self._checkpointer(cfg)
         self._loss_tier = self._dp_tier()
         self.validation: dict[int, float] = {}

@@ -111,12 +111,13 @@ def test_measured_stage_bytes_match_the_plan_and_never_exceed_it(case):
 # plus an fp32 sum of the head's weight gradient. (GRID case, tokens per chunk, whether it
 # saves): one sequence is 64 tokens, so 16 and 24 cut it and save; 200 covers the whole
 # microbatch, yet the saved fp32 log-softmax outweighs the larger loss buffers; 48 of a
-# 64-token fp32 microbatch at TP 2 saves nothing: the fp32 weight-gradient sum of this small
+# 64-token fp32 microbatch at TP 2 saves too, but only because the loss's buffers hide under
+# the backward's working set (an MLP backward): the fp32 weight-gradient sum of this small
 # model's head (256 vocabulary rows × hidden 64) outweighs the logits it spares
 CHUNKED = [((1, 1, 1, 2, 2, "1f1b", "bf16", False, MODEL), 16, True),
            ((2, 2, 2, 1, 4, "1f1b", "bf16", True, GATED, "selective"), 24, True),
            ((2, 1, 2, 2, 4, "zb-h1", "bf16", False, MODEL), 16, True),
-           ((3, 2, 1, 1, 6, "interleaved", "fp32", False, GATED), 48, False),
+           ((3, 2, 1, 1, 6, "interleaved", "fp32", False, GATED), 48, True),
            ((2, 1, 2, 2, 4, "1f1b", "fp16", True, MODEL, "full"), 200, True)]
 
 
@@ -136,6 +137,43 @@ def test_chunked_loss_stage_bytes_match_the_plan_and_never_exceed_it(case, chunk
     assert (got[-1].total < before.total) == saves == (predicted_saving > 0)
 
 
+# the chunked MLP (plan.training.mlp_chunk_tokens) with a re-run layer: the re-run keeps none
+# of the MLP's ffn-wide tensors for the whole sequence, its backward holds one chunk's plus
+# fp32 weight-gradient sums. (GRID case, tokens per chunk); a microbatch here is 64 or 128
+# tokens, and this small model's fp32 sums (3 or 2 × hidden 64 × ffn 256) are the size of a
+# 64-token ffn-wide tensor, so the stages measure a little more or less than the whole MLP's
+MLP_CHUNKED = [((1, 1, 1, 2, 2, "1f1b", "bf16", False, GATED, "full"), 16),
+               ((2, 2, 2, 2, 4, "1f1b", "fp32", True, MODEL, "attention-free"), 24),
+               ((3, 1, 2, 1, 6, "1f1b", "fp16", False, GATED, "full"), 8),
+               ((2, 1, 2, 2, 4, "interleaved", "bf16", True, MODEL, "full"), 32),
+               ((2, 2, 2, 1, 4, "1f1b", "bf16", "full", MODEL, "attention-free"), 16)]
+
+
+@pytest.mark.parametrize("case,chunk", MLP_CHUNKED,
+                         ids=lambda c: "-".join(map(str, c[:8] + c[9:]))
+                         if isinstance(c, tuple) else str(c))
+def test_chunked_mlp_stage_bytes_match_the_plan_and_never_exceed_it(case, chunk):
+    """Every stage of a plan with the chunked MLP within 10% of its prediction and never
+    above."""
+    whole = _plan(*case)
+    plan = replace(whole, training=replace(whole.training, mlp_chunk_tokens=chunk))
+    _assert_every_stage_matches_the_plan(plan, f"{_case_id(case)} mlp chunk {chunk}")
+
+
+@pytest.mark.parametrize("recompute", ["full", "attention-free"])
+def test_the_chunked_mlp_saves_what_the_plan_says_at_a_longer_sequence(recompute):
+    """1024-token sequences, chunks of 64: the first stage's re-run working set measures less
+    than the whole MLP's, by at least the planned saving (the chunked backward's count is a
+    bound), and the plan is within 10% of the measurement and never below it."""
+    model = replace(GATED, seq_len=1024)
+    whole = _plan(2, 1, 1, 1, 4, "1f1b", "bf16", False, model, recompute)
+    plan = replace(whole, training=replace(whole.training, mlp_chunk_tokens=64))
+    got = _assert_every_stage_matches_the_plan(plan, f"seq 1024 {recompute} mlp chunk 64")
+    before = measure_stage(whole, 0)
+    planned = predicted_stage_bytes(whole, 0) - predicted_stage_bytes(plan, 0)
+    assert before.total - got[0].total >= planned > 0.1 * before.total
+
+
 # helix (runtime/helix.py): one layer per chunk, each layer's three parts differentiated
 # apart; (pp, microbatches, micro_batch, precision, model, recompute)
 HELIX = [(2, 4, 2, "bf16", MODEL, "none"), (3, 6, 1, "fp32", GATED, "none"),
@@ -145,7 +183,10 @@ HELIX = [(2, 4, 2, "bf16", MODEL, "none"), (3, 6, 1, "fp32", GATED, "none"),
          # first in, last out (plan.helix_filo): every microbatch in flight
          (2, 4, 2, "bf16", MODEL, "none", True), (3, 6, 1, "fp32", GATED, "none", True),
          (3, 5, 2, "bf16", GATED, "attention-free", True),
-         (2, 4, 1, "bf16", MODEL, "selective", True)]
+         (2, 4, 1, "bf16", MODEL, "selective", True),
+         # the chunked MLP in the re-run parts (plan.training.mlp_chunk_tokens = 16)
+         (2, 4, 2, "bf16", GATED, "attention-free", True, 16), (2, 3, 1, "fp16", MODEL, "full",
+                                                               False, 16)]
 HELIX_TOLERANCE = 0.25  # the plan bounds the order by its caps (helix.in_flight_bound)
 
 
@@ -155,12 +196,14 @@ def test_helix_stage_bytes_never_exceed_the_plan(case):
     stage's worth of other stages' cores: ``helix.in_flight_bound``; first in, last out: all
     m of its own), which the plan charges whatever the order does: measured never above,
     within 25% below (a core the order keeps home, a stage that never reaches the cap)."""
-    pp, m, mb, precision, model, recompute, *filo = case
+    pp, m, mb, precision, model, recompute, *rest = case
+    filo, chunk = [*rest, False, 0][:2]
     splits = [(2 * i, 2 * i + 2, p) for i, p in enumerate("abc"[:pp])]
     plan = replace(tiny_plan(splits, dp=1, micro_batch=mb, num_microbatches=m,
                              model=replace(model, layers=2 * pp), schedule="helix",
-                             precision=precision, sharding="none", recompute=recompute),
-                   virtual_stages=2, helix_filo=bool(filo and filo[0]))
+                             precision=precision, sharding="none", recompute=recompute,
+                             mlp_chunk_tokens=chunk),
+                   virtual_stages=2, helix_filo=filo)
     for stage in range(pp):
         got = measure_stage(plan, stage)
         want = predicted_stage_bytes(plan, stage)
@@ -205,14 +248,19 @@ def test_state_bytes_are_exactly_the_cost_models_per_parameter_bytes():
 
 
 def test_activation_bytes_scale_with_microbatch_and_in_flight_count():
+    """What the forwards keep (``activations`` without the backward's one-microbatch working
+    set) doubles with the microbatch and with the microbatches in flight."""
+    def kept(m):
+        return m.activations - m.working
     one = measure_stage(_plan(2, 1, 1, 1, 4, "1f1b", "bf16", False, MODEL), 0)
     two = measure_stage(_plan(2, 1, 1, 2, 4, "1f1b", "bf16", False, MODEL), 0)
     # RoPE's cos/sin cast per layer and microbatch do not grow with the microbatch size
     rope = cost.ROPE_TABLE_BYTES * MODEL.seq_len * MODEL.head_dim * 4 * 2  # 4 layers, 2 in flight
-    assert two.activations - rope == pytest.approx(2 * (one.activations - rope), rel=0.02)
+    assert kept(two) - rope == pytest.approx(2 * (kept(one) - rope), rel=0.02)
     gpipe = measure_stage(_plan(2, 1, 1, 1, 4, "gpipe", "bf16", False, MODEL), 0)
     # 1F1B keeps pp - 0 = 2 microbatches on stage 0, GPipe all 4
-    assert gpipe.activations == pytest.approx(2 * one.activations, rel=0.02)
+    assert kept(gpipe) == pytest.approx(2 * kept(one), rel=0.02)
+    assert gpipe.working == one.working > 0
 
 
 # context parallelism (runtime/context_parallel.py): a sequence-dominated model, so the
