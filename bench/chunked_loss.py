@@ -20,7 +20,6 @@ Usage: python bench/chunked_loss.py [--seq 8192] [--hidden 256] [--vocab 32000]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import resource
 import statistics
@@ -31,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def head_model(seq: int, hidden: int, vocab: int):
@@ -126,46 +126,23 @@ def _plans() -> None:
     """The ``--plans`` table (module docstring)."""
     from hettrain.api.spec import parse_job_spec
     from hettrain.planning import planner
-    from hettrain.planning.errors import PlanningError
-    from hettrain.planning.inventory import load_cluster
+    from variants import layout, plan_both, row, single_pool
 
-    def layout(p) -> str:
-        st = p.stages
-        return (f"pp={p.pp} tp={'/'.join(str(s.tp) for s in st)} cp={st[0].cp} dp={p.dp} "
-                f"{p.training.recompute}")
+    def show(p) -> str:
+        return layout(p, p.training.recompute)
 
     print("llama3-8b, 1M tokens per step, bf16, ZeRO-1: tokens/s with the whole-sequence loss "
           "only -> as planned (whole or chunked)")
     for device, nodes in PLAN_CLUSTERS:
-        inv = load_cluster({"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
-                            "metadata": {"name": "x"}, "datacenters": [{"name": "a"}],
-                            "pools": [{"name": "p", "datacenter": "a", "device": device,
-                                       "nodes": nodes, "gpusPerNode": 8}]})
+        inv = single_pool(device, nodes)
         for seq in (32768, 65536, 131072):
             for recompute in ("selective", "auto"):
                 spec = parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": seq},
                                        "training": {"globalBatch": max(1, 2**20 // seq),
                                                     "steps": 1, "recompute": recompute}})
-                out = []
-                for only_whole in (True, False):
-                    try:
-                        with (planner.loss_as_given() if only_whole
-                              else contextlib.nullcontext()):
-                            p = planner.plan_job("x", spec, inv)
-                        out.append((p.predicted.tokens_per_s, p))
-                    except PlanningError:
-                        out.append(None)
-                (before, after) = out
-                head = f"{nodes}x8 {device:<10} {seq // 1024:>4}k {recompute:<9}"
-                if before is None and after is None:
-                    print(f"{head} no layout fits either way")
-                    continue
-                b = f"{before[0]:9.0f}" if before else f"{'-':>9}"
-                gain = f"{after[0] / before[0] - 1:+6.1%}" if before else "   new"
-                print(f"{head} {b} -> {after[0]:9.0f} {gain}  chunk "
-                      f"{after[1].training.loss_chunk_tokens:>4}  {layout(after[1])}"
-                      + (f"  (was {layout(before[1])})" if before and
-                         layout(before[1]) != layout(after[1]) else ""))
+                before, after = plan_both(spec, inv, planner.loss_as_given)
+                print(row(f"{nodes}x8 {device:<10} {seq // 1024:>4}k {recompute:<9}", before,
+                          after, lambda p: f"chunk {p.training.loss_chunk_tokens:>4}", show))
 
 
 def main(argv: list[str] | None = None) -> int:

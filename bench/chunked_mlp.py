@@ -25,13 +25,13 @@ Usage: python bench/chunked_mlp.py [--seq 8192] [--hidden 256] [--layers 4] [--c
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PLAN_CLUSTERS = (("H100-SXM", 1), ("H100-SXM", 2), ("A100-80GB", 2), ("MI300X", 1),
                  ("L40S", 2))
@@ -111,53 +111,29 @@ def _plans() -> None:
     """The ``--plans`` table (module docstring)."""
     from hettrain.api.spec import parse_job_spec
     from hettrain.planning import planner
-    from hettrain.planning.errors import PlanningError
-    from hettrain.planning.inventory import load_cluster
+    from variants import layout, plan_both, row, single_pool
 
-    def layout(p) -> str:
-        st = p.stages
-        return (f"pp={p.pp} tp={'/'.join(str(s.tp) for s in st)} cp={st[0].cp} dp={p.dp} "
-                f"mb={p.micro_batch} {p.schedule}")
+    def show(p) -> str:
+        return layout(p, f"mb={p.micro_batch}", p.schedule)
 
     print("llama3-8b, 1M tokens per step, bf16, ZeRO-1: tokens/s with the whole MLP only -> "
           "as planned (whole or chunked); the largest stage's planned GiB")
     for device, nodes in PLAN_CLUSTERS:
-        inv = load_cluster({"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
-                            "metadata": {"name": "x"}, "datacenters": [{"name": "a"}],
-                            "pools": [{"name": "p", "datacenter": "a", "device": device,
-                                       "nodes": nodes, "gpusPerNode": 8}]})
+        inv = single_pool(device, nodes)
         for seq in (16384, 32768, 65536, 131072):
             for recompute in ("full", "attention-free"):
                 spec = parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": seq},
                                        "training": {"globalBatch": max(1, 2**20 // seq),
                                                     "steps": 1, "recompute": recompute}})
-                out = []
-                for only_whole in (True, False):
-                    try:
-                        with (planner.mlp_as_given() if only_whole
-                              else contextlib.nullcontext()):
-                            p = planner.plan_job("x", spec, inv)
-                        out.append((p.predicted.tokens_per_s, p))
-                    except PlanningError:
-                        out.append(None)
-                (before, after) = out
-                head = f"{nodes}x8 {device:<10} {seq // 1024:>4}k {recompute:<14}"
-                if before is None and after is None:
-                    print(f"{head} no layout fits either way")
-                    continue
-                if after is None:
-                    print(f"{head} {before[0]:9.0f} -> none")
-                    continue
-                b = f"{before[0]:9.0f}" if before else f"{'-':>9}"
-                gain = f"{after[0] / before[0] - 1:+6.1%}" if before else "   new"
-                gib = max(s.memory_gib for s in after[1].stages)
-                was_gib = (f" (was {max(s.memory_gib for s in before[1].stages):5.1f})"
-                           if before else "")
-                print(f"{head} {b} -> {after[0]:9.0f} {gain}  chunk "
-                      f"{after[1].training.mlp_chunk_tokens:>4}  {gib:5.1f} GiB{was_gib}  "
-                      f"{layout(after[1])}"
-                      + (f"  (was {layout(before[1])})" if before and
-                         layout(before[1]) != layout(after[1]) else ""))
+                before, after = plan_both(spec, inv, planner.mlp_as_given)
+
+                def detail(p, before=before) -> str:
+                    gib = max(s.memory_gib for s in p.stages)
+                    was = (f" (was {max(s.memory_gib for s in before.stages):5.1f})"
+                           if before is not None else "")
+                    return f"chunk {p.training.mlp_chunk_tokens:>4}  {gib:5.1f} GiB{was}"
+                print(row(f"{nodes}x8 {device:<10} {seq // 1024:>4}k {recompute:<14}",
+                          before, after, detail, show))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,3 +103,11 @@ def grouped_plan(groups: Sequence[dict], *, steps: int = 6, micro_batch: int = 2
                 num_microbatches=g0.num_microbatches, schedule="1f1b", stages=g0.stages,
                 ranks=tuple(ranks), predicted=Prediction(step_time_s=1, tokens_per_s=1, mfu=0),
                 data={"synthetic": True}, groups=tuple(built))
+
+
+def single_pool_cluster(device: str, nodes: int) -> dict:
+    """A cluster document: one pool of ``nodes`` nodes with 8 ``device`` GPUs each."""
+    return {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "x"},
+            "datacenters": [{"name": "a"}],
+            "pools": [{"name": "p", "datacenter": "a", "device": device, "nodes": nodes,
+                       "gpusPerNode": 8}]}

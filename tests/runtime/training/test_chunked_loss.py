@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tests.runtime.training.plans import TINY, tiny_plan
+from tests.runtime.training.plans import TINY, single_pool_cluster, tiny_plan
 from tests.runtime.training.runs import run_losses
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -179,13 +179,6 @@ def test_the_chunked_loss_is_priced_exactly():
         head + gemm + (4 * 16 - 3) * cost.KERNEL_FIXED_S, rel=1e-12)
 
 
-def _cluster(device: str, nodes: int) -> dict:
-    return {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "x"},
-            "datacenters": [{"name": "a"}],
-            "pools": [{"name": "p", "datacenter": "a", "device": device, "nodes": nodes,
-                       "gpusPerNode": 8}]}
-
-
 @pytest.mark.parametrize("device,nodes,seq,recompute,chunked", [
     ("L40S", 2, 65536, "selective", True),   # memory-bound: the chunked loss fits a faster layout
     ("H100-SXM", 1, 65536, "auto", True),
@@ -201,7 +194,7 @@ def test_the_planner_keeps_the_faster_of_the_whole_and_the_chunked_loss(device, 
     from hettrain.planning.inventory import load_cluster
     from hettrain.planning.plan import Plan
 
-    inv = load_cluster(_cluster(device, nodes))
+    inv = load_cluster(single_pool_cluster(device, nodes))
     spec = parse_job_spec(_job(seq, recompute, gb=max(1, 2**18 // seq)))
     plan = planner.plan_job("j", spec, inv)
     assert plan.training.loss_chunk_tokens == (2048 if chunked else 0)

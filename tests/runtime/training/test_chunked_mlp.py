@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tests.runtime.training.plans import TINY, tiny_plan
+from tests.runtime.training.plans import TINY, single_pool_cluster, tiny_plan
 from tests.runtime.training.runs import run_losses
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -210,13 +210,6 @@ def test_the_chunked_mlp_is_priced_exactly():
     assert t_whole - t_chunk == pytest.approx(down + elementwise - launches, rel=1e-9)
 
 
-def _cluster(device: str, nodes: int) -> dict:
-    return {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "x"},
-            "datacenters": [{"name": "a"}],
-            "pools": [{"name": "p", "datacenter": "a", "device": device, "nodes": nodes,
-                       "gpusPerNode": 8}]}
-
-
 @pytest.mark.parametrize("device,nodes,seq,recompute,schedule,chunked", [
     ("H100-SXM", 2, 32768, "full", "auto", True),
     ("L40S", 2, 65536, "attention-free", "auto", True),
@@ -235,7 +228,7 @@ def test_the_planner_keeps_the_faster_of_the_whole_and_the_chunked_mlp(device, n
     from hettrain.planning.inventory import load_cluster
     from hettrain.planning.plan import Plan
 
-    inv = load_cluster(_cluster(device, nodes))
+    inv = load_cluster(single_pool_cluster(device, nodes))
     spec = parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": seq},
                            "training": {"globalBatch": max(1, 2**18 // seq), "steps": 1,
                                         "recompute": recompute},
