@@ -487,8 +487,8 @@ class _ChunkedMLP(torch.autograd.Function):
     up projections and activation, and adds its weight gradients into fp32 sums, so no
     ffn-wide tensor ever spans more than one chunk. Inside a layer's re-run
     (:class:`rerun_contexts`) the forward only saves ``x``: the checkpoint discards the re-run's
-    output, and the backward recomputes the chunks anyway, so the layer runs the MLP's GEMMs
-    as often as an unchunked re-run does.
+    output, and the backward recomputes the chunks' gate and up projections anyway, so a
+    re-run layer runs one GEMM fewer than with the whole MLP (the re-run's down projection).
 
     Sequence parallelism (``tp``): ``x`` is this rank's token shard, gathered over the TP
     group in the forward and again in the backward (like :class:`_GatherLinears`), whose input
