@@ -58,16 +58,23 @@ def ideal_mode(spec: JobSpec) -> str:
     return spec.training.recompute if spec.training.recompute != "auto" else "none"
 
 
+def ideal_layer_compute_s(spec: JobSpec, micro_batch: int, tp: int, cp: int, device) -> float:
+    """One layer's compute seconds at the ideal's recompute mode (:func:`ideal_mode`), with
+    the chunked MLP where the planner may choose it (a re-run layer at long sequences) and it
+    is faster."""
+    mode = ideal_mode(spec)
+    eb = cost.precision_bytes(spec.training)
+    chunk = cost.mlp_chunk_tokens(spec.model, replace(spec.training, recompute=mode))
+    return min(context.cp_layer_compute_s(spec.model, micro_batch, tp, cp, device, mode, eb, c)
+               for c in {0, chunk})
+
+
 def device_rate(spec: JobSpec, device) -> tuple[float, float, float]:
     """(tokens/s ``ρ``, ideal layer seconds, ideal head seconds) of one GPU of ``device``
     computing the global batch as one microbatch at tp 1 (the ideal's per-GPU rate)."""
     m, gb = spec.model, spec.training.global_batch
     eb = cost.precision_bytes(spec.training)
-    mode = ideal_mode(spec)
-    # the chunked MLP where the planner may choose it (a re-run layer at long sequences)
-    chunk = cost.mlp_chunk_tokens(m, replace(spec.training, recompute=mode))
-    lc = min(cost.layer_compute_s(m, gb, 1, device, mode, eb, mlp_chunk_tokens=c)
-             for c in {0, chunk})
+    lc = ideal_layer_compute_s(spec, gb, 1, 1, device)
     head = cost.head_time_s(m, gb, 1, device, eb)
     return gb * m.seq_len / (m.layers * lc + head), lc, head
 
@@ -83,10 +90,7 @@ def _stage_parts(spec: JobSpec, plan_spec: JobSpec, unit, tp: int, cp: int, mb: 
     local = cost.cp_local_model(model, cp)
     lc_plan = context.cp_layer_compute_s(model, mb, tp, cp, dev, mode, eb,
                                          plan_spec.training.mlp_chunk_tokens)
-    ideal = ideal_mode(spec)
-    chunk = cost.mlp_chunk_tokens(model, replace(spec.training, recompute=ideal))
-    lc_ideal = min(context.cp_layer_compute_s(model, mb, tp, cp, dev, ideal, eb, c)
-                   for c in {0, chunk})
+    lc_ideal = ideal_layer_compute_s(spec, mb, tp, cp, dev)
     tpc = cost.tp_comm_per_layer_s(local, mb, tp, dev, eb, mode)
     cpc = 0.0
     if cp > 1:

@@ -99,7 +99,8 @@ def cp_layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
     (on ``s/cp`` tokens the model counts ``(s/cp)²`` pairs, ``1/cp²`` of ``s²``).
     A device profile's measured layer time (if it matches the full model) is scaled by the
     rank's share of the FLOPs instead. ``mlp_chunk_tokens``: the chunked MLP over the rank's
-    tokens (:func:`cost.modelled_layer_s`)."""
+    tokens (:func:`cost.modelled_layer_s`; a profile's line by
+    :func:`cost.mlp_chunk_time_ratio` on them)."""
     chunk = mlp_chunk_tokens
     if cp <= 1:
         return cost.layer_compute_s(model, micro_batch, tp, device, recompute, elem_bytes,
@@ -109,12 +110,9 @@ def cp_layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
     local = cost.cp_local_model(model, cp)
     if prof is not None and prof.matches(model, elem_bytes):
         full = cost.layer_compute_s(model, micro_batch, tp, device, recompute, elem_bytes)
-        if chunk:
-            full *= (cost.modelled_layer_s(local, micro_batch, tp, device, recompute,
-                                           elem_bytes, chunk)
-                     / cost.modelled_layer_s(local, micro_batch, tp, device, recompute,
-                                             elem_bytes))
-        return full * _flops_share(model, cp, share)
+        return (full * _flops_share(model, cp, share)
+                * cost.mlp_chunk_time_ratio(local, micro_batch, tp, device, recompute,
+                                            elem_bytes, chunk))
     t = cost.layer_compute_s(local, micro_batch, tp, device, recompute, elem_bytes,
                              mlp_chunk_tokens=chunk)
     s_loc = local.seq_len

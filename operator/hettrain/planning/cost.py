@@ -231,13 +231,22 @@ def layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, device: DeviceS
     prof = device.profile
     if prof is not None and prof.matches(model, elem_bytes):
         t = profiled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes)
-        if mlp_chunk_tokens:
-            t *= (modelled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes,
-                                   mlp_chunk_tokens)
-                  / modelled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes))
-        return t + eager
+        return t * mlp_chunk_time_ratio(model, micro_batch, tp, device, recompute, elem_bytes,
+                                        mlp_chunk_tokens) + eager
     return modelled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes,
                             mlp_chunk_tokens) + eager
+
+
+def mlp_chunk_time_ratio(model: ModelSpec, micro_batch: int, tp: int, device: DeviceSpec,
+                         recompute: str, elem_bytes: int, mlp_chunk_tokens: int) -> float:
+    """The chunked MLP's layer time over the whole MLP's in the catalog model
+    (:func:`modelled_layer_s`; 1 without chunks): what scales a device profile's measured
+    whole-MLP line."""
+    if not mlp_chunk_tokens:
+        return 1.0
+    return (modelled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes,
+                             mlp_chunk_tokens)
+            / modelled_layer_s(model, micro_batch, tp, device, recompute, elem_bytes))
 
 
 def mlp_input_params(model: ModelSpec) -> int:
@@ -666,12 +675,26 @@ def recompute_working_set_bytes(model: ModelSpec, micro_batch: int, tp: int, rec
     (:func:`recompute_rope_table_bytes`); 0 otherwise."""
     if not reruns_layer(recompute):
         return 0.0
-    working = (activation_bytes_per_layer(model, micro_batch, tp, "none", elem_bytes)
-               + backward_transient_bytes(model, micro_batch, tp, elem_bytes,
-                                          mlp_chunk_tokens, cp_gathered))
-    if mlp_chunk_tokens:
-        working -= chunked_mlp_saved_bytes(model, micro_batch, tp, elem_bytes)
-    return working + recompute_rope_table_bytes(model, recompute)
+    return (backward_working_set_bytes(model, micro_batch, tp, recompute, elem_bytes,
+                                       mlp_chunk_tokens, cp_gathered)
+            + recompute_rope_table_bytes(model, recompute))
+
+
+def backward_working_set_bytes(model: ModelSpec, micro_batch: int, tp: int, recompute: str,
+                               elem_bytes: int = 2, mlp_chunk_tokens: int = 0,
+                               cp_gathered: int = 0) -> float:
+    """What one layer's backward holds on top of the stage, once per stage in every mode: its
+    transient (:func:`backward_transient_bytes`) and, for a re-run layer
+    (:func:`reruns_layer`), what the re-run keeps: the ``none`` bytes of one microbatch less
+    what the chunked MLP does not keep (:func:`chunked_mlp_saved_bytes`). Without the RoPE
+    tables, which stay for the step."""
+    working = backward_transient_bytes(model, micro_batch, tp, elem_bytes, mlp_chunk_tokens,
+                                       cp_gathered)
+    if reruns_layer(recompute):
+        working += activation_bytes_per_layer(model, micro_batch, tp, "none", elem_bytes)
+        if mlp_chunk_tokens:
+            working -= chunked_mlp_saved_bytes(model, micro_batch, tp, elem_bytes)
+    return working
 
 
 # The chunked MLP (runtime.model._ChunkedMLP; HelixPipe's chunked MLP), with a re-run layer:
@@ -1018,10 +1041,8 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     rerun = reruns_layer(training.recompute)
     fixed += recompute_rope_table_bytes(model, training.recompute)
     gathered = full.seq_len - model.seq_len if cp > 1 else 0  # CP: the other ranks' tokens
-    working = ((recompute_working_set_bytes(model, micro_batch, tp, training.recompute, eb,
-                                            training.mlp_chunk_tokens, gathered)
-                - recompute_rope_table_bytes(model, training.recompute)) if rerun
-               else backward_transient_bytes(model, micro_batch, tp, eb, cp_gathered=gathered))
+    working = backward_working_set_bytes(model, micro_batch, tp, training.recompute, eb,
+                                         training.mlp_chunk_tokens, gathered)
     if rerun and cp > 1:  # the re-run layer's gathered keys/values
         working += cp_attention_extra_bytes_per_layer(full, micro_batch, tp, cp, "none", eb,
                                                       masks=cp_masks)

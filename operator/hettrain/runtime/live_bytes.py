@@ -9,7 +9,7 @@ operators included (a dispatch mode is thread-local, and the CPU runs the backwa
 calling thread); an allocator's own rounding and caching are not counted.
 
 ``runtime.memory`` uses it for what the saved-tensor hooks cannot see: the buffers a
-backward allocates and frees as it runs (``cost.mlp_backward_transient_bytes``).
+backward allocates and frees as it runs (``cost.backward_transient_bytes``).
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ activations and gradients standing in for its pipeline peers. It reports:
   ``torch.autograd.graph.saved_tensors_hooks`` (each storage counted once, parameters excluded)
   and, for attention-free recompute, the attention outputs its checkpoints cache (counted
   from the forward that saves them to the re-run that takes them, :func:`_counted_contexts`),
-  plus the backward's working set: the peak of what one MLP backward allocates (the
-  ffn-wide gradients and products the saved-tensor hooks cannot see: counted by
-  ``runtime.live_bytes.LiveBytes``, every allocation until it is freed) and, for full and
+  plus the backward's working set: the larger peak of what one MLP backward and one
+  attention half's backward allocate (the gradients and products the saved-tensor hooks
+  cannot see: counted by ``runtime.live_bytes.LiveBytes``, every allocation until it is
+  freed) and, for full and
   attention-free recompute, one layer's forward re-run in the backward; plus what the runner
   itself keeps alive per in-flight microbatch (the stage output it will call ``backward``
   on) and, for ZB-H1, the ``(input, grad_output)`` stash of deferred weight gradients;
