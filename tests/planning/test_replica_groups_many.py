@@ -24,10 +24,13 @@ from hettrain.planning.inventory import inventory_from_nodes, load_cluster
 from hettrain.planning.plan import Plan
 from hettrain.planning.planner import even_data_parallel, plan_job
 from hettrain.planning.replica_groups import (
+    _sum_groups,
     best_split,
     best_split_n,
     group_options,
     grouped_step_s,
+    groups_grad_sum_s,
+    groups_link_s,
     relaxed_time,
     split_time,
     stage_memory_bytes,
@@ -258,11 +261,11 @@ def test_every_extra_group_option_is_memory_checked_at_its_microbatches():
     assert capped  # some option is limited by its activations
 
 
-@pytest.mark.parametrize(("cluster", "model"), [(4, "llama3-8b"), (35, "llama3-8b-128k")])
+@pytest.mark.parametrize(("cluster", "model"), [(8, "llama3-8b"), (35, "llama3-8b-128k")])
 def test_generated_clusters_get_valid_many_group_plans(cluster, model):
-    # bench/plan_quality's fixed clusters 4 (llama3-8b, TP runs 8/2/4/2, 4 groups) and 35
+    # bench/plan_quality's fixed clusters 8 (llama3-8b, TP runs 2/4/1, 3 groups) and 35
     # (llama3-8b at 128k, cp 8 beside groups at cp 2-8, 6 groups)
-    # (even dp: on cluster 4 the uneven layout without groups is faster than both)
+    # (even dp: the layout the groups are added to stays fixed)
     inv = load_cluster(pq.clusters(40)[cluster])
     spec = pq.job(model, replica_groups=True)
     with even_data_parallel():
@@ -321,3 +324,34 @@ def test_random_clusters_get_valid_grouped_plans(pools, global_batch, pin):
                    for g in grouped.groups[1:] for s in g.stages)
         assert len({g.stages[0].pools[0] for g in grouped.groups[1:]}) == len(grouped.groups) - 1
         assert build_pods(JobRef("j", "ns", "u"), spec, grouped, 1, False)
+
+
+def test_the_sum_over_datacenter_links_is_priced_as_described():
+    """bench/plan_quality's fixed cluster 4, llama3-8b: group 0's pipeline spans three
+    datacenters (stages in dc0, dc1 and dc2, links of 100-400 Gb/s), the extra groups sit in
+    one of them. The price of the gradient sum between the groups (its chunk rings crossing
+    the links of the stages whose holders are in different datacenters, their latency on
+    every ring step, the busiest link's bytes) equals grad_sum_reference's recomputation for
+    every option alone and for pairs of options on different pools; with group 0 moved into
+    the option's datacenter no link is crossed and the sum costs less."""
+    inv = load_cluster(pq.clusters(40)[4])
+    with even_data_parallel():
+        plain = plan_job("q", pq.job("llama3-8b"), inv)
+    assert len({dc for s in plain.stages for dc in s.datacenters}) == 3
+    options = group_options(plain, inv)
+    assert options
+    pairs = [(a, b) for i, a in enumerate(options) for b in options[i + 1:]
+             if a.pool.name != b.pool.name][:40]
+    for chosen in [[o] for o in options] + [list(p) for p in pairs]:
+        groups = _sum_groups(plain, chosen)
+        want = grad_sum_s(plain.model, inv, groups)
+        assert groups_grad_sum_s(plain, inv, groups) == pytest.approx(want, rel=1e-12)
+        assert groups_link_s(plain, inv, groups) > 0  # some stage's ring crosses a link
+    # the same option priced as if every stage of group 0 were on the option's pool (its
+    # datacenter): no link crossed, less time
+    o = options[0]
+    stages = [(s.layer_start, s.layer_end, s.tp, (o.pool.name,)) for s in plain.stages]
+    local = [(plain.dp, 1, stages), *_sum_groups(plain, [o])[1:]]
+    assert groups_link_s(plain, inv, local) == 0.0
+    assert groups_grad_sum_s(plain, inv, local) < groups_grad_sum_s(
+        plain, inv, _sum_groups(plain, [o]))

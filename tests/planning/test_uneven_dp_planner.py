@@ -133,10 +133,10 @@ def test_zero2_zero3_and_diloco_get_even_plans(training):
 
 
 def test_replica_groups_take_the_faster_of_the_uneven_plan_and_the_grouped_even_one():
-    """bench/plan_quality's cluster 4, llama3-8b: with spec.parallelism.replicaGroups the
+    """bench/plan_quality's cluster 8, llama3-8b: with spec.parallelism.replicaGroups the
     planner compares the uneven plain plan with the even plan and its groups (groups split an
     even batch) and keeps the faster; each is what planning it alone gives."""
-    inv = load_cluster(pq.clusters(40)[4])
+    inv = load_cluster(pq.clusters(40)[8])
     uneven = plan_job("q", pq.job("llama3-8b"), inv)
     with even_data_parallel():
         grouped_even = plan_job("q", pq.job("llama3-8b", replica_groups=True), inv)

@@ -34,13 +34,12 @@ optimum (tests compare with every split). Two groups keep their arithmetic form
 
 The plan's other step-time parts (DP, TP, pipeline transfers: ``predicted.step_time_s``
 minus its modelled pipeline time) are kept as they are. The gradient sum between the groups
-is added as the runtime runs it (``runtime/replica_sync.py``), after the backward: inside a
-datacenter in two levels (each group's own DP×CP all-reduce, ``1/k`` chunks between the
-groups in gloo, the all-reduce again), across datacenters in one gloo ring over every holder
-(:func:`groups_grad_sum_s`, the slowest rank's), and where an extra group is in a datacenter
-the plan does not use, its leaders' sum over the link once per such datacenter
-(:func:`cross_dc_sync_s`). Group 0's own DP sync stays charged although the runtime replaces
-its all-reduce with the sum (conservative: the all-reduce is mostly overlapped with the
+is added as the runtime runs it (``runtime/replica_sync.py``), after the backward: in two
+levels (each group's own DP×CP all-reduce, ``1/k`` chunks between the groups in gloo, the
+all-reduce again; :func:`groups_grad_sum_s`, the slowest rank's), and where the chunk rings
+cross a datacenter link, its latency on every ring step and its bandwidth for every gradient
+byte (:func:`groups_link_s`). Group 0's own DP sync stays charged although the runtime
+replaces its all-reduce with the sum (conservative: the all-reduce is mostly overlapped with the
 backward); the extra groups' own parameter all-gather and optimizer step are not charged (an
 approximation: group 0's stand in). The sum is not overlapped with the backward: most extra
 groups do not pay for it (``docs/planning.md``).
@@ -476,31 +475,6 @@ def group_stage_s(plan: Plan, splits: Sequence[tuple[int, int]], tps: Sequence[i
     return out
 
 
-def cross_dc_sync_s(plan: Plan, inv: ClusterInventory, option: GroupOption) -> float:
-    """Seconds of the gradient sum between the groups over the datacenter link, when the
-    new group's pool is in a datacenter the plan does not use: every fp32 gradient byte once
-    each way between the two DCs' leaders (runtime/replica_sync.py's hierarchical sum), on the
-    slowest link from the plan's datacenters; 0 inside the plan's datacenters
-    (:func:`groups_grad_sum_s` prices the sum inside them)."""
-    return _sync_to(plan, inv, option.pool.datacenter)
-
-
-def groups_sync_s(plan: Plan, inv: ClusterInventory, datacenters: Sequence[str]) -> float:
-    """:func:`cross_dc_sync_s` of extra groups in ``datacenters``: charged once per
-    datacenter the plan does not use (its groups' gradients are summed inside it first, then
-    cross the link once through its leader), summed over those datacenters (not overlapped)."""
-    return sum(_sync_to(plan, inv, dc) for dc in dict.fromkeys(datacenters))
-
-
-def _sync_to(plan: Plan, inv: ClusterInventory, dc: str) -> float:
-    """:func:`cross_dc_sync_s` for an extra group in datacenter ``dc``."""
-    if dc in plan.datacenters:
-        return 0.0
-    link = min((inv.link(d, dc) for d in plan.datacenters), key=lambda k: k.gbytes)
-    nbytes = plan.model.parameters() * 4.0
-    return cost.ring_all_reduce_s(nbytes, 2, link.gbytes, link.latency_ms / 1000)
-
-
 # one group's pipeline for the cross-group gradient sum: (replicas, CP degree, stages as
 # (layer start, layer end, TP, the pools that hold its replicas))
 SumGroup = tuple[int, int, tuple[tuple[int, int, int, tuple[str, ...]], ...]]
@@ -535,25 +509,26 @@ def stage_grad_bytes(model: ModelSpec, a: int, b: int, tp: int, first: bool, las
 
 def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGroup]) -> float:
     """Seconds of the gradient sum between replica groups on the rank that takes longest,
-    after the backward (not overlapped), as ``runtime/replica_sync.py`` runs it.
+    after the backward (not overlapped), as ``runtime/replica_sync.py`` runs it, plus the
+    datacenter link's share (:func:`groups_link_s`).
 
-    Holders in one datacenter (:func:`_two_level_s`): each holder set is summed inside each
-    group over the rank's DP×CP group (``dp_g·cp_g`` ranks, the communicator's hierarchical
-    all-reduce on the group's backend: ``cost.node_hierarchical_all_reduce``), cut into ``k``
-    chunks (``k``: the fewest holders of any group), each chunk summed between the ``G``
-    groups' ``j``-th holders in host memory (gloo: PCIe both ways, ``2(G − 1)/G`` of the chunk
-    at the NIC share, at most :data:`GLOO_RING_GBYTES`), and filled back in by a second
-    all-reduce inside the group. Holders across datacenters (:func:`_one_ring_s`): one gloo
-    ring over every holder of each set, ``n = Σ_g dp_g·cp_g``, its leaders' sum over the link
-    being :func:`groups_sync_s`'s. The sets whose holders do not pair one per replica take
-    the one ring in the runtime too: a vocabulary table one group replicates over its TP
-    ranks beside another TP degree (:func:`_vocab_unpaired`, priced so) and the norms beside
-    unequal TP degrees (small, priced with the rest)."""
+    Each holder set is summed in two levels (:func:`_two_level_s`): inside each group over
+    the rank's DP×CP group (``dp_g·cp_g`` ranks, the communicator's hierarchical all-reduce
+    on the group's backend: ``cost.node_hierarchical_all_reduce``), cut into ``k`` chunks
+    (``k``: the fewest holders of any group), each chunk summed between the ``G`` groups'
+    ``j``-th holders in host memory (gloo: PCIe both ways, ``2(G − 1)/G`` of the chunk at the
+    NIC share, at most :data:`GLOO_RING_GBYTES`), and filled back in by a second all-reduce
+    inside the group. Where that ring crosses a datacenter link, each of its ``2(G − 1)``
+    steps waits the link's latency too, and the link carries every chunk ring's bytes
+    (:func:`groups_link_s`). The sets whose holders do not pair one per replica take one
+    gloo ring over every holder in the runtime (:func:`_one_ring_s`; across datacenters
+    inside each and between their leaders): a vocabulary table one group replicates over
+    its TP ranks beside another TP degree (:func:`_vocab_unpaired`, priced so) and the norms
+    beside unequal TP degrees (small, priced with the rest)."""
     if len(groups) < 2:
         return 0.0
     model = plan.model
     pools = [pool for _, _, stages in groups for *_, ps in stages for pool in ps]
-    one_dc = len({inv.pool(p).datacenter for p in pools}) == 1
     cuts = {a for _, _, stages in groups for a, _, _, _ in stages}
     nic = min([inv.pool(p).nic_gbytes_per_gpu for p in pools] + [GLOO_RING_GBYTES])
     vocab = cost.embedding_params(model) * 4.0
@@ -568,17 +543,58 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
             nbytes = stage_grad_bytes(model, a, b, tp, first, last)
             sets = _holder_sets(a, b, cuts)
             pcie = inv.pool(ps[0]).device.pcie_gbps
-            if not one_dc:
-                worst = max(worst, _one_ring_s(groups, nbytes, sets, nic, pcie))
-                continue
             tables = int(first and unpaired[0]) + int(
                 last and unpaired[1] and not model.tie_embeddings)
             ring = tables * vocab / cost.vocab_shards(model, tp)
             sec = _two_level_s(inv, groups, dp * cp, tp, ps, nbytes - ring, sets, nic, pcie)
             if ring:
                 sec += _one_ring_s(groups, ring, tables, nic, pcie)
-            worst = max(worst, sec)
-    return worst
+            # every ring step of a set whose ring crosses a datacenter link waits for it
+            edges = _ring_edges(inv, _holder_datacenters(inv, groups, a, b))
+            lat = max((k.latency_ms for k in edges), default=0.0) / 1000
+            worst = max(worst, sec + (sets + tables) * 2 * (len(groups) - 1) * lat)
+    return worst + groups_link_s(plan, inv, groups)
+
+
+def _holder_datacenters(inv: ClusterInventory, groups: Sequence[SumGroup], a: int,
+                        b: int) -> list[frozenset[str]]:
+    """Per group, the datacenters of its stages that hold any of layers ``[a, b)``: where the
+    holders of those layers' sets are."""
+    return [frozenset(inv.pool(p).datacenter for lo, hi, _, ps in stages if lo < b and a < hi
+                      for p in ps) for _, _, stages in groups]
+
+
+def _ring_edges(inv: ClusterInventory, dcs: Sequence[frozenset[str]]) -> list:
+    """The datacenter links the chunk ring of one holder set crosses (one per edge; members in
+    group order, the ring closing from the last to the first: the runtime's gloo groups are
+    sorted by rank, and the ranks by group): an edge between two groups not both wholly in one
+    datacenter takes the slowest link between their datacenters."""
+    out = []
+    for i, here in enumerate(dcs):
+        there = dcs[(i + 1) % len(dcs)]
+        pairs = [(x, y) for x in here for y in there if x != y]
+        if pairs and (here != there or len(here) > 1):
+            out.append(min((inv.link(x, y) for x, y in pairs), key=lambda k: k.gbytes))
+    return out
+
+
+def groups_link_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGroup]) -> float:
+    """Seconds the datacenter links take to carry the chunk rings of the gradient sum between
+    groups (:func:`groups_grad_sum_s`; 0 when no ring crosses one): for each of group 0's
+    stages (each parameter piece once: every TP rank's fp32 gradient bytes), ``2(G − 1)/G`` of
+    them per ring edge that crosses a link (:func:`_ring_edges`); each link carries what its
+    edges send, half each way (the ring's edges run both ways between two datacenters), and
+    the slowest link sets the time (concurrent rings share it)."""
+    _, _, stages = groups[0]
+    g, last = len(groups), len(stages) - 1
+    load: dict[tuple[str, str], tuple[float, float]] = {}  # link -> (bytes, GB/s)
+    for i, (a, b, tp, _) in enumerate(stages):
+        nbytes = tp * stage_grad_bytes(plan.model, a, b, tp, i == 0, i == last)
+        for link in _ring_edges(inv, _holder_datacenters(inv, groups, a, b)):
+            key = tuple(sorted((link.a, link.b)))
+            load[key] = (load.get(key, (0.0, link.gbytes))[0] + 2 * (g - 1) / g * nbytes,
+                         link.gbytes)
+    return max((sent / 2 / (gbytes * 1e9) for sent, gbytes in load.values()), default=0.0)
 
 
 def _vocab_unpaired(model: ModelSpec, tps: Sequence[int]) -> bool:
@@ -638,7 +654,7 @@ def evaluate_groups(plan: Plan, options: Sequence[GroupOption],
                     ) -> tuple[float, tuple[int, ...]] | None:
     """``(predicted step seconds, (M_0, M_1, ...))`` of ``plan`` (group 0) plus ``options``
     at their best split (:func:`best_split_n`), plus, when ``inv`` is given, the gradient
-    sum between the groups (:func:`groups_grad_sum_s`, :func:`groups_sync_s`); None when no
+    sum between the groups (:func:`groups_grad_sum_s`); None when no
     split gives every group a microbatch."""
     div = (plan_zb_div(plan, plan_devices(plan, inv)) if inv is not None
            else cost.ZB_CATALOG_DIVISOR)
@@ -651,8 +667,7 @@ def evaluate_groups(plan: Plan, options: Sequence[GroupOption],
         return None
     a0, b0 = lines[0]
     rest = plan.predicted.step_time_s - (a0 + b0 * plan.num_microbatches)
-    sync = (groups_sync_s(plan, inv, [o.pool.datacenter for o in options])
-            + groups_grad_sum_s(plan, inv, _sum_groups(plan, options))
+    sync = (groups_grad_sum_s(plan, inv, _sum_groups(plan, options))
             if inv is not None else 0.0)
     return rest + sync + split_time(lines, *split), split
 
@@ -670,7 +685,7 @@ def grouped_step_s(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> float | 
     added (its stages, boundaries and DP sync at ``M = Σ_g dp_g·M_g / dp_0`` microbatches:
     ``planner.split_costs``), every other group by :func:`group_stage_s` on its pool's device;
     the step is group 0's time outside its pipelined stages, the gradient sum between the
-    groups (:func:`groups_grad_sum_s`, and over datacenter links :func:`groups_sync_s`) and
+    groups (:func:`groups_grad_sum_s`, datacenter links included) and
     the latest group's pipeline. None when group 0's stages no longer fit."""
     from hettrain.planning.planner import split_costs  # the planner imports this module
 
@@ -694,8 +709,7 @@ def grouped_step_s(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> float | 
                                           [s.tp for s in g.stages], pool, cp), plan.schedule,
                             plan_zb_div(plan, [pool.device], cp)))
     rest = pipe + dp_s - (lines[0][0] + lines[0][1] * m_orig)
-    sync = (groups_sync_s(base, inv, [g.stages[0].datacenters[0] for g in extra])
-            + groups_grad_sum_s(base, inv, _plan_sum_groups(plan)))
+    sync = groups_grad_sum_s(base, inv, _plan_sum_groups(plan))
     return rest + sync + split_time(lines, *(g.num_microbatches for g in plan.groups))
 
 
@@ -814,8 +828,7 @@ def with_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption
                         tokens_per_s=tokens / step_time_s, mfu=mfu,
                         compute_s=m * max(stage_s), bubble_s=bubble,
                         dp_comm_s=plan.predicted.dp_comm_s + groups_grad_sum_s(
-                            plan, inv, _sum_groups(plan, options))
-                        + groups_sync_s(plan, inv, [o.pool.datacenter for o in options]))
+                            plan, inv, _sum_groups(plan, options)))
     return replace(plan, num_microbatches=split[0], ranks=tuple(ranks), groups=tuple(groups),
                    predicted=predicted, notes=(*plan.notes, *notes))
 

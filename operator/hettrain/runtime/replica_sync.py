@@ -27,10 +27,11 @@ batch's mean loss, whatever the groups' token shares. The cells of one holder se
 together (in the order of parameter name and cell start, which every member computes alike):
 in two levels where :func:`two_level` allows it (inside each group by the group's own DP×CP
 all-reduce, then ``1/k`` chunks between the groups' ``j``-th holders in gloo, then the
-all-reduce again: :meth:`ReplicaSync._sum_chunked`), else with one gloo all-reduce over every
-holder; a set spanning datacenters is summed hierarchically (inside each DC, then the DC
-leaders, then a broadcast inside each DC), so each gradient byte crosses the DC link once per
-leader.
+all-reduce again: :meth:`ReplicaSync._sum_chunked`; between groups in different datacenters
+the chunk rings cross the link, each chunk once per ring edge there, while the in-group
+all-reduces stay on each group's own fabric), else with one gloo all-reduce over every holder;
+such a set spanning datacenters is summed hierarchically (inside each DC, then the DC leaders,
+then a broadcast inside each DC), so each of its bytes crosses the DC link once per leader.
 
 Context parallelism (``stages[i].cp``, each group its own degree ``C_g``, 1 included): the
 ``C_g`` CP ranks of a replica each hold the gradient of the mean loss of their ``1/C_g`` of
@@ -237,11 +238,12 @@ def _unpack(buf: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
 def two_level(plan: Plan, members: Sequence[int],
               contrib: frozenset[int]) -> dict[int, list[int]] | None:
     """The holders of one set per group (sorted) when the set can be summed in two levels --
-    inside each group on its own DP×CP group, then chunk by chunk between the groups: every
-    holder contributes, all in one datacenter, and in each group they are exactly one rank per
-    replica and CP rank of one stage and TP index (the members of that stage's DP×CP group);
-    else None (the one-ring sum over every holder)."""
-    if set(members) != contrib or len({plan.ranks[r].datacenter for r in members}) > 1:
+    inside each group on its own DP×CP group, then chunk by chunk between the groups (the
+    chunk rings cross a datacenter link where the groups are in different ones): every
+    holder contributes, and in each group they are exactly one rank per replica and CP rank
+    of one stage and TP index (the members of that stage's DP×CP group); else None (the
+    one-ring sum over every holder, hierarchical across datacenters)."""
+    if set(members) != contrib:
         return None
     by_group: dict[int, list[int]] = {}
     for r in sorted(members):

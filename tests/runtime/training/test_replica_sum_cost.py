@@ -66,13 +66,12 @@ def test_each_rank_sums_the_bytes_the_planner_prices(case, model):
         # every replica (and CP rank) of every group contributes each piece once
         assert all(len(contrib) == holders for _, (_, _, contrib) in mine), (case, r)
         sets = {members for _, (_, members, _) in mine}
-        # in one datacenter every set whose holders all contribute is summed in two levels:
-        # inside each group on its DP×CP group, then 1/k chunks between the groups, k the
-        # fewest holders of a group (the planner's _two_level_s)
-        one_dc = len({x.datacenter for x in plan.ranks}) == 1
+        # every set whose holders all contribute is summed in two levels, across datacenters
+        # too: inside each group on its DP×CP group, then 1/k chunks between the groups, k
+        # the fewest holders of a group (the planner's _two_level_s)
         for _, (_, members, contrib) in mine:
             split = two_level(plan, members, contrib)
-            assert (split is not None) == (one_dc and contrib == frozenset(members)), (case, r)
+            assert (split is not None) == (contrib == frozenset(members)), (case, r)
             if split is not None:
                 assert len(split) == len(plan.groups)
                 assert min(len(v) for v in split.values()) == min(
