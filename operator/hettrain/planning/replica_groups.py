@@ -584,7 +584,7 @@ def groups_link_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGroup])
     stages (each parameter piece once: every TP rank's fp32 gradient bytes), ``2(G − 1)/G`` of
     them per ring edge that crosses a link (:func:`_ring_edges`); each link carries what its
     edges send, half each way (the ring's edges run both ways between two datacenters), and
-    the slowest link sets the time (concurrent rings share it)."""
+    the link that takes longest sets the time (concurrent rings share it)."""
     _, _, stages = groups[0]
     g, last = len(groups), len(stages) - 1
     load: dict[tuple[str, str], tuple[float, float]] = {}  # link -> (bytes, GB/s)
