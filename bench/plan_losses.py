@@ -177,8 +177,8 @@ def breakdown(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> dict[str, flo
     pipes = [cost.pipeline_time_s(ss, [], mg, plan.schedule, v,
                                   plan_zb_div(plan, [u.device for u in us], sp[0].cp))[0]
              for _, mg, sp, us, ss in groups]
-    # the step: the slowest group's pipeline + boundaries + the tail (with groups: + their
-    # cross-DC gradient sums, replica_groups.groups_sync_s, whatever T leaves)
+    # the step: the slowest group's pipeline + boundaries + the tail (with groups: + the
+    # gradient sum between them, replica_groups.groups_grad_sum_s: whatever T leaves)
     recon = max(pipes) + boundary + max(tail)
     sync = T - recon if plan.groups else 0.0
     # with groups a negative remainder would mean the reconstruction missed part of the step
