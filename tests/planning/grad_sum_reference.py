@@ -40,14 +40,14 @@ def _link_s(model, groups, inv) -> float:
     half of what crosses it each way."""
     _, _, stages = groups[0]
     g = len(groups)
-    sent: dict = {}
+    sent: dict = {}  # bytes per link
     for i, (a, b, tp, _) in enumerate(stages):
         nbytes = tp * _grad_bytes(model, a, b, tp, i == 0, i == len(stages) - 1)
         for link in _crossings(inv, groups, a, b):
             key = frozenset((link.a, link.b))
-            sent[key] = (sent.get(key, (0.0, 0.0))[0] + 2 * (g - 1) / g * nbytes,
-                         link.bandwidth_gbps / 8 * 1e9)
-    return max((n / 2 / bw for n, bw in sent.values()), default=0.0)
+            sent[key] = sent.get(key, 0.0) + 2 * (g - 1) / g * nbytes
+    return max((n / 2 / (inv.link(*key).bandwidth_gbps / 8 * 1e9) for key, n in sent.items()),
+               default=0.0)
 
 
 def grad_sum_s(model, inv, groups) -> float:

@@ -66,7 +66,7 @@ from hettrain.api.spec import JobSpec, ModelSpec, chunked_schedule, splits_backw
 from hettrain.planning import context, cost
 from hettrain.planning.arith import shard_bounds
 from hettrain.planning.catalog import DeviceSpec
-from hettrain.planning.inventory import ClusterInventory, Pool
+from hettrain.planning.inventory import ClusterInventory, Link, Pool
 from hettrain.planning.placement import moved_ranks
 from hettrain.planning.plan import Plan, RankPlan, ReplicaGroup, StagePlan
 from hettrain.planning.support import context_parallel_degree, group_cp, replica_group_errors
@@ -564,7 +564,7 @@ def _holder_datacenters(inv: ClusterInventory, groups: Sequence[SumGroup], a: in
                       for p in ps) for _, _, stages in groups]
 
 
-def _ring_edges(inv: ClusterInventory, dcs: Sequence[frozenset[str]]) -> list:
+def _ring_edges(inv: ClusterInventory, dcs: Sequence[frozenset[str]]) -> list[Link]:
     """The datacenter links the chunk ring of one holder set crosses (one per edge; members in
     group order, the ring closing from the last to the first: the runtime's gloo groups are
     sorted by rank, and the ranks by group): an edge between two groups not both wholly in one
@@ -587,14 +587,13 @@ def groups_link_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGroup])
     the link that takes longest sets the time (concurrent rings share it)."""
     _, _, stages = groups[0]
     g, last = len(groups), len(stages) - 1
-    load: dict[tuple[str, str], tuple[float, float]] = {}  # link -> (bytes, GB/s)
+    sent: dict[tuple[str, str], float] = {}  # bytes per link (its two datacenters, sorted)
     for i, (a, b, tp, _) in enumerate(stages):
         nbytes = tp * stage_grad_bytes(plan.model, a, b, tp, i == 0, i == last)
         for link in _ring_edges(inv, _holder_datacenters(inv, groups, a, b)):
-            key = tuple(sorted((link.a, link.b)))
-            load[key] = (load.get(key, (0.0, link.gbytes))[0] + 2 * (g - 1) / g * nbytes,
-                         link.gbytes)
-    return max((sent / 2 / (gbytes * 1e9) for sent, gbytes in load.values()), default=0.0)
+            key = (min(link.a, link.b), max(link.a, link.b))
+            sent[key] = sent.get(key, 0.0) + 2 * (g - 1) / g * nbytes
+    return max((n / 2 / (inv.link(*key).gbytes * 1e9) for key, n in sent.items()), default=0.0)
 
 
 def _vocab_unpaired(model: ModelSpec, tps: Sequence[int]) -> bool:
