@@ -3,23 +3,13 @@ peak resident memory far below the whole-sequence loss's, each near the cost mod
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.bench_run import run_bench, variant_rows
 
 
 def test_the_bench_measures_the_chunked_loss_holding_a_fraction_of_the_whole_one():
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'operator'}{os.pathsep}{ROOT}"}
-    out = subprocess.run([sys.executable, str(ROOT / "bench/chunked_loss.py"), "--seq", "8192",
-                          "--hidden", "64", "--vocab", "8192", "--chunk", "512",
-                          "--repeats", "1"],
-                         capture_output=True, text=True, env=env, timeout=300, check=True).stdout
-    rows = {m[1]: (float(m[2]), float(m[3]), float(m[4])) for m in re.finditer(
-        r"^\s*(whole|chunked)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)}
+    out = run_bench("chunked_loss.py", "--seq", "8192", "--hidden", "64", "--vocab", "8192",
+                    "--chunk", "512", "--repeats", "1")
+    rows = variant_rows(out)
     assert set(rows) == {"whole", "chunked"}, out
     (_, whole_rss, whole_model), (_, chunked_rss, chunked_model) = rows["whole"], rows["chunked"]
     # 8192 tokens × 8192 logits: the whole loss holds ~800 MB, a 512-token chunk 1/16 of it

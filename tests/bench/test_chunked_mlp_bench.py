@@ -4,23 +4,15 @@ model's count and near it; and the ``--plans`` table's format."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'operator'}{os.pathsep}{ROOT}"}
+from tests.bench.bench_run import run_bench, variant_rows
 
 
 def test_the_bench_measures_the_chunked_mlp_holding_less_than_the_whole_one():
-    out = subprocess.run([sys.executable, str(ROOT / "bench/chunked_mlp.py"), "--seq", "2048",
-                          "--hidden", "64", "--layers", "2", "--chunk", "256",
-                          "--repeats", "1"],
-                         capture_output=True, text=True, env=ENV, timeout=300, check=True).stdout
-    rows = {m[1]: (float(m[2]), float(m[3]), float(m[4])) for m in re.finditer(
-        r"^\s*(whole|chunked)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)}
+    out = run_bench("chunked_mlp.py", "--seq", "2048", "--hidden", "64", "--layers", "2",
+                    "--chunk", "256", "--repeats", "1")
+    rows = variant_rows(out)
     assert set(rows) == {"whole", "chunked"}, out
     for _, peak, model in rows.values():
         assert 0.85 * model <= peak <= model, out  # the model's count is a bound, and near
@@ -29,8 +21,7 @@ def test_the_bench_measures_the_chunked_mlp_holding_less_than_the_whole_one():
 
 
 def test_the_plans_table_lists_each_cluster_and_sequence():
-    out = subprocess.run([sys.executable, str(ROOT / "bench/chunked_mlp.py"), "--plans"],
-                         capture_output=True, text=True, env=ENV, timeout=600, check=True).stdout
+    out = run_bench("chunked_mlp.py", "--plans", timeout=600)
     rows = re.findall(r"^\dx8 \S+\s+\d+k (full|attention-free)\s+(\d+) ->\s+(\d+)\s+"
                       r"([+-][\d.]+)%\s+chunk\s+(\d+)", out, re.M)
     assert len(rows) == 40, out
