@@ -53,16 +53,18 @@ def _link_s(model, groups, inv) -> float:
 def grad_sum_s(model, inv, groups) -> float:
     """``groups``: ``(replicas, cp, [(layer start, layer end, tp, pools)])`` per group.
 
-    Per set, an all-reduce inside the rank's DP×CP group (nodes of the stage's slowest pool:
-    reduce-scatter / all-reduce / all-gather; between pools at gloo's rate), its ``1/k`` chunk
-    (``k`` the fewest holders of a group) to the host and back and in a gloo ring between the
-    ``G`` groups, then the all-reduce again; a vocabulary table whose holders do not pair: one
-    gloo ring over every holder, PCIe both ways, the broadcast once more. A ring step is a
-    round trip; the NIC share is the slowest pool's, at most gloo's ring rate. A set whose ring
-    crosses datacenter links (:func:`_crossings`) also waits the slowest one's latency on each
-    ring step, and the busiest link's transfer time (:func:`_link_s`) is added once."""
+    Per set, inside the rank's DP×CP group of ``d`` (nodes of the stage's slowest pool:
+    reduce-scatter / all-reduce / all-gather; between pools at gloo's rate) a reduce-scatter,
+    its ``1/d`` slice to the host and back and in gloo rings between the ``G`` groups (side
+    by side: one ring's latency), then an all-gather: one all-reduce's bytes and steps in all
+    where the group is in one pool off gloo, else an all-reduce for each; a vocabulary table
+    whose holders do not pair: one gloo ring over every holder, PCIe both ways, the broadcast
+    once more. A ring step is a round trip; the NIC share is the slowest pool's, at most
+    gloo's ring rate. A set whose ring crosses datacenter links (:func:`_crossings`) also
+    waits the slowest one's latency on each ring step, and the busiest link's transfer time
+    (:func:`_link_s`) is added once."""
     holders = [dp * cp for dp, cp, _ in groups]
-    n, k, g = sum(holders), min(holders), len(groups)
+    n, g = sum(holders), len(groups)
     pools = {p for _, _, stages in groups for *_, ps in stages for p in ps}
     nic = min([inv.pool(p).nic_gbytes_per_gpu for p in pools] + [GLOO_RING_GBYTES]) * 1e9
     cuts = {a for _, _, stages in groups for a, *_ in stages}
@@ -99,8 +101,9 @@ def grad_sum_s(model, inv, groups) -> float:
                 inside = (rings * (2 * (per_node - 1) + 2 * (nodes - 1)) * ALPHA
                           + nbytes * (2 * (per_node - 1) / per_node / intra
                                       + 2 * (nodes - 1) / nodes / per_node / link))
-            chunk = nbytes / k
-            sec = (2 * inside + 2 * chunk / pcie + 2 * (g - 1) / g * chunk / nic
+            chunk = nbytes / d
+            flat = len(pool) == 1 and pool[0].device.backend != "gloo"
+            sec = ((1 if flat else 2) * inside + 2 * chunk / pcie + 2 * (g - 1) / g * chunk / nic
                    + rings * (4 * (g - 1) * ALPHA + STAGING))
             if ring:
                 sec += one_ring(ring, tables, pcie)

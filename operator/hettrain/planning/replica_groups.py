@@ -35,9 +35,9 @@ optimum (tests compare with every split). Two groups keep their arithmetic form
 The plan's other step-time parts (DP, TP, pipeline transfers: ``predicted.step_time_s``
 minus its modelled pipeline time) are kept as they are. The gradient sum between the groups
 is added as the runtime runs it (``runtime/replica_sync.py``), after the backward: in two
-levels (each group's own DP×CP all-reduce, ``1/k`` chunks between the groups in gloo, the
-all-reduce again; :func:`groups_grad_sum_s`, the slowest rank's), and where the chunk rings
-cross a datacenter link, its latency on every ring step and its bandwidth for every gradient
+levels (a reduce-scatter in each group's own DP×CP group, each rank's slice between the
+groups in gloo, an all-gather; :func:`groups_grad_sum_s`, the slowest rank's), and where the
+rings cross a datacenter link, its latency on every ring step and its bandwidth for every gradient
 byte (:func:`groups_link_s`). Group 0's own DP sync stays charged although the runtime
 replaces its all-reduce with the sum (conservative: the all-reduce is mostly overlapped with the
 backward); the extra groups' own parameter all-gather and optimizer step are not charged (an
@@ -89,6 +89,9 @@ MAX_EXCESS = 1 << 20
 # link model for gloo inside a datacenter (runtime/collectives/choice.py LinkModel.intra_gbps,
 # 100 Gbit/s); NIC shares above it do not speed the sum between replica groups up
 GLOO_RING_GBYTES = 12.5
+# at most this many passes of swap_groups over the chosen groups (each pass tries every
+# chosen group against every option; most plans stop after one without a swap)
+SWAP_PASSES = 3
 
 Line = tuple[float, float]
 
@@ -513,13 +516,15 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
     datacenter link's share (:func:`groups_link_s`).
 
     Each holder set is summed in two levels (:func:`_two_level_s`): inside each group over
-    the rank's DP×CP group (``dp_g·cp_g`` ranks, the communicator's hierarchical all-reduce
-    on the group's backend: ``cost.node_hierarchical_all_reduce``), cut into ``k`` chunks
-    (``k``: the fewest holders of any group), each chunk summed between the ``G`` groups'
-    ``j``-th holders in host memory (gloo: PCIe both ways, ``2(G − 1)/G`` of the chunk at the
-    NIC share, at most :data:`GLOO_RING_GBYTES`), and filled back in by a second all-reduce
-    inside the group. Where that ring crosses a datacenter link, each of its ``2(G − 1)``
-    steps waits the link's latency too, and the link carries every chunk ring's bytes
+    the rank's DP×CP group (``d = dp_g·cp_g`` ranks on the group's backend, priced as
+    ``cost.node_hierarchical_all_reduce``) a reduce-scatter leaves each rank the group's sum
+    of its ``1/d`` slice; each slice is summed with the other ``G − 1`` groups' owners of
+    the same elements in host memory (gloo: PCIe both ways, ``2(G − 1)/G`` of the slice at
+    the NIC share, at most :data:`GLOO_RING_GBYTES`; a slice another group cuts finer runs
+    one ring per piece, side by side); an all-gather inside the group fills the slices back
+    in. Where the group has no flat reduce-scatter (it spans pools, or runs gloo) both steps
+    are all-reduces. Where a ring crosses a datacenter link, each of its ``2(G − 1)`` steps
+    waits the link's latency too, and the link carries every ring's bytes
     (:func:`groups_link_s`). The sets whose holders do not pair one per replica take one
     gloo ring over every holder in the runtime (:func:`_one_ring_s`; across datacenters
     inside each and between their leaders): a vocabulary table one group replicates over
@@ -618,10 +623,13 @@ def _one_ring_s(groups: Sequence[SumGroup], nbytes: float, sets: int, nic: float
 def _two_level_s(inv: ClusterInventory, groups: Sequence[SumGroup], d: int, tp: int,
                  pools: Sequence[str], nbytes: float, sets: int, nic: float,
                  pcie: float) -> float:
-    """One rank's two-level sum (:func:`groups_grad_sum_s`) of ``nbytes`` in ``sets`` sets:
-    two all-reduces inside its group's DP×CP group of ``d`` ranks on ``pools`` (the slowest
-    pool's links; a group spanning pools goes through the host at gloo's rate), and its
-    ``1/k`` chunk between the groups in host memory."""
+    """One rank's two-level sum (:func:`groups_grad_sum_s`) of ``nbytes`` in ``sets`` sets
+    inside its group's DP×CP group of ``d`` ranks on ``pools`` (the slowest pool's links): a
+    reduce-scatter and an all-gather (one all-reduce's bytes and steps) where the group is in
+    one pool on a vendor backend, else two all-reduces (a group spanning pools goes through
+    the host at gloo's rate; gloo's all-reduce beats its reduce-scatter), and its ``1/d``
+    slice between the groups in host memory (its pieces' rings side by side: one ring's
+    latency per set)."""
     devs = [inv.pool(p) for p in pools]
     intra = min(p.device.intra_node_gbps for p in devs)
     nic_g = min(p.nic_gbytes_per_gpu for p in devs)
@@ -631,12 +639,12 @@ def _two_level_s(inv: ClusterInventory, groups: Sequence[SumGroup], d: int, tp: 
     lat, per_byte = cost.node_hierarchical_all_reduce(d, per_node, intra,
                                                       cost.COLLECTIVE_LATENCY_S, nic_g,
                                                       cost.COLLECTIVE_LATENCY_S)
-    k = min(dp * cp for dp, cp, _ in groups)
     g = len(groups)
-    chunk = nbytes / k
+    chunk = nbytes / d
     between = (2 * chunk / (pcie * 1e9) + 2.0 * (g - 1) / g * chunk / (nic * 1e9)
                + sets * (4 * (g - 1) * cost.COLLECTIVE_LATENCY_S + cost.HOST_STAGING_LATENCY_S))
-    return 2 * (sets * lat + per_byte * nbytes) + between
+    flat = len(devs) == 1 and devs[0].device.backend != "gloo"
+    return (1 if flat else 2) * (sets * lat + per_byte * nbytes) + between
 
 
 def _holder_sets(a: int, b: int, cuts: set[int]) -> int:
@@ -717,12 +725,13 @@ def _gpus(option: GroupOption) -> int:
 
 
 def greedy_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption],
-                  max_gpus: int | None = None
+                  max_gpus: int | None = None, passes: int = SWAP_PASSES
                   ) -> tuple[list[GroupOption], tuple[float, tuple[int, ...]] | None]:
     """The extra groups :func:`add_replica_groups` adds (module docstring): rounds that each
     add the option (on a pool no chosen group uses) making the modelled step fastest, while
-    it gets faster and the job stays within ``max_gpus``; with ``(step seconds, split)`` of
-    the last round (None when no group is added)."""
+    it gets faster and the job stays within ``max_gpus``, then up to ``passes`` passes of
+    :func:`swap_groups`; with ``(step seconds, split)`` of the result (None when no group is
+    added)."""
     chosen: list[GroupOption] = []
     best: tuple[float, tuple[int, ...]] | None = None
     gpus = plan.world_size
@@ -738,10 +747,43 @@ def greedy_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOpti
                 found = (got[0], option, got[1])
         now = plan.predicted.step_time_s if best is None else best[0]
         if found is None or not found[0] < now * (1 - 1e-9):
-            return chosen, best
+            break
         chosen.append(found[1])
         gpus += _gpus(found[1])
         best = (found[0], found[2])
+    if best is None:
+        return chosen, best
+    return swap_groups(plan, inv, options, chosen, best, max_gpus, passes)
+
+
+def swap_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption],
+                chosen: list[GroupOption], best: tuple[float, tuple[int, ...]],
+                max_gpus: int | None = None, passes: int = SWAP_PASSES
+                ) -> tuple[list[GroupOption], tuple[float, tuple[int, ...]]]:
+    """``chosen`` improved by replacing one group at a time: each pass tries every chosen
+    group against every option on a pool the others do not use (its own pool's other
+    layouts included) and keeps each replacement that makes the step faster, within
+    ``max_gpus``; it stops after a pass without one, or ``passes`` passes. The greedy rounds
+    fix each group given the earlier ones, so a group picked first can be one a later pick
+    makes a poor partner (``docs/planning.md`` §Extra replica groups)."""
+    cur, top = list(chosen), best
+    gpus = plan.world_size + sum(_gpus(o) for o in cur)
+    for _ in range(passes):
+        improved = False
+        for i in range(len(cur)):
+            used = {o.pool.name for j, o in enumerate(cur) if j != i}
+            for option in options:
+                extra = _gpus(option) - _gpus(cur[i])
+                if option is cur[i] or option.pool.name in used or (
+                        max_gpus is not None and gpus + extra > max_gpus):
+                    continue
+                trial = [*cur[:i], option, *cur[i + 1:]]
+                got = evaluate_groups(plan, trial, inv)
+                if got is not None and got[0] < top[0] * (1 - 1e-9):
+                    cur, top, gpus, improved = trial, got, gpus + extra, True
+        if not improved:
+            break
+    return cur, top
 
 
 def add_replica_groups(plan: Plan, inv: ClusterInventory, max_gpus: int | None = None) -> Plan:

@@ -25,11 +25,12 @@ gradient counts once. After the backward, each rank's main grads are the mean ov
 replica of every group) and summed over the holders, they become the gradient of the global
 batch's mean loss, whatever the groups' token shares. The cells of one holder set are summed
 together (in the order of parameter name and cell start, which every member computes alike):
-in two levels where :func:`two_level` allows it (inside each group by the group's own DP×CP
-all-reduce, then ``1/k`` chunks between the groups' ``j``-th holders in gloo, then the
-all-reduce again: :meth:`ReplicaSync._sum_chunked`; between groups in different datacenters
-the chunk rings cross the link, each chunk once per ring edge there, while the in-group
-all-reduces stay on each group's own fabric), else with one gloo all-reduce over every holder;
+in two levels where :func:`two_level` allows it (inside each group a reduce-scatter over the
+group's own DP×CP group leaves each member the group's sum of its slice, each slice is summed
+with the other groups' owners of the same elements in gloo, and an all-gather fills the
+slices back in: :meth:`ReplicaSync._sum_chunked`; between groups in different datacenters
+the slices' rings cross the link, each byte once per ring edge there, while the in-group
+steps stay on each group's own fabric), else with one gloo all-reduce over every holder;
 such a set spanning datacenters is summed hierarchically (inside each DC, then the DC leaders,
 then a broadcast inside each DC), so each of its bytes crosses the DC link once per leader.
 
@@ -48,13 +49,16 @@ Deadlocks: every process group is a rendezvous of its members, and every rank cr
 the groups it belongs to in one global order (holder sets sorted, then the all-rank group), so
 no two ranks can wait on each other in opposite orders. A two-level set holds the whole DP×CP
 group of each of its ranks, so every DP peer meets the same sets in the same order and runs
-the group's own all-reduces on them alike, between the same gloo steps. The groups are built
-before any group world exists (:func:`run_grouped_rank` in the trainer).
+the group's own collectives on them alike, between the same gloo steps. The gloo groups of
+the slices' rings are built with the others, in the set's order and then by element offset.
+The groups are built before any group world exists (:func:`run_grouped_rank` in the
+trainer).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import math
 import re
@@ -70,7 +74,7 @@ from hettrain.planning.cost import vocab_shards
 from hettrain.planning.plan import Plan
 from hettrain.planning.support import group_cp, group_stage_units
 from hettrain.runtime.collectives.stats import Tier, tier_of
-from hettrain.runtime.model import LlamaDecoderLayer
+from hettrain.runtime.model import LlamaDecoderLayer, whole_model
 from hettrain.runtime.tensor_parallel import shard_layout
 
 Account = Callable[[Tier, int, float], None]
@@ -209,7 +213,8 @@ def _tier(plan: Plan, ranks: Sequence[int]) -> Tier:
 
 @dataclass
 class _SetSync:
-    """This rank's part in summing one holder set: flat (``full``) or hierarchical."""
+    """This rank's part in summing one holder set: flat (``full``) or hierarchical, or in two
+    levels (``rings``)."""
 
     members: tuple[int, ...]
     full: dist.ProcessGroup | None = None  # one DC: all holders
@@ -219,11 +224,14 @@ class _SetSync:
     # this rank's cells of the set, in the set's order: (segment start, local shape, dim,
     # local span start, end, contributes)
     pieces: list[tuple[int, tuple[int, ...], int | None, int, int, bool]] | None = None
-    # two-level sum (:func:`two_level`): (chunks k, this rank's chunk j, or k when it owns none,
-    # the gloo group of the j-th holder of every group, None when alone or owning none)
-    chunked: tuple[int, int, dist.ProcessGroup | None] | None = None
-    cross: tuple[int, ...] = ()  # the members of that gloo group
+    # two-level sum (:func:`two_level`): the set's elements, this rank's slice of them in its
+    # DP×CP group (:func:`slice_bounds`) and its chunk rings between the groups, each
+    # (start, end, the gloo group of the chunk's owners, its members; None when alone)
+    elements: int = 0
     group_size: int = 1  # two-level: the rank's DP×CP group (1: its in-group sums are no-ops)
+    slice: tuple[int, int] = (0, 0)
+    members_index: int = 0  # this rank's place among its group's holders of the set
+    rings: list[tuple[int, int, dist.ProcessGroup | None, tuple[int, ...]]] | None = None
 
 
 def _unpack(buf: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
@@ -233,6 +241,38 @@ def _unpack(buf: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
     for p in parts:
         p.copy_(buf[offset:offset + p.numel()].view(p.shape))
         offset += p.numel()
+
+
+def slice_bounds(n: int, d: int) -> list[int]:
+    """The ``d + 1`` bounds of the ``d`` slices of ``n`` elements the members of a DP×CP group
+    own (a reduce-scatter's chunks: ``ceil(n / d)`` each, the buffer padded to ``d`` of them,
+    so the last slices may be short or empty)."""
+    step = -(-n // d)
+    return [min(i * step, n) for i in range(d + 1)]
+
+
+def chunk_rings(n: int, holders: Sequence[Sequence[int]]) -> list[tuple[int, int, tuple[int, ...]]]:
+    """``(start, end, owners)``: the set's ``n`` elements cut at every group's slice bounds
+    (``holders[g]``: group ``g``'s holders in DP×CP group order), each piece with the holder
+    that owns it in each group, sorted: the ranks that sum it between the groups."""
+    steps = [-(-n // len(h)) for h in holders]
+    cuts = sorted({b for h in holders for b in slice_bounds(n, len(h))})
+    return [(lo, hi, tuple(sorted(h[lo // st] for h, st in zip(holders, steps, strict=True))))
+            for lo, hi in itertools.pairwise(cuts) if lo < hi]
+
+
+def cell_elements(spec: ModelSpec, cell: Cell) -> int:
+    """Elements of ``cell`` (of its global parameter, built on the meta device)."""
+    shape = _global_shapes(spec)[cell.name]
+    if cell.dim is None:
+        return math.prod(shape)
+    return math.prod(shape) // shape[cell.dim] * (cell.end - cell.start)
+
+
+@functools.lru_cache(maxsize=8)
+def _global_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in whole_model(spec, seed=0).named_parameters()}
 
 
 def two_level(plan: Plan, members: Sequence[int],
@@ -260,6 +300,21 @@ def two_level(plan: Plan, members: Sequence[int],
     return by_group
 
 
+@dataclass(frozen=True)
+class InGroup:
+    """SUM collectives of a rank's DP×CP group inside its replica group (the communicator's
+    stage DP group), in place, on the main grads' device: ``all_reduce(t)``; where the group
+    has flat ones (one pool), ``reduce_scatter(full)`` (``full``: one equal chunk per member
+    in group rank order; this rank's, ``index``, receives the group's sum) and
+    ``all_gather(full)`` (each member's chunk fills the others'), else None (the two-level
+    sum then all-reduces twice)."""
+
+    all_reduce: Callable[[torch.Tensor], None]
+    reduce_scatter: Callable[[torch.Tensor], None] | None = None
+    all_gather: Callable[[torch.Tensor], None] | None = None
+    index: int = 0
+
+
 class ReplicaSync:
     """The gradient, loss and validation sums between replica groups for one rank."""
 
@@ -283,9 +338,11 @@ class ReplicaSync:
         names = [n for u in sorted(self._my_units) for n in unit_param_names(plan.model, u)]
         members = {m for n in names for _, m, _ in self._cells(n)}
         self._contrib: dict[tuple[int, ...], frozenset[int]] = {}
-        for n in names:  # the holders that contribute to every cell of a set
-            for _, m, c in self._cells(n):
+        self._elements: dict[tuple[int, ...], int] = {}
+        for n in names:  # the holders that contribute to every cell of a set; its elements
+            for cell, m, c in self._cells(n):
                 self._contrib[m] = self._contrib.get(m, c) & c
+                self._elements[m] = self._elements.get(m, 0) + cell_elements(plan.model, cell)
         self.sets: dict[tuple[int, ...], _SetSync] = {}
         for m in sorted(members):  # the global order (module docstring)
             self.sets[m] = self._build(m)
@@ -317,13 +374,16 @@ class ReplicaSync:
         s = _SetSync(members)
         split = two_level(self.plan, members, self._contrib[members])
         if split is not None:
-            k = min(len(v) for v in split.values())
-            j = split[self.group].index(self.rank)
-            cross = tuple(sorted(v[j] for v in split.values())) if j < k else ()
-            s.chunked = (k, min(j, k), self._pg(f"set/{name}/chunk/{j}", cross)
-                         if len(cross) > 1 else None)
-            s.cross = cross
-            s.group_size = len(split[self.group])
+            n = self._elements[members]
+            mine = split[self.group]
+            bounds = slice_bounds(n, len(mine))
+            i = mine.index(self.rank)
+            s.elements, s.group_size, s.slice = n, len(mine), (bounds[i], bounds[i + 1])
+            s.members_index = i
+            s.rings = [(lo, hi, self._pg(f"set/{name}/ring/{lo}", owners)
+                        if len(owners) > 1 else None, owners)
+                       for lo, hi, owners in chunk_rings(n, [split[g] for g in sorted(split)])
+                       if self.rank in owners]
             return s
         if len(by_dc) == 1:
             s.full = self._pg(f"set/{name}", members) if len(members) > 1 else None
@@ -372,14 +432,13 @@ class ReplicaSync:
 
     @torch.no_grad()
     def reduce_(self, flat: torch.Tensor, segments: Sequence,
-                shapes: Sequence[Sequence[int]],
-                group_sum: Callable[[torch.Tensor], None] | None = None) -> None:
+                shapes: Sequence[Sequence[int]], in_group: InGroup | None = None) -> None:
         """Turn this rank's main grads (``flat``, laid out by ``segments``, each parameter of
         local shape ``shapes[i]``) into the gradient of the global batch's mean loss, in
-        place, on every holder of every parameter. ``group_sum(t)``: the SUM all-reduce of
-        ``t`` (on ``flat``'s device) over this rank's DP×CP group inside its replica group (the
-        communicator's); with it, the sets :func:`two_level` allows are summed in two levels
-        (:meth:`_sum_chunked`), the others in one ring over every holder."""
+        place, on every holder of every parameter. ``in_group``: the collectives of this
+        rank's DP×CP group inside its replica group (the communicator's); with them, the sets
+        :func:`two_level` allows are summed in two levels (:meth:`_sum_chunked`), the others
+        in one ring over every holder."""
         if self._bound is None:
             self._bind(segments, shapes)
         flat.mul_(self.grad_weight)
@@ -387,11 +446,11 @@ class ReplicaSync:
             if len(s.members) == 1 or not s.pieces:
                 continue
             parts = [self._view(flat, p) for p in s.pieces]
-            if s.chunked is not None:
-                if group_sum is None:
+            if s.rings is not None:
+                if in_group is None:
                     raise ValueError("ReplicaSync.reduce_: this plan's sets are summed in two "
-                                     "levels; pass group_sum (the group's DP all-reduce)")
-                self._sum_chunked(s, parts, group_sum)
+                                     "levels; pass in_group (the group's DP×CP collectives)")
+                self._sum_chunked(s, parts, in_group)
                 continue
             whole = (len(parts) == 1 and parts[0].is_contiguous() and s.pieces[0][5]
                      and flat.device.type == "cpu")
@@ -404,36 +463,60 @@ class ReplicaSync:
             if not whole:
                 _unpack(buf, parts)
 
-    def _sum_chunked(self, s: _SetSync, parts: list[torch.Tensor],
-                     group_sum: Callable[[torch.Tensor], None]) -> None:
+    def _sum_chunked(self, s: _SetSync, parts: list[torch.Tensor], grp: InGroup) -> None:
         """Two-level sum of one set (``parts``: this rank's views of its cells, all
-        contributing): (1) ``group_sum`` of the set's buffer inside the group (every holder
-        of the group then has the group's sum); (2) the buffer cut into ``k`` chunks (``k``:
-        the fewest holders any group has), the ``j``-th holder of each group sums chunk ``j``
-        with the other groups' in host memory (gloo; bytes ``2(G − 1)/G`` of a chunk); (3)
-        each holder keeps its summed chunk and zeros the rest, and ``group_sum`` again fills
-        every chunk on every holder. Every byte crosses between groups once per chunk owner,
-        not once per holder in one ring over all of them."""
-        k, j, pg = s.chunked
-        one = len(parts) == 1 and parts[0].is_contiguous()
-        buf = parts[0].view(-1) if one else torch.cat([p.reshape(-1) for p in parts])
-        if s.group_size > 1:
-            group_sum(buf)
-        chunks = buf.tensor_split(k)
-        if j < k and pg is not None:
-            mine = chunks[j]
-            host = mine if mine.device.type == "cpu" else mine.cpu()
-            t0 = time.perf_counter()
-            pg.allreduce([host]).wait()
-            n = pg.size()
-            self._record(s.cross, int(2 * (n - 1) / n * host.numel() * host.element_size()), t0)
-            if host is not mine:
-                mine.copy_(host)
-        if s.group_size > 1:  # (alone in its group the rank owns every chunk: k = 1)
-            for i, c in enumerate(chunks):
-                if i != j:
-                    c.zero_()
-            group_sum(buf)
+        contributing), each member of a DP×CP group of ``d`` owning one slice
+        (:func:`slice_bounds`): (1) inside the group, a reduce-scatter leaves each member the
+        group's sum of its slice (where the group has none, an all-reduce leaves it the whole
+        sum); (2) each slice, cut where another group's slices end (:func:`chunk_rings`), is
+        summed with its owners in the other groups in host memory (gloo, the pieces side by
+        side; bytes ``2(G − 1)/G`` of the slice); (3) an all-gather inside the group fills
+        every slice on every member (without one, each member zeros the others' slices and
+        the group all-reduces). Inside a group a byte moves as in one all-reduce
+        (reduce-scatter + all-gather), and each crosses between groups once per owner."""
+        n, d, (lo, hi) = s.elements, s.group_size, s.slice
+        have = sum(p.numel() for p in parts)
+        if have != n:
+            raise RuntimeError(f"rank {self.rank}: holder set {s.members} has {have} gradient "
+                               f"elements here, {n} by the model's shapes")
+        scatter = d > 1 and grp.reduce_scatter is not None and grp.all_gather is not None
+        if scatter and grp.index != s.members_index:
+            raise RuntimeError(f"rank {self.rank}: DP×CP group rank {grp.index}, but holder "
+                               f"{s.members_index} of its replica group's set")
+        size = -(-n // d) * d if scatter else n  # a reduce-scatter's equal chunks: padded
+        one = len(parts) == 1 and parts[0].is_contiguous() and size == n
+        if one:
+            buf = parts[0].view(-1)
+        else:  # the one copy of the set's cells (and the padding)
+            buf = parts[0].new_empty(size)
+            offset = 0
+            for p in parts:
+                buf[offset:offset + p.numel()].copy_(p.reshape(-1))
+                offset += p.numel()
+            buf[n:].zero_()
+        if scatter:
+            grp.reduce_scatter(buf)
+        elif d > 1:
+            grp.all_reduce(buf)
+        pending = []
+        for a, b, pg, owners in s.rings:
+            if pg is None:
+                continue
+            piece = buf[a:b]
+            host = piece if piece.device.type == "cpu" else piece.cpu()
+            pending.append((pg.allreduce([host]), host, piece, owners, time.perf_counter()))
+        for work, host, piece, owners, t0 in pending:
+            work.wait()
+            g = len(owners)
+            self._record(owners, int(2 * (g - 1) / g * host.numel() * host.element_size()), t0)
+            if host is not piece:
+                piece.copy_(host)
+        if scatter:
+            grp.all_gather(buf)
+        elif d > 1:  # (alone in its group the rank owns the whole set)
+            buf[:lo].zero_()
+            buf[hi:].zero_()
+            grp.all_reduce(buf)
         if not one:
             _unpack(buf, parts)
 

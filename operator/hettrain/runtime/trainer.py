@@ -6,6 +6,7 @@ import datetime
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from hettrain.runtime.metrics import RuntimeMetrics
 from hettrain.runtime.model import StageModel, check_layout, lm_loss, whole_model
 from hettrain.runtime.optim import PER_UNIT, ShardGroup, StageOptimizer, sharding_of
 from hettrain.runtime.pipeline import StageRunner
-from hettrain.runtime.replica_sync import ReplicaSync, group_config
+from hettrain.runtime.replica_sync import InGroup, ReplicaSync, group_config
 from hettrain.runtime.stage_timing import StageTimer
 from hettrain.runtime.tensor_parallel import check_tp, shard_stage_
 from hettrain.runtime.weights import load_pretrained
@@ -258,6 +259,38 @@ class Trainer:
         self._loss_tier = self._dp_tier()
         self.validation: dict[int, float] = {}
 
+    def _in_group(self, scope: str) -> InGroup:
+        """The collectives of this rank's DP×CP group for the sum between replica groups:
+        reduce-scatter and all-gather where the group is one flat collective and the
+        reduction (``HETTRAIN_DP_REDUCTION``, auto: not on gloo, whose reduce-scatter is
+        slower than its all-reduce) is a reduce-scatter, else all-reduces only."""
+        comm = self.comm
+
+        def all_reduce(t: torch.Tensor) -> None:
+            comm.dp_all_reduce_([t], average=False, scope=scope)
+
+        want = self.cfg.dp_reduction
+        if want == "auto":
+            want = "all_reduce" if comm.backend(comm.dp_group) == "gloo" else "reduce_scatter"
+        if (want != "reduce_scatter" or scope != "global" or comm.dp_size == 1
+                or not comm.dp_overlappable(scope)):
+            return InGroup(all_reduce)
+        n = comm.dp_size
+
+        def timed(run: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+            def call(full: torch.Tensor) -> None:
+                t0 = time.perf_counter()
+                run(full)
+                comm.stats.add(Tier.INTRA_POOL, int((n - 1) / n * full.numel()
+                                                    * full.element_size()),
+                               time.perf_counter() - t0)
+            return call
+
+        return InGroup(all_reduce,
+                       timed(lambda full: comm.dp_reduce_scatter_async(full, scope).wait()),
+                       timed(lambda full: comm.dp_all_gather_into_(full, scope)),
+                       dist.get_rank(comm.dp_group))
+
     def _optimizer(self) -> StageOptimizer:
         """The stage optimizer: plan precision, ZeRO-1 over the stage DP group when planned,
         gradients averaged through the communicator, the global norm over the world."""
@@ -275,12 +308,12 @@ class Trainer:
                                lambda nbytes, secs: comm.stats.add(tier, nbytes, secs),
                                gather=comm.dp_all_gather_ if spans else None)
 
+        in_group = self._in_group(scope) if self.replica is not None else None
+
         def reduce_grads(flat: torch.Tensor) -> None:
             if self.replica is not None:  # replica groups: the sum over every holder
                 self.replica.reduce_(flat, self.opt.segments,
-                                     [p.shape for p in self.opt.params],
-                                     group_sum=lambda t: comm.dp_all_reduce_(
-                                         [t], average=False, scope=scope))
+                                     [p.shape for p in self.opt.params], in_group)
                 return
             # mode "compress": the communicator compresses the DC hop
             comm.dp_all_reduce_([flat], average=True, scope=scope)
@@ -305,7 +338,9 @@ class Trainer:
         # microbatch: overlapped, the same async all-reduce launched per unit (UnitGradSync)
         self.dp_overlap = (plan.dp > 1 and t.overlap_grad_reduce and self.replica is None
                            and comm.dp_overlappable(scope))
-        self.dp_reduction = "all_reduce"  # hierarchical / synchronous unless overlapped
+        # hierarchical / synchronous unless overlapped; replica groups: their in-group sums
+        self.dp_reduction = ("reduce_scatter" if in_group is not None
+                             and in_group.reduce_scatter is not None else "all_reduce")
         if self.dp_overlap:
             # one pool: bucketed async all-reduces during the last microbatch's backward
             # (runtime/grad_sync.py); across pools/DCs the hierarchical sync stays after it
@@ -333,6 +368,9 @@ class Trainer:
                    + (", next unit's gather prefetched" if opt.prefetch else ""))
         elif self.dp_overlap:
             how = f"overlapped with the backward (buckets of {self.cfg.dp_bucket_bytes} bytes)"
+        elif in_group is not None:
+            how = (f"after the backward, summed with the other replica groups; inside the group "
+                   f"{self.dp_reduction.replace('_', '-')}")
         log.info("rank %d: DP gradient sync %s", self.rank, how)
         return opt
 

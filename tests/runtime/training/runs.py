@@ -44,13 +44,15 @@ class SgdRun:
     ckpt: Path
 
 
-def sgd_run_and_reference(plan, workdir: Path, timeout: float = 240) -> SgdRun:
+def sgd_run_and_reference(plan, workdir: Path, timeout: float = 240,
+                          env: dict[str, str] | None = None) -> SgdRun:
     """Train ``plan`` with SGD, one checkpoint at the end, loss log and per-rank summaries
-    (every rank must exit 0), and run the single-process reference of the same steps."""
+    (every rank must exit 0; ``env``: more runtime settings), and run the single-process
+    reference of the same steps."""
     ckpt = workdir / "ckpt"
     env = {"HETTRAIN_METRICS_PORT": "0", "HETTRAIN_SUMMARY_DIR": str(workdir / "summary"),
            "HETTRAIN_CHECKPOINT_URI": f"file://{ckpt}", "HETTRAIN_CHECKPOINT_INTERVAL": "100",
-           "HETTRAIN_OPTIMIZER": "sgd"}
+           "HETTRAIN_OPTIMIZER": "sgd", **(env or {})}
     got = run_losses(plan, workdir, env, workdir / "loss.jsonl", timeout)
     final: dict[str, torch.Tensor] = {}
     validation: dict[int, float] = {}

@@ -15,7 +15,9 @@ from tests.runtime.training.plans import grouped_plan, tiny_plan
 from tests.runtime.training.runs import sgd_run_and_reference
 
 from hettrain.api.spec import MODEL_PRESETS, ModelSpec
+from hettrain.planning.support import group_cp
 from hettrain.runtime import checkpoint as ckpt
+from hettrain.runtime.config import ENV_DP_REDUCTION
 from hettrain.runtime.launch import launch_local, wait_all
 from hettrain.runtime.model import whole_model
 from hettrain.runtime.replica_sync import Cell, cell_sets, shard_span, unit_of
@@ -116,10 +118,24 @@ TRAINING = {"two-dcs-no-zero": {"optimizer_sharding": False}, "2x-plus-1x": {"gr
             "pp2-vs-pp1": {"validation_interval": 2, "validation_batches": 2}}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_groups_match_the_single_process_reference(tmp_path, case):
+# the two-level sum's in-group steps as a reduce-scatter and an all-gather (what auto picks on
+# NCCL/HCCL; on gloo it all-reduces twice): slices of 3 beside 2 cut into four chunk rings,
+# CP ranks as members of the DP×CP group, three groups in two datacenters
+REDUCE_SCATTER = ["dp3-vs-dp2", "cp2-vs-cp1", "three-groups", "tp-runs-vs-tp2"]
+
+
+@pytest.mark.parametrize(("case", "reduction"), [(c, "auto") for c in CASES]
+                         + [(c, "reduce_scatter") for c in REDUCE_SCATTER])
+def test_groups_match_the_single_process_reference(tmp_path, case, reduction):
     plan = grouped_plan(CASES[case], steps=4, model=LLAMA, lr=SGD_LR, **TRAINING.get(case, {}))
-    run = sgd_run_and_reference(plan, tmp_path)
+    run = sgd_run_and_reference(plan, tmp_path, env={ENV_DP_REDUCTION: reduction})
+    # the in-group step each rank ran (a DP×CP group of one has none to run)
+    logs = {r.rank: (tmp_path / f"rank-{r.rank}.log").read_text() for r in plan.ranks}
+    for r in plan.ranks:
+        grp = plan.groups[r.group]
+        flat = reduction == "reduce_scatter" and grp.dp * group_cp(grp.stages) > 1
+        step = "reduce-scatter" if flat else "all-reduce"
+        assert f"summed with the other replica groups; inside the group {step}" in logs[r.rank]
     got, ref, final, validation, ck = run.got, run.ref, run.final, run.validation, run.ckpt
     assert sorted(got) == list(range(plan.training.steps))
     clip = TRAINING.get(case, {}).get("grad_clip")
@@ -145,19 +161,26 @@ def test_groups_match_the_single_process_reference(tmp_path, case):
     if any(s.tp > 1 for g in plan.groups for s in g.stages):
         return
     units = {n: unit_of(n) for n in final}
+    held_bytes = {}  # fp32 gradient bytes of each rank's stage
     for r in plan.ranks:
         rec = json.loads((tmp_path / "summary" / f"rank-{r.rank}.json").read_text())
         st = plan.stage_of(r)
         held = {f"layer {i}" for i in range(st.layer_start, st.layer_end)}
         held |= {u for u, on in (("embedding", st.index == 0), ("head", st.has_head)) if on}
         want = sum(float(p.double().sum()) for n, p in final.items() if units[n] in held)
+        held_bytes[r.rank] = 4 * sum(p.numel() for n, p in final.items() if units[n] in held)
         assert rec["group"] == r.group
         assert rec["param_checksum"] == pytest.approx(want, rel=1e-5, abs=1e-4), r
-    if case == "two-dcs-no-zero":  # only the DC leaders' sums crossed the DC link
-        crossed = {r.rank for r in plan.ranks if json.loads(
-            (tmp_path / "summary" / f"rank-{r.rank}.json").read_text())["bytes"]["cross_dc"]}
-        leaders = {0, 2, 4}  # replica 0 of group 0 (ranks are stage-major) + group 1
-        assert crossed == leaders
+    if case == "two-dcs-no-zero":
+        # the DC link carries each gradient byte once each way per step: group 1's replica
+        # sends its whole model, group 0's two replicas half of their stage each (the slice
+        # each owns after its group's sum), 2(G - 1)/G = 1 of what each sums
+        sent = {r.rank: json.loads((tmp_path / "summary" / f"rank-{r.rank}.json").read_text())
+                ["bytes"]["cross_dc"] for r in plan.ranks}
+        steps = plan.training.steps
+        assert sent[4] == steps * held_bytes[4]
+        for r in range(4):
+            assert sent[r] == pytest.approx(steps * held_bytes[r] / 2, abs=8 * steps), r
 
 
 @pytest.mark.parametrize("case", ["2x-plus-1x", "cp2-vs-cp1"])

@@ -6,6 +6,7 @@ runs against the reference (which so checks both paths' numbers)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -17,7 +18,13 @@ from tests.runtime.training.test_replica_groups import CASES, LLAMA
 from hettrain.planning.replica_groups import _holder_sets, stage_grad_bytes
 from hettrain.planning.support import group_cp, group_stage_units
 from hettrain.runtime.model import whole_model
-from hettrain.runtime.replica_sync import cell_sets, two_level, unit_param_names
+from hettrain.runtime.replica_sync import (
+    cell_sets,
+    chunk_rings,
+    slice_bounds,
+    two_level,
+    unit_param_names,
+)
 
 TIED = replace(LLAMA, tie_embeddings=True)  # the head unit is the final norm alone
 
@@ -67,18 +74,49 @@ def test_each_rank_sums_the_bytes_the_planner_prices(case, model):
         assert all(len(contrib) == holders for _, (_, _, contrib) in mine), (case, r)
         sets = {members for _, (_, members, _) in mine}
         # every set whose holders all contribute is summed in two levels, across datacenters
-        # too: inside each group on its DP×CP group, then 1/k chunks between the groups, k
-        # the fewest holders of a group (the planner's _two_level_s)
+        # too: inside each group on its DP×CP group, then each rank's 1/d slice between the
+        # groups (the planner's _two_level_s), in rings of one owner per group
+        elements: dict[tuple[int, ...], int] = {}
+        for n, (cell, members, _) in mine:
+            elements[members] = elements.get(members, 0) + _cell_elements(model, n, cell)
         for _, (_, members, contrib) in mine:
             split = two_level(plan, members, contrib)
             assert (split is not None) == (contrib == frozenset(members)), (case, r)
-            if split is not None:
-                assert len(split) == len(plan.groups)
-                assert min(len(v) for v in split.values()) == min(
-                    x.dp * group_cp(x.stages) for x in plan.groups)
-                assert split[r.group] == sorted(  # the rank's own DP×CP group
-                    x.rank for x in plan.ranks if (x.group, x.stage, x.tp) == (
-                        r.group, r.stage, r.tp))
+            if split is None:
+                continue
+            assert len(split) == len(plan.groups)
+            assert split[r.group] == sorted(  # the rank's own DP×CP group
+                x.rank for x in plan.ranks if (x.group, x.stage, x.tp) == (
+                    r.group, r.stage, r.tp))
+            d = g.dp * group_cp(g.stages)
+            bounds = slice_bounds(elements[members], d)
+            i = split[r.group].index(r.rank)
+            rings = chunk_rings(elements[members], [split[x] for x in sorted(split)])
+            pieces = [(lo, hi) for lo, hi, owners in rings if r.rank in owners]
+            # its rings cover exactly its slice, each with one owner per group
+            assert sum(hi - lo for lo, hi in pieces) == bounds[i + 1] - bounds[i], (case, r)
+            assert all(bounds[i] <= lo < hi <= bounds[i + 1] for lo, hi in pieces)
+            assert all(len(owners) == len(plan.groups) for *_, owners in rings)
         if equal_tp:  # one ring per run of layers shared with the same stages elsewhere
             assert len(sets) == _holder_sets(st.layer_start, st.layer_end, cuts), (case, r)
             assert all(len(m) == holders for m in sets)
+
+
+@pytest.mark.parametrize("sizes", [(3, 2), (1, 4), (4, 4, 2), (5, 3, 7)])
+@pytest.mark.parametrize("n", [1, 5, 12, 37, 100])
+def test_chunk_rings_give_each_element_its_slice_owner_in_every_group(n, sizes):
+    """The rings tile the set's elements, and each element's ring holds, in every group, the
+    member whose reduce-scatter slice has it (brute force, element by element)."""
+    holders = [[100 * g + i for i in range(d)] for g, d in enumerate(sizes)]
+    rings = chunk_rings(n, holders)
+    assert rings[0][0] == 0 and rings[-1][1] == n
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(rings))
+    for e in range(n):
+        (owners,) = [o for lo, hi, o in rings if lo <= e < hi]
+        want = []
+        for h in holders:
+            bounds = slice_bounds(n, len(h))
+            assert bounds[0] == 0 and bounds[-1] == n and bounds == sorted(bounds)
+            (i,) = [i for i in range(len(h)) if bounds[i] <= e < bounds[i + 1]]
+            want.append(h[i])
+        assert owners == tuple(sorted(want)), (n, sizes, e)

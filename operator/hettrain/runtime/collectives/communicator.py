@@ -442,6 +442,22 @@ class HetCommunicator:
         mine = flat.view(n, -1)[dist.get_rank(group)]
         return dist.reduce_scatter_tensor(mine, flat, group=group, async_op=True)
 
+    def dp_all_gather_into_(self, flat: torch.Tensor, scope: str = "global") -> None:
+        """All-gather over this rank's stage DP group, in place: ``flat`` splits into one equal
+        chunk per group rank, this rank's (its group rank's) already filled; afterwards every
+        chunk is. The counterpart of :meth:`dp_reduce_scatter_async` (the two move one
+        all-reduce's bytes). Only for a group that :meth:`dp_overlappable`."""
+        if not self.dp_overlappable(scope):
+            raise ValueError("dp_all_gather_into_: the stage DP group spans pools; use "
+                             "dp_all_reduce_ (hierarchical, synchronous)")
+        group = self._levels[scope].full
+        n = dist.get_world_size(group)
+        if flat.numel() % n:
+            raise ValueError(f"dp_all_gather_into_: {flat.numel()} elements do not split "
+                             f"into {n} equal chunks")
+        mine = flat.view(n, -1)[dist.get_rank(group)].clone()
+        dist.all_gather_into_tensor(flat, mine, group=group)
+
     def cross_dc_all_reduce_(self, tensors: list[torch.Tensor], average: bool = True,
                              compress: bool = False) -> str:
         """Sum/average over the stage DP group, arranged by datacenter (DiLoCo outer step)."""
