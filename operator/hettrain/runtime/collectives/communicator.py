@@ -431,15 +431,7 @@ class HetCommunicator:
         this rank's chunk (its group rank's) receives the sum; the rest is left as it was.
         Half an all-reduce's bytes, for ZeRO-2/3, where a rank keeps only its chunk. Only for a
         group that :meth:`dp_overlappable`."""
-        if not self.dp_overlappable(scope):
-            raise ValueError("dp_reduce_scatter_async: the stage DP group spans pools; use "
-                             "dp_all_reduce_ (hierarchical, synchronous)")
-        group = self._levels[scope].full
-        n = dist.get_world_size(group)
-        if flat.numel() % n:
-            raise ValueError(f"dp_reduce_scatter_async: {flat.numel()} elements do not split "
-                             f"into {n} equal chunks")
-        mine = flat.view(n, -1)[dist.get_rank(group)]
+        group, mine = self._own_chunk("dp_reduce_scatter_async", flat, scope)
         return dist.reduce_scatter_tensor(mine, flat, group=group, async_op=True)
 
     def dp_all_gather_into_(self, flat: torch.Tensor, scope: str = "global") -> None:
@@ -447,16 +439,23 @@ class HetCommunicator:
         chunk per group rank, this rank's (its group rank's) already filled; afterwards every
         chunk is. The counterpart of :meth:`dp_reduce_scatter_async` (the two move one
         all-reduce's bytes). Only for a group that :meth:`dp_overlappable`."""
+        group, mine = self._own_chunk("dp_all_gather_into_", flat, scope)
+        dist.all_gather_into_tensor(flat, mine.clone(), group=group)
+
+    def _own_chunk(self, what: str, flat: torch.Tensor, scope: str
+                   ) -> tuple[dist.ProcessGroup, torch.Tensor]:
+        """The flat stage DP group of ``scope`` and this rank's chunk of ``flat`` (a view: one
+        equal chunk per group rank, in group rank order), refused for a group that is not
+        :meth:`dp_overlappable` or a ``flat`` that does not split evenly."""
         if not self.dp_overlappable(scope):
-            raise ValueError("dp_all_gather_into_: the stage DP group spans pools; use "
-                             "dp_all_reduce_ (hierarchical, synchronous)")
+            raise ValueError(f"{what}: the stage DP group spans pools; use dp_all_reduce_ "
+                             "(hierarchical, synchronous)")
         group = self._levels[scope].full
         n = dist.get_world_size(group)
         if flat.numel() % n:
-            raise ValueError(f"dp_all_gather_into_: {flat.numel()} elements do not split "
-                             f"into {n} equal chunks")
-        mine = flat.view(n, -1)[dist.get_rank(group)].clone()
-        dist.all_gather_into_tensor(flat, mine, group=group)
+            raise ValueError(f"{what}: {flat.numel()} elements do not split into {n} equal "
+                             "chunks")
+        return group, flat.view(n, -1)[dist.get_rank(group)]
 
     def cross_dc_all_reduce_(self, tensors: list[torch.Tensor], average: bool = True,
                              compress: bool = False) -> str:
