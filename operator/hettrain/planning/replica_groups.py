@@ -765,12 +765,14 @@ def swap_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption
     layouts included) and keeps each replacement that makes the step faster, within
     ``max_gpus``; it stops after a pass without one, or ``passes`` passes. The greedy rounds
     fix each group given the earlier ones, so a group picked first can be one a later pick
-    makes a poor partner (``docs/planning.md`` §Extra replica groups)."""
+    makes a poor partner (``docs/planning.md`` §Extra replica groups). The first pass skips
+    the last group: the last round picked it as the fastest with the others as they are (one
+    group alone: no pass at all)."""
     cur, top = list(chosen), best
     gpus = plan.world_size + sum(_gpus(o) for o in cur)
-    for _ in range(passes):
+    for n in range(passes):
         improved = False
-        for i in range(len(cur)):
+        for i in range(len(cur) - 1 if n == 0 else len(cur)):
             used = {o.pool.name for j, o in enumerate(cur) if j != i}
             for option in options:
                 extra = _gpus(option) - _gpus(cur[i])
