@@ -9,6 +9,7 @@ plan's own arithmetic, and the replica-group interplay.
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -169,3 +170,28 @@ def test_grouped_plan_is_the_fastest_of_every_layout_it_compares():
     got = plan_job("q", spec, inv)
     assert got.predicted.step_time_s == pytest.approx(
         min(p.predicted.step_time_s for p in layouts), rel=1e-9)
+
+
+def _uneven_note_numbers(plan) -> tuple[int, int, int, int, int]:
+    """``(dp, replicas at m, m, replicas at m − 1, m − 1)`` read back from the plan's note."""
+    note = next(n for n in plan.notes if n.startswith("uneven data parallelism"))
+    got = re.search(r"over dp=(\d+), (-?\d+) replicas run (\d+) microbatches and (-?\d+) run "
+                    r"(\d+) ", note)
+    assert got, note
+    return tuple(int(g) for g in got.groups())
+
+
+@pytest.mark.parametrize("gb", [8, 16, 32])
+def test_the_uneven_note_counts_true_replicas_when_the_search_picks_cp(gb):
+    """With ``cp`` left to the search (32k tokens), the note's counts are the plan's own: the
+    true replicas, ``m`` and ``short_replicas`` (they once used the DP×CP group's size)."""
+    spec = parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": 32768},
+                           "training": {"globalBatch": gb, "steps": 10},
+                           "parallelism": {"pp": 2, "tp": 1}, "data": {"synthetic": True}})
+    plan = plan_job("j", spec, load_cluster(_cluster(6)))
+    assert plan.stages[0].cp > 1 and plan.short_replicas > 0
+    dp, full, m, short, m_short = _uneven_note_numbers(plan)
+    r = plan.short_replicas
+    assert (dp, full, m, short, m_short) == (plan.dp, plan.dp - r, plan.num_microbatches, r,
+                                             plan.num_microbatches - 1)
+    assert plan.micro_batch * (full * m + short * m_short) == gb

@@ -2011,11 +2011,11 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
         ranks = _place(chosen, None)
     else:
         chosen, ranks = _fewest_moves(best, near, previous)
-    notes = [*_notes(chosen, searches[0], alt, inventory, spec, merged_slower), *added]
+    concrete = replace(spec, parallelism=replace(spec.parallelism, cp=chosen.cp))
+    notes = [*_notes(chosen, searches[0], alt, inventory, concrete, merged_slower), *added]
     searched = len(notes)  # the idle-pool notes go here, before the later decisions' notes
     if previous is not None:
         notes.append(f"re-plan: {moved_ranks(previous, ranks)} of {len(ranks)} ranks change stage")
-    concrete = replace(spec, parallelism=replace(spec.parallelism, cp=chosen.cp))
     plan = _to_plan(name, concrete, chosen, ranks, notes, inventory)
     if spec.parallelism.replica_groups:
         plan = plan_with_replica_group(plan, spec, inventory, previous,
