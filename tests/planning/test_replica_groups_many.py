@@ -27,6 +27,7 @@ from hettrain.planning.replica_groups import (
     _sum_groups,
     best_split,
     best_split_n,
+    best_uneven_split,
     evaluate_groups,
     greedy_groups,
     group_options,
@@ -92,6 +93,53 @@ def test_best_split_n_of_a_huge_batch_walks_few_breakpoints():
     # within one microbatch of the slowest line of the continuous optimum
     assert split_time(lines, *got) <= relaxed_time(lines, dps, total, [total] * 4) + 0.003
     assert best_split_n(lines, [2, 4, 6, 8], total + 1) is None  # odd: no split at all
+
+
+def _brute_uneven(lines, dps, total, caps):
+    """The least step time over every uneven split (each group's microbatch count ``N_g``
+    enumerated: at least one per replica, its fullest replica ``ceil(N_g / dp_g)`` within the
+    cap), or None."""
+    best = None
+    ranges = [range(d, d * c + 1) for d, c in zip(dps, caps, strict=True)]
+    for ns in itertools.product(*ranges):
+        if sum(ns) == total:
+            t = split_time(lines, *(-(-n // d) for n, d in zip(ns, dps, strict=True)))
+            best = t if best is None else min(best, t)
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(groups=st.lists(st.tuples(_line, st.integers(1, 4), st.integers(1, 6)), min_size=1,
+                       max_size=3),
+       total=st.integers(1, 30))
+@example(groups=[((0.0, 1.0), 2, 30), ((0.0, 1.0), 3, 30)], total=6)
+@example(groups=[((0.0, 1.0), 171, 3), ((0.3, 0.5), 13, 4)], total=512)  # c00's 171 replicas
+def test_best_uneven_split_equals_brute_force(groups, total):
+    """Every split where a group's last replicas may run one microbatch fewer: the walk's is
+    the fastest, covers the batch, leaves every replica a microbatch and keeps each group's
+    fullest replica within its cap; never slower than the best even split."""
+    lines, dps, caps = ([g[i] for g in groups] for i in range(3))
+    if total > 200 or sum(d * c for d, c in zip(dps, caps, strict=True)) > 200:
+        want = None if total < sum(dps) or total > sum(
+            d * c for d, c in zip(dps, caps, strict=True)) else relaxed_time(lines, dps, total,
+                                                                               caps)
+    else:
+        want = _brute_uneven(lines, dps, total, caps)
+    got = best_uneven_split(lines, dps, total, caps)
+    if want is None:
+        assert got is None
+        return
+    assert got is not None and sum(got) == total
+    ms = [-(-n // d) for n, d in zip(got, dps, strict=True)]
+    assert all(n >= d and m <= c for n, d, m, c in zip(got, dps, ms, caps, strict=True))
+    t = split_time(lines, *ms)
+    if total <= 200 and sum(d * c for d, c in zip(dps, caps, strict=True)) <= 200:
+        assert t == pytest.approx(want, rel=1e-12, abs=1e-12)
+    else:  # (too many to enumerate) within one microbatch of each line past the relaxation
+        assert want * (1 - 1e-12) - 1e-12 <= t <= want + max(b for _, b in lines) + 1e-12
+    even = best_split_n(lines, dps, total, caps)
+    if even is not None:
+        assert t <= split_time(lines, *even) * (1 + 1e-12) + 1e-12
 
 
 def _nodes(n: int, pool: str, device: str, vendor: str, dc: str = "dc-a") -> list[dict]:
@@ -383,3 +431,40 @@ def test_the_chosen_groups_gain_from_no_single_swap(cluster, model):
                 continue
             got = evaluate_groups(plain, [*chosen[:i], option, *chosen[i + 1:]], inv)
             assert got is None or got[0] >= best[0] * (1 - 1e-9), (i, option)
+
+
+def test_a_group_with_short_replicas_is_a_valid_plan_priced_alike():
+    """bench/plan_quality's cluster 13, llama3-8b at 32k: the grouped plan runs group 0 with
+    a short replica (its last replica one microbatch fewer) beside two even groups. It is a
+    valid plan (JSON round trip), re-priced alike from its stages (``grouped_step_s``), and
+    its replicas' row blocks tile the global batch exactly once, as the runtime reads them."""
+    inv = load_cluster({d["metadata"]["name"]: d for d in pq.clusters(40)}["c13"])
+    spec = pq.job("llama3-8b-32k", replica_groups=True)
+    plan = plan_job("q", spec, inv)
+    assert len(plan.groups) >= 2 and any(g.short_replicas for g in plan.groups)
+    assert replica_group_errors(plan) == []
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.global_batch == plan.training.global_batch
+    assert grouped_step_s(spec, inv, plan) == pytest.approx(plan.predicted.step_time_s,
+                                                            rel=1e-9)
+    rows = []
+    for g in plan.groups:
+        view = plan.group_plan(g.index)
+        counts = [view.replica_microbatches(d) for d in range(g.dp)]
+        assert counts == ([g.num_microbatches] * (g.dp - g.short_replicas)
+                          + [g.num_microbatches - 1] * g.short_replicas)
+        assert sum(counts) == g.microbatches and min(counts) >= 1
+        for d, n in enumerate(counts):
+            start = plan.group_row_offset(g.index) + view.replica_row_offset(d)
+            rows += range(start, start + n * plan.micro_batch)
+    assert sorted(rows) == list(range(plan.global_batch))
+    from hettrain.render.table import print_plan
+
+    buf = io.StringIO()
+    print_plan(plan, file=buf, width=200)
+    short = next(g for g in plan.groups if g.short_replicas)
+    assert (f"{short.num_microbatches} (group {short.index}; {short.short_replicas} of "
+            f"{short.dp} replicas: {short.num_microbatches - 1})") in buf.getvalue()
+    # the runtime refuses a short group where short replicas cannot run (ZeRO-2)
+    zero2 = replace(plan, training=replace(plan.training, sharding="gradients"))
+    assert any("short_replicas" in e and "ZeRO-2/3" in e for e in replica_group_errors(zero2))

@@ -75,12 +75,14 @@ def test_extra_group_is_the_brute_force_best_and_a_valid_plan(n_amd, dc, expect_
     uniform, inv = _plans(n_amd, dc)
     options = group_options(uniform, inv)
     assert options and all(o.pool.name == "mi300" for o in options)
-    # brute force: every option, every feasible split of the step's microbatches
+    # brute force: every option, every split of the step's microbatches (a group's last
+    # replicas may run one fewer: the plan's schedule and sharding allow short replicas)
     total = uniform.dp * uniform.num_microbatches
     brute = []
     for o in options:
         got = evaluate(uniform, o, inv)
-        times = [_time(uniform, inv, o, s) for s in feasible_splits(total, uniform.dp, o.dp)]
+        times = [_time(uniform, inv, o, s) for s in _every_split(
+            total, uniform.dp, o.dp, uniform.num_microbatches, o.max_m)]
         assert (got is None) == (not times)  # too many replicas for the step's microbatches
         if times:
             assert got is not None and got[0] == pytest.approx(min(times), rel=1e-12)
@@ -104,6 +106,15 @@ def test_extra_group_is_the_brute_force_best_and_a_valid_plan(n_amd, dc, expect_
         assert (speed[1] > speed[0]) == (share[1] > share[0]) or abs(share[0] - share[1]) <= 1
     else:
         assert grouped is uniform
+
+
+def _every_split(total, dp0, dp1, cap0, cap1):
+    """``(M_0, M_1)``, each group's fullest replica, of every split of ``total`` microbatches
+    that gives every replica one and keeps within the caps (even splits among them)."""
+    for n1 in range(dp1, total - dp0 + 1):
+        m0, m1 = -(-(total - n1) // dp0), -(-n1 // dp1)
+        if m0 <= cap0 and m1 <= cap1:
+            yield m0, m1
 
 
 def _time(uniform, inv, option, split):

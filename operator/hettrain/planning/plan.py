@@ -79,19 +79,23 @@ class ReplicaGroup:
     """One group of identical DP replicas: its own pipeline and its share of the batch.
 
     Its replicas each run ``num_microbatches`` microbatches of ``Plan.micro_batch`` sequences
-    per step, so the group's share of the global batch is ``dp * num_microbatches *
-    micro_batch`` sequences (proportional to its speed when the planner sizes it)."""
+    per step, the last ``short_replicas`` of them one fewer (uneven data parallelism inside
+    the group, as ``Plan.short_replicas`` without groups), so the group's share of the global
+    batch is ``(dp * num_microbatches - short_replicas) * micro_batch`` sequences
+    (proportional to its speed when the planner sizes it)."""
 
     index: int
     dp: int  # replicas in this group
     pp: int
-    num_microbatches: int  # per replica per optimizer step
+    num_microbatches: int  # per replica per optimizer step (the fullest replica's)
     stages: tuple[StagePlan, ...]
+    short_replicas: int = 0  # the group's last replicas that run one microbatch fewer
 
     @property
     def microbatches(self) -> int:
-        """Microbatches the whole group runs per step (``dp * num_microbatches``)."""
-        return self.dp * self.num_microbatches
+        """Microbatches the whole group runs per step (``dp * num_microbatches -
+        short_replicas``)."""
+        return self.dp * self.num_microbatches - self.short_replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +204,8 @@ class Plan:
 
     def group_row_offset(self, group: int) -> int:
         """First global-batch row of replica group ``group`` (groups take consecutive rows,
-        in group order; replica ``d`` of the group the ``d``-th block after it)."""
+        in group order; its replicas' blocks follow in DP order:
+        ``group_plan(group).replica_row_offset``)."""
         return self.micro_batch * sum(g.microbatches for g in self.groups[:group])
 
     def group_plan(self, group: int) -> Plan:
@@ -210,7 +215,7 @@ class Plan:
         g = self.groups[group]
         ranks = tuple(replace(r, rank=i, group=0) for i, r in enumerate(self.group_ranks(group)))
         return replace(self, dp=g.dp, pp=g.pp, num_microbatches=g.num_microbatches,
-                       stages=g.stages, ranks=ranks, groups=())
+                       stages=g.stages, ranks=ranks, groups=(), short_replicas=g.short_replicas)
 
     def nodes(self) -> tuple[str, ...]:
         """Distinct nodes in rank order."""
@@ -240,6 +245,9 @@ class Plan:
             del d["helix_filo"]
         if not d["short_replicas"]:
             del d["short_replicas"]
+        for g in d.get("groups", ()):
+            if not g["short_replicas"]:
+                del g["short_replicas"]
         return d
 
     def to_json(self, indent: int | None = None) -> str:
@@ -284,7 +292,8 @@ class Plan:
             version=version,
             groups=tuple(ReplicaGroup(index=g["index"], dp=g["dp"], pp=g["pp"],
                                       num_microbatches=g["num_microbatches"],
-                                      stages=tuple(_build(StagePlan, s) for s in g["stages"]))
+                                      stages=tuple(_build(StagePlan, s) for s in g["stages"]),
+                                      short_replicas=int(g.get("short_replicas", 0)))
                          for g in d.get("groups", ())),
             helix_hop=float(d.get("helix_hop", 0.0)),
             helix_filo=_flag(d.get("helix_filo", False), "helix_filo"),

@@ -2022,9 +2022,9 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
                                        per_pool=not _PER_POOL_DONE.get())
     plan = _with_idle_notes(plan, chosen, concrete, inventory, previous is not None, searched,
                             trials)
-    if spec.parallelism.replica_groups and plan.short_replicas:
-        # replica groups split an even batch: the best even layout with its groups may still
-        # beat the uneven one (searched again without the uneven degrees)
+    if spec.parallelism.replica_groups and _uneven(concrete, chosen.dp):
+        # the best even layout with its groups may still beat the uneven one with its own
+        # (searched again without the uneven degrees)
         try:
             with _raised(_PER_POOL_DONE), even_data_parallel():
                 even = plan_job(name, spec, inventory, exhaustive=exhaustive,

@@ -69,7 +69,12 @@ from hettrain.planning.catalog import DeviceSpec
 from hettrain.planning.inventory import ClusterInventory, Link, Pool
 from hettrain.planning.placement import moved_ranks
 from hettrain.planning.plan import Plan, RankPlan, ReplicaGroup, StagePlan
-from hettrain.planning.support import context_parallel_degree, group_cp, replica_group_errors
+from hettrain.planning.support import (
+    context_parallel_degree,
+    group_cp,
+    replica_group_errors,
+    uneven_dp_limits,
+)
 from hettrain.planning.units import filter_pools
 
 # deepest pipeline an extra group is given: each depth costs one memory and time evaluation
@@ -293,6 +298,50 @@ def best_split_n(lines: Sequence[Line], dps: Sequence[int], total: int,
             if us[g] < caps[g]:
                 heapq.heappush(ahead, (lines[g][0] + lines[g][1] * (us[g] + 1), g))
     return None
+
+
+def best_uneven_split(lines: Sequence[Line], dps: Sequence[int], total: int,
+                      caps: Sequence[int] | None = None) -> tuple[int, ...] | None:
+    """The fastest split of ``total`` microbatches when a group's replicas may be uneven:
+    group ``g`` runs ``N_g`` microbatches, ``dps[g] <= N_g``, its fullest replica
+    ``M_g = ceil(N_g / dps[g]) <= caps[g]`` and its last ``dps[g]·M_g − N_g`` replicas one
+    fewer (``ReplicaGroup.short_replicas``), so its pipeline takes ``a_g + b_g·M_g``.
+    Returns the ``N_g`` (None: ``total`` is below ``Σ dps``, or above every cap).
+
+    A step time ``T`` is feasible iff ``Σ dps[g]·U_g(T) >= total`` (``U_g``: the most
+    microbatches per replica group ``g`` runs within ``T``, at least 1), so the optimum is
+    the first breakpoint ``a_g + b_g·m`` from :func:`relaxed_time` up where it holds; the
+    excess is then taken back from the groups in order of their time, latest first, each
+    keeping a microbatch per replica (tests compare with every split)."""
+    k = len(lines)
+    caps = list(caps or [total] * k)
+    if total < sum(dps) or total > sum(dp * c for dp, c in zip(dps, caps, strict=True)):
+        return None
+    t = relaxed_time(lines, dps, total, caps) * (1 - 1e-12)
+    us = [max(1, most_within(line, t, c)) for line, c in zip(lines, caps, strict=True)]
+    ahead = [(lines[g][0] + lines[g][1] * (us[g] + 1), g) for g in range(k) if us[g] < caps[g]]
+    heapq.heapify(ahead)
+    while sum(dp * u for dp, u in zip(dps, us, strict=True)) < total:
+        t = ahead[0][0]  # (the caps hold ``total``: a group can still move up)
+        while ahead and ahead[0][0] <= t:
+            _, g = heapq.heappop(ahead)
+            us[g] = most_within(lines[g], t, caps[g])
+            if us[g] < caps[g]:
+                heapq.heappush(ahead, (lines[g][0] + lines[g][1] * (us[g] + 1), g))
+    taken = [dp * u for dp, u in zip(dps, us, strict=True)]
+    excess = sum(taken) - total
+    for g in sorted(range(k), key=lambda g: (-(lines[g][0] + lines[g][1] * us[g]), g)):
+        back = min(excess, taken[g] - dps[g])
+        taken[g] -= back
+        excess -= back
+    return tuple(taken)
+
+
+def uneven_groups_ok(plan: Plan) -> bool:
+    """Whether the runtime runs short replicas in ``plan``'s groups: the schedule, sharding
+    and cross-DC mode allow uneven data parallelism (``support.uneven_dp_limits``)."""
+    return not uneven_dp_limits(1, plan.schedule, plan.training,
+                                (plan.cross_dc or {}).get("mode", "sync"))
 
 
 def _idle_pools(plan: Plan, inv: ClusterInventory) -> list[tuple[Pool, tuple[str, ...]]]:
@@ -656,31 +705,50 @@ def _holder_sets(a: int, b: int, cuts: set[int]) -> int:
     return 1 + sum(1 for c in cuts if a < c < b)
 
 
+Split = tuple[float, tuple[int, ...], tuple[int, ...]]  # step s, (M_g), (short replicas_g)
+
+
+def group_split(plan: Plan, lines: Sequence[Line], dps: Sequence[int],
+                caps: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``((M_g), (short_g))``: the fastest split of ``plan``'s microbatches between groups of
+    ``dps`` replicas: every group even (:func:`best_split_n`), or, where the runtime runs
+    short replicas (:func:`uneven_groups_ok`) and it is faster, some groups uneven
+    (:func:`best_uneven_split`); None when no split gives every replica a microbatch."""
+    total = plan.total_microbatches
+    even = best_split_n(lines, dps, total, caps)
+    uneven = best_uneven_split(lines, dps, total, caps) if uneven_groups_ok(plan) else None
+    if uneven is not None:
+        ms = tuple(-(-n // dp) for n, dp in zip(uneven, dps, strict=True))
+        if even is None or split_time(lines, *ms) < split_time(lines, *even) * (1 - 1e-12):
+            return ms, tuple(dp * m - n for dp, m, n in zip(dps, ms, uneven, strict=True))
+    return None if even is None else (even, (0,) * len(dps))
+
+
 def evaluate_groups(plan: Plan, options: Sequence[GroupOption],
-                    inv: ClusterInventory | None = None
-                    ) -> tuple[float, tuple[int, ...]] | None:
-    """``(predicted step seconds, (M_0, M_1, ...))`` of ``plan`` (group 0) plus ``options``
-    at their best split (:func:`best_split_n`), plus, when ``inv`` is given, the gradient
-    sum between the groups (:func:`groups_grad_sum_s`); None when no
-    split gives every group a microbatch."""
+                    inv: ClusterInventory | None = None) -> Split | None:
+    """``(predicted step seconds, (M_0, M_1, ...), (short replicas per group))`` of ``plan``
+    (group 0; an uneven one's microbatches are split anew) plus ``options`` at their best
+    split (:func:`group_split`), plus, when ``inv`` is given, the gradient sum between the
+    groups (:func:`groups_grad_sum_s`); None when no split gives every replica a
+    microbatch."""
     div = (plan_zb_div(plan, plan_devices(plan, inv)) if inv is not None
            else cost.ZB_CATALOG_DIVISOR)
     lines = [affine([s.time_ms / 1000 for s in plan.stages], plan.schedule, div),
              *(o.line for o in options)]
-    split = best_split_n(lines, [plan.dp, *(o.dp for o in options)],
-                         plan.dp * plan.num_microbatches,
-                         [plan.num_microbatches, *(o.max_m for o in options)])
-    if split is None:
+    got = group_split(plan, lines, [plan.dp, *(o.dp for o in options)],
+                      [plan.num_microbatches, *(o.max_m for o in options)])
+    if got is None:
         return None
+    split, shorts = got
     a0, b0 = lines[0]
     rest = plan.predicted.step_time_s - (a0 + b0 * plan.num_microbatches)
     sync = (groups_grad_sum_s(plan, inv, _sum_groups(plan, options))
             if inv is not None else 0.0)
-    return rest + sync + split_time(lines, *split), split
+    return rest + sync + split_time(lines, *split), split, shorts
 
 
 def evaluate(plan: Plan, option: GroupOption, inv: ClusterInventory | None = None
-             ) -> tuple[float, tuple[int, ...]] | None:
+             ) -> Split | None:
     """:func:`evaluate_groups` with one extra group."""
     return evaluate_groups(plan, [option], inv)
 
@@ -697,10 +765,9 @@ def grouped_step_s(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> float | 
     from hettrain.planning.planner import split_costs  # the planner imports this module
 
     g0, extra = plan.groups[0], plan.groups[1:]
-    m_orig, rem = divmod(sum(g.microbatches for g in plan.groups), g0.dp)
-    if rem:
-        return None
-    base = replace(plan, groups=(), num_microbatches=m_orig,
+    total = sum(g.microbatches for g in plan.groups)
+    m_orig = -(-total // g0.dp)  # (an uneven group 0: its last replicas one fewer)
+    base = replace(plan, groups=(), num_microbatches=m_orig, short_replicas=g0.dp * m_orig - total,
                    ranks=tuple(r for r in plan.ranks if r.group == 0))
     costs = split_costs(spec, inv, base, [s.layer_end - s.layer_start for s in g0.stages])
     if costs is None:
@@ -726,40 +793,40 @@ def _gpus(option: GroupOption) -> int:
 
 def greedy_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption],
                   max_gpus: int | None = None, passes: int = SWAP_PASSES
-                  ) -> tuple[list[GroupOption], tuple[float, tuple[int, ...]] | None]:
+                  ) -> tuple[list[GroupOption], Split | None]:
     """The extra groups :func:`add_replica_groups` adds (module docstring): rounds that each
     add the option (on a pool no chosen group uses) making the modelled step fastest, while
     it gets faster and the job stays within ``max_gpus``, then up to ``passes`` passes of
-    :func:`swap_groups`; with ``(step seconds, split)`` of the result (None when no group is
-    added)."""
+    :func:`swap_groups`; with :func:`evaluate_groups`'s ``(step seconds, split, short
+    replicas)`` of the result (None when no group is added)."""
     chosen: list[GroupOption] = []
-    best: tuple[float, tuple[int, ...]] | None = None
+    best: Split | None = None
     gpus = plan.world_size
     while True:
         pools = {o.pool.name for o in chosen}
-        found: tuple[float, GroupOption, tuple[int, ...]] | None = None
+        found: tuple[Split, GroupOption] | None = None
         for option in options:
             if option.pool.name in pools or (
                     max_gpus is not None and gpus + _gpus(option) > max_gpus):
                 continue
             got = evaluate_groups(plan, [*chosen, option], inv)
-            if got is not None and (found is None or got[0] < found[0]):
-                found = (got[0], option, got[1])
+            if got is not None and (found is None or got[0] < found[0][0]):
+                found = (got, option)
         now = plan.predicted.step_time_s if best is None else best[0]
-        if found is None or not found[0] < now * (1 - 1e-9):
+        if found is None or not found[0][0] < now * (1 - 1e-9):
             break
         chosen.append(found[1])
         gpus += _gpus(found[1])
-        best = (found[0], found[2])
+        best = found[0]
     if best is None:
         return chosen, best
     return swap_groups(plan, inv, options, chosen, best, max_gpus, passes)
 
 
 def swap_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption],
-                chosen: list[GroupOption], best: tuple[float, tuple[int, ...]],
+                chosen: list[GroupOption], best: Split,
                 max_gpus: int | None = None, passes: int = SWAP_PASSES
-                ) -> tuple[list[GroupOption], tuple[float, tuple[int, ...]]]:
+                ) -> tuple[list[GroupOption], Split]:
     """``chosen`` improved by replacing one group at a time: each pass tries every chosen
     group against every option on a pool the others do not use (its own pool's other
     layouts included) and keeps each replacement that makes the step faster, within
@@ -790,12 +857,12 @@ def swap_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption
 
 def add_replica_groups(plan: Plan, inv: ClusterInventory, max_gpus: int | None = None) -> Plan:
     """``plan`` with the extra replica groups :func:`greedy_groups` picks, or ``plan`` itself
-    when none makes the modelled step faster (or it already has groups, or uneven replicas:
-    groups split an even batch)."""
-    if plan.short_replicas:
+    when none makes the modelled step faster (or its short replicas cannot run beside
+    groups: :func:`uneven_groups_ok`)."""
+    if plan.short_replicas and not uneven_groups_ok(plan):
         return plan
     chosen, best = greedy_groups(plan, inv, group_options(plan, inv), max_gpus)
-    return plan if best is None else with_groups(plan, inv, chosen, best[1], best[0])
+    return plan if best is None else with_groups(plan, inv, chosen, best[1], best[0], best[2])
 
 
 def _place_group(option: GroupOption) -> list[tuple[tuple[int, int, int, int], str, int]]:
@@ -833,11 +900,13 @@ def _group_stages(plan: Plan, option: GroupOption, m: int) -> tuple[StagePlan, .
 
 
 def with_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption],
-                split: Sequence[int], step_time_s: float) -> Plan:
+                split: Sequence[int], step_time_s: float, shorts: Sequence[int] = ()) -> Plan:
     """The grouped plan: group 0 = ``plan`` at ``split[0]`` microbatches per replica, group
-    ``g >= 1`` = ``options[g - 1]`` at ``split[g]``, its ranks after the plan's."""
+    ``g >= 1`` = ``options[g - 1]`` at ``split[g]``, its ranks after the plan's; the last
+    ``shorts[g]`` replicas of group ``g`` run one fewer (none without ``shorts``)."""
+    shorts = tuple(shorts) or (0,) * len(split)
     ranks = list(plan.ranks)
-    groups = [ReplicaGroup(0, plan.dp, plan.pp, split[0], plan.stages)]
+    groups = [ReplicaGroup(0, plan.dp, plan.pp, split[0], plan.stages, shorts[0])]
     notes = []
     for g, (option, m) in enumerate(zip(options, split[1:], strict=True), start=1):
         first = len(ranks)
@@ -845,13 +914,16 @@ def with_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption
             ranks.append(RankPlan(rank=len(ranks), node=node, pool=option.pool.name,
                                   datacenter=option.pool.datacenter, local_rank=local,
                                   stage=st, dp=d, tp=t, cp=c, group=g))
-        groups.append(ReplicaGroup(g, option.dp, option.pp, m, _group_stages(plan, option, m)))
+        groups.append(ReplicaGroup(g, option.dp, option.pp, m, _group_stages(plan, option, m),
+                                   shorts[g]))
         notes.append(f"extra replica group {g} on {len({r.node for r in ranks[first:]})} idle "
                      f"node(s) of pool {option.pool.name}: {option.dp}x pp={option.pp} "
                      f"tp={'/'.join(map(str, option.tps))}"
                      + (f" cp={option.cp}" if option.cp > 1 else "")
                      + f", {m} microbatch(es) per replica")
-    shares = " / ".join(f"{m} (group {gr.index}, {gr.dp} replicas)"
+    shares = " / ".join(f"{m} (group {gr.index}, {gr.dp} replicas"
+                        + (f", the last {gr.short_replicas} run {m - 1}" if gr.short_replicas
+                           else "") + ")"
                         for m, gr in zip(split, groups, strict=True))
     notes.append(f"replica groups: microbatches per replica {shares}; predicted step "
                  f"{plan.predicted.step_time_s:.3f}s -> {step_time_s:.3f}s")
@@ -872,8 +944,8 @@ def with_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption
                         compute_s=m * max(stage_s), bubble_s=bubble,
                         dp_comm_s=plan.predicted.dp_comm_s + groups_grad_sum_s(
                             plan, inv, _sum_groups(plan, options)))
-    return replace(plan, num_microbatches=split[0], ranks=tuple(ranks), groups=tuple(groups),
-                   predicted=predicted, notes=(*plan.notes, *notes))
+    return replace(plan, num_microbatches=split[0], short_replicas=0, ranks=tuple(ranks),
+                   groups=tuple(groups), predicted=predicted, notes=(*plan.notes, *notes))
 
 
 def _idle_reason(plan: Plan, inv: ClusterInventory, grouped: Plan,
@@ -977,8 +1049,9 @@ def groups_on_idle(plan: Plan, spec: JobSpec, inventory: ClusterInventory) -> Pl
     why = (f"the {plan.schedule} schedule" if chunked_schedule(plan.schedule)
            else f"crossDC.mode {mode}" if mode != "sync"
            else (f"uneven data parallelism ({plan.short_replicas} of {plan.dp} replicas run "
-                 "one microbatch fewer; groups split an even batch)")
-           if plan.short_replicas else "")
+                 "one microbatch fewer; the runtime runs short replicas beside groups only "
+                 "with schedule 1f1b or zb-h1 and sharding none or optimizer)")
+           if plan.short_replicas and not uneven_groups_ok(plan) else "")
     allowed = replace(inventory, pools=filter_pools(inventory, spec.placement))
     idle = [p.name for p, _ in _idle_pools(plan, allowed)]
     if not idle:
@@ -990,12 +1063,12 @@ def groups_on_idle(plan: Plan, spec: JobSpec, inventory: ClusterInventory) -> Pl
     chosen, best = greedy_groups(plan, allowed, options, cap)
     grouped = plan
     if best is not None:
-        grouped = with_groups(plan, allowed, chosen, best[1], best[0])
+        grouped = with_groups(plan, allowed, chosen, best[1], best[0], best[2])
         # the same step priced from the search's unrounded stage times (``time_ms`` keeps
         # 1 ns), so the plan's prediction is what calibration's grouped_step_s computes
         exact = grouped_step_s(spec, allowed, grouped)
         if exact is not None:
-            grouped = with_groups(plan, allowed, chosen, best[1], exact)
+            grouped = with_groups(plan, allowed, chosen, best[1], exact, best[2])
     errors = replica_group_errors(grouped)
     if errors:
         return _idle_note(plan, idle, f"the runtime cannot run the grouped plan ({errors[0]})")

@@ -101,8 +101,8 @@ def uneven_dp_errors(plan: Plan) -> list[str]:
         out.append(f"plan.short_replicas={r} with num_microbatches={plan.num_microbatches}: "
                    "a short replica would run no microbatch")
     if plan.groups:
-        out.append(f"plan.short_replicas={r} with replica groups: each group's replicas run "
-                   "the same microbatch count")
+        out.append(f"plan.short_replicas={r} with replica groups: set each group's "
+                   "plan.groups[].short_replicas instead")
     return out + uneven_dp_limits(r, plan.schedule, plan.training,
                                   (plan.cross_dc or {}).get("mode", "sync"))
 
@@ -246,8 +246,10 @@ def replica_group_errors(plan: Plan) -> list[str]:
     once each, in order), its ranks hold every ``(stage, dp, tp)`` coordinate exactly once,
     a node hosts ranks of one group only, the groups' batch shares sum to
     ``training.global_batch`` and the top-level ``dp/pp/num_microbatches/stages`` repeat
-    group 0. A layer may have different TP degrees in different groups: the runtime sums each
-    piece of a parameter between the ranks that hold it (``runtime/replica_sync.py``), and
+    group 0 (a group's short replicas, ``short_replicas``, are checked as a plain plan's:
+    :func:`uneven_dp_errors` of its :meth:`Plan.group_plan`). A layer may have different TP
+    degrees in different groups: the runtime sums each piece of a parameter between the
+    ranks that hold it (``runtime/replica_sync.py``), and
     each group its own context-parallel degree (:func:`context_parallel_errors` checks it).
     Model, precision and optimizer are the plan's, shared by every group by construction."""
     if not plan.groups:
@@ -264,6 +266,8 @@ def replica_group_errors(plan: Plan) -> list[str]:
         if g.dp < 1 or g.num_microbatches < 1:
             out.append(f"{where}: dp={g.dp} and num_microbatches={g.num_microbatches} must be "
                        ">= 1")
+        elif g.short_replicas:
+            out += [f"{where}: {e}" for e in uneven_dp_errors(plan.group_plan(i))]
         if len(g.stages) != g.pp or [s.index for s in g.stages] != list(range(g.pp)):
             out.append(f"{where}.stages: need stages 0..pp-1 (pp={g.pp}) in order")
             continue

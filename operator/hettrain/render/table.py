@@ -147,7 +147,9 @@ def summary_table(plan: Plan) -> Table:
         ("world size", f"{plan.world_size} ranks (one per device) on {len(plan.nodes())} nodes"),
         ("DP×PP×TP", layout_summary(plan)),
         ("microbatch", f"{plan.micro_batch} seq × " + (
-            " / ".join(f"{g.num_microbatches} (group {g.index})" for g in plan.groups)
+            " / ".join(f"{g.num_microbatches} (group {g.index}"
+                       + (f"; {g.short_replicas} of {g.dp} replicas: {g.num_microbatches - 1}"
+                          if g.short_replicas else "") + ")" for g in plan.groups)
             if plan.groups else f"{plan.num_microbatches}"
             + (f" ({plan.short_replicas} of {plan.dp} replicas: "
                f"{plan.num_microbatches - 1})" if plan.short_replicas else ""))

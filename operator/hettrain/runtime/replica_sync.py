@@ -7,32 +7,35 @@ goes through gloo process groups built here directly on the job's TCP store (one
 group), so building them is not collective over the world and needs no common call order
 beyond the one this module keeps.
 
-Gradient sync, per piece of a parameter: a parameter is a global Hugging Face-named tensor;
-its *unit* is the embedding, one decoder layer or the head (final norm + output layer), and
-its holders are the ranks, in every group and every replica, whose stage holds that unit.
-Groups may give a unit different TP degrees: a TP rank holds a contiguous span of the
-parameter along its shard dimension (:func:`shard_span`: rows of a column-parallel weight or of
-the vocabulary, columns of a row-parallel one; the norms whole), so the spans of every holder
-cut the dimension into *cells* (their common refinement) and each cell is held by exactly the
-ranks whose span covers it (:func:`cell_sets`): with equal degrees the cells are the TP shards
-and the holders the ranks of one TP index, as before; with TP 2 beside TP 1 each half of a
-weight is summed between its TP-2 owner and the TP-1 rank's matching half. Where several TP
-ranks of one replica hold the same cell (a norm, a vocabulary left unsharded) they are paired
-by position when every replica has as many of them, else summed in one set in which only the
-first of each replica contributes (the others add zeros and receive the sum): each replica's
-gradient counts once. After the backward, each rank's main grads are the mean over its own
-``M_g`` microbatches; multiplied by ``M_g / N`` (``N``: microbatches of the whole step, every
-replica of every group) and summed over the holders, they become the gradient of the global
-batch's mean loss, whatever the groups' token shares. The cells of one holder set are summed
-together (in the order of parameter name and cell start, which every member computes alike):
-in two levels where :func:`two_level` allows it (inside each group a reduce-scatter over the
+Gradient sync, per piece of a parameter: a parameter is a global Hugging Face-named tensor; its
+*unit* is the embedding, one decoder layer or the head (final norm + output layer), and its
+holders are the ranks, in every group and every replica, whose stage holds that unit. Groups
+may give a unit different TP degrees: a TP rank holds a contiguous span of the parameter along
+its shard dimension (:func:`shard_span`: rows of a column-parallel weight or of the vocabulary,
+columns of a row-parallel one; the norms whole), so the spans of every holder cut the dimension
+into *cells* (their common refinement) and each cell is held by exactly the ranks whose span
+covers it (:func:`cell_sets`): with equal degrees the cells are the TP shards and the holders
+the ranks of one TP index, as before; with TP 2 beside TP 1 each half of a weight is summed
+between its TP-2 owner and the TP-1 rank's matching half. Where several TP ranks of one replica
+hold the same cell (a norm, a vocabulary left unsharded) they are paired by position when every
+replica has as many of them, else summed in one set in which only the first of each replica
+contributes (the others add zeros and receive the sum): each replica's gradient counts once.
+After the backward, each rank's main grads are the mean over its own ``M_g`` microbatches;
+multiplied by ``M_g / N`` (``N``: microbatches of the whole step, every replica of every group)
+and summed over the holders, they become the gradient of the global batch's mean loss, whatever
+the groups' token shares. In a group with short replicas (its last ones run ``M_g − 1``:
+``ReplicaGroup.short_replicas``) each replica's main grads are ``dp_g / N_g`` times the sum
+over its microbatches (``N_g``: the group's microbatches), as inside a plain uneven plan, and
+the factor is ``N_g / (dp_g·N)`` (:func:`grad_weight`). The cells of one holder set are summed
+together (in the order of parameter name and cell start, which every member computes alike): in
+two levels where :func:`two_level` allows it (inside each group a reduce-scatter over the
 group's own DP×CP group leaves each member the group's sum of its slice, each slice is summed
-with the other groups' owners of the same elements in gloo, and an all-gather fills the
-slices back in: :meth:`ReplicaSync._sum_chunked`; between groups in different datacenters
-the slices' rings cross the link, each byte once per ring edge there, while the in-group
-steps stay on each group's own fabric), else with one gloo all-reduce over every holder;
-such a set spanning datacenters is summed hierarchically (inside each DC, then the DC leaders,
-then a broadcast inside each DC), so each of its bytes crosses the DC link once per leader.
+with the other groups' owners of the same elements in gloo, and an all-gather fills the slices
+back in: :meth:`ReplicaSync._sum_chunked`; between groups in different datacenters the slices'
+rings cross the link, each byte once per ring edge there, while the in-group steps stay on each
+group's own fabric), else with one gloo all-reduce over every holder; such a set spanning
+datacenters is summed hierarchically (inside each DC, then the DC leaders, then a broadcast
+inside each DC), so each of its bytes crosses the DC link once per leader.
 
 Context parallelism (``stages[i].cp``, each group its own degree ``C_g``, 1 included): the
 ``C_g`` CP ranks of a replica each hold the gradient of the mean loss of their ``1/C_g`` of
@@ -156,9 +159,12 @@ def _tp_of(plan: Plan, rank: int) -> int:
 
 def grad_weight(plan: Plan, rank: int) -> float:
     """The factor on ``rank``'s main grads before the sum (module docstring): its group's
-    share of the step's microbatches per replica, split between its CP ranks."""
+    share of the step's microbatches per replica, split between its CP ranks. A replica's
+    main grads are its group's mean scaled to one replica (``Trainer._per_microbatch``: over
+    its own ``M`` microbatches, or ``dp/N_g`` of their sum in a group with short replicas),
+    so the factor is the group's ``N_g / dp`` of the step's ``N``."""
     g = plan.groups[plan.ranks[rank].group]
-    return g.num_microbatches / (plan.total_microbatches * group_cp(g.stages))
+    return g.microbatches / (g.dp * plan.total_microbatches * group_cp(g.stages))
 
 
 def cell_sets(plan: Plan, name: str, unit_ranks: dict[str, list[int]] | None = None
@@ -243,11 +249,17 @@ def _unpack(buf: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
         offset += p.numel()
 
 
+def slice_width(n: int, d: int) -> int:
+    """Elements of each of the ``d`` equal slices a reduce-scatter cuts ``n`` elements into
+    (``ceil(n / d)``; the buffer is padded to ``d`` of them)."""
+    return -(-n // d)
+
+
 def slice_bounds(n: int, d: int) -> list[int]:
     """The ``d + 1`` bounds of the ``d`` slices of ``n`` elements the members of a DP×CP group
-    own (a reduce-scatter's chunks: ``ceil(n / d)`` each, the buffer padded to ``d`` of them,
-    so the last slices may be short or empty)."""
-    step = -(-n // d)
+    own (a reduce-scatter's chunks: :func:`slice_width` each, so the last slices may be short
+    or empty)."""
+    step = slice_width(n, d)
     return [min(i * step, n) for i in range(d + 1)]
 
 
@@ -255,7 +267,7 @@ def chunk_rings(n: int, holders: Sequence[Sequence[int]]) -> list[tuple[int, int
     """``(start, end, owners)``: the set's ``n`` elements cut at every group's slice bounds
     (``holders[g]``: group ``g``'s holders in DP×CP group order), each piece with the holder
     that owns it in each group, sorted: the ranks that sum it between the groups."""
-    steps = [-(-n // len(h)) for h in holders]
+    steps = [slice_width(n, len(h)) for h in holders]
     cuts = sorted({b for h in holders for b in slice_bounds(n, len(h))})
     return [(lo, hi, tuple(sorted(h[lo // st] for h, st in zip(holders, steps, strict=True))))
             for lo, hi in itertools.pairwise(cuts) if lo < hi]
@@ -483,16 +495,13 @@ class ReplicaSync:
         if scatter and grp.index != s.members_index:
             raise RuntimeError(f"rank {self.rank}: DP×CP group rank {grp.index}, but holder "
                                f"{s.members_index} of its replica group's set")
-        size = -(-n // d) * d if scatter else n  # a reduce-scatter's equal chunks: padded
+        size = slice_width(n, d) * d if scatter else n  # a reduce-scatter's chunks: padded
         one = len(parts) == 1 and parts[0].is_contiguous() and size == n
         if one:
             buf = parts[0].view(-1)
         else:  # the one copy of the set's cells (and the padding)
             buf = parts[0].new_empty(size)
-            offset = 0
-            for p in parts:
-                buf[offset:offset + p.numel()].copy_(p.reshape(-1))
-                offset += p.numel()
+            torch.cat([p.reshape(-1) for p in parts], out=buf[:n])
             buf[n:].zero_()
         if scatter:
             grp.reduce_scatter(buf)

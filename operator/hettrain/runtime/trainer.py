@@ -170,10 +170,11 @@ def _all_microbatches(plan: Plan, data: DataSource,
     out = []
     for x, y in globals_:
         for g in plan.groups:
+            view = plan.group_plan(g.index)
             for d in range(g.dp):
-                offset = plan.group_row_offset(g.index) + d * plan.micro_batch * \
-                    g.num_microbatches
-                out += rows_microbatches(x, y, offset, plan.micro_batch, g.num_microbatches)
+                offset = plan.group_row_offset(g.index) + view.replica_row_offset(d)
+                out += rows_microbatches(x, y, offset, plan.micro_batch,
+                                         view.replica_microbatches(d))
     return out
 
 
@@ -402,7 +403,7 @@ class Trainer:
             return replica_block(plan, x, y, plan.ranks[self.rank].dp)
         x, y = self.data.global_batch(t.seed, step, self.full_plan.global_batch)
         return rows_microbatches(x, y, self._row_offset(), plan.micro_batch,
-                                 plan.num_microbatches)
+                                 self.my_microbatches)
 
     def _row_offset(self) -> int:
         """First global-batch row of this rank's replica (replica groups)."""
@@ -419,7 +420,7 @@ class Trainer:
         for k in range(plan.training.validation_batches):
             x, y = self.data.validation_batch(k, self.full_plan.global_batch)
             out += rows_microbatches(x, y, self._row_offset(), plan.micro_batch,
-                                     plan.num_microbatches)
+                                     self.my_microbatches)
         return out
 
     def _resume(self) -> int:

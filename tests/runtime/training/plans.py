@@ -76,8 +76,9 @@ def grouped_plan(groups: Sequence[dict], *, steps: int = 6, micro_batch: int = 2
                  model: ModelSpec = TINY, lr: float = 3e-3, **training) -> Plan:
     """A plan of heterogeneous replica groups. Each ``groups[i]`` is a dict with ``splits``
     ``[(layer_start, layer_end, pool)]``, ``dp`` (default 1), ``num_microbatches`` (default
-    2), ``tp`` (default 1; an int or one per stage), ``cp`` (default 1: :func:`with_cp`) and
-    ``dc`` (default ``dc1``). Ranks are numbered group by group; the global batch is the sum
+    2), ``tp`` (default 1; an int or one per stage), ``cp`` (default 1: :func:`with_cp`),
+    ``short`` (default 0: the group's last replicas that run one microbatch fewer) and ``dc``
+    (default ``dc1``). Ranks are numbered group by group; the global batch is the sum
     of the groups' shares."""
     built, ranks = [], []
     for gi, spec in enumerate(groups):
@@ -88,7 +89,8 @@ def grouped_plan(groups: Sequence[dict], *, steps: int = 6, micro_batch: int = 2
         dc = spec.get("dc", "dc1")
         stages = tuple(replace(s, datacenters=(dc,)) for s in one.stages)
         built.append(ReplicaGroup(index=gi, dp=one.dp, pp=one.pp,
-                                  num_microbatches=one.num_microbatches, stages=stages))
+                                  num_microbatches=one.num_microbatches, stages=stages,
+                                  short_replicas=spec.get("short", 0)))
         for r in one.ranks:
             ranks.append(replace(r, rank=len(ranks), group=gi, node=f"g{gi}-{r.node}",
                                  datacenter=dc))

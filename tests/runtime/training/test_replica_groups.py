@@ -106,6 +106,17 @@ CASES = {
     # gradient scaled alike in both groups would show
     "cp2-tp2-vs-cp2": [{"splits": [(0, 4, "a")], "tp": 2, "cp": 2, "num_microbatches": 2},
                        {"splits": [(0, 4, "b")], "cp": 2, "num_microbatches": 2}],
+    # short replicas in both groups (ReplicaGroup.short_replicas): 3 replicas run 3, 3 and 2
+    # microbatches beside a 2-stage pipeline whose 2 replicas run 2 and 1, shares 8 : 3; each
+    # replica's gradient weighted by its own share, the validation rows split alike
+    "short-dp3-vs-pp2": [{"splits": [(0, 4, "a")], "dp": 3, "num_microbatches": 3, "short": 1},
+                         {"splits": [(0, 2, "b"), (2, 4, "c")], "dp": 2,
+                          "num_microbatches": 2, "short": 1}],
+    # a short replica with context parallelism: group 0's 2 replicas (cp 2) run 2 and 1
+    # microbatches, its CP ranks each a replica of their own in the sum
+    "short-cp2": [{"splits": [(0, 2, "a"), (2, 4, "b")], "dp": 2, "cp": 2, "num_microbatches": 2,
+                   "short": 1},
+                  {"splits": [(0, 4, "c")], "dp": 1, "num_microbatches": 2}],
 }
 # a clip far below the gradient norm: every step is clipped by the global norm, so a norm that
 # counted a parameter twice (or missed one) would change the update
@@ -115,13 +126,17 @@ TRAINING = {"two-dcs-no-zero": {"optimizer_sharding": False}, "2x-plus-1x": {"gr
             "three-groups": {"grad_clip": 0.05}, "cp2-vs-cp1": {"grad_clip": 0.05},
             "dp3-vs-dp2": {"grad_clip": 0.05},
             "cp2-tp2-vs-cp2": {"grad_clip": 0.0},
-            "pp2-vs-pp1": {"validation_interval": 2, "validation_batches": 2}}
+            "pp2-vs-pp1": {"validation_interval": 2, "validation_batches": 2},
+            "short-dp3-vs-pp2": {"grad_clip": 0.05, "validation_interval": 2,
+                                 "validation_batches": 2},
+            "short-cp2": {"grad_clip": 0.05}}
 
 
 # the two-level sum's in-group steps as a reduce-scatter and an all-gather (what auto picks on
 # NCCL/HCCL; on gloo it all-reduces twice): slices of 3 beside 2 cut into four chunk rings,
 # CP ranks as members of the DP×CP group, three groups in two datacenters
-REDUCE_SCATTER = ["dp3-vs-dp2", "cp2-vs-cp1", "three-groups", "tp-runs-vs-tp2"]
+REDUCE_SCATTER = ["dp3-vs-dp2", "cp2-vs-cp1", "three-groups", "tp-runs-vs-tp2",
+                  "short-dp3-vs-pp2"]
 
 
 @pytest.mark.parametrize(("case", "reduction"), [(c, "auto") for c in CASES]
