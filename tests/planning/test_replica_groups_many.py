@@ -458,11 +458,15 @@ def test_a_group_with_short_replicas_is_a_valid_plan_priced_alike():
             start = plan.group_row_offset(g.index) + view.replica_row_offset(d)
             rows += range(start, start + n * plan.micro_batch)
     assert sorted(rows) == list(range(plan.global_batch))
+    short = next(g for g in plan.groups if g.short_replicas)
+    # the search's note on its uneven replicas gives way to the groups' split
+    assert not any(n.startswith("uneven data parallelism:") for n in plan.notes)
+    assert any(f"{short.short_replicas} run" in n for n in plan.notes
+               if n.startswith("replica groups: microbatches per replica"))
     from hettrain.render.table import print_plan
 
     buf = io.StringIO()
     print_plan(plan, file=buf, width=200)
-    short = next(g for g in plan.groups if g.short_replicas)
     assert (f"{short.num_microbatches} (group {short.index}; {short.short_replicas} of "
             f"{short.dp} replicas: {short.num_microbatches - 1})") in buf.getvalue()
     # the runtime refuses a short group where short replicas cannot run (ZeRO-2)
