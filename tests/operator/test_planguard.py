@@ -19,7 +19,7 @@ from hettrain.planguard import (
     PlanWorkers,
 )
 from hettrain.planning.errors import PlanningError
-from hettrain.planning.inventory import inventory_from_nodes
+from hettrain.planning.inventory import inventory_from_nodes, load_cluster
 from hettrain.planning.planner import plan_job
 
 SPEC = parse_job_spec({"model": {"preset": "gpt3-1.3b"},
@@ -68,6 +68,47 @@ def test_deadline_kills_the_worker_and_fails_with_plan_failed(inv) -> None:
         assert err.value.reason == c.REASON_PLAN_FAILED
         assert "HETTRAIN_PLAN_TIMEOUT_SECONDS" in err.value.message
         assert workers.stuck() == []
+    finally:
+        workers.close()
+
+
+# found by tests/planning/test_fuzz_inputs.py (2026-12-06): nothing fits (ZB-H1 pinned stashes
+# up to pp - 1 microbatches on the last stage), so the search refuses only after every pair:
+# 835 s on the 2-core CI host (docs/planning.md §Known limits)
+HOSTILE_NO_FIT = (
+    {"model": {"layers": 126, "hidden": 8192, "heads": 1, "seqLen": 8192, "vocab": 256},
+     "training": {"globalBatch": 1000000, "steps": 1, "precision": "bf16",
+                  "recompute": "attention-free"},
+     "parallelism": {"schedule": "zb-h1", "cp": 2}},
+    {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "f"},
+     "datacenters": [{"name": "a"}, {"name": "b"}],
+     "links": [{"between": ["a", "b"], "bandwidthGbps": 10, "latencyMs": 0}],
+     "devices": [{"name": "X1", "vendor": "amd", "bf16Tflops": 500, "hbmGiB": 64, "hbmTBps": 2,
+                  "intraNodeGBps": 200, "backend": "nccl", "efficiency": 0.5,
+                  "fp32Tflops": 80}],
+     "pools": [{"name": "p0", "datacenter": "b", "device": "H100-SXM", "nodes": 5000,
+                "gpusPerNode": 2, "nicGbps": 1},
+               {"name": "p1", "datacenter": "a", "device": "X1", "nodes": 5000,
+                "gpusPerNode": 4, "nicGbps": 1}]})
+
+
+def test_a_hostile_job_the_real_search_takes_minutes_on_fails_at_the_deadline() -> None:
+    """The real planner in a worker: a job that fits nowhere and searches for minutes fails
+    with PlanFailed at the budget, and the worker is replaced."""
+    spec_doc, cluster_doc = HOSTILE_NO_FIT
+    spec, cluster = parse_job_spec(spec_doc), load_cluster(cluster_doc)
+    workers = PlanWorkers(Budget(timeout_s=3.0, workers=1))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PlanBudgetError) as err:
+            workers.plan(("ns", "hostile"), "hostile", spec, cluster, None)
+        assert time.monotonic() - t0 < 30
+        assert err.value.reason == c.REASON_PLAN_FAILED
+        assert "took longer than 3s" in err.value.message
+        assert workers.stuck() == []
+        # the next job plans on a fresh worker
+        assert workers.plan(("ns", "j"), "j", SPEC, inventory_from_nodes(hetero_nodes()),
+                            None).world_size > 0
     finally:
         workers.close()
 

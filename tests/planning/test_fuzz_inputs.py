@@ -23,7 +23,10 @@ from hettrain.planning.support import context_parallel_errors, uneven_dp_errors
 
 PARSE = settings(max_examples=150, deadline=timedelta(seconds=5),
                  suppress_health_check=[HealthCheck.too_slow])
-PLAN = settings(max_examples=40, deadline=timedelta(seconds=60),
+# derandomized, as the planner's other property tests: a random draw can hit a job that fits
+# nowhere and that the search refuses only after minutes (docs/planning.md §Known limits;
+# test_planguard.py shows the operator's budget stopping one), which would make CI flaky
+PLAN = settings(max_examples=40, deadline=timedelta(seconds=60), derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 HOSTILE = st.one_of(
