@@ -944,7 +944,8 @@ def with_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption
                         compute_s=m * max(stage_s), bubble_s=bubble,
                         dp_comm_s=plan.predicted.dp_comm_s + groups_grad_sum_s(
                             plan, inv, _sum_groups(plan, options)))
-    # the search's uneven-replica note no longer holds: the split note gives each group's
+    # the search's uneven-replica note no longer holds: the split note below says which
+    # replicas of which group run one fewer
     kept = tuple(n for n in plan.notes if not n.startswith("uneven data parallelism:"))
     return replace(plan, num_microbatches=split[0], short_replicas=0, ranks=tuple(ranks),
                    groups=tuple(groups), predicted=predicted, notes=(*kept, *notes))
