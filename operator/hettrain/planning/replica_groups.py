@@ -58,8 +58,9 @@ extra groups -- pools side by side instead of as stages of one pipeline); the fa
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from hettrain.api.spec import JobSpec, ModelSpec, chunked_schedule, splits_backward
@@ -268,35 +269,47 @@ def _split_at(dps: Sequence[int], total: int, us: Sequence[int]) -> tuple[int, .
     return None if r is None else tuple(u - k for u, k in zip(us, r, strict=True))
 
 
+def _breakpoint_walk(lines: Sequence[Line], dps: Sequence[int], total: int,
+                     caps: Sequence[int]) -> Iterator[list[int]]:
+    """Per group, the most microbatches per replica (at most ``caps[g]``) within a step time
+    ``T``, for ``T`` from the continuous bound (:func:`relaxed_time`) up the groups'
+    breakpoints ``a_g + b_g·m`` in order (every group with a breakpoint at ``T`` moves up);
+    ends when every group is at its cap. The yielded list is updated in place."""
+    k = len(lines)
+    t = relaxed_time(lines, dps, total, caps) * (1 - 1e-12)
+    us = [most_within(line, t, c) for line, c in zip(lines, caps, strict=True)]
+    ahead = [(lines[g][0] + lines[g][1] * (us[g] + 1), g) for g in range(k) if us[g] < caps[g]]
+    heapq.heapify(ahead)
+    while True:
+        yield us
+        if not ahead:
+            return
+        t = ahead[0][0]
+        while ahead and ahead[0][0] <= t:
+            _, g = heapq.heappop(ahead)
+            us[g] = most_within(lines[g], t, caps[g])
+            if us[g] < caps[g]:
+                heapq.heappush(ahead, (lines[g][0] + lines[g][1] * (us[g] + 1), g))
+
+
 def best_split_n(lines: Sequence[Line], dps: Sequence[int], total: int,
                  caps: Sequence[int] | None = None) -> tuple[int, ...] | None:
     """The fastest split ``M`` (microbatches per replica of each group, ``1 <= M_g <=
     caps[g]``, ``Σ dps[g]·M_g = total``), or None when there is none (module docstring):
-    the breakpoints ``a_g + b_g·m`` from :func:`relaxed_time` up, in order, the first whose
-    per-group maxima admit an exact split (:func:`_split_at`)."""
+    the breakpoints ``a_g + b_g·m`` from :func:`relaxed_time` up, in order
+    (:func:`_breakpoint_walk`), the first whose per-group maxima admit an exact split
+    (:func:`_split_at`)."""
     k = len(lines)
     caps = [min(c, max(1, (total - sum(dps) + dp) // dp))
             for c, dp in zip(caps or [total] * k, dps, strict=True)]
     if total < sum(dps) or total % math.gcd(*dps) or min(caps) < 1:
         return None
-    t = relaxed_time(lines, dps, total, caps) * (1 - 1e-12)
-    us = [most_within(line, t, c) for line, c in zip(lines, caps, strict=True)]
-    ahead = [(lines[g][0] + lines[g][1] * (us[g] + 1), g) for g in range(k) if us[g] < caps[g]]
-    heapq.heapify(ahead)
-    for _ in range(MAX_WALK):
+    for us in itertools.islice(_breakpoint_walk(lines, dps, total, caps), MAX_WALK):
         if sum(dp * u for dp, u in zip(dps, us, strict=True)) - total > MAX_EXCESS:
             return None
         got = _split_at(dps, total, us)
         if got is not None:
             return got
-        if not ahead:
-            return None
-        t = ahead[0][0]
-        while ahead and ahead[0][0] <= t:  # every group with a breakpoint at t moves up
-            _, g = heapq.heappop(ahead)
-            us[g] = most_within(lines[g], t, caps[g])
-            if us[g] < caps[g]:
-                heapq.heappush(ahead, (lines[g][0] + lines[g][1] * (us[g] + 1), g))
     return None
 
 
@@ -308,26 +321,20 @@ def best_uneven_split(lines: Sequence[Line], dps: Sequence[int], total: int,
     fewer (``ReplicaGroup.short_replicas``), so its pipeline takes ``a_g + b_g·M_g``.
     Returns the ``N_g`` (None: ``total`` is below ``Σ dps``, or above every cap).
 
-    A step time ``T`` is feasible iff ``Σ dps[g]·U_g(T) >= total`` (``U_g``: the most
-    microbatches per replica group ``g`` runs within ``T``, at least 1), so the optimum is
-    the first breakpoint ``a_g + b_g·m`` from :func:`relaxed_time` up where it holds; the
+    A step time ``T`` is feasible iff every ``U_g(T) >= 1`` and ``Σ dps[g]·U_g(T) >= total``
+    (``U_g``: the most microbatches per replica group ``g`` runs within ``T``), so the
+    optimum is the first breakpoint of :func:`_breakpoint_walk` where it holds; the
     excess is then taken back from the groups in order of their time, latest first, each
     keeping a microbatch per replica (tests compare with every split)."""
     k = len(lines)
     caps = list(caps or [total] * k)
     if total < sum(dps) or total > sum(dp * c for dp, c in zip(dps, caps, strict=True)):
         return None
-    t = relaxed_time(lines, dps, total, caps) * (1 - 1e-12)
-    us = [max(1, most_within(line, t, c)) for line, c in zip(lines, caps, strict=True)]
-    ahead = [(lines[g][0] + lines[g][1] * (us[g] + 1), g) for g in range(k) if us[g] < caps[g]]
-    heapq.heapify(ahead)
-    while sum(dp * u for dp, u in zip(dps, us, strict=True)) < total:
-        t = ahead[0][0]  # (the caps hold ``total``: a group can still move up)
-        while ahead and ahead[0][0] <= t:
-            _, g = heapq.heappop(ahead)
-            us[g] = most_within(lines[g], t, caps[g])
-            if us[g] < caps[g]:
-                heapq.heappush(ahead, (lines[g][0] + lines[g][1] * (us[g] + 1), g))
+    for us in _breakpoint_walk(lines, dps, total, caps):
+        if min(us) >= 1 and sum(dp * u for dp, u in zip(dps, us, strict=True)) >= total:
+            break
+    else:  # (a cap below one microbatch: no group may be left without)
+        return None
     taken = [dp * u for dp, u in zip(dps, us, strict=True)]
     excess = sum(taken) - total
     for g in sorted(range(k), key=lambda g: (-(lines[g][0] + lines[g][1] * us[g]), g)):
