@@ -20,6 +20,7 @@ from typing import IO, Any
 
 from hettrain.api.spec import JobSpec, SpecError, parse_job_manifest, require_data
 from hettrain.api.yamlsafe import YamlInputError, read_yaml_documents
+from hettrain.argtypes import float_in
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -118,16 +119,37 @@ def with_profiles(inventory: Any, paths: Sequence[str]) -> Any:
         raise CliError(f"--profile {_one_line(str(exc))}") from None
 
 
-def make_plan(name: str, spec: JobSpec, inventory: Any, exhaustive: bool, where: str) -> Any:
-    """Run the planner; a ``PlanningError`` becomes a :class:`CliError` with its reason."""
+def _plan_timeout_default() -> float:
+    """``--timeout-s``'s default (:func:`hettrain.deadline.plan_timeout_default`); a bad
+    ``HETTRAIN_PLAN_TIMEOUT_SECONDS`` is a :class:`CliError` naming it."""
+    from hettrain.deadline import plan_timeout_default
+
+    try:
+        return plan_timeout_default()
+    except ValueError as exc:
+        raise CliError(f"environment: {exc}; unset it or give --timeout-s") from None
+
+
+def make_plan(name: str, spec: JobSpec, inventory: Any, exhaustive: bool, where: str,
+              timeout_s: float = 0.0) -> Any:
+    """Run the planner for at most ``timeout_s`` seconds (``0``: no limit); a
+    ``PlanningError`` or the deadline becomes a :class:`CliError` with its reason."""
+    from hettrain.deadline import PlanningTimeout, deadline
     from hettrain.planning.errors import PlanningError
-    from hettrain.planning.planner import plan_job
+    from hettrain.planning.planner import plan_job, search_time_hint
     from hettrain.planning.support import unsupported
 
     try:
-        plan = plan_job(name, spec, inventory, exhaustive=exhaustive)
+        with deadline(timeout_s):
+            plan = plan_job(name, spec, inventory, exhaustive=exhaustive)
     except PlanningError as exc:
         raise CliError(f"{where}: no plan ({exc.reason}): {_one_line(str(exc))}") from None
+    except PlanningTimeout:
+        raise CliError(
+            f"{where}: no plan: planning took longer than --timeout-s {timeout_s:g} and was "
+            "stopped; make the job smaller, pin spec.parallelism, or raise --timeout-s (the "
+            "operator stops planning at HETTRAIN_PLAN_TIMEOUT_SECONDS, default 30)"
+            + search_time_hint(spec)) from None
     refused = unsupported(plan)  # what the runtime would refuse at start-up
     if refused:
         raise CliError(f"{where}: the runtime cannot run this plan: {refused[0]}")
@@ -141,7 +163,8 @@ def cmd_plan(args: argparse.Namespace, out: IO[str]) -> int:
     """``hettrain plan``: plan one job on a cluster and print it (table or JSON), maybe draw it."""
     name, spec = load_job(args.job)
     inventory = with_profiles(load_inventory(args.cluster), args.profile or [])
-    plan = make_plan(name, spec, inventory, args.exhaustive, args.job)
+    timeout_s = _plan_timeout_default() if args.timeout_s is None else args.timeout_s
+    plan = make_plan(name, spec, inventory, args.exhaustive, args.job, timeout_s)
     picture = args.svg or args.png
     if picture:
         try:
@@ -181,6 +204,7 @@ def cmd_validate(args: argparse.Namespace, out: IO[str]) -> int:
     if not docs:
         raise CliError(f"{args.job}: holds no YAML documents; give at least one HetTrainingJob")
     inventory = load_inventory(args.cluster) if args.cluster else None
+    timeout_s = _plan_timeout_default() if args.timeout_s is None else args.timeout_s
     errors: list[str] = []
     for i, doc in enumerate(docs, start=1):
         label = f"{args.job}[{i}]"
@@ -194,7 +218,7 @@ def cmd_validate(args: argparse.Namespace, out: IO[str]) -> int:
             out.write(f"OK {label}\n")
             continue
         try:
-            plan = make_plan(name, spec, inventory, False, label)
+            plan = make_plan(name, spec, inventory, False, label, timeout_s)
         except CliError as exc:
             errors.append(str(exc))
             continue
@@ -262,6 +286,13 @@ class OneLineParser(argparse.ArgumentParser):
         raise CliError(f"{self.prog}: {_one_line(message)}; see {self.prog} --help")
 
 
+def _add_timeout(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--timeout-s", type=float_in(0, 86400), metavar="SECONDS",
+        help=f"stop planning{what} after SECONDS and exit 2 (0: no limit; default: the "
+             "operator's budget, HETTRAIN_PLAN_TIMEOUT_SECONDS or 30)")
+
+
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The argument parser; the hooked module of the subcommand named in ``argv`` is loaded."""
     from hettrain import __version__
@@ -296,6 +327,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     plan.add_argument("--profile", action="append", metavar="FILE",
                       help="device profile from 'hettrain profile' (repeatable): measured layer "
                            "times for its device and model shape replace the catalog model")
+    _add_timeout(plan, "")
     plan.set_defaults(func=cmd_plan)
 
     validate = sub.add_parser(
@@ -307,6 +339,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     validate.add_argument("job", metavar="JOB.yaml", help="one or more HetTrainingJob documents")
     validate.add_argument("--cluster", metavar="CLUSTER.yaml",
                           help="also plan each job on this cluster description")
+    _add_timeout(validate, " each job (with --cluster)")
     validate.set_defaults(func=cmd_validate)
 
     chosen = _chosen_command(argv)

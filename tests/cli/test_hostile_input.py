@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,13 +42,14 @@ BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]\n" for i in range(9))
 
 
-def _hettrain(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    """``hettrain ARGV`` as a new process (this tree's code first on the path)."""
+def _hettrain(argv: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``hettrain ARGV`` as a new process (this tree's code first on the path), ``env`` added
+    to the environment."""
     path = os.pathsep.join(p for p in (str(ROOT / "operator"), os.environ.get("PYTHONPATH"))
                            if p)
     return subprocess.run([sys.executable, "-m", "hettrain.cli", *argv], capture_output=True,
                           text=True, timeout=TIMEOUT_S, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": path})
+                          env={**os.environ, "PYTHONPATH": path, **env})
 
 
 def _assert_clean_refusal(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -172,6 +174,12 @@ FLAG_CASES = {
                                     "nan"], "--detection-s"),
     "simulate --quantum 0": (["simulate", "--scenario", "llama3-16k", "--quantum", "0"],
                              "--quantum"),
+    "plan --timeout-s nan": (["plan", str(JOB), "--cluster", str(CLUSTER), "--timeout-s",
+                              "nan"], "--timeout-s"),
+    "validate --timeout-s -1": (["validate", str(JOB), "--cluster", str(CLUSTER),
+                                 "--timeout-s", "-1"], "--timeout-s"),
+    "simulate --timeout-s inf": (["simulate", "--scenario", "llama3-16k", "--timeout-s", "inf"],
+                                 "--timeout-s"),
     "demo --steps -1": (["demo", "--steps", "-1"], "--steps"),
     "demo --step-sleep inf": (["demo", "--step-sleep", "inf"], "--step-sleep"),
     "demo --train-timeout nan": (["demo", "--train-timeout", "nan"], "--train-timeout"),
@@ -182,3 +190,62 @@ FLAG_CASES = {
 def test_hostile_numeric_flag(case: str, tmp_path: Path) -> None:
     argv, flag = FLAG_CASES[case]
     _assert_clean_refusal(_hettrain(argv, tmp_path), flag)
+
+
+# A job that fits nowhere, and whose search takes minutes to say so (found by the planner's fuzz
+# test; tests/operator/test_planguard.py runs it through the operator's budget): 126 layers of
+# one 8192-wide head pinned to ZB-H1 keep ~126 layers of activations on stage 0 at any depth.
+SLOW_JOB = """\
+apiVersion: hettrain.dev/v1alpha1
+kind: HetTrainingJob
+metadata: {name: slow}
+spec:
+  model: {layers: 126, hidden: 8192, heads: 1, seqLen: 8192, vocab: 256}
+  training: {globalBatch: 1000000, steps: 1, precision: bf16, recompute: attention-free}
+  parallelism: {schedule: zb-h1, cp: 2}
+  data: {synthetic: true}
+"""
+SLOW_CLUSTER = """\
+apiVersion: hettrain.dev/v1alpha1
+kind: Cluster
+metadata: {name: f}
+datacenters: [{name: a}, {name: b}]
+links: [{between: [a, b], bandwidthGbps: 10, latencyMs: 0}]
+devices:
+  - {name: X1, vendor: amd, bf16Tflops: 500, hbmGiB: 64, hbmTBps: 2, intraNodeGBps: 200,
+     backend: nccl, efficiency: 0.5, fp32Tflops: 80}
+pools:
+  - {name: p0, datacenter: b, device: H100-SXM, nodes: 5000, gpusPerNode: 2, nicGbps: 1}
+  - {name: p1, datacenter: a, device: X1, nodes: 5000, gpusPerNode: 4, nicGbps: 1}
+"""
+
+
+@pytest.mark.parametrize("command", ["plan", "validate", "simulate"])
+def test_a_search_longer_than_the_timeout_is_stopped(command: str, tmp_path: Path) -> None:
+    """Each command that plans stops the search at ``--timeout-s`` and exits 2 naming it."""
+    job, cluster = _job(SLOW_JOB, tmp_path), tmp_path / "cluster.yaml"
+    cluster.write_text(SLOW_CLUSTER)
+    argv = ([command, str(job), "--cluster", str(cluster)] if command != "simulate" else
+            [command, "--job", str(job), "--cluster", str(cluster)])
+    t0 = time.monotonic()
+    proc = _hettrain([*argv, "--timeout-s", "2"], tmp_path)
+    _assert_clean_refusal(proc, "longer than", "2", "--timeout-s")
+    assert time.monotonic() - t0 < 60
+
+
+def test_the_timeout_defaults_to_the_operators_budget(tmp_path: Path) -> None:
+    """Without ``--timeout-s`` the limit is HETTRAIN_PLAN_TIMEOUT_SECONDS (the operator's)."""
+    job, cluster = _job(SLOW_JOB, tmp_path), tmp_path / "cluster.yaml"
+    cluster.write_text(SLOW_CLUSTER)
+    argv = ["plan", str(job), "--cluster", str(cluster)]
+    _assert_clean_refusal(_hettrain(argv, tmp_path, HETTRAIN_PLAN_TIMEOUT_SECONDS="2"),
+                          "--timeout-s 2 ")
+    _assert_clean_refusal(_hettrain(argv, tmp_path, HETTRAIN_PLAN_TIMEOUT_SECONDS="soon"),
+                          "HETTRAIN_PLAN_TIMEOUT_SECONDS", "--timeout-s")
+
+
+def test_a_plan_inside_its_timeout_is_printed(tmp_path: Path) -> None:
+    proc = _hettrain(["plan", str(JOB), "--cluster", str(CLUSTER), "--timeout-s", "60"],
+                     tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step" in proc.stdout

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, replace
 
 from hettrain.api.spec import JobSpec
+from hettrain.deadline import PlanningTimeout, deadline
 from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import ClusterInventory
 from hettrain.planning.planner import plan_job
@@ -55,7 +56,7 @@ class CapacityOracle:
     """Memoised ``state → Capacity`` (``None`` when nothing fits) for one job on one cluster."""
 
     def __init__(self, name: str, spec: JobSpec, topo: Topology, *, quantum: int = 1,
-                 scale: int = 1) -> None:
+                 scale: int = 1, plan_timeout_s: float = 0.0) -> None:
         if quantum < 1:
             raise SimInputError("--quantum", f"must be an integer >= 1 (got {quantum})")
         if scale < 1:
@@ -66,6 +67,7 @@ class CapacityOracle:
                                                 f"{scale}")
         self.name, self.spec, self.topo = name, spec, topo
         self.quantum, self.scale = quantum, scale
+        self.plan_timeout_s = plan_timeout_s  # per plan_job call, 0: none (hettrain.deadline)
         self.memo: dict[tuple[int, ...], Capacity | None] = {}
         self.plan_calls = 0
         self.plan_seconds = 0.0
@@ -107,9 +109,16 @@ class CapacityOracle:
         if inv.pools:
             t0 = time.perf_counter()
             try:
-                plan = plan_job(self.name, self._small_spec, inv)
+                with deadline(self.plan_timeout_s):
+                    plan = plan_job(self.name, self._small_spec, inv)
             except PlanningError:
                 plan = None
+            except PlanningTimeout:
+                gpus = sum(len(p.nodes) * p.gpus_per_node for p in inv.pools)
+                raise SimInputError(
+                    "--timeout-s", f"planning the job on {gpus} GPUs took longer than "
+                    f"{self.plan_timeout_s:g}s and was stopped; make the job smaller, pin "
+                    "spec.parallelism, or raise --timeout-s (0: no limit)") from None
             finally:
                 self.plan_seconds += time.perf_counter() - t0
                 self.plan_calls += 1

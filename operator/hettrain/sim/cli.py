@@ -85,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_g.add_argument("--quantum", type=int_in(1, MAX_POOL_NODES), default=1,
                        help="memoise plans by down nodes per pool rounded up to this (default 1"
                             " = exact)")
+    run_g.add_argument("--timeout-s", type=float_in(0, 86400), metavar="SECONDS",
+                       help="stop a plan that takes longer than SECONDS and exit 2 (0: no "
+                            "limit; default: the operator's budget, "
+                            "HETTRAIN_PLAN_TIMEOUT_SECONDS or 30)")
     run_g.add_argument("--throughput", default="planner", metavar="planner|scaled:K",
                        help="planner on the survivors (default) or plan a 1/K-size cluster "
                             "and scale tokens/s by K")
@@ -152,6 +156,17 @@ def _scale(text: str) -> int:
     return int(k)
 
 
+def _plan_timeout(args: argparse.Namespace) -> float:
+    from hettrain.deadline import plan_timeout_default
+
+    if args.timeout_s is not None:
+        return float(args.timeout_s)
+    try:
+        return plan_timeout_default()
+    except ValueError as exc:
+        raise SimInputError("environment", f"{exc}; unset it or give --timeout-s") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``hettrain simulate``; returns the exit code."""
     from hettrain.cli import CliError
@@ -165,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
         report = run_scenario(sc, policies=policies,
                               seeds=tuple(range(args.seed, args.seed + args.seeds)),
                               trace=args.trace, quantum=args.quantum,
-                              scale=_scale(args.throughput))
+                              scale=_scale(args.throughput),
+                              plan_timeout_s=_plan_timeout(args))
     except (SimInputError, SpecError, PlanningError, CliError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_USAGE

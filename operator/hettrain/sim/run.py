@@ -108,8 +108,10 @@ def _metric(r: PolicyResult, metric: str) -> float:
 
 def run_scenario(scenario: Scenario, *, policies: tuple[str, ...] = POLICIES,
                  seeds: tuple[int, ...] = (0,), trace: str | Path | None = None,
-                 quantum: int = 1, scale: int = 1) -> SimReport:
-    """Simulate every policy on every seed's timeline (the same timeline for all policies)."""
+                 quantum: int = 1, scale: int = 1, plan_timeout_s: float = 0.0) -> SimReport:
+    """Simulate every policy on every seed's timeline (the same timeline for all policies).
+    ``plan_timeout_s``: the wall-time limit of each plan (0: none); one over it raises
+    :class:`~hettrain.sim.model.SimInputError` naming ``--timeout-s``."""
     for p in policies:
         if p not in POLICIES:
             raise SimInputError("--policies", f"unknown policy {p!r}; choose from "
@@ -118,7 +120,8 @@ def run_scenario(scenario: Scenario, *, policies: tuple[str, ...] = POLICIES,
         raise SimInputError("--policies", "give at least one policy")
     t0 = time.perf_counter()
     topo = scenario.topology()
-    oracle = CapacityOracle(scenario.job_name, scenario.spec, topo, quantum=quantum, scale=scale)
+    oracle = CapacityOracle(scenario.job_name, scenario.spec, topo, quantum=quantum, scale=scale,
+                            plan_timeout_s=plan_timeout_s)
     full = oracle.capacity(topo.pool_nodes)
     if full is None:
         raise SimInputError("job", "no plan fits the healthy cluster; check the job and cluster "
