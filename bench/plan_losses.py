@@ -25,7 +25,8 @@ CP ``c``, ``m`` microbatches of ``b`` sequences per replica) spends its ``T`` as
   boundaries);
 - ``boundary``: the pipeline time with the boundary transfers minus without them;
 - ``dp sync`` / ``optimizer``: the step's tail ``max_j (exposed DP sync + optimizer step)_j``,
-  split as at the stage ``j`` that sets it (with replica groups, plus the cross-DC sum).
+  split as at the stage ``j`` that sets it (with replica groups, whose gradient sum replaces
+  group 0's own sync: the tail after the sum, optimizer and ZeRO-1 gather, plus the sum).
 
 Summed over GPUs (weighted by ``ρ``) and divided by ``T·I`` these are the parts' shares of
 the ratio. The used GPUs' ``Σ ρ·W`` equals ``N`` only when every stage's device has the
@@ -45,7 +46,12 @@ from hettrain.api.spec import JobSpec
 from hettrain.planning import context, cost
 from hettrain.planning.inventory import ClusterInventory
 from hettrain.planning.plan import Plan
-from hettrain.planning.planner import _optimizer_coeffs, _stage_costs, pipeline_hops
+from hettrain.planning.planner import (
+    _after_sum_dp_s,
+    _optimizer_coeffs,
+    _stage_costs,
+    pipeline_hops,
+)
 from hettrain.planning.replica_groups import plan_zb_div
 from hettrain.planning.units import build_units, filter_pools
 
@@ -155,10 +161,15 @@ def breakdown(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> dict[str, flo
     split = [s.layers for s in plan.stages]
     v = plan.virtual_stages
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
-    tail = [s.dp(n) for s, n in zip(stages, split, strict=True)]
+    dpcp = plan.dp * plan.stages[0].cp
+    # each stage's DP tail; with groups the sum between them replaces group 0's own gradient
+    # sync (replica_groups.grouped_step_s): what follows it, the optimizer (+ ZeRO-1 gather)
+    tail = ([_after_sum_dp_s(u, st.tp, dpcp, inv, concrete, i == 0, i == plan.pp - 1, n)
+             for i, (u, st, n) in enumerate(zip(units, plan.stages, split, strict=True))]
+            if plan.groups else [s.dp(n) for s, n in zip(stages, split, strict=True)])
     k = max(range(plan.pp), key=lambda i: tail[i])
-    oc, oe = _optimizer_coeffs(units[k], plan.stages[k].tp, plan.dp * plan.stages[0].cp,
-                               concrete, k == 0, k == plan.pp - 1)
+    oc, oe = _optimizer_coeffs(units[k], plan.stages[k].tp, dpcp, concrete, k == 0,
+                               k == plan.pp - 1)
     opt = oc * split[k] + oe
     zd = plan_zb_div(plan, [u.device for u in units])  # ZB-H1: measured B/W split or 3
     with_b, _ = cost.pipeline_time_s(stage_s, bounds, m_solo, plan.schedule, v, zd)

@@ -22,7 +22,7 @@ from hettrain.planning import cost
 from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import inventory_from_nodes, load_cluster
 from hettrain.planning.plan import Plan
-from hettrain.planning.planner import even_data_parallel, plan_job
+from hettrain.planning.planner import even_data_parallel, own_grad_sync_s, plan_job
 from hettrain.planning.replica_groups import (
     _sum_groups,
     best_split,
@@ -185,12 +185,14 @@ def test_a_plan_on_four_pools_gets_three_extra_groups():
             pools[0],)), parallelism=replace(spec.parallelism, replica_groups=False)), inv)
     assert base.stages == grouped.stages and base.dp == grouped.dp
     # the predicted step, recomputed independently: group 0's step outside its pipelined
-    # stages, plus the latest group's pipeline at its microbatches, plus the gradient sum
-    # between the groups (same datacenter: no cross-DC sum); time_ms keeps 1 ns, hence the
-    # tolerance
+    # stages less its own gradient sync (the groups' sum replaces it: own_grad_sync_s,
+    # checked in test_own_grad_sync.py), plus the latest group's pipeline at its
+    # microbatches, plus the gradient sum between the groups (same datacenter: no cross-DC
+    # sum); time_ms keeps 1 ns, hence the tolerance
     sched = base.schedule
     rest = base.predicted.step_time_s - cost.pipeline_time_s(
         [s.time_ms / 1e3 for s in base.stages], [], base.num_microbatches, sched)[0]
+    rest -= own_grad_sync_s(spec, inv, base)
     pipes = [cost.pipeline_time_s([s.time_ms / 1e3 for s in g.stages], [], g.num_microbatches,
                                   sched)[0] for g in grouped.groups]
     assert grouped.predicted.step_time_s == pytest.approx(

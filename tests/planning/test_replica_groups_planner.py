@@ -13,7 +13,7 @@ from tests.planning.grad_sum_reference import grad_sum_s
 from hettrain.api.spec import parse_job_spec
 from hettrain.planning.inventory import inventory_from_nodes, load_cluster
 from hettrain.planning.plan import Plan
-from hettrain.planning.planner import even_data_parallel, plan_job
+from hettrain.planning.planner import even_data_parallel, own_grad_sync_s, plan_job
 from hettrain.planning.replica_groups import (
     add_replica_groups,
     affine,
@@ -41,6 +41,9 @@ def _group_spec(**training):
     body = job_body()["spec"]
     body["training"] = {**body["training"], "globalBatch": GROUP_BATCH, **training}
     return body
+
+
+SPEC = parse_job_spec(_group_spec())
 
 
 def test_best_split_equals_brute_force_on_random_lines():
@@ -80,14 +83,14 @@ def test_extra_group_is_the_brute_force_best_and_a_valid_plan(n_amd, dc, expect_
     total = uniform.dp * uniform.num_microbatches
     brute = []
     for o in options:
-        got = evaluate(uniform, o, inv)
+        got = evaluate(uniform, o, inv, own_grad_sync_s(SPEC, inv, uniform))
         times = [_time(uniform, inv, o, s) for s in _every_split(
             total, uniform.dp, o.dp, uniform.num_microbatches, o.max_m)]
         assert (got is None) == (not times)  # too many replicas for the step's microbatches
         if times:
             assert got is not None and got[0] == pytest.approx(min(times), rel=1e-12)
         brute += times
-    grouped = add_replica_groups(uniform, inv)
+    grouped = add_replica_groups(uniform, SPEC, inv)
     best = min(brute)
     # same DC: the idle MI300Xs speed the step up; across the 10 Gb/s DC link the gradient
     # sum of a 1.3B model costs more than one node saves, less than two save
@@ -122,8 +125,9 @@ def _time(uniform, inv, option, split):
     lines = (affine([s.time_ms / 1000 for s in uniform.stages], uniform.schedule),
              affine(option.stage_s, uniform.schedule))
     a0, b0 = lines[0]
+    # group 0's own DP sync is replaced by the sum (test_own_grad_sync.py)
     return (uniform.predicted.step_time_s - (a0 + b0 * uniform.num_microbatches)
-            + _grad_sum_s(uniform, inv, option)
+            - own_grad_sync_s(SPEC, inv, uniform) + _grad_sum_s(uniform, inv, option)
             + split_time(lines, *split))
 
 
@@ -145,7 +149,7 @@ def test_grouped_step_re_times_every_stage_of_both_groups(n_amd):
     from hettrain.planning.calibration import catalog_profile, scaled, with_profiles
 
     uniform, inv = _plans(n_amd, "dc-a")
-    grouped = add_replica_groups(uniform, inv)
+    grouped = add_replica_groups(uniform, SPEC, inv)
     assert grouped.groups
     spec = parse_job_spec(_group_spec())
     assert grouped_step_s(spec, inv, grouped) == pytest.approx(
@@ -181,12 +185,12 @@ def test_grouped_step_re_times_every_stage_of_both_groups(n_amd):
 def test_no_idle_pool_keeps_the_plan():
     uniform, _ = _plans(0)
     assert group_options(uniform, inventory_from_nodes(hetero_nodes(2, 0))) == []
-    assert add_replica_groups(uniform, inventory_from_nodes(hetero_nodes(2, 0))) is uniform
+    assert add_replica_groups(uniform, SPEC, inventory_from_nodes(hetero_nodes(2, 0))) is uniform
 
 
 def test_replan_after_a_failure_from_a_grouped_plan():
     uniform, inv = _plans(2, "dc-a")
-    grouped = add_replica_groups(uniform, inv)
+    grouped = add_replica_groups(uniform, SPEC, inv)
     assert grouped.groups
     failed = grouped.group_ranks(0)[0].node  # an H100 node of group 0 dies
     survivors = inv.without_nodes([failed])
@@ -195,7 +199,7 @@ def test_replan_after_a_failure_from_a_grouped_plan():
                                links=survivors.links, devices=survivors.devices)
     again = plan_job("job1", spec, h100, previous=grouped)
     assert again.global_batch == grouped.global_batch and failed not in again.nodes()
-    regrouped = add_replica_groups(again, survivors)
+    regrouped = add_replica_groups(again, SPEC, survivors)
     assert unsupported(regrouped) == []
     assert regrouped.global_batch == grouped.global_batch
     assert regrouped.predicted.step_time_s <= again.predicted.step_time_s
@@ -227,12 +231,16 @@ def test_best_split_of_a_huge_batch_is_arithmetic():
         assert split_time(lines, m0, m1) <= split_time(lines, other, m1 + d)
 
 
+def _pinned_body() -> dict:
+    """:func:`_group_spec` with the layout pinned to dp 8 x pp 2, ZB-H1."""
+    return {**_group_spec(), "parallelism": {"tp": 1, "pp": 2, "dp": 8, "schedule": "zb-h1"}}
+
+
 def _pinned(n_amd: int, dc: str, **extra) -> tuple[Plan, Plan, object]:
     """``plan_job`` without and with ``spec.parallelism.replicaGroups`` on 2 H100 nodes +
     ``n_amd`` MI300X nodes, the layout pinned to dp 8 x pp 2 (so whole nodes stay idle);
     ``extra`` goes into spec.placement."""
-    body = _group_spec()
-    body["parallelism"] = {"tp": 1, "pp": 2, "dp": 8, "schedule": "zb-h1"}
+    body = _pinned_body()
     if extra:
         body["placement"] = extra
     amd = [make_node(f"mi300-{i:03d}", "mi300", "MI300X", "amd", 8, dc) for i in range(n_amd)]
@@ -247,7 +255,7 @@ def test_plan_job_adds_the_group_only_when_the_spec_asks():
     # one pool's 16 GPUs take the pinned dp 8 x pp 2; the other pool's nodes sit idle
     assert plain.groups == () and len(plain.pools) == 1
     assert len(grouped.groups) == 2 and unsupported(grouped) == []
-    want = add_replica_groups(plain, inv)
+    want = add_replica_groups(plain, parse_job_spec(_pinned_body()), inv)
     assert grouped.groups == want.groups and grouped.ranks == want.ranks
     assert grouped.predicted.step_time_s == pytest.approx(want.predicted.step_time_s)
     assert grouped.predicted.step_time_s < plain.predicted.step_time_s

@@ -356,9 +356,7 @@ def _dp_sync_coeffs(unit: Unit, dp: int, tp: int, inv: ClusterInventory, spec: J
         return 0.0, 0.0
     model = spec.model
     lat, red, gat, _, _ = _dp_rates(unit, dp, tp, inv, spec)
-    grad_layer = cost.layer_params(model) * 4.0 / tp
-    fixed_grad = (cost.embedding_params(model) * 4.0 * (int(first) + int(last))
-                  / cost.vocab_shards(model, tp))
+    grad_layer, fixed_grad = _grad_bytes(model, tp, first, last)
     c_red, e_red = grad_layer * red, lat + fixed_grad * red
     c_gat, e_gat = grad_layer * gat, fixed_grad * gat
     if cost.sharded_grads(spec.training):
@@ -2181,11 +2179,18 @@ def step_time_for_split(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
     return pipe + dp_s
 
 
-def split_costs(spec: JobSpec, inventory: ClusterInventory, plan: Plan, split: Sequence[int]
+def split_costs(spec: JobSpec, inventory: ClusterInventory, plan: Plan, split: Sequence[int],
+                *, summed_elsewhere: bool = False
                 ) -> tuple[list[float], list[float], float] | None:
     """``(stage seconds per microbatch, boundary seconds, slowest DP sync)`` of ``plan``'s
     layout (its ``plan.stages``: group 0's with replica groups) with the layer counts ``split``
-    on ``inventory``; None when a stage would exceed its memory or hold no layer."""
+    on ``inventory``; None when a stage would exceed its memory or hold no layer.
+
+    ``summed_elsewhere``: the stages' gradients are summed by something else (replica groups:
+    ``runtime/replica_sync.py`` replaces the group's DP all-reduce, priced by
+    ``replica_groups.groups_grad_sum_s``), so the DP part is only what still follows that sum
+    on each stage: the optimizer step and, under ZeRO-1, the parameter all-gather
+    (:func:`_after_sum_dp_s`)."""
     if len(split) != plan.pp or sum(split) != spec.model.layers:
         raise ValueError(f"split must have {plan.pp} parts summing to {spec.model.layers}")
     # the plan's own settings, not the job's (``recompute: auto``, ``crossDC.mode: auto``)
@@ -2208,7 +2213,50 @@ def split_costs(spec: JobSpec, inventory: ClusterInventory, plan: Plan, split: S
     boundaries = pipeline_hops(stage_units, tps, dp, plan.micro_batch, inventory, spec,
                                v if chunked_schedule(plan.schedule) else 1)
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
-    return stage_s, boundaries, max(s.dp(n) for s, n in zip(stages, split, strict=True))
+    if summed_elsewhere:
+        dp_s = max(_after_sum_dp_s(u, tp, dp, inventory, spec, i == 0, i == plan.pp - 1, n)
+                   for i, (u, tp, n) in enumerate(zip(stage_units, tps, split, strict=True)))
+    else:
+        dp_s = max(s.dp(n) for s, n in zip(stages, split, strict=True))
+    return stage_s, boundaries, dp_s
+
+
+def _after_sum_dp_s(unit: Unit, tp: int, dp: int, inv: ClusterInventory, spec: JobSpec,
+                    first: bool, last: bool, layers: int) -> float:
+    """Seconds of a stage's DP part of the step when its gradients are summed elsewhere
+    (:func:`split_costs`' ``summed_elsewhere``): the optimizer step, then under ZeRO-1
+    (sharding ``optimizer``) the exposed all-gather of the updated parameters over the
+    ``dp`` group, as :func:`_dp_sync_coeffs` prices it. Replica groups run no other
+    sharding (``support.sharding_errors``)."""
+    opt_c, opt_e = _optimizer_coeffs(unit, tp, dp, spec, first, last)
+    seconds = opt_c * layers + opt_e
+    if spec.training.sharding == "optimizer" and dp > 1:
+        _, _, gat, _, _ = _dp_rates(unit, dp, tp, inv, spec)
+        grad_layer, fixed_grad = _grad_bytes(spec.model, tp, first, last)
+        seconds += (grad_layer * layers + fixed_grad) * gat
+    return seconds
+
+
+def _grad_bytes(model: ModelSpec, tp: int, first: bool, last: bool) -> tuple[float, float]:
+    """``(per layer, fixed)`` fp32 gradient bytes of a stage on one TP rank: a layer's, and
+    the embedding's (first) and head's (last) tables (the rates of :func:`_dp_rates` are per
+    byte of these)."""
+    grad_layer = cost.layer_params(model) * 4.0 / tp
+    fixed_grad = (cost.embedding_params(model) * 4.0 * (int(first) + int(last))
+                  / cost.vocab_shards(model, tp))
+    return grad_layer, fixed_grad
+
+
+def own_grad_sync_s(spec: JobSpec, inventory: ClusterInventory, plan: Plan) -> float:
+    """Seconds of ``plan``'s predicted step that are its own DP gradient sync (exposed), which
+    replica groups do not run: :func:`split_costs` with and without ``summed_elsewhere``, at
+    the plan's layer split (0 where the split no longer fits)."""
+    split = [s.layer_end - s.layer_start for s in plan.stages]
+    full = split_costs(spec, inventory, plan, split)
+    after = split_costs(spec, inventory, plan, split, summed_elsewhere=True)
+    if full is None or after is None:
+        return 0.0
+    return max(0.0, full[2] - after[2])
 
 
 def hop_pairs(pp: int, v: int = 1) -> list[tuple[int, int]]:

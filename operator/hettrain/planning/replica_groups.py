@@ -732,12 +732,14 @@ def group_split(plan: Plan, lines: Sequence[Line], dps: Sequence[int],
 
 
 def evaluate_groups(plan: Plan, options: Sequence[GroupOption],
-                    inv: ClusterInventory | None = None) -> Split | None:
+                    inv: ClusterInventory | None = None, own_sync_s: float = 0.0
+                    ) -> Split | None:
     """``(predicted step seconds, (M_0, M_1, ...), (short replicas per group))`` of ``plan``
     (group 0; an uneven one's microbatches are split anew) plus ``options`` at their best
     split (:func:`group_split`), plus, when ``inv`` is given, the gradient sum between the
-    groups (:func:`groups_grad_sum_s`); None when no split gives every replica a
-    microbatch."""
+    groups (:func:`groups_grad_sum_s`), less ``own_sync_s``: the seconds of ``plan``'s step
+    that are its own DP gradient sync, which that sum replaces
+    (``planner.own_grad_sync_s``); None when no split gives every replica a microbatch."""
     div = (plan_zb_div(plan, plan_devices(plan, inv)) if inv is not None
            else cost.ZB_CATALOG_DIVISOR)
     lines = [affine([s.time_ms / 1000 for s in plan.stages], plan.schedule, div),
@@ -748,16 +750,16 @@ def evaluate_groups(plan: Plan, options: Sequence[GroupOption],
         return None
     split, shorts = got
     a0, b0 = lines[0]
-    rest = plan.predicted.step_time_s - (a0 + b0 * plan.num_microbatches)
+    rest = plan.predicted.step_time_s - (a0 + b0 * plan.num_microbatches) - own_sync_s
     sync = (groups_grad_sum_s(plan, inv, _sum_groups(plan, options))
             if inv is not None else 0.0)
     return rest + sync + split_time(lines, *split), split, shorts
 
 
-def evaluate(plan: Plan, option: GroupOption, inv: ClusterInventory | None = None
-             ) -> Split | None:
+def evaluate(plan: Plan, option: GroupOption, inv: ClusterInventory | None = None,
+             own_sync_s: float = 0.0) -> Split | None:
     """:func:`evaluate_groups` with one extra group."""
-    return evaluate_groups(plan, [option], inv)
+    return evaluate_groups(plan, [option], inv, own_sync_s)
 
 
 def grouped_step_s(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> float | None:
@@ -776,7 +778,8 @@ def grouped_step_s(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> float | 
     m_orig = -(-total // g0.dp)  # (an uneven group 0: its last replicas one fewer)
     base = replace(plan, groups=(), num_microbatches=m_orig, short_replicas=g0.dp * m_orig - total,
                    ranks=tuple(r for r in plan.ranks if r.group == 0))
-    costs = split_costs(spec, inv, base, [s.layer_end - s.layer_start for s in g0.stages])
+    costs = split_costs(spec, inv, base, [s.layer_end - s.layer_start for s in g0.stages],
+                        summed_elsewhere=True)
     if costs is None:
         return None
     stage_s0, boundaries, dp_s = costs
@@ -799,13 +802,14 @@ def _gpus(option: GroupOption) -> int:
 
 
 def greedy_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption],
-                  max_gpus: int | None = None, passes: int = SWAP_PASSES
-                  ) -> tuple[list[GroupOption], Split | None]:
+                  max_gpus: int | None = None, passes: int = SWAP_PASSES,
+                  own_sync_s: float = 0.0) -> tuple[list[GroupOption], Split | None]:
     """The extra groups :func:`add_replica_groups` adds (module docstring): rounds that each
     add the option (on a pool no chosen group uses) making the modelled step fastest, while
     it gets faster and the job stays within ``max_gpus``, then up to ``passes`` passes of
     :func:`swap_groups`; with :func:`evaluate_groups`'s ``(step seconds, split, short
-    replicas)`` of the result (None when no group is added)."""
+    replicas)`` of the result (None when no group is added). ``own_sync_s``: see
+    :func:`evaluate_groups`."""
     chosen: list[GroupOption] = []
     best: Split | None = None
     gpus = plan.world_size
@@ -816,7 +820,7 @@ def greedy_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOpti
             if option.pool.name in pools or (
                     max_gpus is not None and gpus + _gpus(option) > max_gpus):
                 continue
-            got = evaluate_groups(plan, [*chosen, option], inv)
+            got = evaluate_groups(plan, [*chosen, option], inv, own_sync_s)
             if got is not None and (found is None or got[0] < found[0][0]):
                 found = (got, option)
         now = plan.predicted.step_time_s if best is None else best[0]
@@ -827,13 +831,13 @@ def greedy_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOpti
         best = found[0]
     if best is None:
         return chosen, best
-    return swap_groups(plan, inv, options, chosen, best, max_gpus, passes)
+    return swap_groups(plan, inv, options, chosen, best, max_gpus, passes, own_sync_s)
 
 
 def swap_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption],
                 chosen: list[GroupOption], best: Split,
-                max_gpus: int | None = None, passes: int = SWAP_PASSES
-                ) -> tuple[list[GroupOption], Split]:
+                max_gpus: int | None = None, passes: int = SWAP_PASSES,
+                own_sync_s: float = 0.0) -> tuple[list[GroupOption], Split]:
     """``chosen`` improved by replacing one group at a time: each pass tries every chosen
     group against every option on a pool the others do not use (its own pool's other
     layouts included) and keeps each replacement that makes the step faster, within
@@ -854,7 +858,7 @@ def swap_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption
                         max_gpus is not None and gpus + extra > max_gpus):
                     continue
                 trial = [*cur[:i], option, *cur[i + 1:]]
-                got = evaluate_groups(plan, trial, inv)
+                got = evaluate_groups(plan, trial, inv, own_sync_s)
                 if got is not None and got[0] < top[0] * (1 - 1e-9):
                     cur, top, gpus, improved = trial, got, gpus + extra, True
         if not improved:
@@ -862,13 +866,18 @@ def swap_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption
     return cur, top
 
 
-def add_replica_groups(plan: Plan, inv: ClusterInventory, max_gpus: int | None = None) -> Plan:
-    """``plan`` with the extra replica groups :func:`greedy_groups` picks, or ``plan`` itself
-    when none makes the modelled step faster (or its short replicas cannot run beside
-    groups: :func:`uneven_groups_ok`)."""
+def add_replica_groups(plan: Plan, spec: JobSpec, inv: ClusterInventory,
+                       max_gpus: int | None = None) -> Plan:
+    """``plan`` (planned for ``spec``) with the extra replica groups :func:`greedy_groups`
+    picks, or ``plan`` itself when none makes the modelled step faster (or its short replicas
+    cannot run beside groups: :func:`uneven_groups_ok`). Group 0's own gradient sync is not
+    charged: the groups' sum replaces it (``planner.own_grad_sync_s``)."""
+    from hettrain.planning.planner import own_grad_sync_s  # the planner imports this module
+
     if plan.short_replicas and not uneven_groups_ok(plan):
         return plan
-    chosen, best = greedy_groups(plan, inv, group_options(plan, inv), max_gpus)
+    chosen, best = greedy_groups(plan, inv, group_options(plan, inv), max_gpus,
+                                 own_sync_s=own_grad_sync_s(spec, inv, plan))
     return plan if best is None else with_groups(plan, inv, chosen, best[1], best[0], best[2])
 
 
@@ -960,7 +969,7 @@ def with_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption
 
 def _idle_reason(plan: Plan, inv: ClusterInventory, grouped: Plan,
                  chosen: Sequence[GroupOption], options: Sequence[GroupOption], pool: str,
-                 cap: int | None) -> str:
+                 cap: int | None, own_sync_s: float) -> str:
     """Why ``pool``'s idle nodes get no replica group in ``grouped``."""
     mine = [o for o in options if o.pool.name == pool]
     if not mine and plan.num_microbatches == 1:
@@ -972,7 +981,8 @@ def _idle_reason(plan: Plan, inv: ClusterInventory, grouped: Plan,
         return (f"no pipeline (the plan's TP runs {tps}, or one TP degree; cp {cps}) fits "
                 "their memory and node size with the step's microbatches left over")
     faster = [] if cap is None else [  # without a cap the greedy took every faster one
-        o for o in mine if (got := evaluate_groups(plan, [*chosen, o], inv)) is not None
+        o for o in mine if (got := evaluate_groups(plan, [*chosen, o], inv, own_sync_s))
+        is not None
         and got[0] < grouped.predicted.step_time_s * (1 - 1e-9)]
     if faster and cap is not None:
         need = grouped.world_size + min(_gpus(o) for o in faster)
@@ -1070,7 +1080,10 @@ def groups_on_idle(plan: Plan, spec: JobSpec, inventory: ClusterInventory) -> Pl
         return _idle_note(plan, idle, why)
     cap = spec.placement.max_gpus
     options = group_options(plan, allowed)
-    chosen, best = greedy_groups(plan, allowed, options, cap)
+    from hettrain.planning.planner import own_grad_sync_s  # the planner imports this module
+
+    own = own_grad_sync_s(spec, allowed, plan)  # the groups' sum replaces it
+    chosen, best = greedy_groups(plan, allowed, options, cap, own_sync_s=own)
     grouped = plan
     if best is not None:
         grouped = with_groups(plan, allowed, chosen, best[1], best[0], best[2])
@@ -1086,7 +1099,7 @@ def groups_on_idle(plan: Plan, spec: JobSpec, inventory: ClusterInventory) -> Pl
     by_why: dict[str, list[str]] = {}
     for pool in idle:
         if pool not in used:
-            reason = _idle_reason(plan, allowed, grouped, chosen, options, pool, cap)
+            reason = _idle_reason(plan, allowed, grouped, chosen, options, pool, cap, own)
             by_why.setdefault(reason, []).append(pool)
     for reason, pools in by_why.items():
         grouped = _idle_note(grouped, pools, reason)
