@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any
 
 from hettrain.api.spec import JobSpec, SpecError, parse_job_manifest, require_data
@@ -100,12 +100,21 @@ def load_inventory(path: str) -> Any:
     from hettrain.planning.errors import PlanningError
     from hettrain.planning.inventory import load_cluster
 
-    if not Path(path).is_file():
-        raise CliError(f"{path}: no such cluster file; check the --cluster path")
+    if path != "-":  # (stdin, a pipe or a FIFO are read like a file)
+        try:
+            os.stat(path)
+        except FileNotFoundError:
+            raise CliError(f"{path[:200]}: no such cluster file; check the --cluster path"
+                           ) from None
+        except OSError as exc:  # e.g. a name longer than the file system allows
+            raise CliError(f"{path[:200]}: cannot read the cluster file: "
+                           f"{exc.strerror or exc}; check the --cluster path") from None
     try:
         return load_cluster(path)
     except (PlanningError, SpecError, ValueError, KeyError) as exc:
-        raise CliError(f"{path}: {_one_line(str(exc))}") from None
+        text = _one_line(str(exc))
+        # (a read or YAML error names the file already, with line and column)
+        raise CliError(text if text.startswith(f"{path}") else f"{path}: {text}") from None
 
 
 def with_profiles(inventory: Any, paths: Sequence[str]) -> Any:
@@ -177,25 +186,39 @@ def cmd_plan(args: argparse.Namespace, out: IO[str]) -> int:
         except OSError as exc:
             raise CliError(f"{picture}: cannot write the picture: {exc.strerror or exc}") from None
     target = out
-    if args.out:
-        try:
-            target = open(args.out, "w")  # noqa: SIM115 - closed below
-        except OSError as exc:
-            raise CliError(f"{args.out}: cannot write: {exc.strerror or exc}") from None
+    where = f"--out {args.out}" if args.out else "standard output"
     try:
-        if args.json:
-            target.write(plan.to_json(indent=2) + "\n")
-        else:
-            from hettrain.render.table import print_plan
+        if args.out:
+            target = open(args.out, "w")  # noqa: SIM115 - closed below
+        try:
+            if args.json:
+                target.write(plan.to_json(indent=2) + "\n")
+            else:
+                from hettrain.render.table import print_plan
 
-            on_terminal = getattr(target, "isatty", lambda: False)()
-            print_plan(plan, file=target, width=None if on_terminal else 140)
-            if picture:
-                target.write(f"picture written to {picture}\n")
-    finally:
-        if target is not out:
-            target.close()
+                on_terminal = getattr(target, "isatty", lambda: False)()
+                print_plan(plan, file=target, width=None if on_terminal else 140)
+                if picture:
+                    target.write(f"picture written to {picture}\n")
+            target.flush()
+        finally:
+            if target is not out:
+                target.close()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:  # a full disk, a directory, no permission
+        raise CliError(f"{where}: cannot write: {exc.strerror or exc}") from None
     return EXIT_OK
+
+
+def _emit(out: IO[str], text: str) -> None:
+    """Write ``text`` to standard output; a full disk is a :class:`CliError`."""
+    try:
+        out.write(text)
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise CliError(f"standard output: cannot write: {exc.strerror or exc}") from None
 
 
 def cmd_validate(args: argparse.Namespace, out: IO[str]) -> int:
@@ -215,7 +238,7 @@ def cmd_validate(args: argparse.Namespace, out: IO[str]) -> int:
             continue
         label = f"{label} {name}"
         if inventory is None:
-            out.write(f"OK {label}\n")
+            _emit(out, f"OK {label}\n")
             continue
         try:
             plan = make_plan(name, spec, inventory, False, label, timeout_s)
@@ -224,8 +247,8 @@ def cmd_validate(args: argparse.Namespace, out: IO[str]) -> int:
             continue
         from hettrain.render.table import layout_summary
 
-        out.write(f"OK {label}: DP×PP×TP {layout_summary(plan)} on {plan.world_size} GPUs, "
-                  f"step {plan.predicted.step_time_s:.3f} s\n")
+        _emit(out, f"OK {label}: DP×PP×TP {layout_summary(plan)} on {plan.world_size} GPUs, "
+                   f"step {plan.predicted.step_time_s:.3f} s\n")
     for line in errors:
         print(f"error: {line}", file=sys.stderr)
     return EXIT_USAGE if errors else EXIT_OK
@@ -366,7 +389,14 @@ def main(argv: Sequence[str] | None = None, out: IO[str] | None = None) -> int:
         args, unknown = parser.parse_known_args(argv)
         if unknown and not getattr(args.func, "ignores_arguments", False):
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-        return args.func(args, out)
+        code = args.func(args, out)
+        try:
+            out.flush()  # a full disk fails here, not at exit with a traceback
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise CliError(f"standard output: cannot write: {exc.strerror or exc}") from None
+        return code
     except CliError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

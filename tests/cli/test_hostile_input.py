@@ -4,6 +4,7 @@ flag and the field, no traceback, no hang."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -87,6 +88,19 @@ JOB_CASES = {
                     ("job.yaml", "spec.model.layers", "<=")),
     "300-character pool name": (GOOD_JOB + f"  placement: {{pools: [{'p' * 300}]}}\n",
                                 ("job.yaml", "spec.placement.pools[0]")),
+    "60,000 adamBetas": (GOOD_JOB.replace("steps: 10", "steps: 10, adamBetas: ["
+                                          + ", ".join(["0.5"] * 60_000) + "]"),
+                         ("job.yaml", "spec.training.adamBetas")),
+    "500 KB checkpoint uri": (GOOD_JOB + f"  checkpoint: {{uri: 'ftp://{'x' * 500_000}'}}\n",
+                              ("job.yaml", "spec.checkpoint.uri")),
+    "500 KB checkpoint endpoint": (GOOD_JOB + "  checkpoint: {uri: 's3://b/x', endpoint: '"
+                                   + "x" * 500_000 + "'}\n",
+                                   ("job.yaml", "spec.checkpoint.endpoint")),
+    "name with a newline and escapes": (GOOD_JOB.replace("{name: tiny}",
+                                                         '{name: "a\\nb\\u001b[31m"}'),
+                                        ("job.yaml", "metadata.name")),
+    "name with a path": (GOOD_JOB.replace("{name: tiny}", "{name: ../../etc/passwd}"),
+                         ("job.yaml", "metadata.name")),
 }
 
 
@@ -138,6 +152,17 @@ CLUSTER_CASES = {
                                       ("links[0].between[1]", "mars")),
     "10^9 nodes": (GOOD_CLUSTER.replace("nodes: 2", "nodes: 1000000000"),
                    ("pools[0].nodes",)),
+    "typo in a pool key": (GOOD_CLUSTER.replace("nicGbps: 100", "nicGpbs: 100"),
+                           ("pools[0].nicGpbs", "unknown field")),
+    "typo in a link key": (GOOD_CLUSTER.replace("latencyMs: 5", "latencyMS: 5"),
+                           ("links[0].latencyMS", "unknown field")),
+    "unknown top-level key": (GOOD_CLUSTER + "bogus: 1\n", ("bogus", "unknown field")),
+    "unknown datacenter key": (GOOD_CLUSTER.replace("{name: dc-a}", "{name: dc-a, rack: 4}"),
+                               ("datacenters[0].rack", "unknown field")),
+    "duplicate device": (GOOD_CLUSTER.replace("pools:", "  - {name: X1, vendor: amd, "
+                                              "bf16Tflops: 1, hbmGiB: 1, hbmTBps: 1, "
+                                              "intraNodeGBps: 1, backend: nccl}\npools:"),
+                         ("devices[1].name", "duplicate")),
 }
 
 
@@ -249,3 +274,53 @@ def test_a_plan_inside_its_timeout_is_printed(tmp_path: Path) -> None:
                      tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "step" in proc.stdout
+
+
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path: Path) -> None:
+    """``learningRate: 3e-4`` is a number (YAML 1.2, what kubectl reads), not "3e-4"."""
+    job = _job(GOOD_JOB.replace("steps: 10", "steps: 10, learningRate: 3e-4"), tmp_path)
+    proc = _hettrain(["plan", str(job), "--cluster", str(CLUSTER), "--json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["training"]["learning_rate"] == 3e-4
+
+
+def test_a_zone_of_null_is_no_zone(tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(GOOD_CLUSTER.replace("nicGbps: 100", "nicGbps: 100, zone: null"))
+    proc = _hettrain(["plan", str(JOB), "--cluster", str(cluster)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_cluster_may_come_from_a_pipe(tmp_path: Path) -> None:
+    """``--cluster -`` (stdin) and a FIFO are read like files (once planned, the same plan)."""
+    want = _hettrain(["plan", str(JOB), "--cluster", str(CLUSTER), "--json"], tmp_path)
+    path = os.pathsep.join(p for p in (str(ROOT / "operator"), os.environ.get("PYTHONPATH"))
+                           if p)
+    piped = subprocess.run([sys.executable, "-m", "hettrain.cli", "plan", str(JOB), "--cluster",
+                            "-", "--json"], input=CLUSTER.read_text(), capture_output=True,
+                           text=True, timeout=TIMEOUT_S, env={**os.environ, "PYTHONPATH": path})
+    assert piped.returncode == 0, piped.stderr[-2000:]
+    assert json.loads(piped.stdout) == json.loads(want.stdout)
+
+
+@pytest.mark.parametrize("flag", ["--cluster", "job"])
+def test_a_file_name_too_long_is_refused(flag: str, tmp_path: Path) -> None:
+    long = str(tmp_path / ("a" * 300 + ".yaml"))
+    argv = (["plan", str(JOB), "--cluster", long] if flag == "--cluster" else
+            ["plan", long, "--cluster", str(CLUSTER)])
+    _assert_clean_refusal(_hettrain(argv, tmp_path), "aaaa", "too long")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [["plan", str(JOB), "--cluster", str(CLUSTER), "--out",
+                                   "/dev/full"],
+                                  ["plan", str(JOB), "--cluster", str(CLUSTER), "--json"],
+                                  ["validate", str(JOB)]])
+def test_a_full_disk_is_a_clean_refusal(argv: list[str], tmp_path: Path) -> None:
+    path = os.pathsep.join(p for p in (str(ROOT / "operator"), os.environ.get("PYTHONPATH"))
+                           if p)
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "hettrain.cli", *argv], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S,
+                              env={**os.environ, "PYTHONPATH": path})
+    _assert_clean_refusal(proc, "cannot write", "No space left")

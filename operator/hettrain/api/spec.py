@@ -471,7 +471,7 @@ def _parse_model(f: _Fields) -> ModelSpec:
         if preset_name not in MODEL_PRESETS:
             raise SpecError(
                 f"{f.path}.preset",
-                f"unknown preset {preset_name!r}; use one of {', '.join(MODEL_PRESETS)} "
+                f"unknown preset {_short(preset_name)}; use one of {', '.join(MODEL_PRESETS)} "
                 "or give layers/hidden/heads/seqLen/vocab",
             )
         base = dict(MODEL_PRESETS[preset_name])
@@ -615,7 +615,7 @@ def _parse_training_loop(f: _Fields) -> dict[str, Any]:
             or not all(isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1
                        for b in betas)):
         raise SpecError(f"{f.path}.adamBetas",
-                        f"must be two numbers in [0, 1) (got {betas!r}), e.g. [0.9, 0.95]")
+                        f"must be two numbers in [0, 1) (got {_short(betas)}), e.g. [0.9, 0.95]")
     out["adam_beta1"], out["adam_beta2"] = float(betas[0]), float(betas[1])
     exclude = f.str_list("weightDecayExclude", NO_DECAY_GROUPS)
     if f.data.get("weightDecayExclude") is None:
@@ -720,10 +720,11 @@ def _check_checkpoint_storage(c: CheckpointSpec, path: str) -> None:
     scheme, sep, rest = (c.uri or "").partition("://")
     scheme = scheme.lower() if sep else ""
     if c.uri and scheme not in CHECKPOINT_SCHEMES:
-        raise SpecError(f"{path}.uri", f"scheme {scheme!r} unsupported (got {c.uri!r}); use "
-                        "s3://bucket/prefix, file:///path, or pvc: NAME for a volume")
+        raise SpecError(f"{path}.uri", f"scheme {_short(scheme)} unsupported (got "
+                        f"{_short(c.uri)}); use s3://bucket/prefix, file:///path, or pvc: NAME "
+                        "for a volume")
     if scheme == "s3" and not rest.split("/", 1)[0]:
-        raise SpecError(f"{path}.uri", f"no bucket in {c.uri!r}; use s3://bucket/prefix")
+        raise SpecError(f"{path}.uri", f"no bucket in {_short(c.uri)}; use s3://bucket/prefix")
     if "@" in rest.split("/", 1)[0]:
         raise SpecError(f"{path}.uri", "credentials in the URI are refused; put them in a "
                         "Secret and name it in spec.checkpoint.secretRef")
@@ -736,7 +737,7 @@ def _check_checkpoint_storage(c: CheckpointSpec, path: str) -> None:
         raise SpecError(f"{path}.keep", f"must be <= 1000 (got {c.keep}); retention keeps the "
                         "newest K checkpoints")
     if c.endpoint and not c.endpoint.startswith(("http://", "https://")):
-        raise SpecError(f"{path}.endpoint", f"must be an http(s):// URL (got {c.endpoint!r})")
+        raise SpecError(f"{path}.endpoint", f"must be an http(s):// URL (got {_short(c.endpoint)})")
 
 
 def _parse_failure_policy(f: _Fields) -> FailurePolicy:
@@ -791,10 +792,10 @@ def _parse_data(f: _Fields, present: bool) -> DataSpec:
                             f"{len(value)})")
     if d.uri and "://" not in d.uri and not d.uri.startswith("/"):
         raise SpecError(f"{f.path}.uri", f"must be an absolute path or a URI such as "
-                        f"s3://bucket/dir (got {d.uri!r})")
+                        f"s3://bucket/dir (got {_short(d.uri)})")
     if d.path.startswith("/") or ".." in d.path.split("/"):
         raise SpecError(f"{f.path}.path", f"must be relative inside the claim, without .. "
-                        f"(got {d.path!r})")
+                        f"(got {_short(d.path)})")
     return d
 
 
@@ -958,4 +959,12 @@ def parse_job_manifest(doc: Mapping[str, Any]) -> tuple[str, JobSpec]:
     name = metadata.get("name")
     if not isinstance(name, str) or not name:
         raise SpecError("metadata.name", f"must be a non-empty string (got {_short(name)})")
+    if len(name) > 253 or not _DNS_SUBDOMAIN.match(name):
+        raise SpecError("metadata.name", f"must be a Kubernetes object name, at most 253 "
+                        f"lowercase letters, digits, '-' and '.', starting and ending with a "
+                        f"letter or digit (got {_short(name)}), e.g. llama3-8b")
     return name, parse_job_spec(doc.get("spec"))
+
+
+# what the API server accepts as a custom resource's name (DNS-1123 subdomain)
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")

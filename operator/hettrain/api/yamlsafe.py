@@ -10,6 +10,7 @@ with a one-line message naming the place (``file:line:column``) and the fix.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,15 @@ class _BoundedLoader(yaml.SafeLoader):
             self._open_anchors.pop()
         self._count(1)
         return node
+
+
+# YAML 1.2 (what kubectl and the API server read) takes ``3e-4`` and ``1e300`` as numbers; PyYAML's
+# YAML 1.1 resolver wants a dot in a float, so ``learningRate: 3e-4`` would reach the spec as the
+# string "3e-4". Resolve exponent floats without a dot as YAML 1.2 does (this loader only).
+_BoundedLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"))
 
 
 def _mark_of(exc: yaml.YAMLError) -> Any:

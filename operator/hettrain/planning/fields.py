@@ -52,6 +52,16 @@ def mapping(value: Any, where: str, *, optional: bool = False) -> Mapping[str, A
     return value
 
 
+def known_keys(value: Mapping[str, Any], where: str, allowed: set[str] | frozenset[str]
+               ) -> None:
+    """Refuse a key of ``value`` outside ``allowed``: a typo (``nicGpbs``) would otherwise
+    fall back to a default without a word."""
+    unknown = sorted(str(k)[:60] for k in value if k not in allowed)
+    if unknown:
+        raise PlanningInputError(f"{where}.{unknown[0]}",
+                                 f"unknown field; allowed: {', '.join(sorted(allowed))}")
+
+
 def sequence(value: Any, where: str, limit: int) -> list[Any]:
     """``value`` as a list of at most ``limit`` items (None → [])."""
     if value is None:

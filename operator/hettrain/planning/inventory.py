@@ -127,6 +127,7 @@ def _links_from(docs: Any, where: str, dcs: set[str] | None = None) -> tuple[Lin
     for i, d in enumerate(fields.sequence(docs, where, fields.MAX_DATACENTERS ** 2)):
         at = f"{where}[{i}]"
         d = fields.mapping(d, at)
+        fields.known_keys(d, at, _LINK_KEYS)
         between = d.get("between")
         if not isinstance(between, list) or len(between) != 2:
             raise PlanningInputError(f"{at}.between", "must list exactly two datacenters")
@@ -157,6 +158,8 @@ def _devices_from(docs: Any, where: str) -> dict[str, DeviceSpec]:
     out: dict[str, DeviceSpec] = {}
     for i, d in enumerate(fields.sequence(docs, where, fields.MAX_DEVICES)):
         dev = device_from_yaml(fields.mapping(d, f"{where}[{i}]"), f"{where}[{i}]")
+        if dev.name in out:
+            raise PlanningInputError(f"{where}[{i}].name", f"duplicate device {dev.name!r}")
         out[dev.name] = dev
     return out
 
@@ -181,7 +184,17 @@ def _read_cluster_doc(source: str | Path | Mapping[str, Any]) -> Mapping[str, An
             raise PlanningInputError(exc.where, exc.message) from None
     if not isinstance(doc, Mapping) or doc.get("kind") != c.CLUSTER_KIND:
         raise PlanningInputError("kind", f"a cluster file must have kind: {c.CLUSTER_KIND}")
+    fields.known_keys(doc, "(cluster)", _CLUSTER_KEYS)
     return doc
+
+
+# the keys a cluster file may use (docs/cluster.md); any other is a typo, refused
+_CLUSTER_KEYS = frozenset({"apiVersion", "kind", "metadata", "datacenters", "links", "devices",
+                           "pools"})
+_DATACENTER_KEYS = frozenset({"name", "zones"})
+_LINK_KEYS = frozenset({"between", "bandwidthGbps", "latencyMs"})
+_POOL_KEYS = frozenset({"name", "datacenter", "device", "vendor", "nodes", "gpusPerNode", "zone",
+                        "nicGbps"})
 
 
 def load_topology(
@@ -206,6 +219,7 @@ def _datacenters_from(docs: Any, where: str) -> set[str]:
     names: set[str] = set()
     for i, d in enumerate(fields.sequence(docs, where, fields.MAX_DATACENTERS)):
         d = fields.mapping(d, f"{where}[{i}]")
+        fields.known_keys(d, f"{where}[{i}]", _DATACENTER_KEYS)
         dc = fields.name(d.get("name"), f"{where}[{i}].name")
         if dc in names:
             raise PlanningInputError(f"{where}[{i}].name", f"duplicate datacenter {dc!r}")
@@ -216,6 +230,7 @@ def _datacenters_from(docs: Any, where: str) -> set[str]:
 def _pool_from(p: Any, where: str, dcs: set[str], devices: Mapping[str, DeviceSpec]) -> Pool:
     """One ``pools:`` entry, every field checked."""
     p = fields.mapping(p, where)
+    fields.known_keys(p, where, _POOL_KEYS)
     for key in ("name", "datacenter", "device", "nodes", "gpusPerNode"):
         if key not in p:
             raise PlanningInputError(f"{where}.{key}", "is required")
@@ -232,7 +247,7 @@ def _pool_from(p: Any, where: str, dcs: set[str], devices: Mapping[str, DeviceSp
         )
     n = fields.integer(p["nodes"], f"{where}.nodes", 1, fields.MAX_POOL_NODES)
     g = fields.integer(p["gpusPerNode"], f"{where}.gpusPerNode", 1, fields.MAX_GPUS_PER_NODE)
-    zone = p.get("zone", "")
+    zone = p.get("zone") or ""  # (null: no zone, as an absent key)
     if zone != "":
         zone = fields.name(zone, f"{where}.zone")
     nic = fields.number(p.get("nicGbps", DEFAULT_NIC_GBPS), f"{where}.nicGbps", fields.NIC_GBPS,
