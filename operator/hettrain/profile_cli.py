@@ -8,18 +8,48 @@ profile YAML it writes is read by ``hettrain plan --profile FILE`` (``planning/p
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
+
+from hettrain.api.spec import JobSpec, SpecError, parse_job_manifest
+from hettrain.api.yamlsafe import YamlInputError, read_yaml_document
+
+MAX_MICRO_BATCH = 4096  # --micro-batches: the largest size measured
+MAX_MICRO_BATCHES = 32  # --micro-batches: the most sizes measured
+
+
+class ProfileInputError(ValueError):
+    """A ``hettrain profile`` input (the job, ``--out``) is unusable: a one-line message naming
+    the file or flag and the fix (exit 2, before anything is measured)."""
 
 
 def _positive_ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
+    except ValueError:  # not integers (or thousands of digits)
         values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,2,4")
+    if (not values or min(values) < 1 or max(values) > MAX_MICRO_BATCH
+            or len(set(values)) > MAX_MICRO_BATCHES):
+        raise argparse.ArgumentTypeError(
+            f"{_short(text)}: give positive integers up to {MAX_MICRO_BATCH} (at most "
+            f"{MAX_MICRO_BATCHES} sizes), e.g. 1,2,4")
     return sorted(set(values))
+
+
+def _device_name(text: str) -> str:
+    if not text.strip() or text != text.strip() or not text.isprintable():
+        raise argparse.ArgumentTypeError(
+            f"{_short(text)}: give the catalog/cluster device name, e.g. CPU or H100-SXM")
+    return text
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to one short line for an error message."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _repeats(text: str) -> int:
@@ -43,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`hettrain plan --profile FILE` then uses the measured layer times for that device, "
         "model shape and precision, and the plan notes say so.")
     parser.add_argument("job", metavar="JOB.yaml", help="HetTrainingJob whose spec.model to run")
-    parser.add_argument("--device-name", required=True, metavar="NAME",
+    parser.add_argument("--device-name", required=True, metavar="NAME", type=_device_name,
                         help="catalog/cluster device name the profile is for, e.g. CPU, H100-SXM")
     parser.add_argument("--out", required=True, metavar="FILE", help="profile YAML to write")
     parser.add_argument("--micro-batches", type=_positive_ints, default=[1, 2, 4],
@@ -56,8 +86,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "one accelerator)")
 
 
+def load_job_spec(path: str) -> JobSpec:
+    """The HetTrainingJob in ``path`` read through the bounded loader
+    (:mod:`hettrain.api.yamlsafe`); raises :class:`ProfileInputError` naming the file."""
+    try:
+        doc = read_yaml_document(path)
+        _, spec = parse_job_manifest(doc)
+    except YamlInputError as exc:
+        raise ProfileInputError(" ".join(str(exc).split())) from None
+    except SpecError as exc:
+        raise ProfileInputError(f"{path}: {' '.join(str(exc).split())}") from None
+    return spec
+
+
+def check_out(path: str) -> None:
+    """Raise :class:`ProfileInputError` unless ``--out PATH`` can be written: not a directory,
+    its directory exists and is writable (checked before the minutes of measuring)."""
+    out = Path(path)
+    if not path or out.is_dir():
+        raise ProfileInputError(f"--out {path or repr(path)}: is a directory; give a file "
+                                "path, e.g. profile.yaml")
+    parent = out.parent
+    if not parent.is_dir():
+        raise ProfileInputError(f"--out {path}: directory {str(parent)!r} does not exist; "
+                                "create it first")
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ProfileInputError(f"--out {path}: is not writable; give a writable path")
+
+
+def check_inputs(args: argparse.Namespace) -> JobSpec:
+    """The job's spec once the job and ``--out`` are checked (:class:`ProfileInputError`)."""
+    spec = load_job_spec(args.job)
+    check_out(args.out)
+    return spec
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the measurement in a child process; its exit code is ours."""
+    """Check the job and ``--out`` (bad input: one line on stderr, exit 2, nothing measured),
+    then run the measurement in a child process; its exit code is ours."""
+    try:
+        check_inputs(args)
+    except ProfileInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     cmd = [sys.executable, "-m", "hettrain.runtime.profile", args.job,
            "--device-name", args.device_name, "--out", args.out,
            "--micro-batches", ",".join(map(str, args.micro_batches)),

@@ -99,9 +99,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hettrain.api.spec import ModelSpec
+from hettrain.api.yamlsafe import YamlInputError, read_yaml_document
 from hettrain.planning.errors import PlanningInputError
 
 PROFILE_VERSION = 2  # written: precision, recompute modes, model.vocab, stage, concurrent
@@ -116,6 +115,48 @@ SPLIT_FIELDS = ("bS", "wS")  # optional (version 2): the ZB-H1 backward's B and 
 ZB_MIN_BUBBLE_RATIO = 0.1
 
 Shape = tuple[int, int, int, int, int, bool]
+
+# bounds on a profile's numbers (a measured document is far inside them; hostile ones are not):
+# a fit over them stays finite (weights 1/seconds², bytes², sums of products)
+MAX_COUNT = 2**20  # microbatch sizes, layers, ranks, TP degrees, model dimensions
+MIN_SECONDS, MAX_SECONDS = 1e-9, 1e6  # a measured time: a nanosecond to 11 days
+MAX_BYTES = 2.0**60  # a measured message (the error message says 2**60)
+
+
+def _is_int(value: Any, lo: int = 1, hi: int = MAX_COUNT) -> bool:
+    """True when ``value`` is an integer (not a bool) in ``[lo, hi]``."""
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+def _is_number(value: Any, lo: float, hi: float) -> bool:
+    """True when ``value`` is a finite real number (not a bool) in ``[lo, hi]``."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and lo <= value <= hi)
+
+
+def _seconds(row: Mapping, key: str, at: str) -> float:
+    """``row[key]`` as measured seconds (a finite number in the bounds), else an error naming
+    the row and field."""
+    value = row[key]
+    if not _is_number(value, MIN_SECONDS, MAX_SECONDS):
+        raise PlanningInputError(at, f"{key} must be positive, finite seconds from "
+                                 f"{MIN_SECONDS:g} to {MAX_SECONDS:g} (got {_shown(value)})")
+    return float(value)
+
+
+def _micro_batch(row: Mapping, at: str) -> int:
+    """``row["microBatch"]`` as an integer in ``[1, MAX_COUNT]``, else an error naming it."""
+    value = row["microBatch"]
+    if not _is_int(value):
+        raise PlanningInputError(at, f"microBatch must be an integer from 1 to {MAX_COUNT} "
+                                 f"(got {_shown(value)})")
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A short one-line rendering of a bad value for an error message."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def model_shape(model: ModelSpec) -> Shape:
@@ -349,18 +390,18 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
         raise PlanningInputError(f"{where}.version", f"must be one of {list(PROFILE_VERSIONS)} "
                                  f"(got {version!r}); re-run hettrain profile")
     precision = doc.get("precision", "fp32") if version >= 2 else "fp32"
-    if precision not in PRECISION_BYTES:
+    if not isinstance(precision, str) or precision not in PRECISION_BYTES:
         raise PlanningInputError(f"{where}.precision", f"must be one of "
-                                 f"{', '.join(PRECISION_BYTES)} (got {precision!r})")
+                                 f"{', '.join(PRECISION_BYTES)} (got {_shown(precision)})")
     device = doc.get("device")
     if not isinstance(device, str) or not device:
         raise PlanningInputError(f"{where}.device", "is required (the device name it measured)")
     m = doc.get("model")
     keys = ("hidden", "heads", "kvHeads", "ffnHidden", "seqLen")
-    if not isinstance(m, Mapping) or any(not isinstance(m.get(k), int) or isinstance(
-            m.get(k), bool) or m.get(k) < 1 for k in keys):
+    if not isinstance(m, Mapping) or any(not _is_int(m.get(k)) for k in keys) or (
+            not isinstance(m.get("gatedMlp", False), bool)):
         raise PlanningInputError(f"{where}.model", f"needs positive integers {', '.join(keys)}"
-                                 " and gatedMlp")
+                                 f" (at most {MAX_COUNT}) and gatedMlp (true or false)")
     shape: Shape = (m["hidden"], m["heads"], m["kvHeads"], m["ffnHidden"], m["seqLen"],
                     bool(m.get("gatedMlp", False)))
     points, fwd, total, modes = _layer_points(doc.get("layer"), f"{where}.layer", version)
@@ -380,7 +421,7 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
     stage = None
     if "stage" in doc:
         vocab = m.get("vocab")
-        if version < 2 or isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        if version < 2 or not _is_int(vocab, 1, 2**31):
             raise PlanningInputError(f"{where}.model.vocab", "a positive integer is required "
                                      "with stage rows (version 2)")
         stage = stage_from_rows(doc["stage"], vocab, (alpha, beta), f"{where}.stage")
@@ -408,15 +449,13 @@ def _layer_points(rows: Any, where: str, version: int = 1
     modes: dict[str, Points] = {m: [] for m in RECOMPUTE_MODES}
     for i, r in enumerate(rows):
         at = f"{where}[{i}]"
-        try:
-            b, f, bw = int(r["microBatch"]), float(r["forwardS"]), float(r["backwardS"])
-            extra = {m: float(r[k]) for m, k in MODE_FIELDS.items() if k in r and version >= 2}
-        except (KeyError, TypeError, ValueError):
+        if not isinstance(r, Mapping) or any(k not in r for k in ("microBatch", "forwardS",
+                                                                    "backwardS")):
             raise PlanningInputError(at, "needs microBatch, forwardS, backwardS (and numbers "
-                                     f"for {', '.join(MODE_FIELDS.values())})") from None
-        if b < 1 or f <= 0 or bw <= 0 or any(not (t > 0 and math.isfinite(t))
-                                             for t in extra.values()):
-            raise PlanningInputError(at, "microBatch >= 1 and positive seconds required")
+                                     f"for {', '.join(MODE_FIELDS.values())})")
+        b, f, bw = _micro_batch(r, at), _seconds(r, "forwardS", at), _seconds(r, "backwardS", at)
+        extra = {m: _seconds(r, k, at) for m, k in MODE_FIELDS.items()
+                 if k in r and version >= 2}
         points.append((float(b), f + bw))
         fwd, total = fwd + f, total + f + bw
         for m, t in extra.items():
@@ -437,13 +476,10 @@ def _split_points(rows: list, where: str) -> tuple[Points, Points] | None:
         return None
     b_pts, w_pts = [], []
     for i, r in enumerate(rows):
-        try:
-            bs, ws = float(r["bS"]), float(r["wS"])
-        except (KeyError, TypeError, ValueError):
+        if "bS" not in r or "wS" not in r:
             raise PlanningInputError(f"{where}[{i}]", "bS and wS must be numbers on every row "
-                                     "or on none") from None
-        if not (bs > 0 and ws > 0 and math.isfinite(bs) and math.isfinite(ws)):
-            raise PlanningInputError(f"{where}[{i}]", "bS and wS must be positive seconds")
+                                     "or on none")
+        bs, ws = _seconds(r, "bS", f"{where}[{i}]"), _seconds(r, "wS", f"{where}[{i}]")
         b_pts.append((float(r["microBatch"]), bs))
         w_pts.append((float(r["microBatch"]), ws))
     return b_pts, w_pts
@@ -456,7 +492,7 @@ def _tp_from_doc(doc: Any, version: int, where: str) -> tuple[tuple[int, float, 
     out: dict[int, tuple[float, float]] = {}
     for i, e in enumerate(doc):
         tp = e.get("tp") if isinstance(e, Mapping) else None
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2 or tp in out:
+        if not _is_int(tp, 2) or tp in out:
             raise PlanningInputError(f"{where}[{i}].tp", "must be an integer >= 2, each "
                                      "degree once (the TP degree measured)")
         points, _, _, _ = _layer_points(e.get("layer"), f"{where}[{i}].layer")
@@ -470,8 +506,9 @@ def _concurrent_from_doc(doc: Any, version: int, where: str) -> tuple[tuple[floa
         raise PlanningInputError(where, "must be a mapping with ranks and layer rows "
                                  "(version 2)")
     ranks = doc.get("ranks")
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
-        raise PlanningInputError(f"{where}.ranks", "must be an integer >= 2 (the ranks measured)")
+    if not _is_int(ranks, 2):
+        raise PlanningInputError(f"{where}.ranks", f"must be an integer from 2 to {MAX_COUNT} "
+                                 "(the ranks measured)")
     points, _, _, _ = _layer_points(doc.get("layer"), f"{where}.layer")
     return fit_line(points), ranks
 
@@ -496,22 +533,18 @@ def stage_from_rows(rows: Any, vocab: int, layer: tuple[float, float],
     middle (``layers``: the rows' stage layer count, 1 when absent, equal on every row)."""
     if not isinstance(rows, list) or not rows:
         raise PlanningInputError(where, "needs at least one measured microbatch")
-    counts = {r.get("layers", 1) if isinstance(r, Mapping) else None for r in rows}
-    layers = counts.pop() if len(counts) == 1 else None
-    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+    counts = [r.get("layers", 1) if isinstance(r, Mapping) else None for r in rows]
+    layers = counts[0]
+    if not _is_int(layers) or any(not _is_int(c) or c != layers for c in counts):
         raise PlanningInputError(f"{where}[].layers", "must be one positive integer on every "
                                  "row (the layers the measured stage held)")
     parsed = []
     for i, r in enumerate(rows):
-        try:
-            b = int(r["microBatch"])
-            mid, first, last = float(r["middleS"]), float(r["firstS"]), float(r["lastS"])
-        except (KeyError, TypeError, ValueError):
-            raise PlanningInputError(f"{where}[{i}]", "needs microBatch, middleS, firstS, "
-                                     "lastS") from None
-        if b < 1 or not all(math.isfinite(t) and t > 0 for t in (mid, first, last)):
-            raise PlanningInputError(f"{where}[{i}]",
-                                     "microBatch >= 1 and positive, finite seconds required")
+        at = f"{where}[{i}]"
+        if any(k not in r for k in ("microBatch", "middleS", "firstS", "lastS")):
+            raise PlanningInputError(at, "needs microBatch, middleS, firstS, lastS")
+        b = _micro_batch(r, at)
+        mid, first, last = (_seconds(r, k, at) for k in ("middleS", "firstS", "lastS"))
         parsed.append((b, mid, first, last))
     a, beta = layer
     overhead = _fit_part([(b, mid - layers * (a + beta * b)) for b, mid, _, _ in parsed])
@@ -527,14 +560,13 @@ def _comm_rows(doc: Mapping, kind: str, where: str) -> list[tuple[float, float]]
                                  "(re-run hettrain profile)")
     points = []
     for i, r in enumerate(rows):
-        try:
-            nbytes, secs = float(r["bytes"]), float(r["seconds"])
-        except (KeyError, TypeError, ValueError):
-            raise PlanningInputError(f"{where}.{kind}[{i}]", "needs bytes and seconds") from None
-        if not (nbytes >= 1 and math.isfinite(nbytes) and secs > 0 and math.isfinite(secs)):
-            raise PlanningInputError(f"{where}.{kind}[{i}]",
-                                     "bytes >= 1 and positive, finite seconds required")
-        points.append((nbytes, secs))
+        at = f"{where}.{kind}[{i}]"
+        if not isinstance(r, Mapping) or "bytes" not in r or "seconds" not in r:
+            raise PlanningInputError(at, "needs bytes and seconds")
+        if not _is_number(r["bytes"], 1, MAX_BYTES):
+            raise PlanningInputError(at, "bytes must be a number from 1 to 2**60 "
+                                     f"(got {_shown(r['bytes'])})")
+        points.append((float(r["bytes"]), _seconds(r, "seconds", at)))
     if len({b for b, _ in points}) < 2:
         raise PlanningInputError(f"{where}.{kind}", "needs at least two different sizes")
     return points
@@ -545,8 +577,13 @@ def comm_from_doc(doc: Any, where: str) -> CommProfile:
     if not isinstance(doc, Mapping):
         raise PlanningInputError(where, "must be a mapping with ranks, p2p and allReduce")
     ranks = doc.get("ranks")
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
-        raise PlanningInputError(f"{where}.ranks", "must be an integer >= 2 (the ranks measured)")
+    if not _is_int(ranks, 2):
+        raise PlanningInputError(f"{where}.ranks", f"must be an integer from 2 to {MAX_COUNT} "
+                                 "(the ranks measured)")
+    backend = doc.get("backend", "")
+    if not isinstance(backend, str):
+        raise PlanningInputError(f"{where}.backend", "must be a string (the library measured, "
+                                 f"e.g. gloo; got {_shown(backend)})")
     p2p = _comm_rows(doc, "p2p", where)
     ring = _comm_rows(doc, "allReduce", where)
     # all-gather rows are optional: profiles written before they were measured lack them
@@ -558,7 +595,7 @@ def comm_from_doc(doc: Any, where: str) -> CommProfile:
                                                      ("allGather", gather))
                  for b, t in pts)
     return CommProfile(p2p_lat, 1.0 / p2p_slope, ar_lat / steps,
-                       steps / ranks / ar_slope, ranks, str(doc.get("backend", "")), rows)
+                       steps / ranks / ar_slope, ranks, backend, rows)
 
 
 def comm_doc(comm: CommProfile) -> dict[str, Any]:
@@ -570,11 +607,12 @@ def comm_doc(comm: CommProfile) -> dict[str, Any]:
 
 
 def load_profile(path: str | Path) -> LayerProfile:
-    """Read a profile YAML file (errors name the file)."""
+    """Read a profile YAML file through the bounded loader (:mod:`hettrain.api.yamlsafe`:
+    size, nesting, alias expansion and number literals are bounded); errors name the file."""
     try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise PlanningInputError(str(path), f"cannot read the profile: {exc}") from None
+        doc = read_yaml_document(path)
+    except YamlInputError as exc:
+        raise PlanningInputError(exc.where, " ".join(exc.message.split())) from None
     return profile_from_doc(doc, str(path))
 
 

@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from hettrain.api.spec import ModelSpec, SpecError, TrainingSpec, parse_job_manifest
+from hettrain.api.spec import ModelSpec, TrainingSpec
 from hettrain.planning import cost
 from hettrain.planning.profiles import RECOMPUTE_MODES, profile_doc
-from hettrain.profile_cli import add_arguments
+from hettrain.profile_cli import ProfileInputError, add_arguments, check_inputs
 from hettrain.runtime.comm_profile import RANKS, measure_comm
 from hettrain.runtime.concurrent_profile import measure_concurrent
 from hettrain.runtime.model import (
@@ -297,13 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(ap)
     args = ap.parse_args(argv)
     try:
-        doc = yaml.safe_load(Path(args.job).read_text())
-        _, spec = parse_job_manifest(doc)
-    except (OSError, yaml.YAMLError) as exc:
-        print(f"error: {args.job}: cannot read the job: {exc}", file=sys.stderr)
-        return 2
-    except SpecError as exc:
-        print(f"error: {args.job}: {exc}", file=sys.stderr)
+        spec = check_inputs(args)  # the job (bounded YAML) and --out, before measuring
+    except ProfileInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
