@@ -12,6 +12,7 @@ leaves nothing half-written. See :mod:`hettrain.data.tokenset` for the format.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -57,6 +58,14 @@ class PrepareOptions:
     force: bool = False
 
 
+def _path_error(what: str, path: Path, exc: OSError) -> PrepareError:
+    """The one-line error for a path of ``what`` (a flag or ``INPUT``) the OS refuses."""
+    if exc.errno == errno.ENAMETOOLONG:
+        return PrepareError(f"{what} {path}: file name too long for the file system; choose "
+                            "a shorter path")
+    return PrepareError(f"{what} {path}: cannot access: {exc.strerror or exc}")
+
+
 # ---------------------------------------------------------------- tokenizer
 
 
@@ -65,12 +74,17 @@ def load_tokenizer(source: str) -> tuple[Any, Path]:
     from tokenizers import Tokenizer
 
     path = Path(source)
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+        is_file = (path / ts.TOKENIZER).is_file() if is_dir else path.is_file()
+    except OSError as exc:
+        raise _path_error("--tokenizer", path, exc) from None
+    if is_dir:
         path = path / ts.TOKENIZER
-        if not path.is_file():
+        if not is_file:
             raise PrepareError(f"--tokenizer {source}: directory has no {ts.TOKENIZER}; give a "
                                "tokenizer.json or a pretrained directory that contains one")
-    elif not path.is_file():
+    elif not is_file:
         raise PrepareError(f"--tokenizer {source}: no such file or directory")
     try:
         return Tokenizer.from_file(str(path)), path
@@ -105,15 +119,23 @@ def expand_inputs(inputs: Sequence[str], forced: str | None = None) -> list[Path
     files: list[Path] = []
     for raw in inputs:
         p = Path(raw)
-        if p.is_dir():
+        try:
+            is_dir, is_file, exists = p.is_dir(), p.is_file(), p.exists()
+        except OSError as exc:
+            raise _path_error("INPUT", p, exc) from None
+        if is_dir:
             found = sorted(q for q in p.rglob("*") if q.is_file() and not q.name.startswith(".")
                            and (forced or q.suffix.lower() in EXTENSIONS))
             if not found:
                 raise PrepareError(f"{raw}: directory has no {', '.join(EXTENSIONS)} files; "
                                    "name the files, or set --format")
             files.extend(found)
-        elif p.is_file():
+        elif is_file:
             files.append(p)
+        elif exists:
+            raise PrepareError(f"INPUT {raw}: not a regular file or directory (a FIFO, socket "
+                               "or device); give text, JSONL or Parquet files or directories "
+                               "of them")
         else:
             raise PrepareError(f"{raw}: no such file or directory")
     return files
@@ -161,6 +183,11 @@ def jsonl_documents(path: Path, field_name: str) -> Iterator[str]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise PrepareError(f"{path}:{n}: invalid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise PrepareError(f"{path}:{n}: invalid JSON (nested too deeply)") from None
+        except ValueError as exc:  # e.g. an integer of more than 4300 digits
+            raise PrepareError(f"{path}:{n}: invalid JSON value "
+                               f"({ts.json_value_error(exc)})") from None
         if not isinstance(obj, dict) or field_name not in obj:
             keys = ", ".join(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__
             raise PrepareError(f"{path}:{n}: no field {field_name!r} (has: {keys}); choose it "
@@ -170,6 +197,12 @@ def jsonl_documents(path: Path, field_name: str) -> Iterator[str]:
             raise PrepareError(f"{path}:{n}: field {field_name!r} is "
                                f"{type(value).__name__}, not a string; choose the text field "
                                "with --jsonl-field")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate escape such as "\\ud800"
+            raise PrepareError(f"{path}:{n}: field {field_name!r} is not valid Unicode (unpaired "
+                               f"surrogate {value[exc.start]!r} at character {exc.start}); "
+                               "fix or drop the line") from None
         if value:
             yield value
 
@@ -192,8 +225,18 @@ def parquet_documents(path: Path, column: str) -> Iterator[str]:
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise PrepareError(f"{path}: column {column!r} is {kind}, not a string; choose the "
                            "text column with --parquet-column")
-    for batch in pf.iter_batches(columns=[column], batch_size=1024):
-        for value in batch.column(0).to_pylist():
+    batches = pf.iter_batches(columns=[column], batch_size=1024)
+    while True:
+        try:
+            batch = next(batches, None)
+            values = [] if batch is None else batch.column(0).to_pylist()
+        except (pa.ArrowException, OSError) as exc:  # e.g. corrupt compressed pages
+            raise PrepareError(f"{path}: corrupt Parquet data "
+                               f"({' '.join(str(exc).split())[:200]}); write the file again"
+                               ) from None
+        if batch is None:
+            return
+        for value in values:
             if value:
                 yield value
 
@@ -293,13 +336,19 @@ def _check_options(opts: PrepareOptions) -> None:
         raise PrepareError(f"--text-unit {opts.text_unit}: must be one of "
                            f"{', '.join(TEXT_UNITS)}")
     out = Path(opts.out)
-    if out.exists() and not opts.force:
+    try:
+        exists = out.exists()
+        is_set = exists and (out / ts.MANIFEST).is_file()
+        parent_is_dir = out.parent.is_dir()
+    except OSError as exc:
+        raise _path_error("--out", out, exc) from None
+    if exists and not opts.force:
         raise PrepareError(f"--out {out}: already exists; choose another directory or pass "
                            "--force to replace it")
-    if out.exists() and not (out / ts.MANIFEST).is_file():
+    if exists and not is_set:
         raise PrepareError(f"--out {out}: exists and is not a token set; --force replaces only "
                            "token sets, choose another directory")
-    if not out.parent.is_dir():
+    if not parent_is_dir:
         raise PrepareError(f"--out {out}: parent directory {out.parent} does not exist")
 
 
@@ -317,7 +366,13 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = lambda _: None) -
     out = Path(opts.out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:  # out's name fits, the temporary one does not
+            raise PrepareError(f"--out {out}: name too long for the temporary directory "
+                               "written first (.NAME.tmp-PID); choose a shorter name") from None
+        raise _path_error("--out", out, exc) from None
     writers = {s: SplitWriter(tmp, s, dtype, opts.shard_tokens) for s in ts.SPLITS}
     per_file = [0] * len(files)
     try:

@@ -177,17 +177,35 @@ def read_manifest(directory: str | Path) -> Manifest:
     """The parsed manifest of a local token set directory."""
     path = Path(directory) / MANIFEST
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise TokenSetError(f"{path}: no such file; is {directory} a token set written by "
                             "'hettrain data prepare'?") from None
     except OSError as exc:
         raise TokenSetError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TokenSetError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+                            f"{exc.start}); write the token set again with 'hettrain data "
+                            "prepare'") from None
+    try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TokenSetError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    except RecursionError:
+        raise TokenSetError(f"{path}: invalid JSON (nested too deeply); write the token set "
+                            "again with 'hettrain data prepare'") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise TokenSetError(f"{path}: invalid JSON value ({json_value_error(exc)}); write the "
+                            "token set again with 'hettrain data prepare'") from None
     return parse_manifest(data, str(path))
+
+
+def json_value_error(exc: ValueError) -> str:
+    """A short, one-line reason for a ``ValueError`` from ``json.loads`` that is not a syntax
+    error (Python's 4300-digit integer limit), without its advice about interpreter settings."""
+    return " ".join(str(exc).split(";")[0].split())[:200]
 
 
 def verify_files(directory: str | Path, manifest: Manifest, *, checksums: bool = True) -> None:
