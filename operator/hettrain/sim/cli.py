@@ -137,6 +137,8 @@ def _scenario(args: argparse.Namespace) -> Scenario:
             raise SimInputError(flag, f"must be > 0 (got {v})")
         if v is not None:
             recovery = replace(recovery, **{key: v})
+            if key == "checkpoint_interval_s":
+                recovery = replace(recovery, interval_field="--ckpt-interval-s")
     if args.scenario and args.spare_nodes is not None:
         raise SimInputError("--spare-nodes", "a --scenario fixes its spares (llama3-16k: 32, "
                                              "llama3-16k-nospares: 0); drop the flag")

@@ -65,22 +65,24 @@ class Topology:
         """Global index of the pool's first node (nodes are numbered pool by pool)."""
         return sum(self.pool_nodes[:pool])
 
-    def pool_index(self, name: str) -> int:
-        """Index of a pool by name; unknown names raise :class:`SimInputError`."""
+    def pool_index(self, name: str, where: str = "pool") -> int:
+        """Index of a pool by name; unknown names raise :class:`SimInputError` naming
+        ``where`` (e.g. a trace row's ``F:LINE.target``)."""
         for i, p in enumerate(self.inventory.pools):
             if p.name == name:
                 return i
         names = ", ".join(p.name for p in self.inventory.pools)
-        raise SimInputError("pool", f"{name!r} is not a pool of the cluster ({names})")
+        raise SimInputError(where, f"{name!r} is not a pool of the cluster ({names})")
 
-    def node_index(self, name: str) -> int:
-        """Global index of a node by its inventory name (``<pool>-<index:03d>``)."""
+    def node_index(self, name: str, where: str = "node") -> int:
+        """Global index of a node by its inventory name (``<pool>-<index:03d>``); unknown names
+        raise :class:`SimInputError` naming ``where``."""
         for i, p in enumerate(self.inventory.pools):
             try:
                 return self.node_offset(i) + p.nodes.index(name)
             except ValueError:
                 continue
-        raise SimInputError("node", f"{name!r} is not a node of the cluster; node names are "
+        raise SimInputError(where, f"{name!r} is not a node of the cluster; node names are "
                                     "<pool>-<index:03d>, e.g. "
                                     f"{self.inventory.pools[0].nodes[0]}")
 

@@ -134,6 +134,7 @@ class _Job:
         self.seg_work = self.seg_ckpt = self.seg_tokens = self.seg_deg = 0.0
         self.rate = 0.0
         self.slow: dict[int, float] = {}
+        self.slow_count: dict[float, int] = {}  # slowdown -> active stragglers (max in O(kinds))
         self.grow_pending = False
         self.waiting_for_full = False
         self.heap: list[tuple[float, int, int, Event | str]] = []
@@ -177,7 +178,7 @@ class _Job:
 
     def start_run(self) -> None:
         self.phase = RUN
-        self.set_rate(self.cap.tokens_per_s / max(self.slow.values(), default=1.0))
+        self.set_rate(self.cap.tokens_per_s / max(self.slow_count, default=1.0))
         self.timer(self.interval_s - self.seg_work, "ckpt_start")
 
     def commit(self) -> None:
@@ -312,12 +313,17 @@ class _Job:
             (p, _), = e.counts
             if self.training() and e.u < self.cap.nodes_used[p] / max(1, self.up[p]):
                 self.slow[e.ref] = e.slowdown
+                self.slow_count[e.slowdown] = self.slow_count.get(e.slowdown, 0) + 1
                 if self.phase == RUN:
-                    self.set_rate(self.cap.tokens_per_s / max(self.slow.values()))
+                    self.set_rate(self.cap.tokens_per_s / max(self.slow_count))
         elif e.kind == SLOW_END:
             ended = self.slow.pop(e.ref, None)
+            if ended is not None:
+                left = self.slow_count.pop(ended) - 1
+                if left:
+                    self.slow_count[ended] = left
             if ended is not None and self.phase == RUN:
-                self.set_rate(self.cap.tokens_per_s / max(self.slow.values(), default=1.0))
+                self.set_rate(self.cap.tokens_per_s / max(self.slow_count, default=1.0))
 
     # ---------------------------------------------------------- main loop
 

@@ -58,6 +58,7 @@ LLAMA3_DAYS = 54
 LLAMA3_GPUS = 16384
 LLAMA3_RUNNING_FRACTION = 0.92  # of wall time the llama3-16k job trains or checkpoints
 DISTRIBUTIONS = ("lognormal", "exponential", "fixed")
+MAX_EXPECTED_EVENTS = 1_000_000  # sampled failures/stragglers per seed over the horizon
 
 
 class SimInputError(ValueError):
@@ -97,6 +98,7 @@ class FailureModel:
     straggler_slowdown: float = 1.5
     straggler_duration: Duration = Duration("fixed", HOUR, 0.0)
     repair: Duration = Duration()
+    where: str = field(default="failures", compare=False)  # prefix of its fields in errors
 
     def node_rate_per_s(self, device: str, gpus_per_node: int) -> float:
         """Hardware failure rate of one node (per second)."""
@@ -115,6 +117,20 @@ class RecoveryModel:
     checkpoint_interval_s: float | None = None  # None: Young–Daly optimum
     grow_threshold: float = 0.02  # grow back when the full plan is this much faster
     wait_threshold_s: float = 1800.0  # wait-shrink: wait when the replacement ETA is sooner
+    interval_field: str = field(default="recovery.checkpointIntervalSeconds", compare=False)
+
+
+def check_checkpoint_interval(recovery: RecoveryModel, interval_s: float, horizon_s: float
+                              ) -> None:
+    """Refuse a configured checkpoint interval that gives more than
+    :data:`MAX_EXPECTED_EVENTS` checkpoints over ``horizon_s`` (a tiny one runs without end);
+    the error names ``recovery.interval_field`` (the YAML field or ``--ckpt-interval-s``)."""
+    if horizon_s / interval_s > MAX_EXPECTED_EVENTS:
+        raise SimInputError(recovery.interval_field,
+                            f"{interval_s:g} s gives {horizon_s / interval_s:.3g} checkpoints "
+                            f"over {horizon_s / 86400:g} days (at most {MAX_EXPECTED_EVENTS:,}"
+                            f"); use at least {horizon_s / MAX_EXPECTED_EVENTS:.3g} s or leave "
+                            "it unset (Young-Daly)")
 
 
 def young_daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
@@ -208,6 +224,7 @@ def failure_model_from_dict(doc: Mapping[str, Any] | None, where: str = "failure
             _Fields({k: v for k, v in st.doc.items() if k == "durationHours"}, st.where),
             d.straggler_duration),
         repair=_duration(f.sub("repair"), d.repair),
+        where=where,
     )
 
 
@@ -228,6 +245,7 @@ def recovery_model_from_dict(doc: Mapping[str, Any] | None, where: str = "recove
         f.number("checkpointIntervalSeconds", 0, positive=True),
         grow_threshold=f.number("growThreshold", d.grow_threshold),
         wait_threshold_s=f.number("waitThresholdSeconds", d.wait_threshold_s),
+        interval_field=f"{where}.checkpointIntervalSeconds",
     )
 
 

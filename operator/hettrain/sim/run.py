@@ -15,7 +15,7 @@ from typing import Any
 
 from hettrain.sim.capacity import CapacityOracle, checkpoint_bytes
 from hettrain.sim.engine import BUCKETS, POLICIES, PolicyResult, simulate
-from hettrain.sim.model import SimInputError
+from hettrain.sim.model import SimInputError, check_checkpoint_interval
 from hettrain.sim.scenarios import Scenario, checkpoint_interval, expected_interruption_rate
 from hettrain.sim.timeline import DOWN, SOFTWARE, Timeline, load_trace, sample_timeline
 
@@ -130,6 +130,8 @@ def run_scenario(scenario: Scenario, *, policies: tuple[str, ...] = POLICIES,
     ckpt_s = nbytes / (scenario.recovery.storage_gbps * 1e9)
     rate = expected_interruption_rate(topo, scenario.failures, full.nodes_used, full.world_size)
     interval, source = checkpoint_interval(scenario.recovery, ckpt_s, rate)
+    if source == "configured":
+        check_checkpoint_interval(scenario.recovery, interval, scenario.horizon_s)
     report = SimReport(
         scenario=scenario.name, gpus=topo.gpus, nodes=topo.nodes, days=scenario.days,
         seeds=seeds, policies=policies, throughput_mode=oracle.mode, full_layout=full.layout,

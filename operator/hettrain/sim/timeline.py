@@ -38,10 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hettrain.sim.cluster import Topology
-from hettrain.sim.model import HOUR, Duration, FailureModel, SimInputError
+from hettrain.sim.model import HOUR, MAX_EXPECTED_EVENTS, Duration, FailureModel, SimInputError
 
 DOWN, UP, SOFTWARE, SLOW_START, SLOW_END = "down", "up", "software", "slow_start", "slow_end"
 CAUSES = ("node", "rack", "dc", "software", "straggler")
+_MAX_DIGITS = 4300  # CPython's default int <-> str digit limit (sys.get_int_max_str_digits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,11 +184,52 @@ def resolve(topo: Topology, candidates: list[_Candidate], horizon_s: float, seed
 _KIND_ORDER = {UP: 0, SLOW_END: 1, DOWN: 2, SOFTWARE: 3, SLOW_START: 4}
 
 
+def _expected_events(topo: Topology, model: FailureModel, horizon_s: float
+                     ) -> list[tuple[str, float, float]]:
+    """(field, MTBF hours, unit-hours over the horizon) of every sampled kind that is on: the
+    kind's expected number of sampled events is unit-hours / MTBF."""
+    hours = horizon_s / HOUR
+    out: list[tuple[str, float, float]] = []
+    gpus: dict[str, float] = {}
+    for p in range(topo.pools):
+        dev = topo.pool_device[p]
+        gpus[dev] = gpus.get(dev, 0.0) + topo.pool_nodes[p] * topo.pool_gpus_per_node[p]
+    default_gpus = sum(g for dev, g in gpus.items() if dev not in model.device_mtbf_h)
+    w = model.where
+    out.append((f"{w}.gpuMtbfHours", model.gpu_mtbf_h, default_gpus * hours))
+    out.extend((f"{w}.devices.{dev}.gpuMtbfHours", mtbf, gpus[dev] * hours)
+               for dev, mtbf in model.device_mtbf_h.items() if dev in gpus)
+    out.append((f"{w}.rack.mtbfHours", model.rack_mtbf_h,
+                sum(topo.racks(p) for p in range(topo.pools)) * hours))
+    out.append((f"{w}.datacenter.mtbfHours", model.dc_mtbf_h, len(set(topo.pool_dc)) * hours))
+    out.append((f"{w}.stragglers.gpuMtbfHours", model.straggler_gpu_mtbf_h, topo.gpus * hours))
+    out.append((f"{w}.softwareGpuMtbfHours", model.software_gpu_mtbf_h, topo.gpus * hours))
+    return [(f, m, u) for f, m, u in out if m > 0 and u > 0]
+
+
+def check_event_budget(topo: Topology, model: FailureModel, horizon_s: float) -> None:
+    """Refuse a model whose expected sampled events over ``horizon_s`` exceed
+    :data:`~hettrain.sim.model.MAX_EXPECTED_EVENTS` (a tiny MTBF would sample without end);
+    the error names the field with the most events and the MTBF that fits the budget."""
+    kinds = _expected_events(topo, model, horizon_s)
+    total = sum(u / m for _, m, u in kinds)
+    if total <= MAX_EXPECTED_EVENTS:
+        return
+    name, mtbf, units = max(kinds, key=lambda k: k[2] / k[1])
+    raise SimInputError(name, f"{mtbf:g} h gives about {units / mtbf:.3g} sampled events over "
+                              f"{horizon_s / 86400:g} days on {topo.gpus} GPUs ({total:.3g} "
+                              f"of all kinds; at most {MAX_EXPECTED_EVENTS:,} per seed are "
+                              f"simulated); raise it to at least "
+                              f"{units / MAX_EXPECTED_EVENTS * 1.001:.3g} or shorten --days")
+
+
 def sample_timeline(topo: Topology, model: FailureModel, horizon_s: float, seed: int
                     ) -> Timeline:
-    """The sampled timeline of one seed (deterministic in ``seed``)."""
+    """The sampled timeline of one seed (deterministic in ``seed``); a model with too many
+    expected events raises :class:`SimInputError` (:func:`check_event_budget`)."""
     if horizon_s <= 0:
         raise SimInputError("--days", f"must be > 0 (got {horizon_s / 86400:g})")
+    check_event_budget(topo, model, horizon_s)
     rng = random.Random(seed)
     return resolve(topo, _candidates(topo, model, horizon_s, rng), horizon_s, seed, rng)
 
@@ -215,13 +257,22 @@ def _rows(path: Path) -> list[tuple[str, dict[str, str]]]:
             except RecursionError:
                 raise SimInputError(f"{path}:{n}", "JSON nested too deeply; one flat object "
                                                    "per line") from None
+            except ValueError:  # an integer past Python's int-string digit limit
+                raise SimInputError(f"{path}:{n}", "a number has too many digits (at most "
+                                                   f"{_MAX_DIGITS}); write times and durations "
+                                                   "as plain seconds") from None
             if not isinstance(obj, dict):
                 raise SimInputError(f"{path}:{n}", "each line must be a JSON object")
             rows.append((f"{path}:{n}", {k: "" if v is None else str(v) for k, v in obj.items()}))
         return rows
     reader = csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))
-    for n, row in enumerate(reader, start=2):
-        rows.append((f"{path}:{n}", {k.strip(): (v or "").strip() for k, v in row.items() if k}))
+    try:
+        for n, row in enumerate(reader, start=2):
+            rows.append((f"{path}:{n}", {k.strip(): (v or "").strip()
+                                          for k, v in row.items() if k}))
+    except csv.Error as exc:  # e.g. a field over the csv module's field size limit
+        raise SimInputError(f"{path}:{reader.reader.line_num}",
+                            f"unreadable CSV row ({exc}); fix or shorten the row") from None
     return rows
 
 
@@ -241,10 +292,10 @@ def _num(row: dict[str, str], key: str, where: str, default: float | None = None
 def _target_nodes(topo: Topology, target: str, where: str) -> tuple[str, tuple[int, ...]]:
     scope, _, name = target.partition(":")
     if scope == "node":
-        return "node", (topo.node_index(name),)
+        return "node", (topo.node_index(name, f"{where}.target"),)
     if scope == "rack":
         pool, _, k = name.rpartition("/")
-        p = topo.pool_index(pool)
+        p = topo.pool_index(pool, f"{where}.target")
         if not k.isdigit() or int(k) >= topo.racks(p):
             raise SimInputError(f"{where}.target", f"rack {name!r}: index must be 0.."
                                                    f"{topo.racks(p) - 1}")
