@@ -5,18 +5,15 @@ flag and the field, no traceback, no hang."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from tests.cli.hostile import ROOT, assert_clean_refusal, run_hettrain
 
-ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "examples/jobs/gpt-tiny-local.yaml"
 CLUSTER = ROOT / "examples/clusters/local-cpu.yaml"
-TIMEOUT_S = 120  # generous: the 2 shared cores may be loaded; a hang is what this catches
 
 GOOD_JOB = """\
 apiVersion: hettrain.dev/v1alpha1
@@ -44,23 +41,8 @@ BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
 
 
 def _hettrain(argv: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    """``hettrain ARGV`` as a new process (this tree's code first on the path), ``env`` added
-    to the environment."""
-    path = os.pathsep.join(p for p in (str(ROOT / "operator"), os.environ.get("PYTHONPATH"))
-                           if p)
-    return subprocess.run([sys.executable, "-m", "hettrain.cli", *argv], capture_output=True,
-                          text=True, timeout=TIMEOUT_S, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": path, **env})
-
-
-def _assert_clean_refusal(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
-    err = proc.stderr
-    assert proc.returncode == 2, (proc.returncode, err[-2000:])
-    assert "Traceback" not in err, err[-2000:]
-    assert err.startswith("error: ") and err.count("\n") == 1, err[-2000:]
-    assert len(err) < 500, err
-    for needle in needles:
-        assert needle in err, (needle, err)
+    """``hettrain ARGV`` as a new process, ``env`` added to the environment."""
+    return run_hettrain(argv, tmp_path, env=env)
 
 
 def _job(text: str, tmp_path: Path) -> Path:
@@ -108,14 +90,14 @@ JOB_CASES = {
 def test_hostile_job_file(case: str, tmp_path: Path) -> None:
     text, needles = JOB_CASES[case]
     job = _job(text, tmp_path)
-    _assert_clean_refusal(_hettrain(["plan", str(job), "--cluster", str(CLUSTER)], tmp_path),
+    assert_clean_refusal(_hettrain(["plan", str(job), "--cluster", str(CLUSTER)], tmp_path),
                           *needles)
 
 
 def test_non_utf8_job_file(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_bytes(GOOD_JOB.encode().replace(b"tiny}", b"t\xffny}"))
-    _assert_clean_refusal(_hettrain(["validate", str(job)], tmp_path), "job.yaml", "UTF-8")
+    assert_clean_refusal(_hettrain(["validate", str(job)], tmp_path), "job.yaml", "UTF-8")
 
 
 CLUSTER_CASES = {
@@ -171,14 +153,14 @@ def test_hostile_cluster_file(case: str, tmp_path: Path) -> None:
     text, needles = CLUSTER_CASES[case]
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(text)
-    _assert_clean_refusal(_hettrain(["plan", str(JOB), "--cluster", str(cluster)], tmp_path),
+    assert_clean_refusal(_hettrain(["plan", str(JOB), "--cluster", str(cluster)], tmp_path),
                           "cluster.yaml", *needles)
 
 
 def test_non_utf8_cluster_file(tmp_path: Path) -> None:
     cluster = tmp_path / "cluster.yaml"
     cluster.write_bytes(b"\xfe\xff" + GOOD_CLUSTER.encode("utf-16-be"))
-    _assert_clean_refusal(_hettrain(["plan", str(JOB), "--cluster", str(cluster)], tmp_path),
+    assert_clean_refusal(_hettrain(["plan", str(JOB), "--cluster", str(cluster)], tmp_path),
                           "cluster.yaml", "UTF-8")
 
 
@@ -214,7 +196,7 @@ FLAG_CASES = {
 @pytest.mark.parametrize("case", sorted(FLAG_CASES))
 def test_hostile_numeric_flag(case: str, tmp_path: Path) -> None:
     argv, flag = FLAG_CASES[case]
-    _assert_clean_refusal(_hettrain(argv, tmp_path), flag)
+    assert_clean_refusal(_hettrain(argv, tmp_path), flag)
 
 
 # A job that fits nowhere, and whose search takes minutes to say so (found by the planner's fuzz
@@ -254,7 +236,7 @@ def test_a_search_longer_than_the_timeout_is_stopped(command: str, tmp_path: Pat
             [command, "--job", str(job), "--cluster", str(cluster)])
     t0 = time.monotonic()
     proc = _hettrain([*argv, "--timeout-s", "2"], tmp_path)
-    _assert_clean_refusal(proc, "longer than", "2", "--timeout-s")
+    assert_clean_refusal(proc, "longer than", "2", "--timeout-s")
     assert time.monotonic() - t0 < 60
 
 
@@ -263,9 +245,9 @@ def test_the_timeout_defaults_to_the_operators_budget(tmp_path: Path) -> None:
     job, cluster = _job(SLOW_JOB, tmp_path), tmp_path / "cluster.yaml"
     cluster.write_text(SLOW_CLUSTER)
     argv = ["plan", str(job), "--cluster", str(cluster)]
-    _assert_clean_refusal(_hettrain(argv, tmp_path, HETTRAIN_PLAN_TIMEOUT_SECONDS="2"),
+    assert_clean_refusal(_hettrain(argv, tmp_path, HETTRAIN_PLAN_TIMEOUT_SECONDS="2"),
                           "--timeout-s 2 ")
-    _assert_clean_refusal(_hettrain(argv, tmp_path, HETTRAIN_PLAN_TIMEOUT_SECONDS="soon"),
+    assert_clean_refusal(_hettrain(argv, tmp_path, HETTRAIN_PLAN_TIMEOUT_SECONDS="soon"),
                           "HETTRAIN_PLAN_TIMEOUT_SECONDS", "--timeout-s")
 
 
@@ -294,11 +276,8 @@ def test_a_zone_of_null_is_no_zone(tmp_path: Path) -> None:
 def test_the_cluster_may_come_from_a_pipe(tmp_path: Path) -> None:
     """``--cluster -`` (stdin) and a FIFO are read like files (once planned, the same plan)."""
     want = _hettrain(["plan", str(JOB), "--cluster", str(CLUSTER), "--json"], tmp_path)
-    path = os.pathsep.join(p for p in (str(ROOT / "operator"), os.environ.get("PYTHONPATH"))
-                           if p)
-    piped = subprocess.run([sys.executable, "-m", "hettrain.cli", "plan", str(JOB), "--cluster",
-                            "-", "--json"], input=CLUSTER.read_text(), capture_output=True,
-                           text=True, timeout=TIMEOUT_S, env={**os.environ, "PYTHONPATH": path})
+    piped = run_hettrain(["plan", JOB, "--cluster", "-", "--json"], tmp_path,
+                         input=CLUSTER.read_text())
     assert piped.returncode == 0, piped.stderr[-2000:]
     assert json.loads(piped.stdout) == json.loads(want.stdout)
 
@@ -308,7 +287,7 @@ def test_a_file_name_too_long_is_refused(flag: str, tmp_path: Path) -> None:
     long = str(tmp_path / ("a" * 300 + ".yaml"))
     argv = (["plan", str(JOB), "--cluster", long] if flag == "--cluster" else
             ["plan", long, "--cluster", str(CLUSTER)])
-    _assert_clean_refusal(_hettrain(argv, tmp_path), "aaaa", "too long")
+    assert_clean_refusal(_hettrain(argv, tmp_path), "aaaa", "too long")
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
@@ -317,10 +296,6 @@ def test_a_file_name_too_long_is_refused(flag: str, tmp_path: Path) -> None:
                                   ["plan", str(JOB), "--cluster", str(CLUSTER), "--json"],
                                   ["validate", str(JOB)]])
 def test_a_full_disk_is_a_clean_refusal(argv: list[str], tmp_path: Path) -> None:
-    path = os.pathsep.join(p for p in (str(ROOT / "operator"), os.environ.get("PYTHONPATH"))
-                           if p)
     with open("/dev/full", "w") as full:
-        proc = subprocess.run([sys.executable, "-m", "hettrain.cli", *argv], stdout=full,
-                              stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S,
-                              env={**os.environ, "PYTHONPATH": path})
-    _assert_clean_refusal(proc, "cannot write", "No space left")
+        proc = run_hettrain(argv, tmp_path, stdout=full)
+    assert_clean_refusal(proc, "cannot write", "No space left")

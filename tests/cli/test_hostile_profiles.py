@@ -4,17 +4,14 @@ the field, no traceback, no hang; ``hettrain profile`` refuses before it measure
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tests.cli.hostile import ROOT, assert_clean_refusal, run_hettrain
 
-ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "examples/jobs/gpt-tiny-local.yaml"
 CLUSTER = ROOT / "examples/clusters/local-cpu.yaml"
-TIMEOUT_S = 120  # generous: the 2 shared cores may be loaded; a hang is what this catches
 
 GOOD_PROFILE = """\
 kind: DeviceProfile
@@ -50,29 +47,15 @@ sys.meta_path.insert(0, _NoTorch())
 
 def _hettrain(argv: list[str], tmp_path: Path, *, block_torch: bool = False
               ) -> subprocess.CompletedProcess[str]:
-    """``hettrain ARGV`` as a new process (this tree's code first on the path); with
-    ``block_torch`` neither it nor a child it starts can import torch."""
-    extra = []
+    """``hettrain ARGV`` as a new process; with ``block_torch`` neither it nor a child it
+    starts can import torch."""
+    first = []
     if block_torch:
         site = tmp_path / "no-torch"
         site.mkdir(exist_ok=True)
         (site / "sitecustomize.py").write_text(NO_TORCH)
-        extra.append(str(site))
-    path = os.pathsep.join(p for p in (*extra, str(ROOT / "operator"),
-                                       os.environ.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-m", "hettrain.cli", *argv], capture_output=True,
-                          text=True, timeout=TIMEOUT_S, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": path})
-
-
-def _assert_clean_refusal(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
-    err = proc.stderr
-    assert proc.returncode == 2, (proc.returncode, err[-2000:])
-    assert "Traceback" not in err, err[-2000:]
-    assert err.startswith("error: ") and err.count("\n") == 1, err[-2000:]
-    assert len(err) < 500, err
-    for needle in needles:
-        assert needle in err, (needle, err)
+        first.append(str(site))
+    return run_hettrain(argv, tmp_path, path_first=first)
 
 
 def _plan(profile: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -130,7 +113,7 @@ def test_plan_refuses_a_hostile_profile(case: str, tmp_path: Path) -> None:
         path.write_bytes(text)
     else:
         path.write_text(text)
-    _assert_clean_refusal(_plan(path, tmp_path), *needles)
+    assert_clean_refusal(_plan(path, tmp_path), *needles)
 
 
 PROFILE_ARG_CASES = {
@@ -160,7 +143,7 @@ def test_profile_refuses_before_measuring(case: str, tmp_path: Path) -> None:
             "--out", edit.get("out", "p.yaml"), "--micro-batches", edit.get("micro_batches", "1"),
             "--repeats", "1", "--no-comm"]
     proc = _hettrain(argv, tmp_path, block_torch=True)
-    _assert_clean_refusal(proc, *needles)
+    assert_clean_refusal(proc, *needles)
     assert not (tmp_path / "p.yaml").exists()
 
 

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tests.cli.hostile import ROOT, assert_clean_refusal, run_hettrain
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "examples/data/opticks/tokenizer.json"
 CLUSTER = ROOT / "examples/clusters/local-cpu.yaml"
-TIMEOUT_S = 120  # generous: the 2 shared cores may be loaded; a hang is what this catches
 LONG = "a" * 300  # over the 255-byte file name limit of common file systems
 
 JOB = """\
@@ -43,21 +41,8 @@ JSONL_LINES = {
 
 
 def _hettrain(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    """``hettrain ARGV`` as a new process, this tree's code first on the path."""
-    path = os.pathsep.join(p for p in (str(ROOT / "operator"), os.environ.get("PYTHONPATH"))
-                           if p)
-    return subprocess.run([sys.executable, "-m", "hettrain.cli", *argv], capture_output=True,
-                          text=True, timeout=TIMEOUT_S, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": path})
-
-
-def _assert_clean_refusal(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
-    err = proc.stderr
-    assert proc.returncode == 2, (proc.returncode, err[-2000:])
-    assert "Traceback" not in err, err[-2000:]
-    assert err.startswith("error: ") and err.count("\n") == 1, err[-2000:]
-    for needle in needles:
-        assert needle in err, (needle, err)
+    """``hettrain ARGV`` as a new process."""
+    return run_hettrain(argv, tmp_path)
 
 
 def _assert_nothing_written(parent: Path, out_name: str) -> None:
@@ -74,11 +59,11 @@ def test_hostile_manifest(case: str, tmp_path: Path) -> None:
     tokens.mkdir()
     manifest = tokens / "manifest.json"
     manifest.write_bytes(data)
-    _assert_clean_refusal(_hettrain(["data", "verify", str(tokens)], tmp_path),
+    assert_clean_refusal(_hettrain(["data", "verify", str(tokens)], tmp_path),
                           str(manifest), needle)
     job = tmp_path / "job.yaml"
     job.write_text(JOB.format(uri=tokens))
-    _assert_clean_refusal(_hettrain(["plan", str(job), "--cluster", str(CLUSTER)], tmp_path),
+    assert_clean_refusal(_hettrain(["plan", str(job), "--cluster", str(CLUSTER)], tmp_path),
                           "spec.data.uri", str(manifest), needle)
 
 
@@ -90,7 +75,7 @@ def test_hostile_jsonl_line(case: str, tmp_path: Path) -> None:
     src.write_text('{"text": "a fine first document"}\n' + line + "\n")
     proc = _hettrain(["data", "prepare", str(src), "--tokenizer", str(TOKENIZER),
                       "--out", str(tmp_path / "out")], tmp_path)
-    _assert_clean_refusal(proc, f"{src}:2:", needle)
+    assert_clean_refusal(proc, f"{src}:2:", needle)
     _assert_nothing_written(tmp_path, "out")
 
 
@@ -107,7 +92,7 @@ def test_corrupt_parquet_pages(tmp_path: Path) -> None:
     src.write_bytes(bytes(data))
     proc = _hettrain(["data", "prepare", str(src), "--tokenizer", str(TOKENIZER),
                       "--out", str(tmp_path / "out")], tmp_path)
-    _assert_clean_refusal(proc, f"{src}:", "corrupt")
+    assert_clean_refusal(proc, f"{src}:", "corrupt")
     _assert_nothing_written(tmp_path, "out")
 
 
@@ -120,7 +105,7 @@ def test_path_name_too_long(which: str, tmp_path: Path) -> None:
     args[which] = str(tmp_path / LONG)
     proc = _hettrain(["data", "prepare", args["INPUT"], "--tokenizer", args["--tokenizer"],
                       "--out", args["--out"], "--validation-fraction", "0"], tmp_path)
-    _assert_clean_refusal(proc, which, "too long")
+    assert_clean_refusal(proc, which, "too long")
     _assert_nothing_written(tmp_path, "out")
     _assert_nothing_written(tmp_path, LONG)
 
@@ -131,5 +116,5 @@ def test_fifo_input(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     proc = _hettrain(["data", "prepare", str(fifo), "--tokenizer", str(TOKENIZER),
                       "--out", str(tmp_path / "out")], tmp_path)
-    _assert_clean_refusal(proc, f"INPUT {fifo}", "not a regular file")
+    assert_clean_refusal(proc, f"INPUT {fifo}", "not a regular file")
     _assert_nothing_written(tmp_path, "out")
