@@ -79,3 +79,19 @@ def test_a_missing_bucket_or_prefix_is_one_clear_error(aws_env, tmp_path):
     for uri in ("s3://no-such-bucket/opticks", "s3://corpora/missing"):
         with pytest.raises(TokenSetError, match=rf"spec.data.uri: {uri}: "):
             open_data({"uri": uri}, seed=2, seq_len=SEQ, vocab=VOCAB, cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    (b"\xff\xfe\x00garbage", "not UTF-8"),
+    (b"[" * 100_000 + b"]" * 100_000, r"invalid JSON \(nested too deeply"),
+    (b'{"format":"hettrain-tokens","version":1,"dtype":"uint16","tokenizer":{"vocab_size":'
+     + b"9" * 5000 + b"}}", "invalid JSON value"),
+])
+def test_a_hostile_manifest_in_the_bucket_is_one_clear_error(aws_env, tmp_path, raw, reason):
+    """The runtime reads an object store's manifest.json as the CLI reads a local one."""
+    fs = aws_env
+    fs.makedirs("hostile", exist_ok=True)
+    fs.pipe("hostile/set/manifest.json", raw)
+    with pytest.raises(TokenSetError, match=rf"s3://hostile/set/manifest.json: {reason}"):
+        open_data({"uri": "s3://hostile/set"}, seed=2, seq_len=SEQ, vocab=VOCAB,
+                  cache_dir=tmp_path)

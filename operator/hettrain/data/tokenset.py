@@ -183,23 +183,30 @@ def read_manifest(directory: str | Path) -> Manifest:
                             "'hettrain data prepare'?") from None
     except OSError as exc:
         raise TokenSetError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    return manifest_from_bytes(raw, str(path))
+
+
+def manifest_from_bytes(raw: bytes, where: str) -> Manifest:
+    """The parsed manifest from a ``manifest.json``'s bytes (a local file or an object store's);
+    not UTF-8, not JSON, nested too deeply or holding a too long number: a
+    :class:`TokenSetError` naming ``where``."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise TokenSetError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+        raise TokenSetError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
                             f"{exc.start}); write the token set again with 'hettrain data "
                             "prepare'") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise TokenSetError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+        raise TokenSetError(f"{where}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
     except RecursionError:
-        raise TokenSetError(f"{path}: invalid JSON (nested too deeply); write the token set "
+        raise TokenSetError(f"{where}: invalid JSON (nested too deeply); write the token set "
                             "again with 'hettrain data prepare'") from None
     except ValueError as exc:  # e.g. an integer of more than 4300 digits
-        raise TokenSetError(f"{path}: invalid JSON value ({json_value_error(exc)}); write the "
+        raise TokenSetError(f"{where}: invalid JSON value ({json_value_error(exc)}); write the "
                             "token set again with 'hettrain data prepare'") from None
-    return parse_manifest(data, str(path))
+    return parse_manifest(data, where)
 
 
 def json_value_error(exc: ValueError) -> str:

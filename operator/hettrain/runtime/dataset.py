@@ -20,7 +20,6 @@ downloaded once into a cache directory, each file checked against its sha256, th
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -261,10 +260,7 @@ def materialize(uri: str, cache_dir: str | Path | None = None) -> Path:
     except Exception as exc:  # credentials, endpoint, missing fsspec backend ...
         raise TokenSetError(f"spec.data.uri: {uri}: cannot read "
                             f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
-    try:
-        manifest = ts.parse_manifest(json.loads(text), f"{uri}/{ts.MANIFEST}")
-    except json.JSONDecodeError as exc:
-        raise TokenSetError(f"{uri}/{ts.MANIFEST}: invalid JSON ({exc.msg})") from None
+    manifest = ts.manifest_from_bytes(text, f"{uri}/{ts.MANIFEST}")
     digest = hashlib.sha256(uri.encode() + b"\0" + text).hexdigest()[:16]
     dest = Path(cache_dir or default_cache_dir()) / digest
     dest.mkdir(parents=True, exist_ok=True)
