@@ -52,13 +52,17 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+MAX_REPEATS = 1000  # --repeats: timed runs per measurement (the median is taken)
+
+
 def _repeats(text: str) -> int:
     try:
-        value = int(text)
+        value = int(text) if len(text) <= 30 else 0
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= 1")
+    if not 1 <= value <= MAX_REPEATS:
+        raise argparse.ArgumentTypeError(f"{text[:30]!r}: give an integer from 1 to "
+                                         f"{MAX_REPEATS}")
     return value
 
 

@@ -102,6 +102,8 @@ PROFILE_CASES = {
                          "seconds: 1.0e-4}, {bytes: 1.0e300, seconds: 1.0e-300}], allReduce: "
                          "[{bytes: 4096, seconds: 1.0e-4}, {bytes: 1048576, seconds: 1.0e-3}]}\n",
                          ("p.yaml.comm.p2p[1]", "bytes")),
+    "tiny optimizer bandwidth": (GOOD_PROFILE + "optimizerBytesPerS: 1.0e-300\n",
+                                 ("p.yaml.optimizerBytesPerS",)),
 }
 
 
@@ -127,6 +129,7 @@ PROFILE_ARG_CASES = {
     "--out in a missing directory": ({"out": "missing/p.yaml"}, ("--out", "does not exist")),
     "--micro-batches too large": ({"micro_batches": "1,100000"}, ("--micro-batches", "4096")),
     "--device-name empty": ({"device_name": ""}, ("--device-name",)),
+    "--repeats 10^12": ({"repeats": "1000000000000"}, ("--repeats", "1000")),
 }
 
 
@@ -141,7 +144,7 @@ def test_profile_refuses_before_measuring(case: str, tmp_path: Path) -> None:
         job.write_text(text)
     argv = ["profile", str(job), "--device-name", edit.get("device_name", "CPU"),
             "--out", edit.get("out", "p.yaml"), "--micro-batches", edit.get("micro_batches", "1"),
-            "--repeats", "1", "--no-comm"]
+            "--repeats", edit.get("repeats", "1"), "--no-comm"]
     proc = _hettrain(argv, tmp_path, block_torch=True)
     assert_clean_refusal(proc, *needles)
     assert not (tmp_path / "p.yaml").exists()

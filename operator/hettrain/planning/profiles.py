@@ -413,10 +413,10 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
     software = tuple(sorted((str(k), str(v)) for k, v in sw.items())) if isinstance(
         sw, Mapping) else ()
     opt = doc.get("optimizerBytesPerS", 0.0)
-    if "optimizerBytesPerS" in doc and (isinstance(opt, bool) or not isinstance(opt, (int, float))
-                                        or not math.isfinite(opt) or opt <= 0):
+    if "optimizerBytesPerS" in doc and not _is_number(opt, 1.0, MAX_BYTES):
         raise PlanningInputError(f"{where}.optimizerBytesPerS",
-                                 "must be a positive number of bytes per second (or left out)")
+                                 "must be a number of bytes per second from 1 to 2**60 (or left "
+                                 f"out; got {_shown(opt)})")
     comm = comm_from_doc(doc["comm"], f"{where}.comm") if "comm" in doc else None
     stage = None
     if "stage" in doc:
