@@ -118,3 +118,14 @@ def test_fifo_input(tmp_path: Path) -> None:
                       "--out", str(tmp_path / "out")], tmp_path)
     assert_clean_refusal(proc, f"INPUT {fifo}", "not a regular file")
     _assert_nothing_written(tmp_path, "out")
+
+
+def test_fifo_tokenizer(tmp_path: Path) -> None:
+    """A FIFO as --tokenizer is not a regular file (not "no such file"; not opened: no hang)."""
+    (tmp_path / "in.txt").write_text("some text\n")
+    fifo = tmp_path / "tokenizer.json"
+    os.mkfifo(fifo)
+    proc = _hettrain(["data", "prepare", str(tmp_path / "in.txt"), "--tokenizer", str(fifo),
+                      "--out", str(tmp_path / "out")], tmp_path)
+    assert_clean_refusal(proc, f"--tokenizer {fifo}", "not a regular file")
+    _assert_nothing_written(tmp_path, "out")

@@ -85,7 +85,13 @@ def load_tokenizer(source: str) -> tuple[Any, Path]:
             raise PrepareError(f"--tokenizer {source}: directory has no {ts.TOKENIZER}; give a "
                                "tokenizer.json or a pretrained directory that contains one")
     elif not is_file:
-        raise PrepareError(f"--tokenizer {source}: no such file or directory")
+        try:
+            exists = path.exists()
+        except OSError:
+            exists = False
+        raise PrepareError(f"--tokenizer {source}: " + (
+            "not a regular file (a FIFO, socket or device); give a tokenizer.json" if exists
+            else "no such file or directory"))
     try:
         return Tokenizer.from_file(str(path)), path
     except Exception as exc:  # tokenizers raises its own Exception types
