@@ -185,6 +185,8 @@ def test_groups_match_the_single_process_reference(tmp_path, case, reduction):
         want = sum(float(p.double().sum()) for n, p in final.items() if units[n] in held)
         held_bytes[r.rank] = 4 * sum(p.numel() for n, p in final.items() if units[n] in held)
         assert rec["group"] == r.group
+        # no DP sync of its own beside the sum (the planner charges none: own_grad_sync_s)
+        assert rec["dp_overlap"] == {}
         assert rec["param_checksum"] == pytest.approx(want, rel=1e-5, abs=1e-4), r
     if case == "two-dcs-no-zero":
         # the DC link carries each gradient byte once each way per step: group 1's replica
