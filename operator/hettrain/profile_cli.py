@@ -12,9 +12,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
-from hettrain.api.spec import JobSpec, SpecError, parse_job_manifest
+from hettrain.api.spec import JobSpec, SpecError, parse_job_manifest, short_repr
 from hettrain.api.yamlsafe import YamlInputError, read_yaml_document
 
 MAX_MICRO_BATCH = 4096  # --micro-batches: the largest size measured
@@ -34,7 +33,7 @@ def _positive_ints(text: str) -> list[int]:
     if (not values or min(values) < 1 or max(values) > MAX_MICRO_BATCH
             or len(set(values)) > MAX_MICRO_BATCHES):
         raise argparse.ArgumentTypeError(
-            f"{_short(text)}: give positive integers up to {MAX_MICRO_BATCH} (at most "
+            f"{short_repr(text)}: give positive integers up to {MAX_MICRO_BATCH} (at most "
             f"{MAX_MICRO_BATCHES} sizes), e.g. 1,2,4")
     return sorted(set(values))
 
@@ -42,14 +41,8 @@ def _positive_ints(text: str) -> list[int]:
 def _device_name(text: str) -> str:
     if not text.strip() or text != text.strip() or not text.isprintable():
         raise argparse.ArgumentTypeError(
-            f"{_short(text)}: give the catalog/cluster device name, e.g. CPU or H100-SXM")
+            f"{short_repr(text)}: give the catalog/cluster device name, e.g. CPU or H100-SXM")
     return text
-
-
-def _short(value: Any) -> str:
-    """``repr(value)`` cut to one short line for an error message."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 MAX_REPEATS = 1000  # --repeats: timed runs per measurement (the median is taken)

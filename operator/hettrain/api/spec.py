@@ -330,8 +330,9 @@ class JobSpec:
 # ---------------------------------------------------------------- field readers
 
 
-def _short(value: Any) -> str:
-    """``repr`` of a value, cut to one short line (hostile input can be huge)."""
+def short_repr(value: Any) -> str:
+    """``repr`` of a value, cut to one short line (hostile input can be huge): what every
+    error message about a bad input value shows of it."""
     text = " ".join(repr(value).split())
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -340,7 +341,7 @@ def _check_maximum(where: str, value: float) -> None:
     """Refuse a value above :data:`hettrain.api.limits.SPEC_MAXIMUMS` for ``where``."""
     limit = SPEC_MAXIMUMS.get(where)
     if limit is not None and value > limit:
-        raise SpecError(where, f"must be <= {limit} (got {_short(value)}); this bound keeps "
+        raise SpecError(where, f"must be <= {limit} (got {short_repr(value)}); this bound keeps "
                                "planning and training arithmetic finite")
 
 
@@ -376,12 +377,13 @@ class _Fields:
                 raise SpecError(where, f"is required{'; ' + fix if fix else ''}")
             return default
         if isinstance(value, bool) or not isinstance(value, int):
-            raise SpecError(where,
-                            f"must be an integer (got {_short(value)}){'; ' + fix if fix else ''}")
+            raise SpecError(where, f"must be an integer (got {short_repr(value)})"
+                                   f"{'; ' + fix if fix else ''}")
         if value < minimum:
             raise SpecError(
                 where,
-                f"must be an integer >= {minimum} (got {_short(value)}){'; ' + fix if fix else ''}"
+                f"must be an integer >= {minimum} (got {short_repr(value)})"
+                f"{'; ' + fix if fix else ''}"
             )
         _check_maximum(where, value)
         return value
@@ -392,12 +394,12 @@ class _Fields:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise SpecError(where, f"must be a number (got {_short(value)})")
+            raise SpecError(where, f"must be a number (got {short_repr(value)})")
         finite = math.isfinite(value) if isinstance(value, float) else abs(value) <= 1e300
         if not finite:
-            raise SpecError(where, f"must be a finite number (got {_short(value)})")
+            raise SpecError(where, f"must be a finite number (got {short_repr(value)})")
         if value < minimum:
-            raise SpecError(where, f"must be >= {minimum} (got {_short(value)})")
+            raise SpecError(where, f"must be >= {minimum} (got {short_repr(value)})")
         _check_maximum(where, value)
         return float(value)
 
@@ -410,9 +412,9 @@ class _Fields:
                 raise SpecError(where, "is required")
             return default
         if not isinstance(value, str) or not value:
-            raise SpecError(where, f"must be a non-empty string (got {_short(value)})")
+            raise SpecError(where, f"must be a non-empty string (got {short_repr(value)})")
         if choices and value not in choices:
-            raise SpecError(where, f"must be one of {', '.join(choices)} (got {_short(value)})")
+            raise SpecError(where, f"must be one of {', '.join(choices)} (got {short_repr(value)})")
         _check_length(where, value)
         return value
 
@@ -421,7 +423,8 @@ class _Fields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise SpecError(f"{self.path}.{key}", f"must be true or false (got {_short(value)})")
+            raise SpecError(f"{self.path}.{key}",
+                            f"must be true or false (got {short_repr(value)})")
         return value
 
     def str_list(self, key: str, choices: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -430,11 +433,11 @@ class _Fields:
         if value is None:
             return ()
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            raise SpecError(where, f"must be a list of non-empty strings (got {_short(value)})")
+            raise SpecError(where, f"must be a list of non-empty strings (got {short_repr(value)})")
         for i, v in enumerate(value):
             if choices and v not in choices:
                 raise SpecError(f"{where}[{i}]",
-                                f"must be one of {', '.join(choices)} (got {_short(v)})")
+                                f"must be one of {', '.join(choices)} (got {short_repr(v)})")
             _check_length(f"{where}[]", v, f"{where}[{i}]")
         return tuple(value)
 
@@ -471,7 +474,7 @@ def _parse_model(f: _Fields) -> ModelSpec:
         if preset_name not in MODEL_PRESETS:
             raise SpecError(
                 f"{f.path}.preset",
-                f"unknown preset {_short(preset_name)}; use one of {', '.join(MODEL_PRESETS)} "
+                f"unknown preset {short_repr(preset_name)}; use one of {', '.join(MODEL_PRESETS)} "
                 "or give layers/hidden/heads/seqLen/vocab",
             )
         base = dict(MODEL_PRESETS[preset_name])
@@ -615,7 +618,8 @@ def _parse_training_loop(f: _Fields) -> dict[str, Any]:
             or not all(isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1
                        for b in betas)):
         raise SpecError(f"{f.path}.adamBetas",
-                        f"must be two numbers in [0, 1) (got {_short(betas)}), e.g. [0.9, 0.95]")
+                        f"must be two numbers in [0, 1) (got {short_repr(betas)}), e.g. "
+                        "[0.9, 0.95]")
     out["adam_beta1"], out["adam_beta2"] = float(betas[0]), float(betas[1])
     exclude = f.str_list("weightDecayExclude", NO_DECAY_GROUPS)
     if f.data.get("weightDecayExclude") is None:
@@ -720,11 +724,11 @@ def _check_checkpoint_storage(c: CheckpointSpec, path: str) -> None:
     scheme, sep, rest = (c.uri or "").partition("://")
     scheme = scheme.lower() if sep else ""
     if c.uri and scheme not in CHECKPOINT_SCHEMES:
-        raise SpecError(f"{path}.uri", f"scheme {_short(scheme)} unsupported (got "
-                        f"{_short(c.uri)}); use s3://bucket/prefix, file:///path, or pvc: NAME "
+        raise SpecError(f"{path}.uri", f"scheme {short_repr(scheme)} unsupported (got "
+                        f"{short_repr(c.uri)}); use s3://bucket/prefix, file:///path, or pvc: NAME "
                         "for a volume")
     if scheme == "s3" and not rest.split("/", 1)[0]:
-        raise SpecError(f"{path}.uri", f"no bucket in {_short(c.uri)}; use s3://bucket/prefix")
+        raise SpecError(f"{path}.uri", f"no bucket in {short_repr(c.uri)}; use s3://bucket/prefix")
     if "@" in rest.split("/", 1)[0]:
         raise SpecError(f"{path}.uri", "credentials in the URI are refused; put them in a "
                         "Secret and name it in spec.checkpoint.secretRef")
@@ -737,7 +741,8 @@ def _check_checkpoint_storage(c: CheckpointSpec, path: str) -> None:
         raise SpecError(f"{path}.keep", f"must be <= 1000 (got {c.keep}); retention keeps the "
                         "newest K checkpoints")
     if c.endpoint and not c.endpoint.startswith(("http://", "https://")):
-        raise SpecError(f"{path}.endpoint", f"must be an http(s):// URL (got {_short(c.endpoint)})")
+        raise SpecError(f"{path}.endpoint",
+                        f"must be an http(s):// URL (got {short_repr(c.endpoint)})")
 
 
 def _parse_failure_policy(f: _Fields) -> FailurePolicy:
@@ -792,10 +797,10 @@ def _parse_data(f: _Fields, present: bool) -> DataSpec:
                             f"{len(value)})")
     if d.uri and "://" not in d.uri and not d.uri.startswith("/"):
         raise SpecError(f"{f.path}.uri", f"must be an absolute path or a URI such as "
-                        f"s3://bucket/dir (got {_short(d.uri)})")
+                        f"s3://bucket/dir (got {short_repr(d.uri)})")
     if d.path.startswith("/") or ".." in d.path.split("/"):
         raise SpecError(f"{f.path}.path", f"must be relative inside the claim, without .. "
-                        f"(got {_short(d.path)})")
+                        f"(got {short_repr(d.path)})")
     return d
 
 
@@ -949,20 +954,20 @@ def parse_job_manifest(doc: Mapping[str, Any]) -> tuple[str, JobSpec]:
         raise SpecError("(document)", f"must be a mapping with kind: {KIND} "
                                       f"(got {type(doc).__name__})")
     if doc.get("kind") != KIND:
-        raise SpecError("kind", f"must be {KIND} (got {_short(doc.get('kind'))})")
+        raise SpecError("kind", f"must be {KIND} (got {short_repr(doc.get('kind'))})")
     if doc.get("apiVersion") != API_VERSION:
         raise SpecError("apiVersion",
-                        f"must be {API_VERSION} (got {_short(doc.get('apiVersion'))})")
+                        f"must be {API_VERSION} (got {short_repr(doc.get('apiVersion'))})")
     metadata = doc.get("metadata")
     if not isinstance(metadata, Mapping):
-        raise SpecError("metadata", f"must be a mapping with a name (got {_short(metadata)})")
+        raise SpecError("metadata", f"must be a mapping with a name (got {short_repr(metadata)})")
     name = metadata.get("name")
     if not isinstance(name, str) or not name:
-        raise SpecError("metadata.name", f"must be a non-empty string (got {_short(name)})")
+        raise SpecError("metadata.name", f"must be a non-empty string (got {short_repr(name)})")
     if len(name) > 253 or not _DNS_SUBDOMAIN.match(name):
         raise SpecError("metadata.name", f"must be a Kubernetes object name, at most 253 "
                         f"lowercase letters, digits, '-' and '.', starting and ending with a "
-                        f"letter or digit (got {_short(name)}), e.g. llama3-8b")
+                        f"letter or digit (got {short_repr(name)}), e.g. llama3-8b")
     return name, parse_job_spec(doc.get("spec"))
 
 

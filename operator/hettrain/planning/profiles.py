@@ -99,7 +99,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hettrain.api.spec import ModelSpec
+from hettrain.api.spec import ModelSpec, short_repr
 from hettrain.api.yamlsafe import YamlInputError, read_yaml_document
 from hettrain.planning.errors import PlanningInputError
 
@@ -140,7 +140,7 @@ def _seconds(row: Mapping, key: str, at: str) -> float:
     value = row[key]
     if not _is_number(value, MIN_SECONDS, MAX_SECONDS):
         raise PlanningInputError(at, f"{key} must be positive, finite seconds from "
-                                 f"{MIN_SECONDS:g} to {MAX_SECONDS:g} (got {_shown(value)})")
+                                 f"{MIN_SECONDS:g} to {MAX_SECONDS:g} (got {short_repr(value)})")
     return float(value)
 
 
@@ -149,14 +149,8 @@ def _micro_batch(row: Mapping, at: str) -> int:
     value = row["microBatch"]
     if not _is_int(value):
         raise PlanningInputError(at, f"microBatch must be an integer from 1 to {MAX_COUNT} "
-                                 f"(got {_shown(value)})")
+                                 f"(got {short_repr(value)})")
     return value
-
-
-def _shown(value: Any) -> str:
-    """A short one-line rendering of a bad value for an error message."""
-    text = " ".join(repr(value).split())
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def model_shape(model: ModelSpec) -> Shape:
@@ -392,7 +386,7 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
     precision = doc.get("precision", "fp32") if version >= 2 else "fp32"
     if not isinstance(precision, str) or precision not in PRECISION_BYTES:
         raise PlanningInputError(f"{where}.precision", f"must be one of "
-                                 f"{', '.join(PRECISION_BYTES)} (got {_shown(precision)})")
+                                 f"{', '.join(PRECISION_BYTES)} (got {short_repr(precision)})")
     device = doc.get("device")
     if not isinstance(device, str) or not device:
         raise PlanningInputError(f"{where}.device", "is required (the device name it measured)")
@@ -416,7 +410,7 @@ def profile_from_doc(doc: Any, where: str) -> LayerProfile:
     if "optimizerBytesPerS" in doc and not _is_number(opt, 1.0, MAX_BYTES):
         raise PlanningInputError(f"{where}.optimizerBytesPerS",
                                  "must be a number of bytes per second from 1 to 2**60 (or left "
-                                 f"out; got {_shown(opt)})")
+                                 f"out; got {short_repr(opt)})")
     comm = comm_from_doc(doc["comm"], f"{where}.comm") if "comm" in doc else None
     stage = None
     if "stage" in doc:
@@ -565,7 +559,7 @@ def _comm_rows(doc: Mapping, kind: str, where: str) -> list[tuple[float, float]]
             raise PlanningInputError(at, "needs bytes and seconds")
         if not _is_number(r["bytes"], 1, MAX_BYTES):
             raise PlanningInputError(at, "bytes must be a number from 1 to 2**60 "
-                                     f"(got {_shown(r['bytes'])})")
+                                     f"(got {short_repr(r['bytes'])})")
         points.append((float(r["bytes"]), _seconds(r, "seconds", at)))
     if len({b for b, _ in points}) < 2:
         raise PlanningInputError(f"{where}.{kind}", "needs at least two different sizes")
@@ -583,7 +577,7 @@ def comm_from_doc(doc: Any, where: str) -> CommProfile:
     backend = doc.get("backend", "")
     if not isinstance(backend, str):
         raise PlanningInputError(f"{where}.backend", "must be a string (the library measured, "
-                                 f"e.g. gloo; got {_shown(backend)})")
+                                 f"e.g. gloo; got {short_repr(backend)})")
     p2p = _comm_rows(doc, "p2p", where)
     ring = _comm_rows(doc, "allReduce", where)
     # all-gather rows are optional: profiles written before they were measured lack them
