@@ -114,9 +114,8 @@ class CapacityOracle:
             except PlanningError:
                 plan = None
             except PlanningTimeout:
-                gpus = sum(len(p.nodes) * p.gpus_per_node for p in inv.pools)
                 raise SimInputError(
-                    "--timeout-s", f"planning the job on {gpus} GPUs took longer than "
+                    "--timeout-s", f"planning the job on {inv.gpus} GPUs took longer than "
                     f"{self.plan_timeout_s:g}s and was stopped; make the job smaller, pin "
                     "spec.parallelism, or raise --timeout-s (0: no limit)") from None
             finally:
