@@ -36,6 +36,7 @@ Communication Operations in MPICH", 2005): a ring all-reduce of ``n`` bytes over
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -617,7 +618,13 @@ def split_layer_extra_bytes(model: ModelSpec, micro_batch: int, recompute: str,
 def cp_local_model(model: ModelSpec, cp: int) -> ModelSpec:
     """``model`` as one context-parallel rank sees its token-local work: ``seq_len / cp``
     tokens per sequence (its two load-balanced chunks); ``model`` itself when ``cp == 1``."""
-    return model if cp <= 1 else replace(model, seq_len=model.seq_len // cp)
+    return model if cp <= 1 else _cp_local(model, cp)
+
+
+@functools.lru_cache(maxsize=256)
+def _cp_local(model: ModelSpec, cp: int) -> ModelSpec:
+    # (the planner asks for a few models many thousand times: a copy costs 25 µs, a hit 1)
+    return replace(model, seq_len=model.seq_len // cp)
 
 
 def skips_masked_tiles(device: DeviceSpec) -> bool:

@@ -98,6 +98,8 @@ GLOO_RING_GBYTES = 12.5
 # at most this many passes of swap_groups over the chosen groups (each pass tries every
 # chosen group against every option; most plans stop after one without a swap)
 SWAP_PASSES = 3
+# relative slack of evaluate_groups' relaxed lower bound (its float rounding)
+BOUND_MARGIN = 1e-9
 
 Line = tuple[float, float]
 
@@ -597,6 +599,7 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
     # table over its TP ranks and another holds it at another TP degree (runtime cell_sets)
     unpaired = [_vocab_unpaired(model, [stages[end][2] for _, _, stages in groups])
                 for end in (0, -1)]
+    spans = _stage_spans(inv, groups)
     worst = 0.0
     for dp, cp, stages in groups:
         for i, (a, b, tp, ps) in enumerate(stages):
@@ -611,18 +614,32 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
             if ring:
                 sec += _one_ring_s(groups, ring, tables, nic, pcie)
             # every ring step of a set whose ring crosses a datacenter link waits for it
-            edges = _ring_edges(inv, _holder_datacenters(inv, groups, a, b))
+            edges = _ring_edges(inv, _holder_datacenters(spans, a, b))
             lat = max((k.latency_ms for k in edges), default=0.0) / 1000
             worst = max(worst, sec + (sets + tables) * 2 * (len(groups) - 1) * lat)
-    return worst + groups_link_s(plan, inv, groups)
+    return worst + groups_link_s(plan, inv, groups, spans)
 
 
-def _holder_datacenters(inv: ClusterInventory, groups: Sequence[SumGroup], a: int,
+Span = tuple[int, int, frozenset[str]]  # a stage's layers [lo, hi) and its datacenters
+
+
+def _stage_spans(inv: ClusterInventory, groups: Sequence[SumGroup]) -> list[list[Span]]:
+    """Per group, each stage's layer range and datacenters; no datacenters at all when every
+    stage is in one datacenter (no ring crosses a link: :func:`_ring_edges` finds none)."""
+    dc = {p.name: p.datacenter for p in inv.pools}
+    spans = [[(lo, hi, frozenset(dc[p] for p in ps)) for lo, hi, _, ps in stages]
+             for _, _, stages in groups]
+    if len(frozenset().union(*(d for stages in spans for _, _, d in stages))) < 2:
+        return [[(lo, hi, frozenset()) for lo, hi, _ in stages] for stages in spans]
+    return spans
+
+
+def _holder_datacenters(spans: Sequence[Sequence[Span]], a: int,
                         b: int) -> list[frozenset[str]]:
-    """Per group, the datacenters of its stages that hold any of layers ``[a, b)``: where the
-    holders of those layers' sets are."""
-    return [frozenset(inv.pool(p).datacenter for lo, hi, _, ps in stages if lo < b and a < hi
-                      for p in ps) for _, _, stages in groups]
+    """Per group, the datacenters of its stages (:func:`_stage_spans`) that hold any of
+    layers ``[a, b)``: where the holders of those layers' sets are."""
+    return [frozenset().union(*(d for lo, hi, d in stages if lo < b and a < hi))
+            for stages in spans]
 
 
 def _ring_edges(inv: ClusterInventory, dcs: Sequence[frozenset[str]]) -> list[Link]:
@@ -639,19 +656,22 @@ def _ring_edges(inv: ClusterInventory, dcs: Sequence[frozenset[str]]) -> list[Li
     return out
 
 
-def groups_link_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGroup]) -> float:
+def groups_link_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGroup],
+                  spans: Sequence[Sequence[Span]] | None = None) -> float:
     """Seconds the datacenter links take to carry the chunk rings of the gradient sum between
     groups (:func:`groups_grad_sum_s`; 0 when no ring crosses one): for each of group 0's
     stages (each parameter piece once: every TP rank's fp32 gradient bytes), ``2(G − 1)/G`` of
     them per ring edge that crosses a link (:func:`_ring_edges`); each link carries what its
     edges send, half each way (the ring's edges run both ways between two datacenters), and
-    the link that takes longest sets the time (concurrent rings share it)."""
+    the link that takes longest sets the time (concurrent rings share it). ``spans``: the
+    groups' :func:`_stage_spans`, when the caller has them."""
+    spans = _stage_spans(inv, groups) if spans is None else spans
     _, _, stages = groups[0]
     g, last = len(groups), len(stages) - 1
     sent: dict[tuple[str, str], float] = {}  # bytes per link (its two datacenters, sorted)
     for i, (a, b, tp, _) in enumerate(stages):
         nbytes = tp * stage_grad_bytes(plan.model, a, b, tp, i == 0, i == last)
-        for link in _ring_edges(inv, _holder_datacenters(inv, groups, a, b)):
+        for link in _ring_edges(inv, _holder_datacenters(spans, a, b)):
             key = (min(link.a, link.b), max(link.a, link.b))
             sent[key] = sent.get(key, 0.0) + 2 * (g - 1) / g * nbytes
     return max((n / 2 / (inv.link(*key).gbytes * 1e9) for key, n in sent.items()), default=0.0)
@@ -732,28 +752,41 @@ def group_split(plan: Plan, lines: Sequence[Line], dps: Sequence[int],
 
 
 def evaluate_groups(plan: Plan, options: Sequence[GroupOption],
-                    inv: ClusterInventory | None = None, own_sync_s: float = 0.0
-                    ) -> Split | None:
+                    inv: ClusterInventory | None = None, own_sync_s: float = 0.0,
+                    below: float | None = None) -> Split | None:
     """``(predicted step seconds, (M_0, M_1, ...), (short replicas per group))`` of ``plan``
     (group 0; an uneven one's microbatches are split anew) plus ``options`` at their best
     split (:func:`group_split`), plus, when ``inv`` is given, the gradient sum between the
     groups (:func:`groups_grad_sum_s`), less ``own_sync_s``: the seconds of ``plan``'s step
     that are its own DP gradient sync, which that sum replaces
-    (``planner.own_grad_sync_s``); None when no split gives every replica a microbatch."""
+    (``planner.own_grad_sync_s``); None when no split gives every replica a microbatch.
+
+    ``below``: the caller keeps only a step faster than ``below`` seconds, so None too when
+    a lower bound shows the step is not: the relaxed split (:func:`relaxed_time`, before
+    any split is searched), then the split without the gradient sum (the search's hot
+    path: most trial groups lose on their pipeline alone)."""
     div = (plan_zb_div(plan, plan_devices(plan, inv)) if inv is not None
            else cost.ZB_CATALOG_DIVISOR)
     lines = [affine([s.time_ms / 1000 for s in plan.stages], plan.schedule, div),
              *(o.line for o in options)]
-    got = group_split(plan, lines, [plan.dp, *(o.dp for o in options)],
-                      [plan.num_microbatches, *(o.max_m for o in options)])
+    dps = [plan.dp, *(o.dp for o in options)]
+    caps = [plan.num_microbatches, *(o.max_m for o in options)]
+    a0, b0 = lines[0]
+    rest = plan.predicted.step_time_s - (a0 + b0 * plan.num_microbatches) - own_sync_s
+    # (the relaxation's float may round above an exact split's: keep a margin)
+    if below is not None and (rest + relaxed_time(lines, dps, plan.total_microbatches, caps)
+                              >= below + BOUND_MARGIN * abs(below)):
+        return None
+    got = group_split(plan, lines, dps, caps)
     if got is None:
         return None
     split, shorts = got
-    a0, b0 = lines[0]
-    rest = plan.predicted.step_time_s - (a0 + b0 * plan.num_microbatches) - own_sync_s
+    pipe = split_time(lines, *split)
+    if below is not None and rest + pipe >= below:  # the sum only adds (float sums: monotone)
+        return None
     sync = (groups_grad_sum_s(plan, inv, _sum_groups(plan, options))
             if inv is not None else 0.0)
-    return rest + sync + split_time(lines, *split), split, shorts
+    return rest + sync + pipe, split, shorts
 
 
 def evaluate(plan: Plan, option: GroupOption, inv: ClusterInventory | None = None,
@@ -816,15 +849,17 @@ def greedy_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOpti
     while True:
         pools = {o.pool.name for o in chosen}
         found: tuple[Split, GroupOption] | None = None
+        # a round keeps the fastest option if it beats the step so far
+        goal = (plan.predicted.step_time_s if best is None else best[0]) * (1 - 1e-9)
         for option in options:
             if option.pool.name in pools or (
                     max_gpus is not None and gpus + _gpus(option) > max_gpus):
                 continue
-            got = evaluate_groups(plan, [*chosen, option], inv, own_sync_s)
+            got = evaluate_groups(plan, [*chosen, option], inv, own_sync_s,
+                                  below=goal if found is None else min(goal, found[0][0]))
             if got is not None and (found is None or got[0] < found[0][0]):
                 found = (got, option)
-        now = plan.predicted.step_time_s if best is None else best[0]
-        if found is None or not found[0][0] < now * (1 - 1e-9):
+        if found is None or not found[0][0] < goal:
             break
         chosen.append(found[1])
         gpus += _gpus(found[1])
@@ -858,7 +893,8 @@ def swap_groups(plan: Plan, inv: ClusterInventory, options: Sequence[GroupOption
                         max_gpus is not None and gpus + extra > max_gpus):
                     continue
                 trial = [*cur[:i], option, *cur[i + 1:]]
-                got = evaluate_groups(plan, trial, inv, own_sync_s)
+                got = evaluate_groups(plan, trial, inv, own_sync_s,
+                                      below=top[0] * (1 - 1e-9))
                 if got is not None and got[0] < top[0] * (1 - 1e-9):
                     cur, top, gpus, improved = trial, got, gpus + extra, True
         if not improved:
@@ -980,10 +1016,11 @@ def _idle_reason(plan: Plan, inv: ClusterInventory, grouped: Plan,
         cps = "/".join(map(str, group_cps(plan)))
         return (f"no pipeline (the plan's TP runs {tps}, or one TP degree; cp {cps}) fits "
                 "their memory and node size with the step's microbatches left over")
+    goal = grouped.predicted.step_time_s * (1 - 1e-9)
     faster = [] if cap is None else [  # without a cap the greedy took every faster one
-        o for o in mine if (got := evaluate_groups(plan, [*chosen, o], inv, own_sync_s))
-        is not None
-        and got[0] < grouped.predicted.step_time_s * (1 - 1e-9)]
+        o for o in mine if (got := evaluate_groups(plan, [*chosen, o], inv, own_sync_s,
+                                                    below=goal)) is not None
+        and got[0] < goal]
     if faster and cap is not None:
         need = grouped.world_size + min(_gpus(o) for o in faster)
         return f"a faster grouped plan needs {need} GPUs > maxGPUs {cap}"
