@@ -128,13 +128,13 @@ def with_profiles(inventory: Any, paths: Sequence[str]) -> Any:
         raise CliError(f"--profile {_one_line(str(exc))}") from None
 
 
-def _plan_timeout_default() -> float:
-    """``--timeout-s``'s default (:func:`hettrain.deadline.plan_timeout_default`); a bad
-    ``HETTRAIN_PLAN_TIMEOUT_SECONDS`` is a :class:`CliError` naming it."""
+def _plan_timeout(flag: float | None) -> float:
+    """``--timeout-s``, else its default (:func:`hettrain.deadline.plan_timeout_default`); a
+    bad ``HETTRAIN_PLAN_TIMEOUT_SECONDS`` is a :class:`CliError` naming it."""
     from hettrain.deadline import plan_timeout_default
 
     try:
-        return plan_timeout_default()
+        return plan_timeout_default(flag)
     except ValueError as exc:
         raise CliError(f"environment: {exc}; unset it or give --timeout-s") from None
 
@@ -172,7 +172,7 @@ def cmd_plan(args: argparse.Namespace, out: IO[str]) -> int:
     """``hettrain plan``: plan one job on a cluster and print it (table or JSON), maybe draw it."""
     name, spec = load_job(args.job)
     inventory = with_profiles(load_inventory(args.cluster), args.profile or [])
-    timeout_s = _plan_timeout_default() if args.timeout_s is None else args.timeout_s
+    timeout_s = _plan_timeout(args.timeout_s)
     plan = make_plan(name, spec, inventory, args.exhaustive, args.job, timeout_s)
     picture = args.svg or args.png
     if picture:
@@ -227,7 +227,7 @@ def cmd_validate(args: argparse.Namespace, out: IO[str]) -> int:
     if not docs:
         raise CliError(f"{args.job}: holds no YAML documents; give at least one HetTrainingJob")
     inventory = load_inventory(args.cluster) if args.cluster else None
-    timeout_s = _plan_timeout_default() if args.timeout_s is None else args.timeout_s
+    timeout_s = _plan_timeout(args.timeout_s)
     errors: list[str] = []
     for i, doc in enumerate(docs, start=1):
         label = f"{args.job}[{i}]"

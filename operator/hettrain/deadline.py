@@ -42,10 +42,13 @@ def deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def plan_timeout_default() -> float:
-    """The command line's default planning limit: the operator's budget
-    (``HETTRAIN_PLAN_TIMEOUT_SECONDS``, default 30 s), so the CLI refuses what the operator
-    would. A bad value of the variable raises ValueError naming it."""
+def plan_timeout_default(flag: float | None = None) -> float:
+    """The command line's planning limit: ``flag`` (``--timeout-s``) when given, else the
+    operator's budget (``HETTRAIN_PLAN_TIMEOUT_SECONDS``, default 30 s), so the CLI refuses
+    what the operator would. A bad value of that variable raises ValueError naming it (the
+    operator's other budget variables are not read)."""
+    if flag is not None:
+        return float(flag)
     from hettrain.planguard import Budget
 
-    return Budget.from_env().timeout_s
+    return Budget.timeout_from_env()

@@ -73,23 +73,45 @@ class Budget:
         ``HETTRAIN_PLAN_WORKERS``; a bad value raises ValueError naming the variable."""
         env = os.environ if env is None else env
         out: dict[str, Any] = {}
-        for var, key, kind, low in (("HETTRAIN_PLAN_TIMEOUT_SECONDS", "timeout_s", float, 0),
-                                    ("HETTRAIN_PLAN_MEMORY_MB", "memory_mb", int, 64),
-                                    ("HETTRAIN_PLAN_WORKERS", "workers", int, 1)):
-            raw = env.get(var)
-            if raw is None or raw == "":
-                continue
-            try:
-                value = kind(raw)
-            except ValueError:
-                value = None
-            ok = value is not None and value == value and value < float("inf") and (
-                value > 0 if kind is float else value >= low)
-            if not ok:
-                want = "a number of seconds > 0" if kind is float else f"an integer >= {low}"
-                raise ValueError(f"{var}={raw!r}: must be {want}")
-            out[key] = value
+        for var, key, kind, low in _BUDGET_VARS:
+            value = _env_value(env, var, kind, low)
+            if value is not None:
+                out[key] = value
         return cls(**out)
+
+    @classmethod
+    def timeout_from_env(cls, env: Any = None) -> float:
+        """The per-plan seconds alone (``HETTRAIN_PLAN_TIMEOUT_SECONDS``, else the default):
+        what the command line needs, so a bad value of the other two variables does not
+        stop it; a bad value raises ValueError naming the variable."""
+        var, _, kind, low = _BUDGET_VARS[0]
+        value = _env_value(os.environ if env is None else env, var, kind, low)
+        return DEFAULT_TIMEOUT_S if value is None else value
+
+
+# (variable, Budget field, type, least value: a float must be > 0, an int >= it)
+_BUDGET_VARS: tuple[tuple[str, str, type, int], ...] = (
+    ("HETTRAIN_PLAN_TIMEOUT_SECONDS", "timeout_s", float, 0),
+    ("HETTRAIN_PLAN_MEMORY_MB", "memory_mb", int, 64),
+    ("HETTRAIN_PLAN_WORKERS", "workers", int, 1))
+
+
+def _env_value(env: Any, var: str, kind: type, low: int) -> Any:
+    """``env[var]`` as ``kind`` (None when unset or empty); ValueError naming ``var`` when it
+    is not a finite number in range."""
+    raw = env.get(var)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    ok = value is not None and value == value and value < float("inf") and (
+        value > 0 if kind is float else value >= low)
+    if not ok:
+        want = "a number of seconds > 0" if kind is float else f"an integer >= {low}"
+        raise ValueError(f"{var}={raw!r}: must be {want}")
+    return value
 
 
 def _default_plan(name: str, spec: JobSpec, inv: ClusterInventory, previous: Plan | None

@@ -60,3 +60,19 @@ def test_the_default_is_the_operators_budget(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("HETTRAIN_PLAN_TIMEOUT_SECONDS", "nan")
     with pytest.raises(ValueError, match="HETTRAIN_PLAN_TIMEOUT_SECONDS"):
         plan_timeout_default()
+    assert plan_timeout_default(4) == 4.0  # the flag wins, the variable is not read
+
+
+def test_the_default_reads_only_the_timeout_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator's other budget variables do not concern the command line: a bad one in
+    the user's shell does not stop ``hettrain plan`` (the operator still refuses it)."""
+    from hettrain.planguard import Budget
+
+    monkeypatch.setenv("HETTRAIN_PLAN_WORKERS", "many")
+    monkeypatch.setenv("HETTRAIN_PLAN_MEMORY_MB", "-1")
+    monkeypatch.setenv("HETTRAIN_PLAN_TIMEOUT_SECONDS", "12")
+    assert plan_timeout_default() == 12.0
+    with pytest.raises(ValueError, match="HETTRAIN_PLAN_MEMORY_MB"):
+        Budget.from_env()
+    monkeypatch.delenv("HETTRAIN_PLAN_TIMEOUT_SECONDS")
+    assert plan_timeout_default() == Budget().timeout_s

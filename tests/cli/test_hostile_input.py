@@ -258,6 +258,14 @@ def test_a_plan_inside_its_timeout_is_printed(tmp_path: Path) -> None:
     assert "step" in proc.stdout
 
 
+def test_a_bad_operator_worker_count_does_not_stop_the_cli(tmp_path: Path) -> None:
+    """``HETTRAIN_PLAN_WORKERS`` is the operator's; the command line plans in-process."""
+    proc = _hettrain(["plan", str(JOB), "--cluster", str(CLUSTER)], tmp_path,
+                     HETTRAIN_PLAN_WORKERS="many", HETTRAIN_PLAN_MEMORY_MB="0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step" in proc.stdout
+
+
 def test_exponent_floats_without_a_dot_are_numbers(tmp_path: Path) -> None:
     """``learningRate: 3e-4`` is a number (YAML 1.2, what kubectl reads), not "3e-4"."""
     job = _job(GOOD_JOB.replace("steps: 10", "steps: 10, learningRate: 3e-4"), tmp_path)

@@ -159,12 +159,11 @@ def _scale(text: str) -> int:
 
 
 def _plan_timeout(args: argparse.Namespace) -> float:
+    """``--timeout-s``, else its default (:func:`hettrain.deadline.plan_timeout_default`)."""
     from hettrain.deadline import plan_timeout_default
 
-    if args.timeout_s is not None:
-        return float(args.timeout_s)
     try:
-        return plan_timeout_default()
+        return plan_timeout_default(args.timeout_s)
     except ValueError as exc:
         raise SimInputError("environment", f"{exc}; unset it or give --timeout-s") from None
 
