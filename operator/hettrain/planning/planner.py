@@ -2191,6 +2191,18 @@ def split_costs(spec: JobSpec, inventory: ClusterInventory, plan: Plan, split: S
     ``replica_groups.groups_grad_sum_s``), so the DP part is only what still follows that sum
     on each stage: the optimizer step and, under ZeRO-1, the parameter all-gather
     (:func:`_after_sum_dp_s`)."""
+    got = _split_costs_both(spec, inventory, plan, split)
+    if got is None:
+        return None
+    stage_s, boundaries, full, after = got
+    return stage_s, boundaries, after if summed_elsewhere else full
+
+
+def _split_costs_both(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
+                      split: Sequence[int]
+                      ) -> tuple[list[float], list[float], float, float] | None:
+    """:func:`split_costs` with both DP parts: ``(stage seconds, boundary seconds, slowest DP
+    sync, slowest DP part after a sum elsewhere)``."""
     if len(split) != plan.pp or sum(split) != spec.model.layers:
         raise ValueError(f"split must have {plan.pp} parts summing to {spec.model.layers}")
     # the plan's own settings, not the job's (``recompute: auto``, ``crossDC.mode: auto``)
@@ -2213,12 +2225,10 @@ def split_costs(spec: JobSpec, inventory: ClusterInventory, plan: Plan, split: S
     boundaries = pipeline_hops(stage_units, tps, dp, plan.micro_batch, inventory, spec,
                                v if chunked_schedule(plan.schedule) else 1)
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
-    if summed_elsewhere:
-        dp_s = max(_after_sum_dp_s(u, tp, dp, inventory, spec, i == 0, i == plan.pp - 1, n)
-                   for i, (u, tp, n) in enumerate(zip(stage_units, tps, split, strict=True)))
-    else:
-        dp_s = max(s.dp(n) for s, n in zip(stages, split, strict=True))
-    return stage_s, boundaries, dp_s
+    tails = [_after_sum_dp_s(u, tp, dp, inventory, spec, i == 0, i == plan.pp - 1, n)
+             for i, (u, tp, n) in enumerate(zip(stage_units, tps, split, strict=True))]
+    full = max(s.dp(n) for s, n in zip(stages, split, strict=True))
+    return stage_s, boundaries, full, max(tails)
 
 
 def _after_sum_dp_s(unit: Unit, tp: int, dp: int, inv: ClusterInventory, spec: JobSpec,
@@ -2251,12 +2261,9 @@ def own_grad_sync_s(spec: JobSpec, inventory: ClusterInventory, plan: Plan) -> f
     """Seconds of ``plan``'s predicted step that are its own DP gradient sync (exposed), which
     replica groups do not run: :func:`split_costs` with and without ``summed_elsewhere``, at
     the plan's layer split (0 where the split no longer fits)."""
-    split = [s.layer_end - s.layer_start for s in plan.stages]
-    full = split_costs(spec, inventory, plan, split)
-    after = split_costs(spec, inventory, plan, split, summed_elsewhere=True)
-    if full is None or after is None:
-        return 0.0
-    return max(0.0, full[2] - after[2])
+    got = _split_costs_both(spec, inventory, plan,
+                            [s.layer_end - s.layer_start for s in plan.stages])
+    return 0.0 if got is None else max(0.0, got[2] - got[3])
 
 
 def hop_pairs(pp: int, v: int = 1) -> list[tuple[int, int]]:
