@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from hettrain.api.spec import short_repr
 from hettrain.planning.errors import PlanningInputError
 
 MAX_POOLS = 64
@@ -36,11 +37,6 @@ EFFICIENCY = (1e-3, 1.0)
 
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
 _DNS_NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def mapping(value: Any, where: str, *, optional: bool = False) -> Mapping[str, Any]:
@@ -76,12 +72,12 @@ def sequence(value: Any, where: str, limit: int) -> list[Any]:
 def name(value: Any, where: str, *, dns: bool = False) -> str:
     """A non-empty name usable as a Kubernetes label value (``dns``: also as a node name)."""
     if not isinstance(value, str) or not value:
-        raise PlanningInputError(where, f"must be a non-empty string (got {_show(value)})")
+        raise PlanningInputError(where, f"must be a non-empty string (got {short_repr(value)})")
     pattern, kind = (_DNS_NAME, "lower-case letters, digits, '-' and '.'") if dns else (
         _LABEL_VALUE, "letters, digits, '-', '_' and '.'")
     if len(value) > MAX_NAME or not pattern.match(value):
         raise PlanningInputError(
-            where, f"{_show(value)} is not a valid name: use at most {MAX_NAME} {kind}, "
+            where, f"{short_repr(value)} is not a valid name: use at most {MAX_NAME} {kind}, "
                    "starting and ending with a letter or digit")
     return value
 
@@ -90,17 +86,17 @@ def choice(value: Any, where: str, choices: tuple[str, ...]) -> str:
     """One of ``choices``."""
     if value not in choices:
         raise PlanningInputError(where, f"must be one of {', '.join(choices)} "
-                                        f"(got {_show(value)})")
+                                        f"(got {short_repr(value)})")
     return str(value)
 
 
 def integer(value: Any, where: str, minimum: int, maximum: int) -> int:
     """An integer in ``[minimum, maximum]`` (booleans are not integers)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise PlanningInputError(where, f"must be an integer (got {_show(value)})")
+        raise PlanningInputError(where, f"must be an integer (got {short_repr(value)})")
     if not minimum <= value <= maximum:
         raise PlanningInputError(where, f"must be between {minimum} and {maximum} "
-                                        f"(got {_show(value)})")
+                                        f"(got {short_repr(value)})")
     return value
 
 
@@ -108,11 +104,11 @@ def number(value: Any, where: str, bounds: tuple[float, float], unit: str = "") 
     """A finite real number in ``[bounds[0], bounds[1]]`` (a lower bound > 0 means positive)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise PlanningInputError(where, f"must be a number{' of ' + unit if unit else ''} "
-                                        f"(got {_show(value)})")
+                                        f"(got {short_repr(value)})")
     lo, hi = bounds
     x = float(value) if abs(value) < 1e308 else math.inf
     if not math.isfinite(x) or not lo <= x <= hi:
         need = "a positive" if lo > 0 else "a non-negative"
         raise PlanningInputError(where, f"must be {need} finite number <= {hi:g}"
-                                        f"{' ' + unit if unit else ''} (got {_show(value)})")
+                                        f"{' ' + unit if unit else ''} (got {short_repr(value)})")
     return x
