@@ -5,6 +5,7 @@ line on stderr naming the file (and row) and the field, no traceback, no hang.""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -71,3 +72,22 @@ def test_trace_unknown_node_or_pool_names_the_row(tmp_path: Path, target: str, w
     (tmp_path / "n.csv").write_text(TRACE_HEADER + f"3600,{target},fail,100,\n")
     assert_clean_refusal(_simulate(["--trace", "n.csv"], tmp_path), "n.csv:2.target: ",
                           f"not a {what} of the cluster")
+
+
+def test_young_daly_interval_is_raised_for_a_tiny_model(tmp_path: Path) -> None:
+    """A tiny model's checkpoint takes milliseconds, so Young–Daly asked for one every ~5 s:
+    10^8 checkpoints over 3650 days, minutes of simulation. The default interval is raised to
+    at most MAX_EXPECTED_EVENTS checkpoints per run and the report says so."""
+    from hettrain.sim.model import MAX_EXPECTED_EVENTS
+
+    days = 3650
+    t0 = time.perf_counter()
+    proc = run_hettrain(["simulate", "--generate", "16:H100-SXM", "--job", str(JOB), "--days",
+                         str(days), "--policies", "restart", "--json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert time.perf_counter() - t0 < TIMEOUT_S / 4
+    report = json.loads(proc.stdout)
+    least = days * 86400 / MAX_EXPECTED_EVENTS
+    ckpt = report["checkpoint"]
+    assert ckpt["interval_s"] == pytest.approx(least)
+    assert ckpt["interval"].startswith("young-daly") and "raised to" in ckpt["interval"]

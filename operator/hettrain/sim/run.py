@@ -129,7 +129,7 @@ def run_scenario(scenario: Scenario, *, policies: tuple[str, ...] = POLICIES,
     nbytes = checkpoint_bytes(scenario.spec)
     ckpt_s = nbytes / (scenario.recovery.storage_gbps * 1e9)
     rate = expected_interruption_rate(topo, scenario.failures, full.nodes_used, full.world_size)
-    interval, source = checkpoint_interval(scenario.recovery, ckpt_s, rate)
+    interval, source = checkpoint_interval(scenario.recovery, ckpt_s, rate, scenario.horizon_s)
     if source == "configured":
         check_checkpoint_interval(scenario.recovery, interval, scenario.horizon_s)
     report = SimReport(

@@ -20,7 +20,13 @@ from typing import Any
 from hettrain.api.spec import JobSpec, parse_job_manifest
 from hettrain.planning.inventory import ClusterInventory
 from hettrain.sim.cluster import Topology, generate_cluster, topology_of
-from hettrain.sim.model import HOUR, FailureModel, RecoveryModel, young_daly_interval
+from hettrain.sim.model import (
+    HOUR,
+    MAX_EXPECTED_EVENTS,
+    FailureModel,
+    RecoveryModel,
+    young_daly_interval,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +102,19 @@ def expected_interruption_rate(topo: Topology, model: FailureModel,
     return rate
 
 
-def checkpoint_interval(recovery: RecoveryModel, checkpoint_s: float, rate_per_s: float
-                        ) -> tuple[float, str]:
-    """(interval seconds, how it was chosen): the configured one or Young–Daly's optimum."""
+def checkpoint_interval(recovery: RecoveryModel, checkpoint_s: float, rate_per_s: float,
+                        horizon_s: float = math.inf) -> tuple[float, str]:
+    """(interval seconds, how it was chosen): the configured one or Young–Daly's optimum, the
+    latter raised to ``horizon_s / MAX_EXPECTED_EVENTS`` where it would checkpoint more often
+    than that over the run (a tiny model's checkpoint takes milliseconds: Young–Daly then asks
+    for one every few seconds, 10^8 of them over ten years; near its optimum the lost time is
+    flat, ``docs/simulator.md``)."""
     if recovery.checkpoint_interval_s is not None:
         return recovery.checkpoint_interval_s, "configured"
     mtbf = math.inf if rate_per_s <= 0 else 1.0 / rate_per_s
-    return young_daly_interval(checkpoint_s, mtbf), "young-daly"
+    interval = young_daly_interval(checkpoint_s, mtbf)
+    least = horizon_s / MAX_EXPECTED_EVENTS
+    if interval < least:
+        return least, (f"young-daly {interval:.3g} s, raised to {least:.3g} s: at most "
+                       f"{MAX_EXPECTED_EVENTS:,} checkpoints per run")
+    return interval, "young-daly"
