@@ -91,3 +91,34 @@ def test_young_daly_interval_is_raised_for_a_tiny_model(tmp_path: Path) -> None:
     ckpt = report["checkpoint"]
     assert ckpt["interval_s"] == pytest.approx(least)
     assert ckpt["interval"].startswith("young-daly") and "raised to" in ckpt["interval"]
+
+
+def test_trace_over_the_size_limit_is_refused_unread(tmp_path: Path) -> None:
+    """A trace was read whole into memory, however large: a (sparse) file one byte over
+    MAX_TRACE_BYTES is refused after one bounded read, naming the file and --days."""
+    from hettrain.sim.timeline import MAX_TRACE_BYTES
+
+    with (tmp_path / "big.csv").open("wb") as f:
+        f.truncate(MAX_TRACE_BYTES + 1)
+    assert_clean_refusal(_simulate(["--trace", "big.csv"], tmp_path), "big.csv: ", "MiB",
+                         "--days")
+
+
+@pytest.mark.parametrize("name", ["t.csv", "t.jsonl"])
+def test_trace_with_more_rows_than_simulated_is_refused(tmp_path: Path, name: str,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """More rows than MAX_EXPECTED_EVENTS (events simulated per seed) are refused while
+    reading (here with the limit lowered to 3, in-process: the real limit is 10^6 rows)."""
+    from hettrain.sim import timeline
+    from hettrain.sim.model import SimInputError
+
+    monkeypatch.setattr(timeline, "MAX_EXPECTED_EVENTS", 3)
+    path = tmp_path / name
+    row = ('{"time_s": 1, "kind": "software"}\n' if name.endswith("jsonl")
+           else "1,job,software,0,\n")
+    path.write_text(("" if name.endswith("jsonl") else TRACE_HEADER) + row * 3)
+    assert len(timeline._rows(path)) == 3
+    path.write_text(("" if name.endswith("jsonl") else TRACE_HEADER) + row * 4)
+    with pytest.raises(SimInputError, match="more than 3 events"):
+        timeline._rows(path)

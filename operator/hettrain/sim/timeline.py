@@ -42,6 +42,8 @@ from hettrain.sim.model import HOUR, MAX_EXPECTED_EVENTS, Duration, FailureModel
 
 DOWN, UP, SOFTWARE, SLOW_START, SLOW_END = "down", "up", "software", "slow_start", "slow_end"
 CAUSES = ("node", "rack", "dc", "software", "straggler")
+# a trace file's bytes: MAX_EXPECTED_EVENTS rows of ~100 bytes with room to spare
+MAX_TRACE_BYTES = 256 << 20
 _MAX_DIGITS = 4300  # CPython's default int <-> str digit limit (sys.get_int_max_str_digits)
 
 
@@ -237,9 +239,28 @@ def sample_timeline(topo: Topology, model: FailureModel, horizon_s: float, seed:
 # ---------------------------------------------------------------- traces
 
 
+def _read_trace(path: Path) -> str:
+    """The trace's text, at most :data:`MAX_TRACE_BYTES` (read in one bounded read: a pipe or
+    a huge file is refused, not read whole)."""
+    with path.open("rb") as f:
+        data = f.read(MAX_TRACE_BYTES + 1)
+    if len(data) > MAX_TRACE_BYTES:
+        raise SimInputError(str(path), f"is larger than {MAX_TRACE_BYTES >> 20} MiB (a trace "
+                                       f"holds at most {MAX_EXPECTED_EVENTS:,} events per "
+                                       "seed); cut it to the simulated --days")
+    return data.decode("utf-8")
+
+
+def _check_rows(path: Path, count: int) -> None:
+    if count > MAX_EXPECTED_EVENTS:
+        raise SimInputError(str(path), f"has more than {MAX_EXPECTED_EVENTS:,} events (at most "
+                                       "that many per seed are simulated); cut it to the "
+                                       "simulated --days")
+
+
 def _rows(path: Path) -> list[tuple[str, dict[str, str]]]:
     try:
-        text = path.read_text()
+        text = _read_trace(path)
     except UnicodeDecodeError as exc:
         raise SimInputError(str(path), f"is not UTF-8 text (offset {exc.start}); save the "
                                        "trace as UTF-8") from None
@@ -264,12 +285,14 @@ def _rows(path: Path) -> list[tuple[str, dict[str, str]]]:
             if not isinstance(obj, dict):
                 raise SimInputError(f"{path}:{n}", "each line must be a JSON object")
             rows.append((f"{path}:{n}", {k: "" if v is None else str(v) for k, v in obj.items()}))
+            _check_rows(path, len(rows))
         return rows
     reader = csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))
     try:
         for n, row in enumerate(reader, start=2):
             rows.append((f"{path}:{n}", {k.strip(): (v or "").strip()
                                           for k, v in row.items() if k}))
+            _check_rows(path, len(rows))
     except csv.Error as exc:  # e.g. a field over the csv module's field size limit
         raise SimInputError(f"{path}:{reader.reader.line_num}",
                             f"unreadable CSV row ({exc}); fix or shorten the row") from None
