@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -407,6 +408,36 @@ def test_the_sum_over_datacenter_links_is_priced_as_described():
     assert groups_link_s(plain, inv, local) == 0.0
     assert groups_grad_sum_s(plain, inv, local) < groups_grad_sum_s(
         plain, inv, _sum_groups(plain, [o]))
+
+
+@pytest.mark.parametrize(("cluster", "model"), [(8, "llama3-8b-128k"), (4, "llama3-8b")])
+def test_evaluate_groups_below_drops_only_trials_that_cannot_beat_it(cluster, model):
+    """``evaluate_groups(..., below=T)`` (the greedy and swap rounds' cut) returns what the
+    unbounded call returns whenever that step is under ``T``, and otherwise None or that same
+    result: every trial set of one or two options, ``T`` just above, at, just below and well
+    below its step. The cut must also drop some trials, or it would be no cut."""
+    inv = load_cluster(pq.clusters(40)[cluster])
+    with even_data_parallel():
+        plain = plan_job("q", pq.job(model), inv)
+    own = own_grad_sync_s(pq.job(model), inv, plain)
+    options = group_options(plain, inv)
+    pairs = [[a, b] for i, a in enumerate(options) for b in options[i + 1:]
+             if a.pool.name != b.pool.name][:30]
+    dropped = 0
+    for chosen in [[o] for o in options] + pairs:
+        full = evaluate_groups(plain, chosen, inv, own)
+        if full is None:
+            assert evaluate_groups(plain, chosen, inv, own, below=math.inf) is None
+            continue
+        for factor in (1.1, 1 + 1e-12, 1.0, 1 - 1e-9, 0.9, 0.5):
+            below = full[0] * factor
+            got = evaluate_groups(plain, chosen, inv, own, below=below)
+            if full[0] < below:
+                assert got == full, (factor, chosen)
+            else:
+                assert got is None or got == full, (factor, chosen)
+                dropped += got is None
+    assert dropped > 0
 
 
 @pytest.mark.parametrize(("cluster", "model"), [(8, "llama3-8b-128k"), (35, "llama3-8b-128k"),
