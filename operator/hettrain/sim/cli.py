@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fail.add_argument("--storage-gbps", type=float_in(0, 1e6, lo_open=True),
                       help="checkpoint write bandwidth, GB/s")
     fail.add_argument("--ckpt-interval-s", type=float_in(0, MAX_SECONDS, lo_open=True),
-                      help="training seconds between checkpoints (default: Young-Daly optimum)")
+                      help="training seconds between checkpoints (default: the Young-Daly optimum, "
+                           "raised to make at most 10^6 checkpoints over --days)")
     fail.add_argument("--wait-threshold-s", type=seconds,
                       help="wait-shrink: wait if the replacement is due within this (s)")
     fail.add_argument("--repair-hours", type=float_in(0, MAX_SECONDS / 3600, lo_open=True),
