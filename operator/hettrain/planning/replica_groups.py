@@ -579,10 +579,12 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
     of its ``1/d`` slice; each slice is summed with the other ``G − 1`` groups' owners of
     the same elements in host memory (gloo: PCIe both ways, ``2(G − 1)/G`` of the slice at
     the NIC share, at most :data:`GLOO_RING_GBYTES`; a slice another group cuts finer runs
-    one ring per piece, side by side); an all-gather inside the group fills the slices back
-    in. Where the group has no flat reduce-scatter (it spans pools, or runs gloo) both steps
-    are all-reduces. Where a ring crosses a datacenter link, each of its ``2(G − 1)`` steps
-    waits the link's latency too, and the link carries every ring's bytes
+    one ring per piece, side by side; the rings of all of a rank's sets run at once, so
+    their latency is paid once per rank, not per set); an all-gather inside the group fills
+    the slices back in. Where the group has no flat reduce-scatter (it spans pools, or runs
+    gloo) both steps are all-reduces. Where a ring crosses a datacenter link, each of its
+    ``2(G − 1)`` steps waits the link's latency too (once per rank: the rings run at once),
+    and the link carries every ring's bytes
     (:func:`groups_link_s`). The sets whose holders do not pair one per replica take one
     gloo ring over every holder in the runtime (:func:`_one_ring_s`; across datacenters
     inside each and between their leaders): a vocabulary table one group replicates over
@@ -613,10 +615,11 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
             sec = _two_level_s(inv, groups, dp * cp, tp, ps, nbytes - ring, sets, nic, pcie)
             if ring:
                 sec += _one_ring_s(groups, ring, tables, nic, pcie)
-            # every ring step of a set whose ring crosses a datacenter link waits for it
+            # every ring step that crosses a datacenter link waits for it: the two-level
+            # sets' rings run at once (one round), the one-ring tables' after them
             edges = _ring_edges(inv, _holder_datacenters(spans, a, b))
             lat = max((k.latency_ms for k in edges), default=0.0) / 1000
-            worst = max(worst, sec + (sets + tables) * 2 * (len(groups) - 1) * lat)
+            worst = max(worst, sec + (1 + tables) * 2 * (len(groups) - 1) * lat)
     return worst + groups_link_s(plan, inv, groups, spans)
 
 
@@ -703,9 +706,9 @@ def _two_level_s(inv: ClusterInventory, groups: Sequence[SumGroup], d: int, tp: 
     inside its group's DP×CP group of ``d`` ranks on ``pools`` (the slowest pool's links): a
     reduce-scatter and an all-gather (one all-reduce's bytes and steps) where the group is in
     one pool on a vendor backend, else two all-reduces (a group spanning pools goes through
-    the host at gloo's rate; gloo's all-reduce beats its reduce-scatter), and its ``1/d``
-    slice between the groups in host memory (its pieces' rings side by side: one ring's
-    latency per set)."""
+    the host at gloo's rate; gloo's all-reduce beats its reduce-scatter), one collective's
+    latency per set (they run set by set), and its ``1/d`` slice between the groups in host
+    memory (the rings of every set and piece side by side: one ring's latency in all)."""
     devs = [inv.pool(p) for p in pools]
     intra = min(p.device.intra_node_gbps for p in devs)
     nic_g = min(p.nic_gbytes_per_gpu for p in devs)
@@ -718,7 +721,7 @@ def _two_level_s(inv: ClusterInventory, groups: Sequence[SumGroup], d: int, tp: 
     g = len(groups)
     chunk = nbytes / d
     between = (2 * chunk / (pcie * 1e9) + 2.0 * (g - 1) / g * chunk / (nic * 1e9)
-               + sets * (4 * (g - 1) * cost.COLLECTIVE_LATENCY_S + cost.HOST_STAGING_LATENCY_S))
+               + 4 * (g - 1) * cost.COLLECTIVE_LATENCY_S + cost.HOST_STAGING_LATENCY_S)
     flat = len(devs) == 1 and devs[0].device.backend != "gloo"
     return (1 if flat else 2) * (sets * lat + per_byte * nbytes) + between
 

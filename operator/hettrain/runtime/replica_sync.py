@@ -31,11 +31,12 @@ together (in the order of parameter name and cell start, which every member comp
 two levels where :func:`two_level` allows it (inside each group a reduce-scatter over the
 group's own DP×CP group leaves each member the group's sum of its slice, each slice is summed
 with the other groups' owners of the same elements in gloo, and an all-gather fills the slices
-back in: :meth:`ReplicaSync._sum_chunked`; between groups in different datacenters the slices'
-rings cross the link, each byte once per ring edge there, while the in-group steps stay on each
-group's own fabric), else with one gloo all-reduce over every holder; such a set spanning
-datacenters is summed hierarchically (inside each DC, then the DC leaders, then a broadcast
-inside each DC), so each of its bytes crosses the DC link once per leader.
+back in: :meth:`ReplicaSync.reduce_`, the rings of all of a rank's sets in flight together;
+between groups in different datacenters the slices' rings cross the link, each byte once per
+ring edge there, while the in-group steps stay on each group's own fabric), else with one
+gloo all-reduce over every holder; such a set spanning datacenters is summed hierarchically
+(inside each DC, then the DC leaders, then a broadcast inside each DC), so each of its bytes
+crosses the DC link once per leader.
 
 Context parallelism (``stages[i].cp``, each group its own degree ``C_g``, 1 included): the
 ``C_g`` CP ranks of a replica each hold the gradient of the mean loss of their ``1/C_g`` of
@@ -52,7 +53,11 @@ Deadlocks: every process group is a rendezvous of its members, and every rank cr
 the groups it belongs to in one global order (holder sets sorted, then the all-rank group), so
 no two ranks can wait on each other in opposite orders. A two-level set holds the whole DP×CP
 group of each of its ranks, so every DP peer meets the same sets in the same order and runs
-the group's own collectives on them alike, between the same gloo steps. The gloo groups of
+the group's own collectives on them alike. A rank runs the in-group step of each of its
+two-level sets, then starts every chunk ring of them, and only then waits on any: its
+in-group steps wait only for its DP×CP peers (who reach them the same way), and no ring
+waits on a rank that has not yet started all of its own, so the rings all complete; the
+all-gathers follow in the sets' order, then the one-ring sets in theirs. The gloo groups of
 the slices' rings are built with the others, in the set's order and then by element offset.
 The groups are built before any group world exists (:func:`run_grouped_rank` in the
 trainer).
@@ -360,6 +365,8 @@ class ReplicaSync:
             self.sets[m] = self._build(m)
         self.world = self._pg("world", tuple(range(plan.world_size)))
         self._bound: tuple[int, int] | None = None
+        # the chunk rings the last :meth:`reduce_` had in flight together (all of them)
+        self.rings_in_flight = 0
 
     def _cells(self, name: str) -> list[tuple[Cell, tuple[int, ...], frozenset[int]]]:
         """This rank's cells of parameter ``name`` (computed once: the sets are built from
@@ -449,11 +456,25 @@ class ReplicaSync:
         local shape ``shapes[i]``) into the gradient of the global batch's mean loss, in
         place, on every holder of every parameter. ``in_group``: the collectives of this
         rank's DP×CP group inside its replica group (the communicator's); with them, the sets
-        :func:`two_level` allows are summed in two levels (:meth:`_sum_chunked`), the others
-        in one ring over every holder."""
+        :func:`two_level` allows are summed in two levels, the others in one ring over every
+        holder.
+
+        The two-level sum, each member of a DP×CP group of ``d`` owning one slice of each set
+        (:func:`slice_bounds`): (1) inside the group, a reduce-scatter leaves each member the
+        group's sum of its slice (where the group has none, an all-reduce leaves it the whole
+        sum), copied to host memory (:meth:`_scatter`); (2) each slice, cut where another
+        group's slices end (:func:`chunk_rings`), is summed with its owners in the other
+        groups in host memory (gloo, bytes ``2(G − 1)/G`` of the slice): the pieces of every
+        set of the rank at once, so the step waits for one round trip between the groups
+        rather than one per set (:meth:`_launch_rings`); (3) an all-gather inside the group
+        fills every slice on every member (without one, each member zeros the others' slices
+        and the group all-reduces: :meth:`_gather`). Inside a group a byte moves as in one
+        all-reduce, and each crosses between groups once per owner. Steps (1) and (3) run set
+        by set in the sets' order, on every member of the DP×CP group alike."""
         if self._bound is None:
             self._bind(segments, shapes)
         flat.mul_(self.grad_weight)
+        chunked, rings = [], []
         for s in self.sets.values():
             if len(s.members) == 1 or not s.pieces:
                 continue
@@ -462,8 +483,20 @@ class ReplicaSync:
                 if in_group is None:
                     raise ValueError("ReplicaSync.reduce_: this plan's sets are summed in two "
                                      "levels; pass in_group (the group's DP×CP collectives)")
-                self._sum_chunked(s, parts, in_group)
+                chunked.append((s, parts))
                 continue
+            rings.append((s, parts))
+        # the two-level sets: every in-group step first, then all their chunk rings in
+        # flight at once (one round trip between the groups, not one per set), then the
+        # all-gathers (module docstring: Deadlocks)
+        staged = [(s, parts, self._scatter(s, parts, in_group)) for s, parts in chunked]
+        pending = [self._launch_rings(s, mine) for s, _, (_, mine) in staged]
+        self.rings_in_flight = sum(map(len, pending))  # started before the first wait
+        for waits in pending:
+            self._wait_rings(waits)
+        for s, parts, (buf, mine) in staged:
+            self._gather(s, parts, buf, mine, in_group)
+        for s, parts in rings:
             whole = (len(parts) == 1 and parts[0].is_contiguous() and s.pieces[0][5]
                      and flat.device.type == "cpu")
             if whole:
@@ -475,29 +508,30 @@ class ReplicaSync:
             if not whole:
                 _unpack(buf, parts)
 
-    def _sum_chunked(self, s: _SetSync, parts: list[torch.Tensor], grp: InGroup) -> None:
-        """Two-level sum of one set (``parts``: this rank's views of its cells, all
-        contributing), each member of a DP×CP group of ``d`` owning one slice
-        (:func:`slice_bounds`): (1) inside the group, a reduce-scatter leaves each member the
-        group's sum of its slice (where the group has none, an all-reduce leaves it the whole
-        sum); (2) each slice, cut where another group's slices end (:func:`chunk_rings`), is
-        summed with its owners in the other groups in host memory (gloo, the pieces side by
-        side; bytes ``2(G − 1)/G`` of the slice); (3) an all-gather inside the group fills
-        every slice on every member (without one, each member zeros the others' slices and
-        the group all-reduces). Inside a group a byte moves as in one all-reduce
-        (reduce-scatter + all-gather), and each crosses between groups once per owner."""
+    @staticmethod
+    def _scatters(s: _SetSync, grp: InGroup) -> bool:
+        """Whether the set's in-group steps are a reduce-scatter and an all-gather (else
+        all-reduces)."""
+        return s.group_size > 1 and grp.reduce_scatter is not None and grp.all_gather is not None
+
+    def _scatter(self, s: _SetSync, parts: list[torch.Tensor], grp: InGroup
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Step (1) of the two-level sum of one set (:meth:`reduce_`): ``(keep, mine)``:
+        the set's cells in one flat buffer, kept where it is the main grads themselves or the
+        rank is alone in its group (else None: freed), and the rank's slice of the group's
+        sum in host memory (a view of ``keep`` on the host, else a copy: ``1/d`` of the
+        set)."""
         n, d, (lo, hi) = s.elements, s.group_size, s.slice
         have = sum(p.numel() for p in parts)
         if have != n:
             raise RuntimeError(f"rank {self.rank}: holder set {s.members} has {have} gradient "
                                f"elements here, {n} by the model's shapes")
-        scatter = d > 1 and grp.reduce_scatter is not None and grp.all_gather is not None
+        scatter = self._scatters(s, grp)
         if scatter and grp.index != s.members_index:
             raise RuntimeError(f"rank {self.rank}: DP×CP group rank {grp.index}, but holder "
                                f"{s.members_index} of its replica group's set")
         size = slice_width(n, d) * d if scatter else n  # a reduce-scatter's chunks: padded
-        one = len(parts) == 1 and parts[0].is_contiguous() and size == n
-        if one:
+        if len(parts) == 1 and parts[0].is_contiguous() and size == n:
             buf = parts[0].view(-1)
         else:  # the one copy of the set's cells (and the padding)
             buf = parts[0].new_empty(size)
@@ -507,26 +541,48 @@ class ReplicaSync:
             grp.reduce_scatter(buf)
         elif d > 1:
             grp.all_reduce(buf)
-        pending = []
-        for a, b, pg, owners in s.rings:
-            if pg is None:
-                continue
-            piece = buf[a:b]
-            host = piece if piece.device.type == "cpu" else piece.cpu()
-            pending.append((pg.allreduce([host]), host, piece, owners, time.perf_counter()))
-        for work, host, piece, owners, t0 in pending:
+        # keep the buffer where it is the main grads themselves (nothing to free) or holds
+        # the rank's whole set anyway (alone in its group); else only the slice
+        keep = buf if d == 1 or buf.data_ptr() == parts[0].data_ptr() else None
+        mine = buf[lo:hi]
+        if mine.device.type != "cpu":
+            mine = mine.cpu()
+        elif keep is None:
+            mine = mine.clone()
+        return keep, mine
+
+    def _launch_rings(self, s: _SetSync, mine: torch.Tensor) -> list[tuple]:
+        """Step (2): start the gloo sums of the rank's pieces of its slice (``mine``) with
+        their owners in the other groups; returns what :meth:`_wait_rings` waits on."""
+        lo = s.slice[0]
+        return [(pg.allreduce([mine[a - lo:b - lo]]), mine[a - lo:b - lo], owners,
+                 time.perf_counter()) for a, b, pg, owners in s.rings if pg is not None]
+
+    def _wait_rings(self, pending: list[tuple]) -> None:
+        for work, piece, owners, t0 in pending:
             work.wait()
             g = len(owners)
-            self._record(owners, int(2 * (g - 1) / g * host.numel() * host.element_size()), t0)
-            if host is not piece:
-                piece.copy_(host)
+            self._record(owners, int(2 * (g - 1) / g * piece.numel() * piece.element_size()),
+                         t0)
+
+    def _gather(self, s: _SetSync, parts: list[torch.Tensor], keep: torch.Tensor | None,
+                mine: torch.Tensor, grp: InGroup) -> None:
+        """Step (3): every slice filled in on every member of the group (an all-gather; where
+        the group has none, the other slices zeroed and an all-reduce), then copied into the
+        main grads (``keep``, ``mine``: :meth:`_scatter`'s)."""
+        n, d, (lo, hi) = s.elements, s.group_size, s.slice
+        scatter = self._scatters(s, grp)
+        size = slice_width(n, d) * d if scatter else n
+        buf = parts[0].new_zeros(size) if keep is None else keep
+        if mine.data_ptr() != buf[lo:hi].data_ptr() or mine.device != buf.device:
+            buf[lo:hi].copy_(mine)
         if scatter:
             grp.all_gather(buf)
         elif d > 1:  # (alone in its group the rank owns the whole set)
             buf[:lo].zero_()
             buf[hi:].zero_()
             grp.all_reduce(buf)
-        if not one:
+        if buf.data_ptr() != parts[0].data_ptr():
             _unpack(buf, parts)
 
     def _sum(self, s: _SetSync, buf: torch.Tensor) -> None:

@@ -643,6 +643,8 @@ class Trainer:
                "seconds": {t.value: s.seconds for t, s in self.comm.stats.items()},
                "p2p": self.runner.p2p_stats.as_json(),
                "dp_overlap": self._overlap_summary(),
+               "replica_rings_in_flight": (self.replica.rings_in_flight
+                                           if self.replica is not None else 0),
                "step_cpu_seconds": self.step_cpu,
                "stage_timing": self.stage_timer.as_json()}
         path = Path(self.cfg.summary_dir) / f"rank-{self.global_rank}.json"

@@ -139,6 +139,15 @@ REDUCE_SCATTER = ["dp3-vs-dp2", "cp2-vs-cp1", "three-groups", "tp-runs-vs-tp2",
                   "short-dp3-vs-pp2"]
 
 
+# the chunk rings each rank has in flight at once, per rank. pp2-vs-pp1: group 1's one rank
+# holds two sets (layer 0 with the embedding, layers 1-3 with the head: group 0's stages),
+# each summed whole (every DP×CP group has one rank). three-groups: layer sets [0, 1), [1, 2)
+# and [2, 4) (cut where group 0's and group 2's stages start); group 1's two replicas cut each
+# set into two slices, so each set runs two rings, and each group-1 rank owns one of them
+RINGS_IN_FLIGHT = {"pp2-vs-pp1": {0: 1, 1: 1, 2: 2},
+                   "three-groups": {0: 2, 1: 4, 2: 3, 3: 3, 4: 4, 5: 2}}
+
+
 @pytest.mark.parametrize(("case", "reduction"), [(c, "auto") for c in CASES]
                          + [(c, "reduce_scatter") for c in REDUCE_SCATTER])
 def test_groups_match_the_single_process_reference(tmp_path, case, reduction):
@@ -187,6 +196,8 @@ def test_groups_match_the_single_process_reference(tmp_path, case, reduction):
         assert rec["group"] == r.group
         # no DP sync of its own beside the sum (the planner charges none: own_grad_sync_s)
         assert rec["dp_overlap"] == {}
+        if case in RINGS_IN_FLIGHT:  # every set's chunk rings started before any is waited on
+            assert rec["replica_rings_in_flight"] == RINGS_IN_FLIGHT[case][r.rank], r
         assert rec["param_checksum"] == pytest.approx(want, rel=1e-5, abs=1e-4), r
     if case == "two-dcs-no-zero":
         # the DC link carries each gradient byte once each way per step: group 1's replica
