@@ -56,13 +56,14 @@ def grad_sum_s(model, inv, groups) -> float:
     Per set, inside the rank's DP×CP group of ``d`` (nodes of the stage's slowest pool:
     reduce-scatter / all-reduce / all-gather; between pools at gloo's rate) a reduce-scatter,
     its ``1/d`` slice to the host and back and in gloo rings between the ``G`` groups (the
-    rings of all the rank's sets side by side: one ring's latency per rank), then an all-gather: one all-reduce's bytes and steps in all
+    rings of all the rank's sets side by side: one ring's latency per rank; one per set for
+    a rank alone in its DP×CP group), then an all-gather: one all-reduce's bytes and steps in all
     where the group is in one pool off gloo, else an all-reduce for each; a vocabulary table
     whose holders do not pair: one gloo ring over every holder, PCIe both ways, the broadcast
     once more. A ring step is a round trip; the NIC share is the slowest pool's, at most
     gloo's ring rate. A rank whose rings cross datacenter links (:func:`_crossings`) also
-    waits the slowest one's latency on each ring step (once: its rings run at once; once
-    more per unpaired table), and the busiest link's transfer time
+    waits the slowest one's latency on each ring step (as many times as its ring latencies
+    above, once more per unpaired table), and the busiest link's transfer time
     (:func:`_link_s`) is added once."""
     holders = [dp * cp for dp, cp, _ in groups]
     n, g = sum(holders), len(groups)
@@ -104,11 +105,13 @@ def grad_sum_s(model, inv, groups) -> float:
                                       + 2 * (nodes - 1) / nodes / per_node / link))
             chunk = nbytes / d
             flat = len(pool) == 1 and pool[0].device.backend != "gloo"
-            # every set's rings between the groups run at once: one ring's latency
+            # every set's rings between the groups run at once (one ring's latency), or set by
+            # set where the rank is alone in its DP×CP group
+            rounds = 1 if d > 1 else rings
             sec = ((1 if flat else 2) * inside + 2 * chunk / pcie + 2 * (g - 1) / g * chunk / nic
-                   + 4 * (g - 1) * ALPHA + STAGING)
+                   + rounds * (4 * (g - 1) * ALPHA + STAGING))
             if ring:
                 sec += one_ring(ring, tables, pcie)
             lat = max((k.latency_ms for k in _crossings(inv, groups, a, b)), default=0) / 1000
-            worst = max(worst, sec + (1 + tables) * 2 * (g - 1) * lat)
+            worst = max(worst, sec + (rounds + tables) * 2 * (g - 1) * lat)
     return worst + _link_s(model, groups, inv)

@@ -580,11 +580,12 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
     the same elements in host memory (gloo: PCIe both ways, ``2(G − 1)/G`` of the slice at
     the NIC share, at most :data:`GLOO_RING_GBYTES`; a slice another group cuts finer runs
     one ring per piece, side by side; the rings of all of a rank's sets run at once, so
-    their latency is paid once per rank, not per set); an all-gather inside the group fills
+    their latency is paid once per rank, not per set, except where the rank is alone in its
+    DP×CP group: :func:`_ring_rounds`); an all-gather inside the group fills
     the slices back in. Where the group has no flat reduce-scatter (it spans pools, or runs
     gloo) both steps are all-reduces. Where a ring crosses a datacenter link, each of its
-    ``2(G − 1)`` steps waits the link's latency too (once per rank: the rings run at once),
-    and the link carries every ring's bytes
+    ``2(G − 1)`` steps waits the link's latency too (:func:`_ring_rounds` times), and the
+    link carries every ring's bytes
     (:func:`groups_link_s`). The sets whose holders do not pair one per replica take one
     gloo ring over every holder in the runtime (:func:`_one_ring_s`; across datacenters
     inside each and between their leaders): a vocabulary table one group replicates over
@@ -616,10 +617,12 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
             if ring:
                 sec += _one_ring_s(groups, ring, tables, nic, pcie)
             # every ring step that crosses a datacenter link waits for it: the two-level
-            # sets' rings run at once (one round), the one-ring tables' after them
+            # sets' rings run at once (one round; a rank alone in its DP×CP group sums its
+            # sets one by one), the one-ring tables' after them
             edges = _ring_edges(inv, _holder_datacenters(spans, a, b))
             lat = max((k.latency_ms for k in edges), default=0.0) / 1000
-            worst = max(worst, sec + (1 + tables) * 2 * (len(groups) - 1) * lat)
+            rounds = _ring_rounds(dp * cp, sets) + tables
+            worst = max(worst, sec + rounds * 2 * (len(groups) - 1) * lat)
     return worst + groups_link_s(plan, inv, groups, spans)
 
 
@@ -708,7 +711,8 @@ def _two_level_s(inv: ClusterInventory, groups: Sequence[SumGroup], d: int, tp: 
     one pool on a vendor backend, else two all-reduces (a group spanning pools goes through
     the host at gloo's rate; gloo's all-reduce beats its reduce-scatter), one collective's
     latency per set (they run set by set), and its ``1/d`` slice between the groups in host
-    memory (the rings of every set and piece side by side: one ring's latency in all)."""
+    memory (the rings of every set and piece side by side: one ring's latency in all, or one
+    per set alone in the group: :func:`_ring_rounds`)."""
     devs = [inv.pool(p) for p in pools]
     intra = min(p.device.intra_node_gbps for p in devs)
     nic_g = min(p.nic_gbytes_per_gpu for p in devs)
@@ -721,9 +725,18 @@ def _two_level_s(inv: ClusterInventory, groups: Sequence[SumGroup], d: int, tp: 
     g = len(groups)
     chunk = nbytes / d
     between = (2 * chunk / (pcie * 1e9) + 2.0 * (g - 1) / g * chunk / (nic * 1e9)
-               + 4 * (g - 1) * cost.COLLECTIVE_LATENCY_S + cost.HOST_STAGING_LATENCY_S)
+               + _ring_rounds(d, sets) * (4 * (g - 1) * cost.COLLECTIVE_LATENCY_S
+                                          + cost.HOST_STAGING_LATENCY_S))
     flat = len(devs) == 1 and devs[0].device.backend != "gloo"
     return (1 if flat else 2) * (sets * lat + per_byte * nbytes) + between
+
+
+def _ring_rounds(d: int, sets: int) -> int:
+    """Ring latencies a rank of a DP×CP group of ``d`` with ``sets`` two-level sets waits
+    between the groups (``runtime/replica_sync.py``): one (every set's rings at once), or
+    ``sets`` when it is alone in its group (its slices are whole sets, summed one by one to
+    hold one set's copy at a time)."""
+    return sets if d == 1 else 1
 
 
 def _holder_sets(a: int, b: int, cuts: set[int]) -> int:

@@ -51,7 +51,8 @@ as in a plain plan) is already the global norm. The loss and validation loss of 
 
 Deadlocks: every process group is a rendezvous of its members, and every rank creates and uses
 the groups it belongs to in one global order (holder sets sorted, then the all-rank group), so
-no two ranks can wait on each other in opposite orders. A two-level set holds the whole DP×CP
+no two ranks can wait on each other in opposite orders (a rank alone in its DP×CP group sums
+its sets one after another in that order). A two-level set holds the whole DP×CP
 group of each of its ranks, so every DP peer meets the same sets in the same order and runs
 the group's own collectives on them alike. A rank runs the in-group step of each of its
 two-level sets, then starts every chunk ring of them, and only then waits on any: its
@@ -466,7 +467,9 @@ class ReplicaSync:
         group's slices end (:func:`chunk_rings`), is summed with its owners in the other
         groups in host memory (gloo, bytes ``2(G − 1)/G`` of the slice): the pieces of every
         set of the rank at once, so the step waits for one round trip between the groups
-        rather than one per set (:meth:`_launch_rings`); (3) an all-gather inside the group
+        rather than one per set (:meth:`_launch_rings`; a rank alone in its DP×CP group, whose
+        slices are whole sets, runs its sets one after another instead, holding one set's
+        copy at a time); (3) an all-gather inside the group
         fills every slice on every member (without one, each member zeros the others' slices
         and the group all-reduces: :meth:`_gather`). Inside a group a byte moves as in one
         all-reduce, and each crosses between groups once per owner. Steps (1) and (3) run set
@@ -486,16 +489,27 @@ class ReplicaSync:
                 chunked.append((s, parts))
                 continue
             rings.append((s, parts))
-        # the two-level sets: every in-group step first, then all their chunk rings in
-        # flight at once (one round trip between the groups, not one per set), then the
-        # all-gathers (module docstring: Deadlocks)
-        staged = [(s, parts, self._scatter(s, parts, in_group)) for s, parts in chunked]
-        pending = [self._launch_rings(s, mine) for s, _, (_, mine) in staged]
-        self.rings_in_flight = sum(map(len, pending))  # started before the first wait
-        for waits in pending:
-            self._wait_rings(waits)
-        for s, parts, (buf, mine) in staged:
-            self._gather(s, parts, buf, mine, in_group)
+        if chunked and chunked[0][0].group_size == 1:
+            # alone in its group, the rank's slices are whole sets: one at a time, so that
+            # at most one set's copy is held (as many rings in flight as one set has)
+            self.rings_in_flight = 0
+            for s, parts in chunked:
+                keep, mine = self._scatter(s, parts, in_group)
+                waits = self._launch_rings(s, mine)
+                self.rings_in_flight = max(self.rings_in_flight, len(waits))
+                self._wait_rings(waits)
+                self._gather(s, parts, keep, mine, in_group)
+        else:
+            # every in-group step first, then all the sets' chunk rings in flight at once
+            # (one round trip between the groups, not one per set), then the all-gathers
+            # (module docstring: Deadlocks)
+            staged = [(s, parts, self._scatter(s, parts, in_group)) for s, parts in chunked]
+            pending = [self._launch_rings(s, mine) for s, _, (_, mine) in staged]
+            self.rings_in_flight = sum(map(len, pending))  # started before the first wait
+            for waits in pending:
+                self._wait_rings(waits)
+            for s, parts, (keep, mine) in staged:
+                self._gather(s, parts, keep, mine, in_group)
         for s, parts in rings:
             whole = (len(parts) == 1 and parts[0].is_contiguous() and s.pieces[0][5]
                      and flat.device.type == "cpu")

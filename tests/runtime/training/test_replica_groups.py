@@ -139,13 +139,14 @@ REDUCE_SCATTER = ["dp3-vs-dp2", "cp2-vs-cp1", "three-groups", "tp-runs-vs-tp2",
                   "short-dp3-vs-pp2"]
 
 
-# the chunk rings each rank has in flight at once, per rank. pp2-vs-pp1: group 1's one rank
-# holds two sets (layer 0 with the embedding, layers 1-3 with the head: group 0's stages),
-# each summed whole (every DP×CP group has one rank). three-groups: layer sets [0, 1), [1, 2)
+# the most chunk rings each rank has in flight at once. three-groups: layer sets [0, 1), [1, 2)
 # and [2, 4) (cut where group 0's and group 2's stages start); group 1's two replicas cut each
-# set into two slices, so each set runs two rings, and each group-1 rank owns one of them
-RINGS_IN_FLIGHT = {"pp2-vs-pp1": {0: 1, 1: 1, 2: 2},
-                   "three-groups": {0: 2, 1: 4, 2: 3, 3: 3, 4: 4, 5: 2}}
+# set into two slices, so each set runs two rings. Group 1's ranks own one ring of each of
+# their three sets and start all three before waiting; the other groups' ranks, alone in
+# their DP×CP groups, own both rings of a set and sum their sets one at a time.
+# pp2-vs-pp1: every rank alone in its group, group 1's rank sums its two sets one by one
+RINGS_IN_FLIGHT = {"pp2-vs-pp1": {0: 1, 1: 1, 2: 1},
+                   "three-groups": {0: 2, 1: 2, 2: 3, 3: 3, 4: 2, 5: 2}}
 
 
 @pytest.mark.parametrize(("case", "reduction"), [(c, "auto") for c in CASES]
