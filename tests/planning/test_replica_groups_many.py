@@ -20,10 +20,15 @@ from tests.planning.grad_sum_reference import grad_sum_s
 
 from hettrain.api.spec import parse_job_spec
 from hettrain.planning import cost
-from hettrain.planning.errors import PlanningError
+from hettrain.planning.errors import NotFaster, PlanningError
 from hettrain.planning.inventory import inventory_from_nodes, load_cluster
 from hettrain.planning.plan import Plan
-from hettrain.planning.planner import even_data_parallel, own_grad_sync_s, plan_job
+from hettrain.planning.planner import (
+    even_data_parallel,
+    loss_as_given,
+    own_grad_sync_s,
+    plan_job,
+)
 from hettrain.planning.replica_groups import (
     _sum_groups,
     best_split,
@@ -220,6 +225,38 @@ def test_a_plan_on_four_pools_gets_three_extra_groups():
     total = base.dp * base.num_microbatches
     best = _brute(lines, [g.dp for g in grouped.groups], total, [total] * len(lines))
     assert max(pipes) == pytest.approx(best, rel=1e-12)
+
+
+def test_a_ceiling_holds_the_grouped_plan_not_the_search_under_it():
+    """``plan_job(ceiling_s=T)`` (an auto option's later variant) keeps a grouped plan faster
+    than ``T`` even when the layout under it (group 0 alone) is slower than ``T``; a ceiling
+    below the grouped plan still refuses it (NotFaster). The ceiling used to prune the search
+    under the groups, so a variant whose groups would have won was called "not faster"."""
+    plain, grouped, inv, spec = _four_pools()
+    fast, slow = grouped.predicted.step_time_s, plain.predicted.step_time_s
+    assert fast < slow * 0.9
+    got = plan_job("job1", spec, inv, ceiling_s=(fast + slow) / 2)
+    assert got.predicted.step_time_s == fast and got.groups == grouped.groups
+    with pytest.raises(NotFaster):
+        plan_job("job1", spec, inv, ceiling_s=fast * 0.999)
+
+
+def test_auto_loss_compares_the_variants_grouped():
+    """Plan-quality cluster 33 at 128k tokens (replicaGroups, ``loss: auto``): the whole
+    loss's grouped plan (86.2 s) is faster than the chunked loss's plain search (86.3 s),
+    whose grouped plan (83.4 s) is faster still; the chunked variant must still be grouped
+    and win."""
+    doc = next(d for d in pq.clusters(40) if d["metadata"]["name"] == "c33")
+    inv = load_cluster(doc)
+    spec = pq.job("llama3-8b-128k", replica_groups=True)
+    got = plan_job("x", spec, inv)
+    variants = {}
+    for chunk in (0, 2048):
+        one = replace(spec, training=replace(spec.training, loss_chunk_tokens=chunk))
+        with loss_as_given():
+            variants[chunk] = plan_job("x", one, inv).predicted.step_time_s
+    assert got.predicted.step_time_s == min(variants.values())
+    assert any(n.startswith("loss=auto chose 2048-token chunks") for n in got.notes), got.notes
 
 
 def _grad_sum_s(grouped, inv) -> float:
@@ -467,11 +504,11 @@ def test_the_chosen_groups_gain_from_no_single_swap(cluster, model):
 
 
 def test_a_group_with_short_replicas_is_a_valid_plan_priced_alike():
-    """bench/plan_quality's cluster 13, llama3-8b at 32k: the grouped plan runs group 0 with
-    a short replica (its last replica one microbatch fewer) beside two even groups. It is a
+    """bench/plan_quality's cluster 17, llama3-8b at 32k: the grouped plan runs group 0 with
+    short replicas (its last two replicas one microbatch fewer) beside an even group. It is a
     valid plan (JSON round trip), re-priced alike from its stages (``grouped_step_s``), and
     its replicas' row blocks tile the global batch exactly once, as the runtime reads them."""
-    inv = load_cluster({d["metadata"]["name"]: d for d in pq.clusters(40)}["c13"])
+    inv = load_cluster({d["metadata"]["name"]: d for d in pq.clusters(40)}["c17"])
     spec = pq.job("llama3-8b-32k", replica_groups=True)
     plan = plan_job("q", spec, inv)
     assert len(plan.groups) >= 2 and any(g.short_replicas for g in plan.groups)

@@ -1952,6 +1952,14 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
                 prune=True, ceiling_s=ceiling_s)
     if not mlp_chunk and spec.training.mlp_chunk_tokens:
         spec = replace(spec, training=replace(spec.training, mlp_chunk_tokens=0))
+    if spec.parallelism.replica_groups and ceiling_s is not None:
+        # extra replica groups can bring a layout slower than the ceiling below it (an auto
+        # option's later variant against the earlier one's grouped plan): search without the
+        # ceiling, then hold the grouped plan to it
+        plan = plan_job(name, spec, inventory, exhaustive=exhaustive, previous=previous)
+        if plan.predicted.step_time_s >= ceiling_s:
+            raise NotFaster(REASON_PLAN_FAILED, f"no layout faster than {ceiling_s:.4g}s")
+        return plan
     pools = filter_pools(inventory, spec.placement)
     if not pools:
         pl = spec.placement
