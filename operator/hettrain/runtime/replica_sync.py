@@ -52,8 +52,8 @@ as in a plain plan) is already the global norm. The loss and validation loss of 
 Deadlocks: every process group is a rendezvous of its members, and every rank creates and uses
 the groups it belongs to in one global order (holder sets sorted, then the all-rank group), so
 no two ranks can wait on each other in opposite orders (a rank alone in its DP×CP group sums
-its sets one after another in that order). A two-level set holds the whole DP×CP
-group of each of its ranks, so every DP peer meets the same sets in the same order and runs
+its sets one after another in that order). A two-level set holds the whole DP×CP group of
+each of its ranks, so every DP peer meets the same sets in the same order and runs
 the group's own collectives on them alike. A rank runs the in-group step of each of its
 two-level sets, then starts every chunk ring of them, and only then waits on any: its
 in-group steps wait only for its DP×CP peers (who reach them the same way), and no ring
@@ -469,11 +469,11 @@ class ReplicaSync:
         set of the rank at once, so the step waits for one round trip between the groups
         rather than one per set (:meth:`_launch_rings`; a rank alone in its DP×CP group, whose
         slices are whole sets, runs its sets one after another instead, holding one set's
-        copy at a time); (3) an all-gather inside the group
-        fills every slice on every member (without one, each member zeros the others' slices
-        and the group all-reduces: :meth:`_gather`). Inside a group a byte moves as in one
-        all-reduce, and each crosses between groups once per owner. Steps (1) and (3) run set
-        by set in the sets' order, on every member of the DP×CP group alike."""
+        copy at a time); (3) an all-gather inside the group fills every slice on every member
+        (without one, each member zeros the others' slices and the group all-reduces:
+        :meth:`_gather`). Inside a group a byte moves as in one all-reduce, and each crosses
+        between groups once per owner. Steps (1) and (3) run set by set in the sets' order,
+        on every member of the DP×CP group alike."""
         if self._bound is None:
             self._bind(segments, shapes)
         flat.mul_(self.grad_weight)
