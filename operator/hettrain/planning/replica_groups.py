@@ -581,9 +581,9 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
     the NIC share, at most :data:`GLOO_RING_GBYTES`; a slice another group cuts finer runs
     one ring per piece, side by side; the rings of all of a rank's sets run at once, so
     their latency is paid once per rank, not per set, except where the rank is alone in its
-    DP×CP group: :func:`_ring_rounds`); an all-gather inside the group fills
-    the slices back in. Where the group has no flat reduce-scatter (it spans pools, or runs
-    gloo) both steps are all-reduces. Where a ring crosses a datacenter link, each of its
+    DP×CP group: :func:`_ring_rounds`); an all-gather inside the group fills the slices back
+    in. Where the group has no flat reduce-scatter (it spans pools, or runs gloo) both steps
+    are all-reduces. Where a ring crosses a datacenter link, each of its
     ``2(G − 1)`` steps waits the link's latency too (:func:`_ring_rounds` times), and the
     link carries every ring's bytes
     (:func:`groups_link_s`). The sets whose holders do not pair one per replica take one

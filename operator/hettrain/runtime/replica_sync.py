@@ -489,26 +489,20 @@ class ReplicaSync:
                 chunked.append((s, parts))
                 continue
             rings.append((s, parts))
-        if chunked and chunked[0][0].group_size == 1:
-            # alone in its group, the rank's slices are whole sets: one at a time, so that
-            # at most one set's copy is held (as many rings in flight as one set has)
-            self.rings_in_flight = 0
-            for s, parts in chunked:
-                keep, mine = self._scatter(s, parts, in_group)
-                waits = self._launch_rings(s, mine)
-                self.rings_in_flight = max(self.rings_in_flight, len(waits))
-                self._wait_rings(waits)
-                self._gather(s, parts, keep, mine, in_group)
-        else:
-            # every in-group step first, then all the sets' chunk rings in flight at once
-            # (one round trip between the groups, not one per set), then the all-gathers
-            # (module docstring: Deadlocks)
-            staged = [(s, parts, self._scatter(s, parts, in_group)) for s, parts in chunked]
-            pending = [self._launch_rings(s, mine) for s, _, (_, mine) in staged]
-            self.rings_in_flight = sum(map(len, pending))  # started before the first wait
+        # every in-group step of a batch, then all its sets' chunk rings in flight at once
+        # (one round trip between the groups, not one per set), then its all-gathers (module
+        # docstring: Deadlocks). One batch of every set; alone in its group, where the rank's
+        # slices are whole sets, a batch per set, so that at most one set's copy is held.
+        # rings_in_flight: the most rings a batch started before its first wait
+        alone = bool(chunked) and chunked[0][0].group_size == 1
+        self.rings_in_flight = 0
+        for batch in ([c] for c in chunked) if alone else [chunked]:
+            staged = [(s, parts, *self._scatter(s, parts, in_group)) for s, parts in batch]
+            pending = [self._launch_rings(s, mine) for s, _, _, mine in staged]
+            self.rings_in_flight = max(self.rings_in_flight, sum(map(len, pending)))
             for waits in pending:
                 self._wait_rings(waits)
-            for s, parts, (keep, mine) in staged:
+            for s, parts, keep, mine in staged:
                 self._gather(s, parts, keep, mine, in_group)
         for s, parts in rings:
             whole = (len(parts) == 1 and parts[0].is_contiguous() and s.pieces[0][5]
@@ -573,6 +567,7 @@ class ReplicaSync:
                  time.perf_counter()) for a, b, pg, owners in s.rings if pg is not None]
 
     def _wait_rings(self, pending: list[tuple]) -> None:
+        """Wait on :meth:`_launch_rings`' sums and account their bytes."""
         for work, piece, owners, t0 in pending:
             work.wait()
             g = len(owners)
