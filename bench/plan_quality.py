@@ -31,6 +31,7 @@ Usage: python bench/plan_quality.py [--clusters 40] [--models all] [--cap 60] [-
        python bench/plan_quality.py --compare   # plain and replicaGroups, side by side
        python bench/plan_quality.py --recompute auto   # the planner picks the recompute mode
        python bench/plan_quality.py --tokens-per-step 16   # 16Mi tokens per step (batch x4)
+       python bench/plan_quality.py --homogeneous   # one device, one datacenter (reference)
 """
 
 from __future__ import annotations
@@ -108,6 +109,39 @@ def clusters(count: int, seed: int = SEED, max_gpus: int = MAX_GPUS) -> list[dic
                     "metadata": {"name": f"c{i:02d}"}, "datacenters": [{"name": d} for d in used],
                     "links": links, "pools": pools})
     return out
+
+
+HOMOGENEOUS_SIZES = (64, 256, 1024)
+HOMOGENEOUS_NIC_GBPS = 3200  # 8 x 400 Gb/s per 8-GPU node
+
+
+def homogeneous_clusters(sizes: tuple[int, ...] = HOMOGENEOUS_SIZES) -> list[dict]:
+    """One cluster per catalog device and size: a single pool of 8-GPU nodes in one
+    datacenter (``--homogeneous``). What the same jobs reach there, against the same ideal,
+    tells how much of the generated set's gap is mixed devices, pool sizes and datacenter
+    links rather than the cost model of one device."""
+    out = []
+    for dev in DEVICES:
+        for gpus in sizes:
+            out.append({"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
+                        "metadata": {"name": f"{dev.lower()}-x{gpus}"},
+                        "datacenters": [{"name": "dc0"}], "links": [],
+                        "pools": [{"name": f"p0-{dev.lower()}", "datacenter": "dc0",
+                                   "device": dev, "nodes": gpus // 8, "gpusPerNode": 8,
+                                   "nicGbps": HOMOGENEOUS_NIC_GBPS}]})
+    return out
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """``--homogeneous``'s comma-separated GPU counts (multiples of 8)."""
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or any(n < 8 or n % 8 or n > 65536 for n in sizes):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give GPU counts that are multiples of 8 up to 65536, e.g. 64,256,1024")
+    return sizes
 
 
 def _fit(pools: list[dict], max_gpus: int) -> None:
@@ -300,10 +334,11 @@ def print_breakdown(cases: list[Case], summary: dict[str, dict], per_case: bool)
           "'rest' = gap - sum of parts; 'recompute' = beyond the job's mode, which the ideal "
           "pays too ('recompute in ideal', not a part)")
     if per_case:
-        print(f"{'cluster':>7} {'model':>15} {head}")
+        w = _cluster_width(cases)
+        print(f"{'cluster':>{w}} {'model':>15} {head}")
         for c in cases:
             if c.status == "ok":
-                print(f"{c.cluster:>7} {c.model:>15} "
+                print(f"{c.cluster:>{w}} {c.model:>15} "
                       + " ".join(f"{c.losses[k]:>9.4f}" for k in LOSS_KEYS))
     print(f"{'model':>15} {'stat':>6} {head}")
     for name, s in summary.items():
@@ -313,18 +348,24 @@ def print_breakdown(cases: list[Case], summary: dict[str, dict], per_case: bool)
                 print(f"{name:>15} {stat:>6} " + " ".join(f"{row[k]:>9.4f}" for k in LOSS_KEYS))
 
 
+def _cluster_width(cases: list[Case]) -> int:
+    """The cluster column's width: the longest name (``--homogeneous``'s are long), at least 7."""
+    return max([7, *(len(c.cluster) for c in cases)])
+
+
 def _fmt(x: float, spec: str) -> str:
     return "-" if isinstance(x, float) and math.isnan(x) else format(x, spec)
 
 
 def print_table(cases: list[Case], summary: dict[str, dict], cap: float) -> None:
     """The human-readable report."""
-    print(f"{'cluster':>7} {'model':>15} {'GPUs':>5} {'types':>5} {'DCs':>3} {'ratio':>6} "
+    w = _cluster_width(cases)
+    print(f"{'cluster':>{w}} {'model':>15} {'GPUs':>5} {'types':>5} {'DCs':>3} {'ratio':>6} "
           f"{'peak':>5} {'used':>5} {'idle':>4} {'nowhy':>5} {'part':>4} {'plan s':>7}  "
           "layout / status")
     for c in cases:
         tail = c.layout if c.status == "ok" else f"{c.status}: {c.detail[:90]}"
-        print(f"{c.cluster:>7} {c.model:>15} {c.gpus:>5} {c.device_types:>5} "
+        print(f"{c.cluster:>{w}} {c.model:>15} {c.gpus:>5} {c.device_types:>5} "
               f"{c.datacenters:>3} {_fmt(c.ratio, '.3f'):>6} {_fmt(c.peak, '.2f'):>5} "
               f"{c.used:>5} {c.idle_pools:>4} {c.idle_unexplained:>5} {c.partly_idle_pools:>4} "
               f"{_fmt(c.plan_s, '.2f'):>7}  {tail}")
@@ -411,6 +452,12 @@ def main(argv: list[str] | None = None) -> int:
                          "the global batch is this over the sequence length); a larger batch "
                          "gives each GPU more sequences per step, so shows how much of the "
                          "gap to the ideal the batch size, not the layout, sets")
+    ap.add_argument("--homogeneous", nargs="?", type=_sizes, metavar="SIZES",
+                    const=HOMOGENEOUS_SIZES,
+                    help="instead of the generated clusters, one single-pool cluster per "
+                         "catalog device at each size (default "
+                         f"{','.join(map(str, HOMOGENEOUS_SIZES))} GPUs; one datacenter): "
+                         "the reference the heterogeneous set is read against")
     args = ap.parse_args(argv)
     if args.compare:
         args.replica_groups = True  # the full report is the after one
@@ -427,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         docs = clusters(QUICK_CLUSTERS, args.seed, max_gpus=QUICK_MAX_GPUS)
         models = list(QUICK_MODELS)
+    if args.homogeneous:
+        docs = homogeneous_clusters(args.homogeneous)
     workers = PlanWorkers(Budget(timeout_s=args.cap, memory_mb=4096, workers=args.workers),
                           plan_fn=timed_plan)
 
@@ -451,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     over = [c for c in cases if c.status == "ok" and c.ratio > 1 + 1e-9]
     if args.json:
         print(json.dumps({"seed": args.seed, "cap_s": args.cap, "quick": args.quick,
+                          "homogeneous": list(args.homogeneous or ()),
                           "recompute": args.recompute, "tokens_per_step": tokens,
                           "cases": [_jsonable(vars(c)) for c in cases],
                           "summary": {k: _jsonable(v) for k, v in summary.items()},

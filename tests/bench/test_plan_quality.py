@@ -113,6 +113,36 @@ def test_quick_subset_runs_and_reports(tmp_path):
     assert any(ln.split()[0] == "all" for ln in lines if ln.strip())
 
 
+def test_homogeneous_set_is_one_pool_of_each_device_per_size():
+    docs = pq.homogeneous_clusters((64, 256))
+    assert len(docs) == 2 * len(pq.DEVICES) == len({d["metadata"]["name"] for d in docs})
+    invs = [load_cluster(d) for d in docs]
+    assert sorted(inv.pools[0].device.name for inv in invs) == sorted(pq.DEVICES * 2)
+    for inv in invs:
+        assert len(inv.pools) == 1 and len(inv.datacenters) == 1 and inv.gpus in (64, 256)
+
+
+def test_homogeneous_run_plans_every_device_and_refuses_a_bad_size():
+    """--homogeneous 64: one case per catalog device on one pool of 64 GPUs, each within the
+    ideal; a size that is no multiple of 8 is refused with exit 2, naming the flag."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'operator'}{os.pathsep}{ROOT}"}
+    cmd = [sys.executable, str(ROOT / "bench" / "plan_quality.py"), "--models", "llama3-8b"]
+    out = subprocess.run([*cmd, "--homogeneous", "64", "--json"], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    assert doc["homogeneous"] == [64]
+    cases = doc["cases"]
+    assert len(cases) == len(pq.DEVICES)
+    for c in cases:
+        assert c["status"] == "ok" and c["gpus"] == 64 and c["device_types"] == 1
+        assert c["datacenters"] == 1 and 0 < c["ratio"] <= 1 and c["idle_unexplained"] == 0
+    bad = subprocess.run([*cmd, "--homogeneous", "60"], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert bad.returncode == 2 and "--homogeneous" in bad.stderr and "multiples of 8" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 @pytest.mark.slow
 def test_compare_plans_every_case_both_ways_in_one_run():
     """--compare: the before (plain) summary from this run's own plain plans, the after
