@@ -517,10 +517,13 @@ class ReplicaSync:
                 _unpack(buf, parts)
 
     @staticmethod
-    def _scatters(s: _SetSync, grp: InGroup) -> bool:
-        """Whether the set's in-group steps are a reduce-scatter and an all-gather (else
-        all-reduces)."""
-        return s.group_size > 1 and grp.reduce_scatter is not None and grp.all_gather is not None
+    def _layout(s: _SetSync, grp: InGroup) -> tuple[bool, int]:
+        """``(scatter, size)``: whether the set's in-group steps are a reduce-scatter and an
+        all-gather (else all-reduces), and the elements of its flat buffer (a reduce-scatter's
+        chunks are padded to ``d`` equal slices)."""
+        n, d = s.elements, s.group_size
+        scatter = d > 1 and grp.reduce_scatter is not None and grp.all_gather is not None
+        return scatter, slice_width(n, d) * d if scatter else n
 
     def _scatter(self, s: _SetSync, parts: list[torch.Tensor], grp: InGroup
                  ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -534,11 +537,10 @@ class ReplicaSync:
         if have != n:
             raise RuntimeError(f"rank {self.rank}: holder set {s.members} has {have} gradient "
                                f"elements here, {n} by the model's shapes")
-        scatter = self._scatters(s, grp)
+        scatter, size = self._layout(s, grp)
         if scatter and grp.index != s.members_index:
             raise RuntimeError(f"rank {self.rank}: DP×CP group rank {grp.index}, but holder "
                                f"{s.members_index} of its replica group's set")
-        size = slice_width(n, d) * d if scatter else n  # a reduce-scatter's chunks: padded
         if len(parts) == 1 and parts[0].is_contiguous() and size == n:
             buf = parts[0].view(-1)
         else:  # the one copy of the set's cells (and the padding)
@@ -579,9 +581,8 @@ class ReplicaSync:
         """Step (3): every slice filled in on every member of the group (an all-gather; where
         the group has none, the other slices zeroed and an all-reduce), then copied into the
         main grads (``keep``, ``mine``: :meth:`_scatter`'s)."""
-        n, d, (lo, hi) = s.elements, s.group_size, s.slice
-        scatter = self._scatters(s, grp)
-        size = slice_width(n, d) * d if scatter else n
+        d, (lo, hi) = s.group_size, s.slice
+        scatter, size = self._layout(s, grp)
         buf = parts[0].new_zeros(size) if keep is None else keep
         if mine.data_ptr() != buf[lo:hi].data_ptr() or mine.device != buf.device:
             buf[lo:hi].copy_(mine)
