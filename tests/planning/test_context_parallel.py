@@ -17,7 +17,7 @@ from hettrain.api.spec import parse_job_spec
 from hettrain.planning import context, cost
 from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import load_cluster
-from hettrain.planning.planner import plan_job
+from hettrain.planning.planner import CP_MIN_LOCAL_TOKENS, _cp_options, _cp_orders, plan_job
 from hettrain.planning.support import context_parallel_errors
 
 
@@ -137,12 +137,66 @@ def test_memory_forces_cp_at_32k_on_80gb_gpus():
     assert context_parallel_errors(fast) == []
 
 
-def test_no_cp_searched_for_short_sequences():
-    """Below ``CP_MIN_SEQ_LEN`` tokens only cp = 1 is searched: plans as before."""
+def test_cp_is_searched_while_each_rank_keeps_its_minimum_of_tokens():
+    """CP degrees are searched while each rank keeps ``CP_MIN_LOCAL_TOKENS`` of the sequence
+    and they fit a node: at 8k tokens 1, 2 and 4, and the plan is the fastest of the three
+    pinned one by one (over PCIe on L40S a degree > 1 wins); at 2k tokens cp = 1 alone, and
+    the plan says nothing of CP."""
     inv = load_cluster(_cluster("L40S", 1))
-    plan = plan_job("j", parse_job_spec(_job(8192, 8, 1, "none")), inv)
+    assert CP_MIN_LOCAL_TOKENS == 2048
+    spec = parse_job_spec(_job(8192, 8, 1, "none"))
+    assert _cp_options(spec, inv.pools) == [1, 2, 4]
+    plan = plan_job("j", spec, inv)
+    pinned = {cp: plan_job("j", parse_job_spec(_job(8192, 8, 1, "none", cp=cp)),
+                           inv).predicted.step_time_s for cp in (1, 2, 4)}
+    assert plan.predicted.step_time_s == pytest.approx(min(pinned.values()), rel=1e-12)
+    assert plan.stages[0].cp == min(pinned, key=pinned.get) > 1
+    short = parse_job_spec(_job(2048, 8, 1, "none"))
+    assert _cp_options(short, inv.pools) == [1]
+    plan = plan_job("j", short, inv)
     assert [s.cp for s in plan.stages] == [1] * plan.pp
     assert "cp" not in plan.to_json()
+
+
+def test_a_replan_keeps_the_cp_degree():
+    """A re-plan searches the previous plan's CP degree alone (another degree moves nearly
+    every rank): the previous plan pinned to cp 1 on two L40S nodes, re-planned unpinned on
+    one node, stays cp 1, though a first plan there picks cp > 1. ``_cp_orders``: the
+    previous degree, then (:func:`test_a_replan_falls_back_to_every_degree`) all of them;
+    a first plan's order is the second widest, the widest, then down."""
+    two, one = load_cluster(_cluster("L40S", 2)), load_cluster(_cluster("L40S", 1))
+    spec = parse_job_spec(_job(8192, 8, 1, "none"))
+    previous = plan_job("j", parse_job_spec(_job(8192, 8, 1, "none", cp=1)), two)
+    assert previous.stages[0].cp == 1
+    assert plan_job("j", spec, one).stages[0].cp > 1
+    again = plan_job("j", spec, one, previous=previous)
+    assert [s.cp for s in again.stages] == [1] * again.pp
+    assert _cp_orders([1, 2, 4], previous) == [[1], [2, 4, 1]]
+    assert _cp_orders([1, 2, 4], None) == [[2, 4, 1]]
+    assert _cp_orders([1, 2, 4, 8], None) == [[4, 8, 2, 1]]
+    assert _cp_orders([1, 2], None) == [[2, 1]]
+    assert _cp_orders([1], previous) == [[1]]
+
+
+def test_a_replan_falls_back_to_every_degree():
+    """Where the previous degree finds no layout the re-plan searches every degree: cp 8 of
+    a 64k-token replica fits an H100 node (the previous plan) but not an L40S node, where
+    the re-plan then finds the same plan as a first plan there; where the previous degree
+    is no option at all (4-GPU nodes: cp ≤ 4), every degree from the start."""
+    spec = parse_job_spec(_job(65536, 8, 1, "none"))
+    previous = plan_job("j", parse_job_spec(_job(65536, 8, 1, "none", cp=8)),
+                        load_cluster(_cluster("H100-SXM", 1)))
+    assert previous.stages[0].cp == 8
+    l40s = load_cluster(_cluster("L40S", 1))
+    with pytest.raises(PlanningError):
+        plan_job("j", parse_job_spec(_job(65536, 8, 1, "none", cp=8)), l40s)
+    again = plan_job("j", spec, l40s, previous=previous)
+    first = plan_job("j", spec, l40s)
+    assert again.stages[0].cp == first.stages[0].cp < 8
+    assert again.predicted.step_time_s == pytest.approx(first.predicted.step_time_s, rel=1e-12)
+    small = load_cluster(_cluster("L40S", 2, gpus=4))
+    assert _cp_orders(_cp_options(spec, small.pools), previous) == [[2, 4, 1]]
+    assert plan_job("j", spec, small, previous=previous).stages[0].cp in (1, 2, 4)
 
 
 def test_cp_ranks_sync_gradients_even_at_dp_1():

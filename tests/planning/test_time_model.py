@@ -498,7 +498,7 @@ def _one_stage_plan(precision: str, sharding: bool, dp: int, profile=None):
     spec = parse_job_spec({"model": {"preset": "llama3-8b", "layers": 4},
                            "training": {"globalBatch": dp, "steps": 1, "precision": precision,
                                         "optimizerSharding": sharding},
-                           "parallelism": {"tp": 1, "pp": 1, "dp": dp}})
+                           "parallelism": {"tp": 1, "pp": 1, "dp": dp, "cp": 1}})
     return spec, plan_job("j", spec, inv)
 
 

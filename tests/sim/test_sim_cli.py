@@ -22,9 +22,9 @@ def test_llama3_scenario_json():
     code, out = _run(["--scenario", "llama3-16k", "--days", "10", "--json"])
     assert code == 0
     doc = json.loads(out)
-    # full recompute; sequence parallelism keeps a layer's input as a 1/tp token shard, so
-    # stage 0 holds pp = 32 in-flight microbatches: dp 64 x pp 32 x tp 8
-    assert doc["gpus"] == 16640 and doc["full_plan"]["layout"] == "64x32x8"
+    # full recompute; context parallelism at 8k tokens (4 ranks of 2,048 tokens, as NeMo's
+    # Llama 3 70B recipe runs CP 2 at 8k) in place of TP 8: dp 16 x pp 64 x tp 4 x cp 4
+    assert doc["gpus"] == 16640 and doc["full_plan"]["layout"] == "16x64x4 cp=4"
     assert doc["throughput_model"] == "planner"
     assert set(doc["policies"]) == {"restart", "replan", "wait-shrink"}
     for pol in doc["policies"].values():

@@ -1735,7 +1735,8 @@ def _widest_shortfall(search: _Search, units: tuple[Unit, ...], dp: int, mb: int
                       inv: ClusterInventory) -> None:
     """Record the memory miss of the most spread-out layout at ``(dp, mb)``: every unit at the
     TP and stage count using most of its GPUs (``spec.parallelism`` pins and ``maxGPUs``
-    kept; a pinned ``pp`` takes the first stages of the fixed order), layers split evenly,
+    kept; a pinned ``pp`` takes the first stages of the fixed order, none when fewer stages
+    fit), layers split evenly,
     under the schedule needing the least memory. The need named is the real peak of the stage
     furthest over its memory (embedding, head, in-flight microbatches and the schedule's
     stash included, :func:`cost.stage_memory`), as :func:`_evaluate` reports it; nothing is
@@ -1754,6 +1755,8 @@ def _widest_shortfall(search: _Search, units: tuple[Unit, ...], dp: int, mb: int
     order = _fixed_order(units, sorted(widest))
     stage_units = [units[i] for i in order for _ in range(widest[i][1])]
     stage_tps = [widest[i][0] for i in order for _ in range(widest[i][1])]
+    if len(stage_units) < (spec.parallelism.pp or 0):
+        return  # the pinned depth does not fit these GPUs at this dp (e.g. with CP's ranks)
     pp = min(len(stage_units), spec.parallelism.pp or layers, layers)
     stage_units, stage_tps = stage_units[:pp], stage_tps[:pp]
     per = math.ceil(layers / pp)
@@ -1973,27 +1976,27 @@ def plan_job(name: str, spec: JobSpec, inventory: ClusterInventory, *, exhaustiv
     if spans_datacenters(pools):
         groupings.append(("merged", build_units(pools, merged=True)))
     best_by: dict[str, Candidate] = {}
-    searches = []
-    cps = _cp_options(spec, pools)
+    searches: list[_Search] = []
     slack = REPLAN_TOLERANCE if previous is not None else 1.0
-    for grouping, units in groupings:
-        search = _Search(spec, exhaustive, slack,
-                         _grouping_ceiling(ceiling_s, best_by, slack, exhaustive),
-                         [p.device for p in pools])
-        # one incumbent over every CP degree, which prunes the next: the widest first (where
-        # CP is searched it usually wins, and its plan bounds the narrower degrees tightly;
-        # measured: 2-8x less planning than narrowest first on the plan-quality 32k/128k jobs)
-        for cp in reversed(cps):
-            search.use_cp(replace(spec, parallelism=replace(spec.parallelism, cp=cp)))
-            search.first_pair = _previous_pair(previous, cp)
-            if exhaustive:
-                _search_exhaustive(search, units, inventory, grouping)
-            else:
-                _search_fast(search, units, inventory, grouping)
-        search.use_cp(spec)
-        searches.append(search)
-        if search.best is not None:
-            best_by[grouping] = search.best
+    for order in _cp_orders(_cp_options(spec, pools), previous):
+        best_by, searches = {}, []
+        for grouping, units in groupings:
+            search = _Search(spec, exhaustive, slack,
+                             _grouping_ceiling(ceiling_s, best_by, slack, exhaustive),
+                             [p.device for p in pools])
+            for cp in order:  # one incumbent over every CP degree, which prunes the next
+                search.use_cp(replace(spec, parallelism=replace(spec.parallelism, cp=cp)))
+                search.first_pair = _previous_pair(previous, cp)
+                if exhaustive:
+                    _search_exhaustive(search, units, inventory, grouping)
+                else:
+                    _search_fast(search, units, inventory, grouping)
+            search.use_cp(spec)
+            searches.append(search)
+            if search.best is not None:
+                best_by[grouping] = search.best
+        if best_by:
+            break
     if not best_by:
         if ceiling_s is not None:
             raise NotFaster(REASON_PLAN_FAILED, f"no layout faster than {ceiling_s:.4g}s")
@@ -2056,21 +2059,40 @@ def _with_idle_notes(plan: Plan, chosen: Candidate, spec: JobSpec, inventory: Cl
     return replace(plan, notes=(*plan.notes[:at], *idle, *plan.notes[at:]))
 
 
-# where the planner searches cp > 1 (a pinned cp is exempt): sequences of at least
-# CP_MIN_SEQ_LEN tokens, each CP rank keeping at least CP_MIN_LOCAL_TOKENS of them. Below, the
-# rank's GEMMs shrink while the K/V exchange does not, CP rarely wins in the cost model
-# (bench/cp_crossover.py: never on H100 at 8k, by 0.3% on L40S), and each degree is one more
-# search (2x the planning time at 8k). Llama 3 used CP only for its long-context stage.
-CP_MIN_SEQ_LEN = 16384
-CP_MIN_LOCAL_TOKENS = 4096
+# where the planner searches cp > 1 (a pinned cp is exempt): each CP rank keeps at least
+# CP_MIN_LOCAL_TOKENS of the sequence. Below, the rank's GEMMs shrink while the K/V exchange
+# does not. At 8k tokens CP rarely wins for one layout (bench/cp_crossover.py), but over the
+# whole search it often does, as the memory lever that replaces wide TP or deep pipelines
+# (bench/plan_quality.py, 2026-12-07: llama3-70b at 8k, median 0.709 -> 0.767 of the ideal).
+CP_MIN_LOCAL_TOKENS = 2048
+
+
+def _cp_orders(cps: Sequence[int], previous: Plan | None) -> list[list[int]]:
+    """The CP degrees ``cps`` (ascending) to search, in order, under one incumbent: for a
+    re-plan whose previous plan ran one of them, that degree alone, then (only when it finds
+    no layout) all of them; else all of them in one order. A re-plan keeps the CP degree:
+    another degree moves nearly every rank, and searching the others within the re-plan's
+    slack costs more than the whole first plan (llama3-70b on bench/plan_scale.py's 1,024
+    GPUs: 1.7 s, or 20 s without the previous degree's incumbent first, against 0.6 s).
+
+    The order: of three or more degrees the second widest, the widest, then the narrower
+    ones down; of two the widest first. The first degree's search runs with no incumbent,
+    so it should be the cheap one with a good plan: the widest is where CP wins at long
+    sequences (2-8x less planning than narrowest first at 32k/128k), the second widest is
+    as good a bound and prunes more at 8k (the same llama3-70b plan: 0.72 s against 0.96 s
+    widest first)."""
+    order = list(reversed(cps)) if len(cps) < 3 else [cps[-2], cps[-1], *reversed(cps[:-2])]
+    if previous is not None and len(cps) > 1 and previous.stages[0].cp in cps:
+        return [[previous.stages[0].cp], order]
+    return [order]
 
 
 def _cp_options(spec: JobSpec, pools: Sequence) -> list[int]:
     """Context-parallel degrees to search: the pinned ``spec.parallelism.cp``, else the powers
     of two ``cp`` with ``seq_len`` a multiple of ``2·cp`` (the runtime's load-balanced chunks,
     ``planning/support.py``), at most the largest node's GPUs (a CP group beyond a node runs
-    over the NIC: costed, but never searched wider), ``seq_len ≥ CP_MIN_SEQ_LEN`` and
-    ``seq_len / cp ≥ CP_MIN_LOCAL_TOKENS``; ascending."""
+    over the NIC: costed, but never searched wider) and ``seq_len / cp ≥
+    CP_MIN_LOCAL_TOKENS``; ascending."""
     if spec.parallelism.cp is not None:
         return [spec.parallelism.cp]
     if spec.parallelism.schedule == "helix":  # its stages run without CP
@@ -2078,8 +2100,6 @@ def _cp_options(spec: JobSpec, pools: Sequence) -> list[int]:
     node = max((p.gpus_per_node for p in pools), default=1)
     out, cp = [1], 2
     seq = spec.model.seq_len
-    if seq < CP_MIN_SEQ_LEN:
-        return out
     while cp <= node and seq % (2 * cp) == 0 and seq // cp >= CP_MIN_LOCAL_TOKENS:
         out.append(cp)
         cp *= 2
@@ -2091,10 +2111,15 @@ def _place(c: Candidate, previous: Plan | None) -> tuple[RankPlan, ...]:
     ``(stage, dp)``'s ``cp`` ranks get consecutive ``tp``-GPU blocks, one node where the group
     fits, ``context.cp_link``), then renumbered back to ``(dp, cp)`` coordinates: the inverse of
     the runtime's ``context_parallel.comm_view``."""
-    ranks = place_ranks(c.units, c.tps, c.dp, previous)
+    return _cp_coordinates(c, place_ranks(c.units, c.tps, c.dp, previous))
+
+
+def _cp_coordinates(c: Candidate, ranks: tuple[RankPlan, ...]) -> tuple[RankPlan, ...]:
+    """:func:`_place`'s renumbering of plain DP replicas ``ranks`` to ``(dp, cp)``."""
     if c.cp == 1:
         return ranks
-    return tuple(replace(r, dp=r.dp // c.cp, cp=r.dp % c.cp) for r in ranks)
+    return tuple(RankPlan(r.rank, r.node, r.pool, r.datacenter, r.local_rank, r.stage,
+                          r.dp // c.cp, r.tp, r.dp % c.cp, r.group) for r in ranks)
 
 
 def _plan_auto(name: str, inventory: ClusterInventory, exhaustive: bool,
@@ -2161,12 +2186,13 @@ def _fewest_moves(best: Candidate, near: Sequence[Candidate], previous: Plan
         by_layout.setdefault((tuple(u.key for u in c.units), c.tps, c.dp, c.cp), c)
     scored = []
     for c in list(by_layout.values())[:REPLAN_OPTIONS]:
-        r = _place(c, previous)
+        # (moved ranks count stages per GPU: the CP renumbering waits for the chosen one)
+        r = place_ranks(c.units, c.tps, c.dp, previous)
         scored.append((moved_ranks(previous, r), c.sort_key(), c, r))
     if not scored:  # best itself is always within the tolerance; defensive
         return best, _place(best, previous)
     _, _, chosen, ranks = min(scored, key=lambda x: (x[0], x[1]))
-    return chosen, ranks
+    return chosen, _cp_coordinates(chosen, ranks)
 
 
 def step_time_for_split(spec: JobSpec, inventory: ClusterInventory, plan: Plan,

@@ -98,6 +98,12 @@ GLOO_RING_GBYTES = 12.5
 # at most this many passes of swap_groups over the chosen groups (each pass tries every
 # chosen group against every option; most plans stop after one without a swap)
 SWAP_PASSES = 3
+# per_pool_plans searches every CP degree on each pool from this many tokens; below, the
+# degree of the plan over every pool (each degree is one more search per pool; at 8k the
+# solo layouts gained nothing from the others on bench/plan_quality.py while llama-70b's
+# grouped plan on bench/plan_scale.py's 1,024 GPUs took 1.0 s; at 128k three plans lost up
+# to 11% at the one degree)
+SOLO_CP_SEARCH_MIN_SEQ = 16384
 # relative slack of evaluate_groups' relaxed lower bound (its float rounding)
 BOUND_MARGIN = 1e-9
 
@@ -603,6 +609,7 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
     unpaired = [_vocab_unpaired(model, [stages[end][2] for _, _, stages in groups])
                 for end in (0, -1)]
     spans = _stage_spans(inv, groups)
+    crosses = _crosses_datacenters(spans)
     worst = 0.0
     for dp, cp, stages in groups:
         for i, (a, b, tp, ps) in enumerate(stages):
@@ -619,11 +626,11 @@ def groups_grad_sum_s(plan: Plan, inv: ClusterInventory, groups: Sequence[SumGro
             # every ring step that crosses a datacenter link waits for it: the two-level
             # sets' rings run at once (one round; a rank alone in its DP×CP group sums its
             # sets one by one), the one-ring tables' after them
-            edges = _ring_edges(inv, _holder_datacenters(spans, a, b))
+            edges = _ring_edges(inv, _holder_datacenters(spans, a, b)) if crosses else []
             lat = max((k.latency_ms for k in edges), default=0.0) / 1000
             rounds = _ring_rounds(dp * cp, sets) + tables
             worst = max(worst, sec + rounds * 2 * (len(groups) - 1) * lat)
-    return worst + groups_link_s(plan, inv, groups, spans)
+    return worst + (groups_link_s(plan, inv, groups, spans) if crosses else 0.0)
 
 
 Span = tuple[int, int, frozenset[str]]  # a stage's layers [lo, hi) and its datacenters
@@ -638,6 +645,12 @@ def _stage_spans(inv: ClusterInventory, groups: Sequence[SumGroup]) -> list[list
     if len(frozenset().union(*(d for stages in spans for _, _, d in stages))) < 2:
         return [[(lo, hi, frozenset()) for lo, hi, _ in stages] for stages in spans]
     return spans
+
+
+def _crosses_datacenters(spans: Sequence[Sequence[Span]]) -> bool:
+    """Whether any stage of :func:`_stage_spans` names datacenters: whether some ring may
+    cross a link (none does when they are all empty: every stage in one datacenter)."""
+    return any(d for stages in spans for _, _, d in stages)
 
 
 def _holder_datacenters(spans: Sequence[Sequence[Span]], a: int,
@@ -1077,7 +1090,8 @@ def per_pool_plans(plan: Plan, spec: JobSpec, inventory: ClusterInventory,
                    only: str | None = None) -> list[Plan]:
     """For each pool ``spec.placement`` allows (``only``: that pool alone; not a pool ``plan``
     uses alone, unless ``plan`` is uneven: groups need an even layout): the search's plan on
-    that pool alone (``planner.plan_job``, the spec's pins and caps) as group 0, with
+    that pool alone (``planner.plan_job``, the spec's pins and caps; below
+    :data:`SOLO_CP_SEARCH_MIN_SEQ` tokens at ``plan``'s CP degree) as group 0, with
     :func:`groups_on_idle` on every other pool's nodes -- one replica group per pool, shares by
     speed; only those that got a group. The search over all pools places pools as pipeline
     stages of one layout; this places them side by side."""
@@ -1088,7 +1102,10 @@ def per_pool_plans(plan: Plan, spec: JobSpec, inventory: ClusterInventory,
     )
 
     allowed = filter_pools(inventory, spec.placement)
-    solo = replace(spec, parallelism=replace(spec.parallelism, replica_groups=False))
+    cp = spec.parallelism.cp
+    if cp is None and spec.model.seq_len < SOLO_CP_SEARCH_MIN_SEQ:
+        cp = plan.stages[0].cp
+    solo = replace(spec, parallelism=replace(spec.parallelism, replica_groups=False, cp=cp))
     out = []
     for pool in allowed if len(allowed) > 1 else ():
         # (a pool an uneven plan uses alone gets its even layout with groups here)

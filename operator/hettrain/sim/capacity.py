@@ -34,7 +34,7 @@ class Capacity:
     tokens_per_s: float
     world_size: int
     nodes_used: tuple[int, ...]  # per pool
-    layout: str  # "DPxPPxTP"
+    layout: str  # "DPxPPxTP", and " cp=N" with context parallelism
     step_time_s: float
 
     def fits(self, up: tuple[int, ...]) -> bool:
@@ -128,11 +128,13 @@ class CapacityOracle:
                 used = tuple(len(per_pool.get(p.name, ())) * self.scale
                              for p in self.topo.inventory.pools)
                 tps = {s.tp for s in plan.stages}
+                cp = plan.stages[0].cp
                 result = Capacity(
                     tokens_per_s=plan.predicted.tokens_per_s * self.scale,
                     world_size=plan.world_size * self.scale,
                     nodes_used=used,
-                    layout=f"{plan.dp * self.scale}x{plan.pp}x{'/'.join(map(str, sorted(tps)))}",
+                    layout=f"{plan.dp * self.scale}x{plan.pp}x{'/'.join(map(str, sorted(tps)))}"
+                    + (f" cp={cp}" if cp > 1 else ""),
                     step_time_s=plan.predicted.step_time_s,
                 )
         self.memo[k] = result

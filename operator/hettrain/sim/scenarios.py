@@ -4,9 +4,10 @@ Presets (``--scenario``):
 
 - ``llama3-16k`` — the Llama 3 405B setting (Dubey et al. 2024, §3.3): 16,384 H100 in one
   datacenter, the 405B model at sequence length 8,192 and a 2,048-sequence (16M-token) global
-  batch (the planner picks DP128×PP16×TP8, the paper's layout), 54 days, the default failure
-  model (≈419 unexpected interruptions in 54 days if the job ran all the time) and 32 hot spare
-  nodes (1.5 %; Llama 3 ran inside a larger cluster, so replacements were at hand).
+  batch (the planner picks DP16×PP64×TP4 with CP 4; the paper ran TP8 CP1), 54 days, the
+  default failure model (≈419 unexpected interruptions in 54 days if the job ran all the
+  time) and 32 hot spare nodes (1.5 %; Llama 3 ran inside a larger cluster, so replacements
+  were at hand).
 - ``llama3-16k-nospares`` — the same without spare nodes: a failed node is back only after its
   repair (lognormal, mean 4 h), which is where re-planning on survivors pays.
 """
