@@ -2061,9 +2061,9 @@ def _with_idle_notes(plan: Plan, chosen: Candidate, spec: JobSpec, inventory: Cl
 
 # where the planner searches cp > 1 (a pinned cp is exempt): each CP rank keeps at least
 # CP_MIN_LOCAL_TOKENS of the sequence. Below, the rank's GEMMs shrink while the K/V exchange
-# does not. At 8k tokens CP rarely wins for one layout (bench/cp_crossover.py), but over the
-# whole search it often does, as the memory lever that replaces wide TP or deep pipelines
-# (bench/plan_quality.py, 2026-12-07: llama3-70b at 8k, median 0.709 -> 0.767 of the ideal).
+# does not. At 8k tokens CP wins by 1-10% on bench/cp_crossover.py's clusters, most as the
+# memory lever that replaces wide TP or deep pipelines (bench/plan_quality.py, 2026-12-07:
+# llama3-70b at 8k, median 0.709 -> 0.767 of the ideal; 16k tokens was the floor before).
 CP_MIN_LOCAL_TOKENS = 2048
 
 
