@@ -542,3 +542,34 @@ def test_a_group_with_short_replicas_is_a_valid_plan_priced_alike():
     # the runtime refuses a short group where short replicas cannot run (ZeRO-2)
     zero2 = replace(plan, training=replace(plan.training, sharding="gradients"))
     assert any("short_replicas" in e and "ZeRO-2/3" in e for e in replica_group_errors(zero2))
+
+
+def test_per_pool_layouts_search_the_plans_cp_degree_below_16k_tokens(monkeypatch):
+    """``per_pool_plans``' search on each pool alone: below ``SOLO_CP_SEARCH_MIN_SEQ`` tokens
+    at the plan's own CP degree (pinned: every degree per pool cost a second of planning at
+    1k GPUs and won nothing at 8k), from it at every degree (unpinned, as the spec)."""
+    import hettrain.planning.planner as planner_module
+    from hettrain.planning.replica_groups import SOLO_CP_SEARCH_MIN_SEQ, per_pool_plans
+
+    inv = load_cluster({
+        "apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "t"},
+        "datacenters": [{"name": "a"}],
+        "pools": [{"name": n, "datacenter": "a", "device": d, "nodes": k, "gpusPerNode": 8,
+                   "nicGbps": 400} for n, d, k in (("h", "H100-SXM", 2), ("l", "L40S", 1))]})
+    real, seen = planner_module.plan_job, []
+
+    def spy(name, spec, inventory, **kw):
+        seen.append(spec.parallelism.cp)
+        return real(name, spec, inventory, **kw)
+
+    for seq in (8192, SOLO_CP_SEARCH_MIN_SEQ):
+        spec = parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": seq, "layers": 8},
+                               "training": {"globalBatch": 16, "steps": 1},
+                               "parallelism": {"replicaGroups": True}})
+        plan = plan_job("j", spec, inv)
+        seen.clear()
+        monkeypatch.setattr(planner_module, "plan_job", spy)
+        per_pool_plans(plan, spec, inv)
+        monkeypatch.undo()
+        want = plan.stages[0].cp if seq < SOLO_CP_SEARCH_MIN_SEQ else None
+        assert seen and all(cp == want for cp in seen), (seq, seen, want)
