@@ -102,7 +102,9 @@ def _stage_parts(spec: JobSpec, plan_spec: JobSpec, unit, tp: int, cp: int, mb: 
     if cp > 1:
         link = context.cp_link(dev, unit.gpus_per_node, unit.nic_gbytes_per_gpu, tp, cp)
         cpc = context.cp_comm_per_layer_s(model, mb, tp, cp, eb, mode, *link,
-                                          scatter_rows=context.scatters_rows(dev))
+                                          scatter_rows=context.scatters_rows(dev),
+                                          attention_s=context.attention_window_s(
+                                              model, mb, tp, cp, dev, eb))
     head_c = head_tp = rerun = 0.0
     if last:
         head = cost.head_time_s(local, mb, tp, dev, eb)

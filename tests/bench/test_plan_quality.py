@@ -187,10 +187,11 @@ def test_loss_breakdown_rebuilds_a_zb_h1_step_with_a_measured_split(w_frac) -> N
 
 
 def test_loss_breakdown_counts_attention_free_recompute() -> None:
-    """llama3-8b at 128k tokens on 8 H100s, ``recompute: auto``: the plan recomputes
+    """llama3-8b at 128k tokens on 8 H100s at cp 2, ``recompute: auto``: the plan recomputes
     attention-free; the breakdown rebuilds its step (``step_err`` 0) and charges the re-run
     forward as 'recompute' (the ideal recomputes nothing), while a job that asks for
-    attention-free pays it in the ideal instead (all but the chunked loss's re-run head)."""
+    attention-free pays it in the ideal instead (all but the chunked loss's re-run head; at
+    cp 2 a rank's 64k tokens chunk the loss, at the faster cp 4 they do not)."""
     cluster = {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
                "metadata": {"name": "t"}, "datacenters": [{"name": "a"}],
                "pools": [{"name": "h", "datacenter": "a", "device": "H100-SXM", "nodes": 1,
@@ -200,7 +201,8 @@ def test_loss_breakdown_counts_attention_free_recompute() -> None:
     for mode in ("auto", "attention-free"):
         spec = parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": 131072},
                                "training": {"globalBatch": 8, "steps": 1, "recompute": mode,
-                                            "optimizerSharding": True}})
+                                            "optimizerSharding": True},
+                               "parallelism": {"cp": 2}})
         plan = plan_job("j", spec, inv)
         assert plan.training.recompute == "attention-free"
         parts[mode] = breakdown(spec, inv, plan)

@@ -417,14 +417,14 @@ def test_random_clusters_get_valid_grouped_plans(pools, global_batch, pin):
 
 
 def test_the_sum_over_datacenter_links_is_priced_as_described():
-    """bench/plan_quality's fixed cluster 4, llama3-8b: group 0's pipeline spans three
+    """bench/plan_quality's fixed cluster 25, llama3-8b: group 0's pipeline spans three
     datacenters (stages in dc0, dc1 and dc2, links of 100-400 Gb/s), the extra groups sit in
     one of them. The price of the gradient sum between the groups (its chunk rings crossing
     the links of the stages whose holders are in different datacenters, their latency on
     every ring step, the busiest link's bytes) equals grad_sum_reference's recomputation for
     every option alone and for pairs of options on different pools; with group 0 moved into
     the option's datacenter no link is crossed and the sum costs less."""
-    inv = load_cluster(pq.clusters(40)[4])
+    inv = load_cluster(pq.clusters(40)[25])
     with even_data_parallel():
         plain = plan_job("q", pq.job("llama3-8b"), inv)
     assert len({dc for s in plain.stages for dc in s.datacenters}) == 3
@@ -492,8 +492,9 @@ def test_the_chosen_groups_gain_from_no_single_swap(cluster, model):
     assert best == evaluate_groups(plain, chosen, inv)
     _, rounds = greedy_groups(plain, inv, options, passes=0)
     assert rounds is not None and best[0] <= rounds[0]
-    if cluster == 8:  # its rounds' first pick is a poor partner for the later ones: 1.9% back
-        assert best[0] < 0.99 * rounds[0]
+    if cluster == 8:  # its rounds' first pick is a poor partner for the later ones: the swap
+        # pass wins some back (0.05% since the CP exchange runs under the attention, 1.9% before)
+        assert best[0] < rounds[0]
     for i, old in enumerate(chosen):
         used = {o.pool.name for j, o in enumerate(chosen) if j != i}
         for option in options:

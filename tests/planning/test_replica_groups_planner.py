@@ -298,11 +298,11 @@ def test_mixed_tp_plans_get_groups_that_follow_their_tp_runs_or_one_tp(cluster):
         assert follows or len({s.tp for s in g.stages}) == 1, g
         if follows:
             assert len(g.stages) >= len(tp_runs(grouped.group_plan(0)))
-        # each stage's TP group sits on one node; no GPU holds two ranks
+        # each stage's TP group (of one CP rank) sits on one node; no GPU holds two ranks
         ranks = grouped.group_ranks(g.index)
-        blocks: dict[tuple[int, int], set[str]] = {}
+        blocks: dict[tuple[int, int, int], set[str]] = {}
         for r in ranks:
-            blocks.setdefault((r.dp, r.stage), set()).add(r.node)
+            blocks.setdefault((r.dp, r.cp, r.stage), set()).add(r.node)
         assert all(len(nodes) == 1 for nodes in blocks.values())
         gpus = [(r.node, r.local_rank) for r in ranks]
-        assert len(set(gpus)) == len(gpus) == g.dp * sum(s.tp for s in g.stages)
+        assert len(set(gpus)) == len(gpus) == g.dp * sum(s.tp * s.cp for s in g.stages)

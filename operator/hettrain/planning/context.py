@@ -14,14 +14,23 @@ materialises the mask and computes the diagonal blocks in full, ``L²·(2cp+1)``
 gradient of the gathered keys and values over the CP group: each rank receives the sum of its
 own rows.
 
-Communication per layer and microbatch (:func:`cp_comm_per_layer_s`), synchronous in the
-runtime (nothing overlaps it, so all of it is exposed): forward, one all-gather of K and V side
-by side, ``2·b·s·kv/tp`` elements in the plan precision; backward, one reduce-scatter of their
-gradients, the same size (an all-reduce on gloo: :func:`scatters_rows`); full and
-attention-free recompute re-run the forward's all-gather in the backward
+Communication per layer and microbatch (:func:`cp_comm_per_layer_s`): forward, an all-gather
+of K and V side by side, ``2·b·s·kv/tp`` elements in the plan precision; backward, a
+reduce-scatter of their gradients, the same size (an all-reduce on gloo: :func:`scatters_rows`);
+full and attention-free recompute re-run the forward's all-gather in the backward
 (attention-free re-runs the layer around the attention outputs it kept, whose K/V projections
 are gathered again; selective recompute re-runs only the attention core, on the gathered
-tensors it kept). The CP group's link: the
+tensors it kept). The runtime exchanges each key/value head of the rank (its head group) on its
+own, all gathers launched at once, each group's attention as soon as its gather has arrived,
+and each group's gradient reduction as soon as its attention backward has produced it
+(:func:`head_groups`): with ``G`` groups, of ``t`` seconds of communication and ``w`` seconds
+of attention each, ``t + (G − 1)·max(0, t − w)`` of it is exposed (:func:`exposed_s`: the
+first gather and the last reduction always are). The window is ``cost.dp_overlap_share`` of
+the attention's time (:func:`attention_window_s`: the collectives and the attention contend
+for the device, as the DP sync and the backward do), none on a CPU, whose gloo collectives
+run on the ranks' own cores; attention-free's re-run computes no attention, so its gather is
+exposed whole.
+The CP group's link: the
 node's (``intra_node_gbps`` at ``TP_BUS_EFFICIENCY``, like TP) when the group's ``tp·cp`` GPUs
 sit in one node, else the scale-out NIC per GPU (:func:`cp_link`).
 """
@@ -73,21 +82,64 @@ def scatters_rows(device: DeviceSpec) -> bool:
     return device.backend != "gloo"
 
 
+def head_groups(model: ModelSpec, tp: int) -> int:
+    """Key/value heads of one TP rank (at least one): the runtime's exchanges per layer."""
+    return max(1, model.kv_heads // min(tp, model.kv_heads))
+
+
+def exposed_s(total_s: float, window_s: float, groups: int) -> float:
+    """Exposed seconds of ``groups`` equal collectives of ``total_s`` together, run back to
+    back beside ``groups`` equal pieces of compute of ``window_s`` together, each piece
+    waiting for its collective (a gather) or each collective for its piece (a reduction):
+    ``t + (G − 1)·max(0, t − w)`` per piece ``t``, ``w``; all of ``total_s`` with no window."""
+    t, w = total_s / groups, window_s / groups
+    return t + (groups - 1) * max(0.0, t - w)
+
+
 def cp_comm_per_layer_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
                         elem_bytes: int, recompute: str, gbytes_per_s: float,
-                        latency_s: float, *, scatter_rows: bool) -> float:
-    """Exposed CP communication of one layer and microbatch (module docstring): one all-gather
-    of the keys and values together, ``2·``:func:`kv_bytes` (two when the layer is re-run, full
-    or attention-free recompute), and one reduce-scatter of their gradients, the same size, over
-    ``cp`` ranks (a ring all-gather and a ring reduce-scatter move the same ``(cp − 1)/cp`` of
-    the bytes); an all-reduce instead without ``scatter_rows`` (:func:`scatters_rows`)."""
+                        latency_s: float, *, scatter_rows: bool,
+                        attention_s: float = 0.0) -> float:
+    """Exposed CP communication of one layer and microbatch (module docstring): per head group
+    (:func:`head_groups`) one all-gather of its keys and values together, ``2·``:func:`kv_bytes`
+    over the groups (two when the layer is re-run, full or attention-free recompute), and one
+    reduce-scatter of their gradients, the same size, over ``cp`` ranks (a ring all-gather and
+    a ring reduce-scatter move the same ``(cp − 1)/cp`` of the bytes); an all-reduce instead
+    without ``scatter_rows`` (:func:`scatters_rows`). ``attention_s``: the forward seconds of
+    the rank's attention core (:func:`attention_window_s`; 0 where nothing overlaps), under
+    which the gathers run, and under twice it (three times with selective recompute, which
+    re-runs the core there) the reductions (:func:`exposed_s`)."""
     if cp <= 1:
         return 0.0
-    n = 2 * kv_bytes(model, micro_batch, tp, elem_bytes)
-    gathers = 2 if cost.reruns_layer(recompute) else 1
-    rows = (cost.ring_reduce_scatter_s(n, cp, gbytes_per_s, latency_s) if scatter_rows
-            else cost.ring_all_reduce_s(n, cp, gbytes_per_s, latency_s))
-    return gathers * cost.ring_reduce_scatter_s(n, cp, gbytes_per_s, latency_s) + rows
+    groups = head_groups(model, tp)
+    n = 2 * kv_bytes(model, micro_batch, tp, elem_bytes) / groups
+    gather = groups * cost.ring_reduce_scatter_s(n, cp, gbytes_per_s, latency_s)
+    rows = groups * (cost.ring_reduce_scatter_s(n, cp, gbytes_per_s, latency_s) if scatter_rows
+                     else cost.ring_all_reduce_s(n, cp, gbytes_per_s, latency_s))
+    backward = 3.0 if recompute == "selective" else 2.0  # attention passes in the backward
+    out = (exposed_s(gather, attention_s, groups)
+           + exposed_s(rows, backward * attention_s, groups))
+    if recompute == "full":  # the re-run layer gathers again and recomputes the attention
+        out += exposed_s(gather, attention_s, groups)
+    elif cost.reruns_layer(recompute):  # attention-free: the re-run keeps the attention
+        out += gather
+    return out
+
+
+def attention_window_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
+                       device: DeviceSpec, elem_bytes: int = 2) -> float:
+    """The share of a CP rank's attention-core forward seconds (the cost model's attention
+    term on the rank's :func:`attention_share` of the pairs) that the CP collectives can run
+    under: ``cost.dp_overlap_share`` of it (the collectives' kernels and the attention contend
+    for the device, as the DP sync and the backward do; none on a CPU, whose gloo
+    collectives run on the ranks' own cores); 0 without CP."""
+    overlap = cost.dp_overlap_share(device)
+    if cp <= 1 or overlap == 0.0:
+        return 0.0
+    share = attention_share(cp, skips_masked=cost.skips_masked_tiles(device))
+    flops = 4.0 * micro_batch * share * model.seq_len ** 2 * model.hidden / tp
+    return overlap * flops / (device.matmul_flops(elem_bytes)
+                              * cost.attention_efficiency(device, elem_bytes))
 
 
 def cp_layer_compute_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
@@ -150,7 +202,9 @@ def cp_layer_time_s(model: ModelSpec, training: TrainingSpec, micro_batch: int, 
             + eager
             + cost.tp_comm_per_layer_s(local, micro_batch, tp, device, eb, training.recompute)
             + cp_comm_per_layer_s(model, micro_batch, tp, cp, eb, training.recompute, *link,
-                                  scatter_rows=scatters_rows(device)))
+                                  scatter_rows=scatters_rows(device),
+                                  attention_s=attention_window_s(model, micro_batch, tp, cp,
+                                                                 device, eb)))
 
 
 def cp_head_time_s(model: ModelSpec, micro_batch: int, tp: int, cp: int, device: DeviceSpec,

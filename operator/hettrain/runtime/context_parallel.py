@@ -100,18 +100,43 @@ class LowerRightCausal(CausalBias):
         return f"LowerRightCausal({self.seq_len_q}, {self.seq_len_kv})"
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather of a ``(b, heads, 2L, d)`` shard over the CP group into the full sequence in
-    position order; backward: sum the gradients of every rank, keep this rank's rows."""
+class _KeepLocal(torch.autograd.Function):
+    """Identity on this rank's grouped K/V ``(b, groups, 2·hg, 2L, d)``, the tensor every
+    group's gather (:class:`_Gathered`) hangs from. Backward: this rank's rows of the K/V
+    gradient, group by group, from the reductions those groups launched as soon as their
+    attention's backward produced them (waited for here, after the last one: the earlier
+    ones ran under the later groups' attention backward). The incoming gradient is ignored:
+    the groups pass none."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
-        ctx.cp = cp
-        return cp.gather(x)
+    def forward(ctx, kv: torch.Tensor, cp: ContextParallel, pending: dict) -> torch.Tensor:
+        ctx.cp, ctx.pending = cp, pending
+        ctx.set_materialize_grads(False)
+        return kv.view_as(kv)
+
+    @staticmethod
+    def backward(ctx, _grad):
+        pending = ctx.pending
+        rows = [ctx.cp.finish_reduce(pending.pop(g)) for g in range(len(pending))]
+        return torch.stack(rows, dim=1), None, None
+
+
+class _Gathered(torch.autograd.Function):
+    """One head group's gathered K/V (``held[0]``, its all-gather already waited for) as a
+    function of the rank's grouped K/V (``kv``, from :class:`_KeepLocal`). Backward: launch
+    the reduction of the gathered tensor's gradient and return none (:class:`_KeepLocal`
+    collects it)."""
+
+    @staticmethod
+    def forward(ctx, kv: torch.Tensor, cp: ContextParallel, pending: dict, group: int,
+                held: list) -> torch.Tensor:
+        ctx.cp, ctx.pending, ctx.group = cp, pending, group
+        return held.pop()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.cp.reduce_rows(grad), None
+        ctx.pending[ctx.group] = ctx.cp.start_reduce(grad)
+        return None, None, None, None, None
 
 
 class ContextParallel:
@@ -181,24 +206,35 @@ class ContextParallel:
     def _stage(self, t: torch.Tensor) -> torch.Tensor:
         return t.contiguous() if self.staging is None else t.to(self.staging).contiguous()
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Full-sequence tensor (dim 2) from every rank's ``2L`` rows, in position order."""
-        t0 = time.perf_counter()
+    def start_gather(self, x: torch.Tensor) -> tuple:
+        """Launch the all-gather of ``x`` (``(b, heads, 2L, d)``, this rank's rows) over the CP
+        group; :meth:`finish_gather` waits for it."""
         local = self._stage(x)
         parts = [torch.empty_like(local) for _ in range(self.cp)]
-        dist.all_gather(parts, local, group=self.group)
+        work = dist.all_gather(parts, local, group=self.group, async_op=True)
+        return work, parts, x.device, (self.cp - 1) * local.numel() * local.element_size()
+
+    def finish_gather(self, handle: tuple) -> torch.Tensor:
+        """The full sequence (dim 2) of a :meth:`start_gather`, in position order; the seconds
+        spent waiting for it (the exposed part) go to ``account``."""
+        work, parts, device, nbytes = handle
+        t0 = time.perf_counter()
+        work.wait()
         if self.account is not None:
-            self.account((self.cp - 1) * local.numel() * local.element_size(),
-                          time.perf_counter() - t0)
-        chunks = [c for p in parts for c in p.to(x.device).split(self.chunk, dim=2)]
+            self.account(nbytes, time.perf_counter() - t0)
+        chunks = [c for p in parts for c in p.to(device).split(self.chunk, dim=2)]
         return torch.cat([chunks[i] for i in self._to_sequence], dim=2)
 
-    def reduce_rows(self, grad: torch.Tensor) -> torch.Tensor:
-        """Sum ``grad`` (full sequence, dim 2) over the CP group; this rank's ``2L`` rows of it.
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Full-sequence tensor (dim 2) from every rank's ``2L`` rows, in position order."""
+        return self.finish_gather(self.start_gather(x))
+
+    def start_reduce(self, grad: torch.Tensor) -> tuple:
+        """Launch the sum of ``grad`` (full sequence, dim 2) over the CP group;
+        :meth:`finish_reduce` waits for it and keeps this rank's ``2L`` rows.
         ``scatter_rows``: one reduce-scatter of the rows in rank-major order (rank ``k``'s
         chunks ``k`` and ``2cp-1-k`` side by side, as :meth:`gather` receives them); else an
         all-reduce of the whole buffer, of which this rank keeps its rows."""
-        t0 = time.perf_counter()
         if self.scatter_rows:
             b, heads, _, d = grad.shape
             # (cp·b, heads, 2L, d): rank k's chunks k and 2cp-1-k at slot k, copied straight in
@@ -210,17 +246,31 @@ class ContextParallel:
                 slot[:, :, :self.chunk].copy_(chunks[k])
                 slot[:, :, self.chunk:].copy_(chunks[2 * self.cp - 1 - k])
             out = torch.empty_like(send[:b])
-            dist.reduce_scatter_tensor(out, send, group=self.group)
+            work = dist.reduce_scatter_tensor(out, send, group=self.group, async_op=True)
             sent = (self.cp - 1) * out.numel() * out.element_size()
-        else:
-            buf = self._stage(grad).clone()
-            dist.all_reduce(buf, group=self.group)
-            sent = 2 * (self.cp - 1) * buf.numel() * buf.element_size() // self.cp
+            return work, (send, out), grad.device, sent
+        buf = self._stage(grad).clone()
+        work = dist.all_reduce(buf, group=self.group, async_op=True)
+        sent = 2 * (self.cp - 1) * buf.numel() * buf.element_size() // self.cp
+        return work, (buf, None), grad.device, sent
+
+    def finish_reduce(self, handle: tuple) -> torch.Tensor:
+        """This rank's rows of a :meth:`start_reduce`'s sum; the seconds spent waiting for it
+        go to ``account``."""
+        work, (buf, out), device, sent = handle
+        t0 = time.perf_counter()
+        work.wait()
+        if out is None:  # all-reduced: keep this rank's rows
             rows = buf.split(self.chunk, dim=2)
             out = torch.cat([rows[c] for c in self._mine], dim=2)
         if self.account is not None:
             self.account(sent, time.perf_counter() - t0)
-        return out.to(grad.device)
+        return out.to(device)
+
+    def reduce_rows(self, grad: torch.Tensor) -> torch.Tensor:
+        """Sum ``grad`` (full sequence, dim 2) over the CP group; this rank's ``2L`` rows of it
+        (:meth:`start_reduce`)."""
+        return self.finish_reduce(self.start_reduce(grad))
 
     # --------------------------------------------------------------- attention
 
@@ -228,28 +278,68 @@ class ContextParallel:
                   recompute: bool = False) -> torch.Tensor:
         """Causal attention of this rank's queries (``(b, heads, 2L, d)``, RoPE applied at
         their true positions) over the whole sequence's keys/values (gathered here);
-        ``recompute``: redo the attention core in the backward (selective recompute)."""
-        # keys and values side by side (heads dim): one gather, and one exchange of their
-        # gradients in the backward
-        kv_all = _GatherSequence.apply(torch.cat((k, v), dim=1), self)
-        k_all, v_all = kv_all.split(k.shape[1], dim=1)
-        if recompute:
-            from torch.utils.checkpoint import checkpoint
-            return checkpoint(self._core, q, k_all, v_all, use_reentrant=False)
-        return self._core(q, k_all, v_all)
+        ``recompute``: redo the attention core in the backward (selective recompute).
 
-    def _core(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+        One gather per key/value head (a head group: the head's keys and values side by side,
+        and the query heads that share it): all are launched first, and each group's attention
+        runs as soon as its own gather has arrived, under the later groups' gathers. In the
+        backward each group's K/V gradient reduction is launched as soon as its attention's
+        backward has produced it and runs under the earlier groups' attention backward; the
+        last is waited for before the K/V projections' backward (:class:`_KeepLocal`). Heads
+        are independent in attention, so the result is the whole gather's."""
+        groups = k.shape[1]
+        rep = q.shape[1] // groups
+        # (b, groups, 2, 2L, d): each head's keys and values side by side
+        kv = torch.stack((k, v), dim=2)
+        pending: dict = {}
+        local = _KeepLocal.apply(kv, self, pending)
+        handles = [self.start_gather(kv[:, g].detach()) for g in range(groups)]
+        masks = self._masks(q)
+        out = []
+        for g in range(groups):
+            # the handle goes as soon as its gather is in sequence order (its buffers with it)
+            held = [self.finish_gather(handles[g])]
+            handles[g] = None
+            kv_all = _Gathered.apply(local, self, pending, g, held)
+            k_all, v_all = kv_all.split(1, dim=1)
+            qg = q[:, g * rep:(g + 1) * rep]
+            if recompute:
+                from torch.utils.checkpoint import checkpoint
+                out.append(checkpoint(self._core, qg, k_all, v_all, masks, use_reentrant=False))
+            else:
+                out.append(self._core(qg, k_all, v_all, masks))
+        return torch.cat(out, dim=1)
+
+    def _masks(self, q: torch.Tensor) -> tuple:
+        """Each local query chunk's causal mask over its key prefix, for every head group's
+        SDPA calls: the lower-right bias on NVIDIA GPUs (fused kernels skip its masked tiles);
+        elsewhere, where SDPA would materialise it in every call (and keep it for the
+        backward), materialised once here as the additive mask SDPA makes of it (0 or −inf
+        in the query dtype), so the head groups share one copy (on ROCm PyTorch does not test
+        the lower-right variant either). Chunk 0's block is square: its bias runs as plain
+        causal attention everywhere."""
+        if q.is_cuda and not ROCM:
+            return tuple(self._causal[j] for j in self._mine)
+        out = []
+        for j in self._mine:
+            if j == 0:  # a square block: SDPA's plain causal path, no mask at all
+                out.append(self._causal[j])
+                continue
+            keep = self._causal[j]._materialize(q.device)
+            out.append(torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
+                       .masked_fill_(keep.logical_not(), float("-inf")))
+        return tuple(out)
+
+    def _core(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+              masks: tuple) -> torch.Tensor:
         rep = q.shape[1] // k_all.shape[1]
         if rep > 1:
             k_all = k_all.repeat_interleave(rep, dim=1)
             v_all = v_all.repeat_interleave(rep, dim=1)
         out = []
         L = self.chunk
-        for j, qj in zip(self._mine, q.split(L, dim=2), strict=True):
+        for j, qj, mask in zip(self._mine, q.split(L, dim=2), masks, strict=True):
             keys = (j + 1) * L  # the causal prefix of chunk j; its last L keys are the diagonal
-            mask = self._causal[j]
-            if ROCM and qj.is_cuda:  # the lower-right variant is untested on ROCm in PyTorch
-                mask = mask._materialize(qj.device)
             out.append(F.scaled_dot_product_attention(qj, k_all[:, :, :keys],
                                                       v_all[:, :, :keys], attn_mask=mask))
         return torch.cat(out, dim=2)
@@ -264,15 +354,22 @@ class StandInContextParallel(ContextParallel):
         super().__init__(cp, index, seq_len, group=None)
         self._gen = torch.Generator().manual_seed(seed)
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
+    def start_gather(self, x: torch.Tensor) -> tuple:
         parts = [x if k == self.index else
-                 torch.randn(x.shape, generator=self._gen).to(x.dtype) for k in range(self.cp)]
+                 torch.randn(x.shape, generator=self._gen).to(x.device, x.dtype)
+                 for k in range(self.cp)]
         chunks = [c for p in parts for c in p.split(self.chunk, dim=2)]
-        return torch.cat([chunks[i] for i in self._to_sequence], dim=2)
+        return (torch.cat([chunks[i] for i in self._to_sequence], dim=2),)
 
-    def reduce_rows(self, grad: torch.Tensor) -> torch.Tensor:
+    def finish_gather(self, handle: tuple) -> torch.Tensor:
+        return handle[0]
+
+    def start_reduce(self, grad: torch.Tensor) -> tuple:
         chunks = grad.split(self.chunk, dim=2)
-        return torch.cat([chunks[c] for c in self._mine], dim=2)
+        return (torch.cat([chunks[c] for c in self._mine], dim=2),)
+
+    def finish_reduce(self, handle: tuple) -> torch.Tensor:
+        return handle[0]
 
 
 def enable_(model: torch.nn.Module, cp: ContextParallel) -> None:

@@ -38,24 +38,31 @@ def _count(monkeypatch, cp: int, tp: int = 1, precision: str = "fp32"):
     def counting_sdpa(q, k, v, **kw):
         lq, lk = q.shape[-2], k.shape[-2]
         mask = kw["attn_mask"]
-        assert isinstance(mask, CausalBias) and mask.variant == CausalVariant.LOWER_RIGHT
-        assert (mask.seq_len_q, mask.seq_len_kv) == (lq, lk)
-        # (every pair of the block, the causal ones: query i sees keys <= lk - lq + i)
-        pairs.append((lq * lk, lq * (lk - lq) + lq * (lq + 1) // 2))
+        if isinstance(mask, CausalBias):  # the square block of chunk 0
+            assert mask.variant == CausalVariant.LOWER_RIGHT
+            assert (mask.seq_len_q, mask.seq_len_kv) == (lq, lk) and lq == lk
+        else:  # on the CPU the lower-right mask materialised once, additive (0 or -inf)
+            want = LowerRightCausal(lq, lk)._materialize()
+            assert mask.dtype == q.dtype and torch.equal(mask == 0, want)
+            assert torch.isneginf(mask[~want]).all()
+        # (every pair of the block, the causal ones: query i sees keys <= lk - lq + i), in
+        # units of all of the rank's query heads (one call per key/value head group)
+        share = q.shape[1] / (MODEL.heads // tp)
+        pairs.append((share * lq * lk, share * (lq * (lk - lq) + lq * (lq + 1) // 2)))
         return sdpa(q, k, v, **kw)
 
-    real_gather = StandInContextParallel.gather
+    real_gather = StandInContextParallel.start_gather
 
     def counting_gather(self, x):
         out = real_gather(self, x)
-        gathered.append(out.numel() * out.element_size())
+        gathered.append(out[0].numel() * out[0].element_size())
         return out
 
     # the CP module's own handle on SDPA (torch.nn.functional stays as it is: the causal bias
     # dispatches on the real function)
     monkeypatch.setattr(context_parallel, "F",
                         types.SimpleNamespace(scaled_dot_product_attention=counting_sdpa))
-    monkeypatch.setattr(StandInContextParallel, "gather", counting_gather)
+    monkeypatch.setattr(StandInContextParallel, "start_gather", counting_gather)
     x = torch.randint(0, MODEL.vocab, (1, MODEL.seq_len // cp))
     model(x)
     return pairs, gathered, plan
@@ -84,26 +91,83 @@ def test_masked_tiles_are_skipped_on_nvidia_only():
 def test_kv_bytes_are_the_gathered_tensors(monkeypatch, cp, tp):
     _, gathered, plan = _count(monkeypatch, cp, tp)
     eb = cost.precision_bytes(plan.training)
-    # one gather per layer: K and V side by side, each the whole sequence of this TP rank's
-    # kv heads
-    assert gathered == [2 * context.kv_bytes(MODEL, 1, tp, eb)] * MODEL.layers
+    # one gather per key/value head of this TP rank in each layer (its K and V side by side),
+    # together the whole sequence of the rank's kv heads
+    groups = MODEL.kv_heads // tp
+    assert len(gathered) == groups * MODEL.layers
+    assert gathered == [2 * context.kv_bytes(MODEL, 1, tp, eb) / groups] * len(gathered)
 
 
-def test_cp_comm_is_one_gather_and_one_reduce_scatter_of_keys_and_values():
-    n = 2 * context.kv_bytes(MODEL, 1, 1, 2)
+def test_cp_comm_is_a_gather_and_a_reduce_scatter_of_keys_and_values_per_head_group():
+    groups = context.head_groups(MODEL, 1)
+    assert groups == MODEL.kv_heads == 2
+    n = 2 * context.kv_bytes(MODEL, 1, 1, 2) / groups  # one group's K and V
     bw, lat = 10.0, 1e-6
-    want = 2 * cost.ring_reduce_scatter_s(n, 4, bw, lat)
+    one = cost.ring_reduce_scatter_s(n, 4, bw, lat)  # a group's gather, or its reduce-scatter
     nccl = {"scatter_rows": True}
+    # nothing to overlap: every collective exposed, each with its own latency
     assert context.cp_comm_per_layer_s(MODEL, 1, 1, 4, 2, "none", bw, lat,
-                                       **nccl) == pytest.approx(want)
-    # full recompute re-runs the forward's gather in the backward
+                                       **nccl) == pytest.approx(2 * groups * one)
+    # full recompute re-runs the forward's gathers in the backward
     full = context.cp_comm_per_layer_s(MODEL, 1, 1, 4, 2, "full", bw, lat, **nccl)
-    assert full == pytest.approx(want + cost.ring_reduce_scatter_s(n, 4, bw, lat))
+    assert full == pytest.approx(3 * groups * one)
     assert context.cp_comm_per_layer_s(MODEL, 1, 1, 1, 2, "none", bw, lat, **nccl) == 0.0
     # gloo: the gradient all-reduced
     gloo = context.cp_comm_per_layer_s(MODEL, 1, 1, 4, 2, "none", bw, lat, scatter_rows=False)
-    assert gloo == pytest.approx(cost.ring_reduce_scatter_s(n, 4, bw, lat)
-                                 + cost.ring_all_reduce_s(n, 4, bw, lat))
+    assert gloo == pytest.approx(groups * (one + cost.ring_all_reduce_s(n, 4, bw, lat)))
+
+
+def test_cp_comm_under_the_attention_leaves_the_first_gather_and_the_last_reduction():
+    n = 2 * context.kv_bytes(MODEL, 1, 1, 2) / 2
+    bw, lat = 10.0, 1e-6
+    one = cost.ring_reduce_scatter_s(n, 4, bw, lat)
+    nccl = {"scatter_rows": True}
+
+    def comm(recompute, window):
+        return context.cp_comm_per_layer_s(MODEL, 1, 1, 4, 2, recompute, bw, lat,
+                                           attention_s=window, **nccl)
+
+    # each group's attention outlasts the next group's collective: one of each is exposed
+    assert comm("none", 10 * one) == pytest.approx(2 * one)
+    # a group's forward attention half a collective: the second gather waits the other half;
+    # the backward (two passes) hides the first reduce-scatter whole
+    assert comm("none", one) == pytest.approx(one + 0.5 * one + one)
+    # full recompute's re-run gathers under its re-run attention; attention-free's re-run
+    # computes no attention, so its gathers are exposed
+    assert comm("full", 10 * one) == pytest.approx(3 * one)
+    assert comm("attention-free", 10 * one) == pytest.approx(2 * one + 2 * one)
+    # never more than with nothing to overlap, never less than one of each
+    for recompute in ("none", "selective", "full", "attention-free"):
+        assert 2 * one <= comm(recompute, one) <= comm(recompute, 0.0)
+
+
+def test_exposed_collectives_against_a_brute_force_timeline():
+    """exposed_s against an event simulation: collectives back to back on one stream, each
+    group's compute waiting for its gather."""
+    import random
+    rng = random.Random(3)
+    for _ in range(200):
+        groups = rng.randint(1, 8)
+        t, w = rng.uniform(0.1, 2.0), rng.uniform(0.0, 2.0)
+        comm_end = compute_end = 0.0
+        for _g in range(groups):
+            comm_end += t  # the gathers run back to back from time 0
+            compute_end = max(compute_end, comm_end) + w
+        assert context.exposed_s(groups * t, groups * w, groups) == pytest.approx(
+            compute_end - groups * w)
+
+
+def test_the_window_is_a_share_of_the_ranks_attention_off_the_cpu():
+    from hettrain.planning.catalog import CATALOG
+    h100, cpu = CATALOG["H100-SXM"], CATALOG["CPU"]
+    w = context.attention_window_s(MODEL, 1, 1, 4, h100)
+    share = context.attention_share(4, skips_masked=True)
+    flops = 4 * share * MODEL.seq_len ** 2 * MODEL.hidden
+    assert w == pytest.approx(cost.dp_overlap_share(h100) * flops
+                              / (h100.matmul_flops(2) * cost.attention_efficiency(h100)))
+    assert 0 < cost.dp_overlap_share(h100) < 1  # the collectives slow the attention down
+    assert context.attention_window_s(MODEL, 1, 1, 4, cpu) == 0.0  # gloo: nothing overlaps
+    assert context.attention_window_s(MODEL, 1, 1, 1, h100) == 0.0
 
 
 def test_only_the_cpu_all_reduces_the_kv_gradient():
