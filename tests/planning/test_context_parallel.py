@@ -182,7 +182,7 @@ def test_a_replan_falls_back_to_every_degree():
     """Where the previous degree finds no layout the re-plan searches every degree: cp 8 of
     a 64k-token replica fits an H100 node (the previous plan) but not an L40S node, where
     the re-plan then finds the same plan as a first plan there; where the previous degree
-    is no option at all (4-GPU nodes: cp ≤ 4), every degree from the start."""
+    is no option at all (4 GPUs in all: cp ≤ 4), every degree from the start."""
     spec = parse_job_spec(_job(65536, 8, 1, "none"))
     previous = plan_job("j", parse_job_spec(_job(65536, 8, 1, "none", cp=8)),
                         load_cluster(_cluster("H100-SXM", 1)))
@@ -194,7 +194,7 @@ def test_a_replan_falls_back_to_every_degree():
     first = plan_job("j", spec, l40s)
     assert again.stages[0].cp == first.stages[0].cp < 8
     assert again.predicted.step_time_s == pytest.approx(first.predicted.step_time_s, rel=1e-12)
-    small = load_cluster(_cluster("L40S", 2, gpus=4))
+    small = load_cluster(_cluster("L40S", 1, gpus=4))
     assert _cp_orders(_cp_options(spec, small.pools), previous) == [[2, 4, 1]]
     assert plan_job("j", spec, small, previous=previous).stages[0].cp in (1, 2, 4)
 

@@ -2090,17 +2090,18 @@ def _cp_orders(cps: Sequence[int], previous: Plan | None) -> list[list[int]]:
 def _cp_options(spec: JobSpec, pools: Sequence) -> list[int]:
     """Context-parallel degrees to search: the pinned ``spec.parallelism.cp``, else the powers
     of two ``cp`` with ``seq_len`` a multiple of ``2·cp`` (the runtime's load-balanced chunks,
-    ``planning/support.py``), at most the largest node's GPUs (a CP group beyond a node runs
-    over the NIC: costed, but never searched wider) and ``seq_len / cp ≥
-    CP_MIN_LOCAL_TOKENS``; ascending."""
+    ``planning/support.py``), ``seq_len / cp ≥ CP_MIN_LOCAL_TOKENS`` and at most the pools'
+    GPUs; ascending. A group wider than a node runs over the NIC (``context.cp_link``), its
+    exchange partly under the attention (``context.exposed_s``); at 128k tokens the planner
+    picks cp 16 or 32 on about half of bench/plan_quality.py's clusters."""
     if spec.parallelism.cp is not None:
         return [spec.parallelism.cp]
     if spec.parallelism.schedule == "helix":  # its stages run without CP
         return [1]
-    node = max((p.gpus_per_node for p in pools), default=1)
+    gpus = sum(p.gpus for p in pools)
     out, cp = [1], 2
     seq = spec.model.seq_len
-    while cp <= node and seq % (2 * cp) == 0 and seq // cp >= CP_MIN_LOCAL_TOKENS:
+    while cp <= gpus and seq % (2 * cp) == 0 and seq // cp >= CP_MIN_LOCAL_TOKENS:
         out.append(cp)
         cp *= 2
     return out
