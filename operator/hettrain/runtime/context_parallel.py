@@ -19,14 +19,20 @@ fused kernels (flash, memory-efficient attention) skip the diagonal block's mask
 elsewhere (CPU, Gaudi, Ascend) SDPA materialises the mask and computes the block in full, and
 on ROCm the runtime passes the materialised mask itself (PyTorch does not test the lower-right
 variant there).
-Why not ring attention: the gather is one collective per layer instead of ``n-1`` overlapped
-steps with an online-softmax merge, the attention kernel is the unmodified
+The exchange runs per key/value head (a head group: its keys and values side by side and the
+query heads sharing them), under the attention: a layer's gathers are all launched first and
+each group's attention runs once its own gather is in; in the backward each group's reduction
+is launched as soon as its attention backward has produced it and all are waited for before
+the K/V projections' backward (:class:`_KeepLocal`, :class:`_Gathered`). Heads are independent,
+so the result is the whole gather's; ``planning.context.exposed_s`` prices what stays exposed.
+Why not ring attention: a gather is one collective per head group instead of ``n-1`` steps
+with an online-softmax merge, the attention kernel is the unmodified
 ``scaled_dot_product_attention`` (same numerics as the reference), and for GQA models the K/V
 bytes are small next to the compute at the lengths where CP is needed; ring attention's
-advantage (overlapping the exchange, O(S/n) K/V memory) matters at very large ``n``. The
-backward sums every rank's gradient of the gathered K/V and keeps its own chunks' rows: one
-reduce-scatter over the CP group (the rows sent rank-major, as the gather received them), or on
-gloo, whose reduce-scatter is no faster than its all-reduce, an all-reduce.
+``O(S/n)`` K/V memory matters at very large ``n``. The backward sums every rank's gradient of
+the gathered K/V and keeps its own chunks' rows: one reduce-scatter over the CP group (the rows
+sent rank-major, as the gather received them), or on gloo, whose reduce-scatter is no faster
+than its all-reduce, an all-reduce.
 
 Gradients and loss: each CP rank's loss is the mean cross-entropy of its own tokens (all ranks
 hold the same number), so the loss of the CP group is the mean of the ranks' losses and the
