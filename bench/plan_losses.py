@@ -174,8 +174,10 @@ def breakdown(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> dict[str, flo
                                k == plan.pp - 1)
     opt = oc * split[k] + oe
     zd = plan_zb_div(plan, [u.device for u in units])  # ZB-H1: measured B/W split or 3
-    with_b, _ = cost.pipeline_time_s(stage_s, bounds, m_solo, plan.schedule, v, zd)
-    boundary = with_b - cost.pipeline_time_s(stage_s, [], m_solo, plan.schedule, v, zd)[0]
+    helix = {"model": model, "helix_hop": plan.helix_hop, "helix_filo": plan.helix_filo}
+    with_b, _ = cost.pipeline_time_s(stage_s, bounds, m_solo, plan.schedule, v, zd, **helix)
+    boundary = with_b - cost.pipeline_time_s(stage_s, [], m_solo, plan.schedule, v, zd,
+                                             **helix)[0]
     # (replicas, microbatches, StagePlans, stage units, stage seconds) per replica group
     # (uneven dp: the short replicas as a group of their own, one microbatch fewer: the
     # pipeline time they wait for the full ones counts as imbalance)
@@ -188,7 +190,8 @@ def breakdown(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> dict[str, flo
         groups.append((g.dp, g.num_microbatches, g.stages, [ug] * g.pp,
                        [s.time_ms / 1e3 for s in g.stages]))
     pipes = [cost.pipeline_time_s(ss, [], mg, plan.schedule, v,
-                                  plan_zb_div(plan, [u.device for u in us], sp[0].cp))[0]
+                                  plan_zb_div(plan, [u.device for u in us], sp[0].cp),
+                                  **helix)[0]
              for _, mg, sp, us, ss in groups]
     # the step: the slowest group's pipeline + boundaries + the tail (with groups: + the
     # gradient sum between them, replica_groups.groups_grad_sum_s: whatever T leaves)

@@ -19,7 +19,7 @@ from hettrain.planning.profiles import apply_profiles, profile_doc, profile_from
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import plan_quality as pq  # noqa: E402
-from plan_losses import breakdown  # noqa: E402
+from plan_losses import PARTS, breakdown  # noqa: E402
 
 
 def test_the_case_set_is_fixed_and_within_its_bounds():
@@ -218,3 +218,23 @@ def test_loss_breakdown_counts_attention_free_recompute() -> None:
         whole = plan_job("j", spec, inv)
     assert whole.training.loss_chunk_tokens == 0
     assert breakdown(spec, inv, whole)["recompute"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_loss_breakdown_rebuilds_a_helix_plan() -> None:
+    """A ``schedule: helix`` plan (llama3-8b at 8k, pp 4 on 4×8 H100): the breakdown prices
+    its pipeline with the helix order (which needs the model: it raised before) and rebuilds
+    the plan's step exactly, its parts adding up to the gap."""
+    cluster = {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster",
+               "metadata": {"name": "t"}, "datacenters": [{"name": "a"}],
+               "pools": [{"name": "h", "datacenter": "a", "device": "H100-SXM", "nodes": 4,
+                          "gpusPerNode": 8, "nicGbps": 3200}]}
+    inv = load_cluster(cluster)
+    spec = parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": 8192},
+                           "training": {"globalBatch": 64, "steps": 1},
+                           "parallelism": {"schedule": "helix", "pp": 4}})
+    plan = plan_job("j", spec, inv)
+    assert plan.schedule == "helix" and plan.helix_hop > 0
+    parts = breakdown(spec, inv, plan)
+    assert parts["step_err"] == pytest.approx(0.0, abs=1e-9)
+    assert parts["bubble"] > 0
+    assert sum(parts[k] for k in PARTS) == pytest.approx(parts["gap"], abs=1e-9)
