@@ -138,10 +138,11 @@ def test_memory_forces_cp_at_32k_on_80gb_gpus():
 
 
 def test_cp_is_searched_while_each_rank_keeps_its_minimum_of_tokens():
-    """CP degrees are searched while each rank keeps ``CP_MIN_LOCAL_TOKENS`` of the sequence
-    and they fit a node: at 8k tokens 1, 2 and 4, and the plan is the fastest of the three
-    pinned one by one (over PCIe on L40S a degree > 1 wins); at 2k tokens cp = 1 alone, and
-    the plan says nothing of CP."""
+    """CP degrees are searched while each rank keeps ``CP_MIN_LOCAL_TOKENS`` of the sequence:
+    at 8k tokens 1, 2 and 4, and the plan is the fastest of the three pinned one by one (over
+    PCIe on L40S a degree > 1 wins); at 2k tokens cp = 1 alone, and the plan says nothing of
+    CP. Wider than a node too (over the NIC), but never wider than the pools' GPUs or than
+    the largest degree a spec may pin (64)."""
     inv = load_cluster(_cluster("L40S", 1))
     assert CP_MIN_LOCAL_TOKENS == 2048
     spec = parse_job_spec(_job(8192, 8, 1, "none"))
@@ -156,6 +157,12 @@ def test_cp_is_searched_while_each_rank_keeps_its_minimum_of_tokens():
     plan = plan_job("j", short, inv)
     assert [s.cp for s in plan.stages] == [1] * plan.pp
     assert "cp" not in plan.to_json()
+    long = parse_job_spec(_job(131072, 8, 1, "none"))
+    assert _cp_options(long, inv.pools) == [1, 2, 4, 8]  # one 8-GPU node
+    assert _cp_options(long, load_cluster(_cluster("L40S", 4)).pools) == [1, 2, 4, 8, 16, 32]
+    assert _cp_options(long, load_cluster(_cluster("L40S", 16)).pools)[-1] == 64
+    longer = parse_job_spec(_job(262144, 8, 1, "none"))
+    assert _cp_options(longer, load_cluster(_cluster("L40S", 32)).pools)[-1] == 64
 
 
 def test_a_replan_keeps_the_cp_degree():

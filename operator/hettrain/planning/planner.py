@@ -37,6 +37,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 from hettrain.api.constants import REASON_PLAN_FAILED
+from hettrain.api.limits import SPEC_MAXIMUMS
 from hettrain.api.spec import (
     JobSpec,
     ModelSpec,
@@ -2090,18 +2091,19 @@ def _cp_orders(cps: Sequence[int], previous: Plan | None) -> list[list[int]]:
 def _cp_options(spec: JobSpec, pools: Sequence) -> list[int]:
     """Context-parallel degrees to search: the pinned ``spec.parallelism.cp``, else the powers
     of two ``cp`` with ``seq_len`` a multiple of ``2·cp`` (the runtime's load-balanced chunks,
-    ``planning/support.py``), ``seq_len / cp ≥ CP_MIN_LOCAL_TOKENS`` and at most the pools'
-    GPUs; ascending. A group wider than a node runs over the NIC (``context.cp_link``), its
-    exchange partly under the attention (``context.exposed_s``); at 128k tokens the planner
-    picks cp 16 or 32 on about half of bench/plan_quality.py's clusters."""
+    ``planning/support.py``), ``seq_len / cp ≥ CP_MIN_LOCAL_TOKENS``, at most the pools'
+    GPUs and at most the largest degree a spec may pin (``api.limits``: 64); ascending. A
+    group wider than a node runs over the NIC (``context.cp_link``), its exchange partly
+    under the attention (``context.exposed_s``); at 128k tokens the planner picks cp 16 or 32
+    on about half of bench/plan_quality.py's clusters."""
     if spec.parallelism.cp is not None:
         return [spec.parallelism.cp]
     if spec.parallelism.schedule == "helix":  # its stages run without CP
         return [1]
-    gpus = sum(p.gpus for p in pools)
+    top = min(sum(p.gpus for p in pools), SPEC_MAXIMUMS["spec.parallelism.cp"])
     out, cp = [1], 2
     seq = spec.model.seq_len
-    while cp <= gpus and seq % (2 * cp) == 0 and seq // cp >= CP_MIN_LOCAL_TOKENS:
+    while cp <= top and seq % (2 * cp) == 0 and seq // cp >= CP_MIN_LOCAL_TOKENS:
         out.append(cp)
         cp *= 2
     return out
