@@ -143,7 +143,7 @@ def cp_attention_check(device: torch.device, seq: int, cp: int, repeats: int
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            out = rank._core(q, k, v)
+            out = rank._core(q, k, v, tuple(masks[j] for j in rank._mine))
             grads = torch.autograd.grad(out, (q, k, v), upstream)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
