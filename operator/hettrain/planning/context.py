@@ -137,7 +137,7 @@ def attention_window_s(model: ModelSpec, micro_batch: int, tp: int, cp: int,
     if cp <= 1 or overlap == 0.0:
         return 0.0
     share = attention_share(cp, skips_masked=cost.skips_masked_tiles(device))
-    flops = 4.0 * micro_batch * share * model.seq_len ** 2 * model.hidden / tp
+    flops = share * cost.attention_core_forward_flops(model, micro_batch * model.seq_len) / tp
     return overlap * flops / (device.matmul_flops(elem_bytes)
                               * cost.attention_efficiency(device, elem_bytes))
 

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, CausalVariant
+from torch.utils.checkpoint import checkpoint
 
 from hettrain.planning.plan import Plan
 from hettrain.planning.support import context_parallel_degree
@@ -231,15 +232,11 @@ class ContextParallel:
         chunks = [c for p in parts for c in p.to(device).split(self.chunk, dim=2)]
         return torch.cat([chunks[i] for i in self._to_sequence], dim=2)
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Full-sequence tensor (dim 2) from every rank's ``2L`` rows, in position order."""
-        return self.finish_gather(self.start_gather(x))
-
     def start_reduce(self, grad: torch.Tensor) -> tuple:
         """Launch the sum of ``grad`` (full sequence, dim 2) over the CP group;
         :meth:`finish_reduce` waits for it and keeps this rank's ``2L`` rows.
         ``scatter_rows``: one reduce-scatter of the rows in rank-major order (rank ``k``'s
-        chunks ``k`` and ``2cp-1-k`` side by side, as :meth:`gather` receives them); else an
+        chunks ``k`` and ``2cp-1-k`` side by side, as :meth:`finish_gather` receives them); else an
         all-reduce of the whole buffer, of which this rank keeps its rows."""
         if self.scatter_rows:
             b, heads, _, d = grad.shape
@@ -310,7 +307,6 @@ class ContextParallel:
             k_all, v_all = kv_all.split(1, dim=1)
             qg = q[:, g * rep:(g + 1) * rep]
             if recompute:
-                from torch.utils.checkpoint import checkpoint
                 out.append(checkpoint(self._core, qg, k_all, v_all, masks, use_reentrant=False))
             else:
                 out.append(self._core(qg, k_all, v_all, masks))
