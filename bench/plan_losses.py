@@ -50,6 +50,7 @@ from hettrain.planning.planner import (
     _after_sum_dp_s,
     _optimizer_coeffs,
     _stage_costs,
+    link_delays,
     pipeline_hops,
 )
 from hettrain.planning.replica_groups import plan_zb_div
@@ -122,7 +123,8 @@ def _stage_parts(spec: JobSpec, plan_spec: JobSpec, unit, tp: int, cp: int, mb: 
 
 def _layout(spec: JobSpec, inv: ClusterInventory, plan: Plan):
     """The plan's group-0 stages as the search costed them: (concrete spec, stage units,
-    StageCosts, boundary seconds, DP×CP group size)."""
+    StageCosts, boundary seconds, DP×CP group size, microbatches, the datacenter links'
+    latency paid once: ``planner.link_delays``)."""
     cp = plan.stages[0].cp
     concrete = replace(spec, training=plan.training,
                        parallelism=replace(spec.parallelism, cp=cp),
@@ -135,11 +137,14 @@ def _layout(spec: JobSpec, inv: ClusterInventory, plan: Plan):
     dpcp = plan.dp * cp
     # the fullest replica's microbatches (group 0's, as the search costed them)
     m = -(-spec.training.global_batch // (plan.dp * plan.micro_batch))
+    # a schedule that hides the datacenter links' latency: ordinary hops, the delay once
+    delays = link_delays(stage_units, inv, plan.schedule)
+    warm = tuple(s.link_warmup for s in plan.stages) if any(delays) else ()
     stages, _ = _stage_costs(stage_units, tps, dpcp, plan.micro_batch, m, plan.schedule, inv,
-                             concrete, v=plan.virtual_stages)
+                             concrete, v=plan.virtual_stages, warm=warm)
     bounds = pipeline_hops(stage_units, tps, dpcp, plan.micro_batch, inv, concrete,
-                           plan.virtual_stages)
-    return concrete, stage_units, stages, bounds, dpcp, m
+                           plan.virtual_stages, bool(warm))
+    return concrete, stage_units, stages, bounds, dpcp, m, sum(delays)
 
 
 def breakdown(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> dict[str, float]:
@@ -159,7 +164,7 @@ def breakdown(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> dict[str, flo
         used = per_pool.get(p.name, 0)
         out["idle whole" if used == 0 else "idle part"] += ((p.gpus - used)
                                                            * rates[p.device.name][0] * T)
-    concrete, units, stages, bounds, _, m_solo = _layout(spec, inv, plan)
+    concrete, units, stages, bounds, _, m_solo, delay = _layout(spec, inv, plan)
     split = [s.layers for s in plan.stages]
     v = plan.virtual_stages
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
@@ -175,7 +180,8 @@ def breakdown(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> dict[str, flo
     opt = oc * split[k] + oe
     zd = plan_zb_div(plan, [u.device for u in units])  # ZB-H1: measured B/W split or 3
     helix = {"model": model, "helix_hop": plan.helix_hop, "helix_filo": plan.helix_filo}
-    with_b, _ = cost.pipeline_time_s(stage_s, bounds, m_solo, plan.schedule, v, zd, **helix)
+    with_b, _ = cost.pipeline_time_s(stage_s, bounds, m_solo, plan.schedule, v, zd, **helix,
+                                     link_delay_s=delay)
     boundary = with_b - cost.pipeline_time_s(stage_s, [], m_solo, plan.schedule, v, zd,
                                              **helix)[0]
     # (replicas, microbatches, StagePlans, stage units, stage seconds) per replica group

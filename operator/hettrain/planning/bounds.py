@@ -372,10 +372,13 @@ class LeafBound:
         base = self._order_free()
         return math.inf if base is None else base[2]
 
-    def bound(self, boundary: tuple[float, float] | Callable[[], tuple[float, float]]
+    def bound(self, boundary: tuple[float, ...] | Callable[[], tuple[float, ...]]
               = (0.0, 0.0), last: Choice | None = None, bubble_div: float = 3.0,
               cutoff: float = math.inf) -> float:
-        """:func:`step_lower_bound` of these choices with these arguments."""
+        """:func:`step_lower_bound` of these choices with these arguments. ``boundary``:
+        ``(slowest, sum)`` of the boundary transfers, or ``(slowest, sum, delay)`` with a
+        ``delay`` every layout pays whole, whatever its schedule (a datacenter link's
+        latency: ``planner._ordered_bounds``), added undivided."""
         base = self._order_free()
         if base is None:
             return math.inf
@@ -385,10 +388,10 @@ class LeafBound:
         best = slope * max(xc, floor) + (sigma_inf + head) / bubble_div + d  # cheap first
         if best >= cutoff:
             return best
-        p_max, p_sum = boundary() if callable(boundary) else boundary
+        p_max, p_sum, *delay = boundary() if callable(boundary) else boundary
         x_whole, x_top = self._whole_terms()
         x0 = max(x_whole, floor)
-        rest = (sigma_inf + head + p_sum) / bubble_div + d
+        rest = (sigma_inf + head + p_sum) / bubble_div + d + (delay[0] if delay else 0.0)
         best = slope * max(x0, p_max) + rest  # whole layers and boundaries, X and Σt uncoupled
         if best >= cutoff:
             return best

@@ -856,12 +856,14 @@ def vocab_shards(model: ModelSpec, tp: int) -> int:
 
 
 def in_flight_microbatches(stage: int, pp: int, m: int, schedule: str,
-                           virtual_stages: int = 1) -> float:
+                           virtual_stages: int = 1, link_warmup: int = 0) -> float:
     """Peak microbatches whose activations a stage holds at once, in whole-stage units.
 
-    1F1B and ZB-H1 (same bound, Qi et al. §3): ``min(pp − stage, m)``; GPipe: ``m``;
-    interleaved with ``v`` chunks (Megatron's warm-up): ``(2·(pp − stage − 1) + (v − 1)·pp + 1)``
-    chunk-forwards of ``1/v`` of the stage each, at most ``m·v``.
+    1F1B and ZB-H1 (same bound, Qi et al. §3): ``min(pp − stage + link_warmup, m)``
+    (``link_warmup``: the stage's extra warm-up forwards over a datacenter link's latency,
+    :func:`link_warmups`); GPipe: ``m``; interleaved with ``v`` chunks (Megatron's warm-up):
+    ``(2·(pp − stage − 1) + (v − 1)·pp + 1)`` chunk-forwards of ``1/v`` of the stage each, at
+    most ``m·v``.
     """
     if schedule == "gpipe":
         return float(m)
@@ -871,7 +873,33 @@ def in_flight_microbatches(stage: int, pp: int, m: int, schedule: str,
         v = virtual_stages
         chunks = min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v)
         return chunks / v
-    return float(min(pp - stage, m))
+    return float(min(pp - stage + link_warmup, m))
+
+
+# schedules whose runtime hides a datacenter link's latency with extra warm-up forwards
+# (runtime/schedules.warmup_count): one model chunk per stage, a backward per microbatch
+HIDES_LINK_LATENCY = ("1f1b", "zb-h1")
+
+
+def link_warmups(delays: Sequence[float], period_s: float, m: int) -> tuple[int, ...]:
+    """Extra warm-up forwards per stage that hide the datacenter links' latency in a 1F1B or
+    ZB-H1 pipeline: ``delays[k]`` is the round trip (forward activation and backward gradient)
+    that hop ``k → k + 1`` adds beyond an ordinary transfer, ``period_s`` a lower bound on the
+    steady state's seconds per microbatch. Stage ``s`` waits on the round trips of every hop
+    after it, so it starts ``Σ_{k ≥ s} ⌈delays[k] / period_s⌉`` more forwards before its first
+    backward, at most ``m − (pp − s)`` (then it runs every forward first). With them no stage
+    waits on a link's latency in the steady state: the pipeline pays it once, as fill
+    (:func:`pipeline_time_s`' ``link_delay_s``), and holds the extra microbatches' activations
+    (:func:`in_flight_microbatches`)."""
+    pp = len(delays) + 1
+    if period_s <= 0:
+        raise ValueError(f"link_warmups: period_s={period_s} must be > 0")
+    out, behind = [], 0
+    for s in range(pp - 1, -1, -1):
+        if s < pp - 1 and delays[s] > 0:
+            behind += math.ceil(delays[s] / period_s - 1e-9)
+        out.append(max(0, min(behind, m - (pp - s))))
+    return tuple(reversed(out))
 
 
 def zb_pending_weight_grads(stage: int, pp: int, m: int) -> int:
@@ -895,12 +923,14 @@ def weight_grad_stash_bytes_per_layer(model: ModelSpec, micro_batch: int, tp: in
 
 
 def schedule_memory_args(stage: int, pp: int, m: int, schedule: str,
-                         virtual_stages: int = 1, helix_filo: bool = False
-                         ) -> dict[str, float]:
+                         virtual_stages: int = 1, helix_filo: bool = False,
+                         link_warmup: int = 0, recv_ahead: int = 0) -> dict[str, float]:
     """The schedule-dependent keyword arguments of :func:`stage_memory` for ``stage``
     (``interleaved-zb``: the peaks of its replayed order, :func:`interleaved_zb.stage_peaks`;
     ``helix``: its order's caps, :func:`helix.in_flight_bound`, ``helix_filo``: the
-    first-in-last-out order's)."""
+    first-in-last-out order's; 1F1B and ZB-H1: ``link_warmup`` extra warm-up forwards over a
+    datacenter link, and ``recv_ahead`` more stage inputs received ahead from across one:
+    :func:`link_warmups`)."""
     if schedule == "helix":
         # its entry cap and foreign-core cap (helix.in_flight_bound), never below 1F1B's at
         # the same position (the search's memory bounds assume it)
@@ -919,7 +949,10 @@ def schedule_memory_args(stage: int, pp: int, m: int, schedule: str,
                 "ids_in_flight": float(min(in_flight * v, m)) if stage == 0 else in_flight,
                 "moments": interleaved_zb.stage_moments(pp, m, v)[stage]}
     v = virtual_stages if schedule == "interleaved" else 1
-    return {"in_flight": in_flight_microbatches(stage, pp, m, schedule, v),
+    hides = schedule in HIDES_LINK_LATENCY
+    warm = link_warmup if hides else 0
+    return {"in_flight": in_flight_microbatches(stage, pp, m, schedule, v, warm),
+            "recv_ahead": float(recv_ahead if hides else 0),
             "pending_w": float(zb_pending_weight_grads(stage, pp, m))
             if schedule == "zb-h1" else 0.0,
             "zb_stash": 1.0 if schedule == "zb-h1" else 0.0,
@@ -928,7 +961,7 @@ def schedule_memory_args(stage: int, pp: int, m: int, schedule: str,
             # interleaved: stage 0 starts up to pp·v chunk-0 microbatches before the first
             # chunk-0 backward (an upper bound; token ids are small)
             "ids_in_flight": float(min(pp * v, m)) if v > 1 and stage == 0 else
-            in_flight_microbatches(stage, pp, m, schedule, v)}
+            in_flight_microbatches(stage, pp, m, schedule, v, warm)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -989,7 +1022,8 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
                  head_in_flight: float = 1.0, ids_in_flight: float | None = None,
                  zb_stash: float = 0.0, cp: int = 1,
                  moments: Sequence[tuple[float, float]] = (),
-                 split_layers: bool = False, cp_masks: bool = True) -> StageMemory:
+                 split_layers: bool = False, cp_masks: bool = True,
+                 recv_ahead: float = 0.0) -> StageMemory:
     """Per-device memory of a stage as a function of its layer count.
 
     ``in_flight``: :func:`in_flight_microbatches`. Besides the model state and the layers'
@@ -1018,6 +1052,8 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
     ``training.sharding`` (:func:`state_bytes_per_param`): gradients and full add the
     transient of the stage's largest unit (:func:`sharding_transient_bytes`) to ``fixed``.
     ``split_layers`` (helix) adds :func:`split_layer_extra_bytes` to each layer's activations.
+    ``recv_ahead``: stage inputs the runtime receives ahead from across a datacenter link
+    (``runtime/pipeline.py``, :func:`link_warmups`), one activation each.
     """
     per_param = state_bytes_per_param(training, dp * cp)
     eb = precision_bytes(training)
@@ -1054,6 +1090,7 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, *, tp: int, dp: int, 
         working += cp_attention_extra_bytes_per_layer(full, micro_batch, tp, cp, "none", eb,
                                                       masks=cp_masks)
     chunks_in_flight = in_flight * virtual_stages
+    fixed += s * b * h * eb * recv_ahead  # inputs received ahead over a datacenter link
     vs = vocab_shards(model, tp)
     # vocab-parallel: the embedding keeps its local int64 ids and a bool out-of-range mask; the
     # cross-entropy its local int64 target index and a bool in-range mask (1 byte each)
@@ -1365,7 +1402,8 @@ def boundary_charges(hops: Sequence[float], pp: int, schedule: str,
 def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, schedule: str,
                     virtual_stages: int = 1, zb_div: float = ZB_CATALOG_DIVISOR,
                     model: ModelSpec | None = None, helix_hop: float = 0.0,
-                    helix_filo: bool = False) -> tuple[float, float]:
+                    helix_filo: bool = False, link_delay_s: float = 0.0
+                    ) -> tuple[float, float]:
     """Time of the pipelined part of a step and its bubble, for heterogeneous stages.
 
     1F1B: ``(m−1)·max + Σ`` over stages and boundary transfers (a slow link is a stage of its
@@ -1385,6 +1423,10 @@ def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, sched
     included, is in that replay; ``helix_filo``: the first-in-last-out order's), and
     interleaved's boundary traffic at one layer per chunk in the slowest term only (a link
     busier than a stage).
+    ``link_delay_s``: the datacenter links' round-trip latency that 1F1B and ZB-H1 hide
+    with extra warm-up (:func:`link_warmups`; ``boundary_s`` then carries only the hops'
+    transfer time): paid once, as fill, in the total and the bubble and not divided by the
+    schedule's divisor (the W passes are not assumed to fill it).
     Returns (total seconds, bubble seconds).
     """
     boundaries = boundary_charges(boundary_s, len(stage_s), schedule, virtual_stages)
@@ -1404,4 +1446,5 @@ def pipeline_time_s(stage_s: list[float], boundary_s: list[float], m: int, sched
         # the replay already delays every transfer by the hop: the stages' bubble alone
         bubble = (sum(stage_s) - max(stage_s)) / helix.bubble_divisor(
             len(stage_s), model.layers, m, helix.costs_for(model), helix_hop, helix_filo)
+    bubble += link_delay_s
     return m * slowest + bubble, bubble

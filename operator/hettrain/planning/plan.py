@@ -51,6 +51,9 @@ class StagePlan:
     has_embedding: bool = False
     has_head: bool = False
     cp: int = 1  # context parallelism: ranks sharing each sequence (runtime/context_parallel)
+    # 1F1B / ZB-H1: extra warm-up forwards that hide the latency of the datacenter links
+    # after this stage (cost.link_warmups; runtime/schedules.warmup_count)
+    link_warmup: int = 0
 
     @property
     def layers(self) -> int:
@@ -198,6 +201,14 @@ class Plan:
         """The stage ``rank`` runs (in its replica group's pipeline when there are groups)."""
         return (self.groups[rank.group].stages if self.groups else self.stages)[rank.stage]
 
+    def link_recv_ahead(self, stage: int) -> int:
+        """Stage inputs ``stage`` receives ahead beyond the runtime's usual one: the extra
+        warm-up its predecessor runs beyond its own (``StagePlan.link_warmup``), i.e. the
+        microbatches in flight on the datacenter link between them (0 on other hops)."""
+        if stage < 1:
+            return 0
+        return max(0, self.stages[stage - 1].link_warmup - self.stages[stage].link_warmup)
+
     def group_ranks(self, group: int) -> tuple[RankPlan, ...]:
         """Ranks of replica group ``group`` in rank order (every rank without groups)."""
         return tuple(r for r in self.ranks if r.group == group)
@@ -228,12 +239,13 @@ class Plan:
     # ------------------------------------------------------------ serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict (tuples become lists); ``cp`` fields at their defaults
-        (no context parallelism) are left out, so such plans serialise as before."""
+        """Plain JSON-ready dict (tuples become lists); ``cp`` and ``link_warmup`` fields at
+        their defaults (no context parallelism, no link warm-up) are left out, so such plans
+        serialise as before."""
         d = _jsonable(asdict(self))
         stages = d["stages"] + [s for g in d["groups"] for s in g["stages"]]
         for key, default, items in (("cp", 1, stages), ("cp", 0, d["ranks"]),
-                                    ("group", 0, d["ranks"])):
+                                    ("group", 0, d["ranks"]), ("link_warmup", 0, stages)):
             for item in items:
                 if item.get(key) == default:
                     del item[key]

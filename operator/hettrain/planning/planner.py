@@ -118,6 +118,8 @@ class Candidate:
     cp: int = 1  # context-parallel degree; ``dp`` counts the dp·cp replicas of the DP×CP group
     helix_hop: float = 0.0  # helix: hop time in per-part cost units its order was built with
     helix_filo: bool = False  # helix: the first-in-last-out order (helix.FILO_VARIANTS)
+    link_warmup: tuple[int, ...] = ()  # per stage, extra warm-up over datacenter links (or ())
+    link_delay_s: float = 0.0  # the links' latency that warm-up hides, paid once per step
 
     @property
     def pp(self) -> int:
@@ -161,6 +163,11 @@ class _Search:
         self.leaf_bounds: dict[tuple[Choice, ...], LeafBound] = {}  # leaves of one pair
         self.pair_rows: CapsRows | None = None  # the block layer caps of the current pair
         self.between_memo: dict[tuple, tuple[float, float]] = {}  # boundary bounds, one pair
+        # the current pair's link delay between two choices' units (_link_delay_s), and
+        # whether every schedule searched pays it whole (_ordered_bounds)
+        self.pair_delay: Callable[[Choice, Choice], float] = lambda x, y: 0.0
+        self.delay_factor = 0.0 if spec.parallelism.schedule in ("helix",
+                                                                 "interleaved-zb") else 1.0
         # a re-plan's previous (search dp, mb): that pair is searched first, so its layout (as
         # a rule nearly as fast on the smaller cluster) prunes the others from the start
         self.first_pair: tuple[int, int] | None = None
@@ -503,8 +510,11 @@ def _optimizer_coeffs(unit: Unit, tp: int, dp: int, spec: JobSpec, first: bool,
 
 
 def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_batch: int,
-                inv: ClusterInventory, spec: JobSpec) -> float:
-    """Forward + backward transfer time of one microbatch across a stage boundary."""
+                inv: ClusterInventory, spec: JobSpec, hidden: bool = False) -> float:
+    """Forward + backward transfer time of one microbatch across a stage boundary.
+    ``hidden``: a datacenter link's latency is hidden by the schedule's extra warm-up
+    (:func:`_link_delay_s`, paid once per step instead), so the hop pays an ordinary
+    transfer's latency."""
     eb = cost.precision_bytes(spec.training)
     tp = max(1, min(tp_src, tp_dst))
     nbytes = cost.boundary_link_bytes(cost.cp_local_model(spec.model, _cp(spec)), micro_batch,
@@ -515,13 +525,45 @@ def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_b
     if not shared_dcs:
         link = inv.link(src.datacenters[0], dst.datacenters[0])
         nic = min(nic, link.gbytes / (dp * tp))
-        lat = link.latency_ms / 1e3
+        if not hidden:
+            lat = link.latency_ms / 1e3
     if src.device.vendor != dst.device.vendor:
         bw = cost.host_staged_gbytes(src.device, dst.device, nic)
         lat += cost.HOST_STAGING_LATENCY_S
     else:  # the pair's own stream group (nccl/hccl, or gloo on a CPU host), as profiled
         bw, lat = cost.p2p_link(dst.device, *cost.p2p_link(src.device, nic, lat))
     return 2 * cost.transfer_s(nbytes, bw, lat)
+
+
+def _link_delay_s(src: Unit, dst: Unit, inv: ClusterInventory) -> float:
+    """The round trip a datacenter link's latency adds to a hop beyond an ordinary transfer's
+    (forward activation and backward gradient): ``2·(latency − COLLECTIVE_LATENCY_S)`` where
+    the two stages share no datacenter, else 0."""
+    if set(src.datacenters) & set(dst.datacenters):
+        return 0.0
+    link = inv.link(src.datacenters[0], dst.datacenters[0])
+    return 2 * max(0.0, link.latency_ms / 1e3 - cost.COLLECTIVE_LATENCY_S)
+
+
+def link_delays(units: Sequence[Unit], inv: ClusterInventory, schedule: str) -> list[float]:
+    """Per hop ``i → i + 1`` of a pipeline on ``units``, the link latency ``schedule`` hides
+    with extra warm-up (:func:`_link_delay_s`; all 0 for the schedules that do not:
+    ``cost.HIDES_LINK_LATENCY``)."""
+    if schedule not in cost.HIDES_LINK_LATENCY:
+        return [0.0] * max(0, len(units) - 1)
+    return [_link_delay_s(units[i], units[i + 1], inv) for i in range(len(units) - 1)]
+
+
+def warmup_period_s(layers: int, stages: Sequence[StageCost], hops: Sequence[float]) -> float:
+    """A lower bound on a pipeline's steady-state seconds per microbatch before its layer
+    split is known: its slowest stage, whatever the split: with stage ``i`` taking
+    ``n_i·a_i + b_i ≤ X`` (``a`` per layer, ``b`` fixed) and ``Σ n_i = layers``,
+    ``X ≥ (layers + Σ b_i/a_i) / Σ 1/a_i``; and at least its slowest hop's transfer
+    (``hops``, the latency hidden). :func:`cost.link_warmups` divides the links' delays by
+    it, so the warm-up it gives is never too short."""
+    rate = sum(1.0 / s.a for s in stages)
+    balanced = (layers + sum(s.b / s.a for s in stages)) / rate
+    return max(balanced, max(hops, default=0.0))
 
 
 
@@ -656,21 +698,25 @@ def _any_schedule_fits(search: _Search, pp: int, m: int) -> bool:
 
 def _stage_costs(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
                  schedule: str, inv: ClusterInventory, spec: JobSpec, memo: dict | None = None,
-                 v: int = 1, filo: bool = False
+                 v: int = 1, filo: bool = False, warm: Sequence[int] = ()
                  ) -> tuple[list[StageCost], list[tuple[cost.StageMemory, float]]]:
-    """Per-stage cost coefficients and memory (``filo``: of helix's first-in-last-out order);
-    identical stages are memoised in ``memo``. Each stage's compute is slowed by
+    """Per-stage cost coefficients and memory (``filo``: of helix's first-in-last-out order;
+    ``warm``: each stage's extra warm-up over datacenter links, :func:`cost.link_warmups`, or
+    none); identical stages are memoised in ``memo``. Each stage's compute is slowed by
     :func:`_crowding` where its node runs several ranks."""
+    links = [(warm[i], max(0, warm[i - 1] - warm[i]) if i else 0) if warm else (0, 0)
+             for i in range(len(units))]
     if memo is not None:
         pp = len(units)
         out, mems = [], []
         for i, (u, tp) in enumerate(zip(units, tps, strict=True)):
-            hit = _stage_cost_at(memo, u, tp, dp, mb, i, pp, m, schedule, v, inv, spec, filo)
+            hit = _stage_cost_at(memo, u, tp, dp, mb, i, pp, m, schedule, v, inv, spec, filo,
+                                 links[i])
             out.append(hit[0])
             mems.append(hit[1])
     else:
         out, mems = _stage_costs_raw(units, tps, dp, mb, m, schedule, inv, spec, None, None, v,
-                                     filo)
+                                     filo, links)
     slow = _crowding(units, tps, dp, mb, spec)
     if slow:  # a layer measured sharded ran with its node's TP ranks busy: not slowed again
         out = [StageCost(s.a if _measured_tp(spec, u, tp) else s.a * f, s.b * f, s.c, s.e,
@@ -709,47 +755,68 @@ def _crowding(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, spec:
 
 def _stage_cost_at(memo: dict, u: Unit, tp: int, dp: int, mb: int, i: int, pp: int, m: int,
                    schedule: str, v: int, inv: ClusterInventory, spec: JobSpec,
-                   filo: bool = False) -> tuple[StageCost, tuple[cost.StageMemory, float]]:
-    """Cost and memory of the stage at position ``i`` of ``pp`` (memoised in ``memo``)."""
+                   filo: bool = False, link: tuple[int, int] = (0, 0)
+                   ) -> tuple[StageCost, tuple[cost.StageMemory, float]]:
+    """Cost and memory of the stage at position ``i`` of ``pp`` (memoised in ``memo``;
+    ``link``: its extra warm-up and receives ahead over datacenter links)."""
     # by position first (cheap key), then by what the costs depend on (shared)
-    where = ("at", u.key, tp, dp, mb, i, pp, m, schedule, v, filo)
+    where = ("at", u.key, tp, dp, mb, i, pp, m, schedule, v, filo, link)
     hit = memo.get(where)
     if hit is None:
         key = (u.key, tp, dp, mb, i == 0, i == pp - 1,
-               *cost.schedule_memory_args(i, pp, m, schedule, v, filo).values())
+               *cost.schedule_memory_args(i, pp, m, schedule, v, filo, *link).values())
         hit = memo.get(key)
-        if hit is None:
+        if hit is None and link != (0, 0):  # the same times; only the memory differs
+            base, _ = _stage_cost_at(memo, u, tp, dp, mb, i, pp, m, schedule, v, inv, spec,
+                                     filo)
+            mem, usable, max_layers = _stage_memory(u, tp, dp, mb, i, pp, m, schedule, spec, v,
+                                                    filo, link)
+            hit = memo[key] = (replace(base, max_layers=max_layers), (mem, usable))
+        elif hit is None:
             hit = memo[key] = _stage_costs_raw([u], [tp], dp, mb, m, schedule, inv,
                                                spec, i, pp, v, filo)
         memo[where] = hit
     return hit
 
 
+def _stage_memory(u: Unit, tp: int, dp: int, mb: int, i: int, pp: int, m: int, schedule: str,
+                  spec: JobSpec, v: int = 1, filo: bool = False, link: tuple[int, int] = (0, 0)
+                  ) -> tuple[cost.StageMemory, float, int]:
+    """``(memory, usable bytes, layers that fit)`` of the stage at position ``i`` of ``pp``
+    (``link``: its extra warm-up and receives ahead over datacenter links)."""
+    mem = cost.stage_memory(spec.model, spec.training, tp=tp, dp=dp // _cp(spec), cp=_cp(spec),
+                            micro_batch=mb, first=i == 0, last=i == pp - 1,
+                            cp_masks=not cost.skips_masked_tiles(u.device),
+                            **cost.schedule_memory_args(i, pp, m, schedule, v, filo, *link))
+    usable = u.device.hbm_bytes * cost.MEMORY_HEADROOM
+    max_layers = int((usable - mem.fixed) // mem.per_layer) if usable > mem.fixed else 0
+    return mem, usable, max_layers
+
+
 def _stage_costs_raw(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int, m: int,
                      schedule: str, inv: ClusterInventory, spec: JobSpec, only: int | None,
-                     pp_real: int | None, v: int = 1, filo: bool = False):
-    """Costs of all stages, or (``only``) of stage ``only`` of a ``pp_real``-stage pipeline."""
-    model, training = spec.model, spec.training
+                     pp_real: int | None, v: int = 1, filo: bool = False,
+                     links: Sequence[tuple[int, int]] = ()):
+    """Costs of all stages, or (``only``) of stage ``only`` of a ``pp_real``-stage pipeline
+    (``links``: per stage given, its extra warm-up and receives ahead over datacenter
+    links)."""
     pp = len(units)
     out, mems = [], []
     indices = list(enumerate(zip(units, tps, strict=True)))
     if only is not None:
         pp = pp_real
         indices = [(only, (units[0], tps[0]))]
-    for i, (u, tp) in indices:
+    for j, (i, (u, tp)) in enumerate(indices):
         first, last = i == 0, i == pp - 1
+        link = links[j] if links else (0, 0)
         a = _layer_s(spec, u, mb, tp)
         b = _stage_fixed_s(spec, u, mb, tp, first, last)
         c, e = _dp_sync_coeffs(u, dp, tp, inv, spec, m, a, b, first, last)
         # the optimizer step follows the gradient sync on every stage: per layer and fixed
         opt_c, opt_e = _optimizer_coeffs(u, tp, dp, spec, first, last)
         c, e = c + opt_c, e + opt_e
-        mem = cost.stage_memory(model, training, tp=tp, dp=dp // _cp(spec), cp=_cp(spec),
-                                micro_batch=mb, first=first, last=last,
-                                cp_masks=not cost.skips_masked_tiles(u.device),
-                                **cost.schedule_memory_args(i, pp, m, schedule, v, filo))
-        usable = u.device.hbm_bytes * cost.MEMORY_HEADROOM
-        max_layers = int((usable - mem.fixed) // mem.per_layer) if usable > mem.fixed else 0
+        mem, usable, max_layers = _stage_memory(u, tp, dp, mb, i, pp, m, schedule, spec, v,
+                                                filo, link)
         out.append(StageCost(a, b, c, e, max_layers))
         mems.append((mem, usable))
     if only is not None:
@@ -886,13 +953,15 @@ def _candidates_outer(units: Sequence[Unit], spec: JobSpec, dp_values: Sequence[
 
 
 def _boundary_memo(search: _Search, src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int,
-                   mb: int, inv: ClusterInventory) -> float:
-    """:func:`_boundary_s`, memoised per search."""
-    key = (src.key, dst.key, tp_src, tp_dst, dp, mb)
+                   mb: int, inv: ClusterInventory, hidden: bool = True) -> float:
+    """:func:`_boundary_s`, memoised per search. The bounds use the default ``hidden``
+    charge, the smaller one (a link's latency paid once per step where a schedule hides it:
+    a lower bound for every schedule)."""
+    key = (src.key, dst.key, tp_src, tp_dst, dp, mb, hidden)
     b = search.boundary_memo.get(key)
     if b is None:
         b = search.boundary_memo[key] = _boundary_s(src, dst, tp_src, tp_dst, dp, mb, inv,
-                                                    search.spec)
+                                                    search.spec, hidden)
     return b
 
 
@@ -925,8 +994,45 @@ def _evaluate_one(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp
         return
     stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec, search.stage_memo,
                                 v, filo)
-    hops = [_boundary_memo(search, units[a], units[b], tps[a], tps[b], dp, mb, inv)
-            for a, b in hop_pairs(pp, v)]
+    # a schedule that hides the datacenter links' latency runs the warm-up that does it (its
+    # memory; the hops' transfers alone, the latency once). Without it every microbatch
+    # would wait on the links' round trip, which the per-hop charge of the other schedules
+    # under-prices (docs/planning.md, §Link warm-up)
+    delays = link_delays(units, inv, schedule)
+    if not any(delays):
+        _offer_split(search, units, tps, dp, mb, m, schedule, inv, grouping, v, filo, stages,
+                     mems)
+        return
+    hidden = [_boundary_memo(search, units[a], units[b], tps[a], tps[b], dp, mb, inv)
+              for a, b in hop_pairs(pp, v)]
+    if not search.exhaustive:  # its bound with the caps without warm-up (larger) first
+        boundaries = cost.boundary_charges(hidden, pp, schedule, v)
+        f = _bubble_divisor(schedule, v, _zb_div(spec, (u.device for u in units), mb)
+                            if splits_backward(schedule) else cost.ZB_CATALOG_DIVISOR)
+        scaled = [StageCost(s.a, s.b, s.c * f, s.e * f, s.max_layers) for s in stages]
+        lb = lower_bound(scaled, model.layers, f * m, max(boundaries, default=0.0), v)
+        if math.inf > lb >= search.bound() * f - sum(boundaries) - f * sum(delays):
+            return
+    warm = cost.link_warmups(delays, warmup_period_s(model.layers, stages, hidden), m)
+    stages, mems = _stage_costs(units, tps, dp, mb, m, schedule, inv, spec, search.stage_memo,
+                                v, filo, warm)
+    _offer_split(search, units, tps, dp, mb, m, schedule, inv, grouping, v, filo, stages, mems,
+                 warm, sum(delays))
+
+
+def _offer_split(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int,
+                 m: int, schedule: str, inv: ClusterInventory, grouping: str, v: int,
+                 filo: bool, stages: list[StageCost],
+                 mems: list[tuple[cost.StageMemory, float]], warm: tuple[int, ...] = (),
+                 delay: float = 0.0) -> None:
+    """Offer the best layer split of one layout with its stages' costs and memory; ``warm``,
+    ``delay``: the warm-up over datacenter links and the latency it pays once (the hops then
+    carry their transfers alone), or none."""
+    spec = search.spec
+    model = spec.model
+    pp = len(units)
+    hops = [_boundary_memo(search, units[a], units[b], tps[a], tps[b], dp, mb, inv,
+                           hidden=bool(warm)) for a, b in hop_pairs(pp, v)]
     boundaries = cost.boundary_charges(hops, pp, schedule, v)
     zb_div = (_zb_div(spec, (u.device for u in units), mb) if splits_backward(schedule)
               else cost.ZB_CATALOG_DIVISOR)
@@ -938,8 +1044,9 @@ def _evaluate_one(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp
     if search.exhaustive or schedule == "helix":  # helix: one split (layers/pp each)
         result = split_layers_brute_force(scaled, model.layers, f * m, p_max, v)
     else:
-        # scaled objective: f·T = (f·m − 1)·X + Σt + f·max d, plus the boundaries' Σ
-        incumbent = search.bound() * f - p_sum
+        # scaled objective: f·T = (f·m − 1)·X + Σt + f·max d, plus the boundaries' Σ and
+        # the links' delay (not divided: f·delay)
+        incumbent = search.bound() * f - p_sum - f * delay
         lb = lower_bound(scaled, model.layers, f * m, p_max, v)
         if lb >= incumbent and lb < math.inf:
             return
@@ -961,12 +1068,12 @@ def _evaluate_one(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
     stage_dp = [s.dp(n) for s, n in zip(stages, split, strict=True)]
     pipe, bubble = cost.pipeline_time_s(stage_s, hops, m, schedule, v, zb_div, model, hop,
-                                        filo)
+                                        filo, delay)
     t = pipe + max(stage_dp)
     memory = tuple(mem.bytes_for(n) / cost.GIB for (mem, _), n in zip(mems, split, strict=True))
     search.offer(Candidate(t, dp, mb, schedule, tuple(units), tuple(tps), tuple(split),
                            tuple(stage_s), tuple(stage_dp), tuple(boundaries), bubble, memory,
-                           grouping, v, _cp(spec), hop, filo))
+                           grouping, v, _cp(spec), hop, filo, warm, delay))
 
 
 def helix_hop_units(stages: Sequence[StageCost], hops: Sequence[float]) -> float:
@@ -1225,6 +1332,16 @@ def _run_pair(search: _Search, units: tuple[Unit, ...], inv: ClusterInventory, g
                                                  y.tp, dp, mb, inv)
         return b
 
+    delays: dict[tuple[int, int], float] = {}
+
+    def pair_delay(x: Choice, y: Choice) -> float:
+        d = delays.get((x.unit, y.unit))
+        if d is None:
+            d = delays[(x.unit, y.unit)] = _link_delay_s(units[x.unit], units[y.unit], inv)
+        return d
+
+    search.pair_delay = pair_delay
+
     _seed_incumbent(search, units, inv, grouping, pair, pinned_pp, boundary_cost)
     _collect(search, opts, rest, 0, (), layers, m, dp, pinned_pp, leaves, boundary_cost, units)
     for choice in singles:
@@ -1421,9 +1538,24 @@ def _leaf(search: _Search, chosen: tuple[Choice, ...], layers: int, m: int,
         search.leaf_bounds[chosen] = leaf  # its orders' bounds reuse the order-free terms
 
 
+def _ordered_bounds(search: _Search, ordered: Sequence[Choice],
+                    boundary_cost: Callable[[Choice, Choice], float]
+                    ) -> tuple[float, float, float]:
+    """``bounds.ordered_boundaries`` of a fixed order with the hops' transfers alone (the
+    links' latency hidden: ``_boundary_memo``'s default), and the datacenter links' delay
+    between consecutive units (``search.pair_delay``) that every layout of the order pays
+    whole (``LeafBound.bound`` adds it undivided): 1F1B and ZB-H1 once per step (their
+    warm-up), interleaved in each of its ``v`` hops per microbatch, which its bubble divides
+    by ``v`` (or, where a hop is the slowest, on every microbatch). Not for helix and
+    interleaved-zb (``search.delay_factor`` 0), whose hops may sit under their stages."""
+    p_max, p_sum = ordered_boundaries(ordered, boundary_cost)
+    delay = sum(search.pair_delay(x, y) for x, y in itertools.pairwise(ordered))
+    return p_max, p_sum, delay * search.delay_factor
+
+
 def _leaf_boundaries(search: _Search, chosen: tuple[Choice, ...], units: tuple[Unit, ...],
                      boundary_cost: Callable[[Choice, Choice], float]
-                     ) -> tuple[Callable[[], tuple[float, float]], Choice | None]:
+                     ) -> tuple[Callable[[], tuple[float, ...]], Choice | None]:
     """The leaf's boundary bounds (a function: ``LeafBound.bound`` calls it at most once, and
     only past its cheap bound) and its last unit when its order is fixed (more than
     ``MAX_PERMUTED_UNITS`` units: that order's exact boundaries)."""
@@ -1431,13 +1563,37 @@ def _leaf_boundaries(search: _Search, chosen: tuple[Choice, ...], units: tuple[U
         by_unit = {c.unit: c for c in chosen}
         ordered = [by_unit[u] for u in _fixed_order(units, list(by_unit))]
 
-        def exact() -> tuple[float, float]:
-            return ordered_boundaries(ordered, boundary_cost)
+        def exact() -> tuple[float, ...]:
+            return _ordered_bounds(search, ordered, boundary_cost)
         return exact, ordered[-1]
 
-    def any_order() -> tuple[float, float]:
-        return boundary_lower_bounds(chosen, boundary_cost, search.between_memo)
+    def any_order() -> tuple[float, float, float]:
+        p_max, p_sum = boundary_lower_bounds(chosen, boundary_cost, search.between_memo)
+        return p_max, p_sum, _crossings_delay_bound(search, chosen, units)
     return any_order, None
+
+
+def _crossings_delay_bound(search: _Search, chosen: Sequence[Choice],
+                           units: Sequence[Unit]) -> float:
+    """A lower bound on the datacenter links' delay (``search.pair_delay``) summed over the
+    hops of any order of ``chosen`` (:func:`_ordered_bounds`' third term): units in ``k``
+    datacenters are crossed between at least ``k − 1`` times, each crossing at least the
+    smallest delay between two of them (0 where a unit spans datacenters: merged units share
+    them). Memoised per set of units (``search.between_memo``)."""
+    if not search.delay_factor:
+        return 0.0
+    key = ("delay", *sorted({c.unit for c in chosen}))
+    got = search.between_memo.get(key)
+    if got is not None:
+        return got[0]
+    dcs = {units[c.unit].datacenters for c in chosen}
+    out = 0.0
+    if len(dcs) > 1 and all(len(d) == 1 for d in dcs):
+        out = (len(dcs) - 1) * min(
+            search.pair_delay(x, y) for x, y in itertools.combinations(chosen, 2)
+            if units[x.unit].datacenters != units[y.unit].datacenters)
+    search.between_memo[key] = (out, out)
+    return out
 
 
 def _refine_leaf(search: _Search, chosen: tuple[Choice, ...], m: int, units: tuple[Unit, ...],
@@ -1503,7 +1659,8 @@ def _order_bounds(search: _Search, units: tuple[Unit, ...], choices: tuple[Choic
     cutoff = search.bound()
     for order in _orders(units, ks, False):
         ordered = [by_unit[i] for i in order]
-        boundaries = _lazy(lambda ordered=ordered: ordered_boundaries(ordered, boundary_cost))
+        boundaries = _lazy(lambda ordered=ordered: _ordered_bounds(search, ordered,
+                                                                   boundary_cost))
         out.append((leaf.bound(boundaries, ordered[-1], leaf.div, cutoff), order))
     return out
 
@@ -1533,13 +1690,24 @@ def _refine_order(search: _Search, units: tuple[Unit, ...], choices: tuple[Choic
     leaf = _leaf_bound(search, choices, m)
     layers = search.spec.model.layers
     pp = sum(c.k for c in choices)
-    boundaries = ordered_boundaries(ordered, boundary_cost)
+    p_max, p_sum = ordered_boundaries(ordered, boundary_cost)
+    delay = sum(search.pair_delay(x, y) for x, y in itertools.pairwise(ordered))
+    if delay > 0:  # the other schedules' hops pay the links' latency themselves
+
+        def full_cost(x: Choice, y: Choice) -> float:
+            return _boundary_memo(search, units[x.unit], units[y.unit], x.tp, y.tp, dp, mb,
+                                  inv, hidden=False)
+        paying = ordered_boundaries(ordered, full_cost)
     cutoff = search.bound()
     best = math.inf
     for schedule, v in _schedule_options(search.spec, pp, layers, exhaustive=False):
         if not (_schedule_fits(schedule, v, pp, m, layers) and rows.fits(blocks, schedule, v)):
             continue
         div = _bubble_divisor(schedule, v, search.zb_div)
+        # the links' delay: whole where the schedule hides it with warm-up (the bound
+        # divides the sum by div); elsewhere in every hop across a link
+        boundaries = (p_max, p_sum) if delay == 0 else (
+            (p_max, p_sum + delay * div) if schedule in cost.HIDES_LINK_LATENCY else paying)
         lb = leaf.bound(boundaries, ordered[-1], div, min(best, cutoff))
         if lb < best and lb < cutoff:
             groups = _caps_groups(ordered, rows.caps(blocks, schedule, v), layers - (pp - 1))
@@ -1581,11 +1749,11 @@ def _blocks(by_unit: dict[int, Choice], order: tuple[int, ...]) -> list[tuple[in
     return [(i, by_unit[i].tp, by_unit[i].k) for i in order]
 
 
-def _lazy(fn: Callable[[], tuple[float, float]]) -> Callable[[], tuple[float, float]]:
+def _lazy(fn: Callable[[], tuple[float, ...]]) -> Callable[[], tuple[float, ...]]:
     """``fn``, called at most once (its result kept)."""
-    kept: list[tuple[float, float]] = []
+    kept: list[tuple[float, ...]] = []
 
-    def once() -> tuple[float, float]:
+    def once() -> tuple[float, ...]:
         if not kept:
             kept.append(fn())
         return kept[0]
@@ -1842,6 +2010,10 @@ def _notes(best: Candidate, search: _Search, alt: Candidate | None, inv: Cluster
                  if not set(best.units[i].datacenters) & set(best.units[i + 1].datacenters)]
     if crossings:
         notes.append(f"pipeline boundaries after stage(s) {crossings} cross a datacenter link")
+    if best.link_delay_s > 0:
+        notes.append(f"link warm-up: stages run {'/'.join(map(str, best.link_warmup))} extra "
+                     "forwards before their first backward, so the links' latency is paid "
+                     f"once per step ({best.link_delay_s * 1e3:.1f} ms), not per microbatch")
     if merged_slower:
         notes.append(f"PP across datacenters beats DP across them: no DP-across layout "
                      f"within {best.step_time_s:.3f}s per step")
@@ -2212,8 +2384,34 @@ def step_time_for_split(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
     pipe, _ = cost.pipeline_time_s(stage_s, boundaries, plan.num_microbatches, plan.schedule,
                                    plan.virtual_stages,
                                    plan_zb_div(plan, plan_devices(plan, inventory)), plan.model,
-                                   plan.helix_hop, plan.helix_filo)
+                                   plan.helix_hop, plan.helix_filo,
+                                   plan_link_delay_s(spec, inventory, plan))
     return pipe + dp_s
+
+
+def _plan_spec_units(spec: JobSpec, inventory: ClusterInventory, plan: Plan
+                     ) -> tuple[JobSpec, list[Unit]]:
+    """The job as ``plan`` was planned (its own training, cross-DC mode and CP degree) and the
+    unit of each of its stages (group 0's with replica groups)."""
+    # the plan's own settings, not the job's (``recompute: auto``, ``crossDC.mode: auto``)
+    modes = {k: v for k, v in (plan.cross_dc or {}).items()
+             if k in ("mode", "compression", "outer_steps", "outer_lr", "outer_momentum")}
+    spec = replace(spec, training=plan.training, cross_dc=replace(spec.cross_dc, **modes))
+    pools = filter_pools(inventory, spec.placement)
+    units = build_units(pools, merged=plan.cross_dc.get("grouping") == "merged")
+    by_pool = {p.name: u for u in units for p in u.pools}
+    spec = replace(spec, parallelism=replace(spec.parallelism, cp=plan.stages[0].cp))
+    return spec, [by_pool[s.pools[0]] for s in plan.stages]
+
+
+def plan_link_delay_s(spec: JobSpec, inventory: ClusterInventory, plan: Plan) -> float:
+    """The datacenter links' latency ``plan``'s pipeline (group 0's) pays once per step
+    because its schedule hides it with extra warm-up (:func:`link_delays`; 0 where no hop
+    crosses a link or the schedule does not hide it): what
+    :func:`cost.pipeline_time_s` takes as ``link_delay_s`` beside :func:`split_costs`'
+    boundaries."""
+    _, units = _plan_spec_units(spec, inventory, plan)
+    return sum(link_delays(units, inventory, plan.schedule))
 
 
 def split_costs(spec: JobSpec, inventory: ClusterInventory, plan: Plan, split: Sequence[int],
@@ -2242,25 +2440,18 @@ def _split_costs_both(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
     sync, slowest DP part after a sum elsewhere)``."""
     if len(split) != plan.pp or sum(split) != spec.model.layers:
         raise ValueError(f"split must have {plan.pp} parts summing to {spec.model.layers}")
-    # the plan's own settings, not the job's (``recompute: auto``, ``crossDC.mode: auto``)
-    modes = {k: v for k, v in (plan.cross_dc or {}).items()
-             if k in ("mode", "compression", "outer_steps", "outer_lr", "outer_momentum")}
-    spec = replace(spec, training=plan.training, cross_dc=replace(spec.cross_dc, **modes))
-    pools = filter_pools(inventory, spec.placement)
-    units = build_units(pools, merged=plan.cross_dc.get("grouping") == "merged")
-    by_pool = {p.name: u for u in units for p in u.pools}
-    stage_units = [by_pool[s.pools[0]] for s in plan.stages]
+    spec, stage_units = _plan_spec_units(spec, inventory, plan)
     tps = [s.tp for s in plan.stages]
     m, v = plan.num_microbatches, plan.virtual_stages
-    cp = plan.stages[0].cp
-    spec = replace(spec, parallelism=replace(spec.parallelism, cp=cp))
-    dp = plan.dp * cp  # the DP×CP group, as the search counts it
+    dp = plan.dp * plan.stages[0].cp  # the DP×CP group, as the search counts it
+    hidden = any(link_delays(stage_units, inventory, plan.schedule))
+    warm = tuple(s.link_warmup for s in plan.stages) if hidden else ()
     stages, _ = _stage_costs(stage_units, tps, dp, plan.micro_batch, m, plan.schedule,
-                             inventory, spec, v=v, filo=plan.helix_filo)
+                             inventory, spec, v=v, filo=plan.helix_filo, warm=warm)
     if any(n < 1 or n > s.max_layers for s, n in zip(stages, split, strict=True)):
         return None
     boundaries = pipeline_hops(stage_units, tps, dp, plan.micro_batch, inventory, spec,
-                               v if chunked_schedule(plan.schedule) else 1)
+                               v if chunked_schedule(plan.schedule) else 1, hidden)
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
     tails = [_after_sum_dp_s(u, tp, dp, inventory, spec, i == 0, i == plan.pp - 1, n)
              for i, (u, tp, n) in enumerate(zip(stage_units, tps, split, strict=True))]
@@ -2312,10 +2503,12 @@ def hop_pairs(pp: int, v: int = 1) -> list[tuple[int, int]]:
 
 
 def pipeline_hops(units: Sequence[Unit], tps: Sequence[int], dp: int, mb: int,
-                  inventory: ClusterInventory, spec: JobSpec, v: int = 1) -> list[float]:
+                  inventory: ClusterInventory, spec: JobSpec, v: int = 1,
+                  hidden: bool = False) -> list[float]:
     """Seconds of each boundary hop of a pipeline (activation and gradient), in
-    :func:`hop_pairs` order (the arguments :func:`cost.pipeline_time_s` charges)."""
-    return [_boundary_s(units[a], units[b], tps[a], tps[b], dp, mb, inventory, spec)
+    :func:`hop_pairs` order (the arguments :func:`cost.pipeline_time_s` charges);
+    ``hidden``: the links' latency is hidden by warm-up (:func:`link_delays`)."""
+    return [_boundary_s(units[a], units[b], tps[a], tps[b], dp, mb, inventory, spec, hidden)
             for a, b in hop_pairs(len(units), v)]
 
 
@@ -2486,6 +2679,7 @@ def _to_plan(name: str, spec: JobSpec, c: Candidate, ranks: tuple, notes: list[s
             memory_gib=round(c.memory[i], 3), capacity_gib=round(u.device.hbm_gib, 3),
             time_ms=round(c.stage_s[i] * 1e3, 6), has_embedding=i == 0,
             has_head=i == len(c.units) - 1, cp=c.cp,
+            link_warmup=c.link_warmup[i] if c.link_warmup else 0,
         ))
         start += n
     eb = cost.precision_bytes(spec.training)

@@ -833,7 +833,8 @@ def grouped_step_s(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> float | 
     the step is group 0's time outside its pipelined stages, the gradient sum between the
     groups (:func:`groups_grad_sum_s`, datacenter links included) and
     the latest group's pipeline. None when group 0's stages no longer fit."""
-    from hettrain.planning.planner import split_costs  # the planner imports this module
+    # the planner imports this module
+    from hettrain.planning.planner import plan_link_delay_s, split_costs
 
     g0, extra = plan.groups[0], plan.groups[1:]
     total = sum(g.microbatches for g in plan.groups)
@@ -847,7 +848,8 @@ def grouped_step_s(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> float | 
     stage_s0, boundaries, dp_s = costs
     div = plan_zb_div(base, plan_devices(base, inv))
     pipe, _ = cost.pipeline_time_s(stage_s0, boundaries, m_orig, plan.schedule,
-                                   plan.virtual_stages, div)
+                                   plan.virtual_stages, div,
+                                   link_delay_s=plan_link_delay_s(spec, inv, base))
     lines = [affine(stage_s0, plan.schedule, div)]
     for g in extra:
         pool, cp = inv.pool(g.stages[0].pools[0]), group_cp(g.stages)

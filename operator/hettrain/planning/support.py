@@ -9,7 +9,7 @@ spec field that sets it.
 from __future__ import annotations
 
 from hettrain.api.spec import LR_SCHEDULES, PRECISIONS, SHARDINGS, TrainingSpec, splits_backward
-from hettrain.planning.cost import reruns_layer, sharded_grads
+from hettrain.planning.cost import HIDES_LINK_LATENCY, reruns_layer, sharded_grads
 from hettrain.planning.layers import chunk_layer_ranges
 from hettrain.planning.plan import Plan, StagePlan
 
@@ -53,6 +53,25 @@ def unsupported(plan: Plan) -> list[str]:
     out += replica_group_errors(plan)
     out += helix_errors(plan)
     out += uneven_dp_errors(plan)
+    out += link_warmup_errors(plan)
+    return out
+
+
+def link_warmup_errors(plan: Plan) -> list[str]:
+    """``stages[].link_warmup`` (docs/planning.md §Link warm-up): whole numbers >= 0, only
+    on the schedules whose order runs them (1F1B, ZB-H1: ``cost.HIDES_LINK_LATENCY``)."""
+    stages = list(plan.stages) + [s for g in plan.groups for s in g.stages]
+    out = []
+    for st in stages:
+        w = st.link_warmup
+        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+            out.append(f"plan.stages[{st.index}].link_warmup={w!r}: must be a whole number "
+                       ">= 0 (extra warm-up forwards); the planner sets it, so re-plan the job "
+                       "rather than editing the plan")
+        elif w and plan.schedule not in HIDES_LINK_LATENCY:
+            out.append(f"plan.stages[{st.index}].link_warmup={w} with plan.schedule="
+                       f"{plan.schedule}: only {', '.join(HIDES_LINK_LATENCY)} run extra "
+                       "warm-up; re-plan the job (the planner sets it)")
     return out
 
 

@@ -222,7 +222,8 @@ def predicted_stage_bytes(plan: Plan, stage: int) -> float:
                             last=stage == plan.pp - 1,
                             **cost.schedule_memory_args(stage, plan.pp, plan.num_microbatches,
                                                         plan.schedule, plan.virtual_stages,
-                                                        plan.helix_filo))
+                                                        plan.helix_filo, st.link_warmup,
+                                                        plan.link_recv_ahead(stage)))
     return mem.bytes_for(st.layers) - cost.FRAMEWORK_OVERHEAD_BYTES
 
 
@@ -429,7 +430,8 @@ def _run_schedule(plan: Plan, stage: int, model: StageModel, opt: StageOptimizer
     stash: dict[tuple[int, int], tuple[WeightGradStore, list[_Held]]] = {}
     loss_buffers = 0
     m = plan.num_microbatches
-    for kind, i, c in chunk_actions(plan.schedule, stage, plan.pp, m, v):
+    for kind, i, c in chunk_actions(plan.schedule, stage, plan.pp, m, v,
+                                    plan.stages[stage].link_warmup):
         if kind == "F":
             if first and c == 0:
                 x = torch.randint(0, spec.vocab, (b, seq), generator=gen)

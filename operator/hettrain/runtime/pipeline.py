@@ -193,6 +193,10 @@ class StageRunner:
         if recv_ahead < 0:
             raise ValueError(f"recv_ahead must be >= 0, got {recv_ahead}")
         self.recv_ahead = recv_ahead
+        # over a datacenter link the previous stage runs ahead by its extra warm-up
+        # (plan.stages[].link_warmup): receive that many more of its activations ahead, so
+        # their transfers are in flight across the link's latency while this stage computes
+        self.link_ahead = plan.link_recv_ahead(self.stage) if self.v == 1 else 0
         self._numel = 0
         self._posted: dict[tuple[int, int], deque[tuple[torch.Tensor, list]]] = {}
         self._to_post: dict[tuple[int, int], int] = {}
@@ -278,7 +282,8 @@ class StageRunner:
 
     def _top_up(self, key: tuple[int, int]) -> None:
         q = self._posted[key]
-        while self._to_post[key] > 0 and len(q) < self.recv_ahead:
+        ahead = self.recv_ahead + (self.link_ahead if key == (0, ACTIVATION) else 0)
+        while self._to_post[key] > 0 and len(q) < ahead:
             q.append(self._post(key))
             self._to_post[key] -= 1
 
@@ -387,7 +392,8 @@ class StageRunner:
         ops: dict[str, Callable[[int, int], None]] = {"F": forward, "B": backward, "W": weights}
         self._p2p_s, busy, w_s = 0.0, 0.0, 0.0
         self.clock.reset()
-        for kind, i, c in chunk_actions(self.schedule, self.stage, self.pp, m, self.v):
+        for kind, i, c in chunk_actions(self.schedule, self.stage, self.pp, m, self.v,
+                                        self.plan.stages[self.stage].link_warmup):
             t0 = time.perf_counter()
             ops[kind](i, c)
             busy += time.perf_counter() - t0

@@ -54,20 +54,28 @@ def _check(schedule: str, stage: int, pp: int, m: int) -> None:
         raise ValueError(f"num_microbatches={m}: must be >= 1")
 
 
-def warmup_count(schedule: str, stage: int, pp: int, num_microbatches: int) -> int:
-    """Forwards a stage runs before its first backward."""
+def warmup_count(schedule: str, stage: int, pp: int, num_microbatches: int,
+                 link_warmup: int = 0) -> int:
+    """Forwards a stage runs before its first backward: ``pp − stage − 1`` plus
+    ``link_warmup``, the plan's extra forwards over a datacenter link's latency
+    (``plan.stages[stage].link_warmup``, :func:`hettrain.planning.cost.link_warmups`), at
+    most every microbatch."""
     _check(schedule, stage, pp, num_microbatches)
+    if link_warmup < 0:
+        raise ValueError(f"plan.stages[{stage}].link_warmup={link_warmup}: must be >= 0")
     if schedule == "gpipe":
         return num_microbatches
-    return min(pp - stage - 1, num_microbatches)
+    return min(pp - stage - 1 + link_warmup, num_microbatches)
 
 
-def stage_actions(schedule: str, stage: int, pp: int, m: int) -> list[Action]:
-    """The ordered ``(kind, microbatch)`` actions of ``stage`` for one step of ``m`` microbatches.
+def stage_actions(schedule: str, stage: int, pp: int, m: int,
+                  link_warmup: int = 0) -> list[Action]:
+    """The ordered ``(kind, microbatch)`` actions of ``stage`` for one step of ``m`` microbatches
+    (``link_warmup``: extra warm-up forwards, :func:`warmup_count`).
 
     Every microbatch gets exactly one F, one B and one W, and B's run in microbatch order.
     """
-    warm = warmup_count(schedule, stage, pp, m)
+    warm = warmup_count(schedule, stage, pp, m, link_warmup)
     delay = stage if schedule == "zb-h1" else 0
     out: list[Action] = [("F", i) for i in range(warm)]
     pending: list[int] = []  # microbatches whose B ran and W did not
@@ -134,9 +142,15 @@ def interleaved_actions(stage: int, pp: int, m: int, v: int) -> list[ChunkAction
     return out
 
 
-def chunk_actions(schedule: str, stage: int, pp: int, m: int, v: int = 1) -> list[ChunkAction]:
+def chunk_actions(schedule: str, stage: int, pp: int, m: int, v: int = 1,
+                  link_warmup: int = 0) -> list[ChunkAction]:
     """The ordered ``(kind, microbatch, chunk)`` actions of ``stage`` for any runtime schedule
-    (chunk 0 throughout unless ``interleaved`` or ``interleaved-zb``)."""
+    (chunk 0 throughout unless ``interleaved`` or ``interleaved-zb``; ``link_warmup``: the
+    stage's extra warm-up forwards, 1F1B and ZB-H1 only)."""
+    if link_warmup and schedule not in SCHEDULES:
+        raise ValueError(f"plan.stages[{stage}].link_warmup={link_warmup}: only the "
+                         f"{SCHEDULES} schedules run extra warm-up forwards "
+                         f"(plan.schedule={schedule!r}); set it to 0")
     if schedule == "interleaved":
         return interleaved_actions(stage, pp, m, v)
     if schedule == "interleaved-zb":
@@ -144,4 +158,4 @@ def chunk_actions(schedule: str, stage: int, pp: int, m: int, v: int = 1) -> lis
     if v != 1:
         raise ValueError(f"plan.virtual_stages={v}: only the interleaved schedules have "
                          f"virtual stages (plan.schedule={schedule!r}); set it to 1")
-    return [(kind, i, 0) for kind, i in stage_actions(schedule, stage, pp, m)]
+    return [(kind, i, 0) for kind, i in stage_actions(schedule, stage, pp, m, link_warmup)]
