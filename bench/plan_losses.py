@@ -50,8 +50,8 @@ from hettrain.planning.planner import (
     _after_sum_dp_s,
     _optimizer_coeffs,
     _stage_costs,
-    link_delays,
     pipeline_hops,
+    plan_link_warmup,
 )
 from hettrain.planning.replica_groups import plan_zb_div
 from hettrain.planning.units import build_units, filter_pools
@@ -124,7 +124,7 @@ def _stage_parts(spec: JobSpec, plan_spec: JobSpec, unit, tp: int, cp: int, mb: 
 def _layout(spec: JobSpec, inv: ClusterInventory, plan: Plan):
     """The plan's group-0 stages as the search costed them: (concrete spec, stage units,
     StageCosts, boundary seconds, DP×CP group size, microbatches, the datacenter links'
-    latency paid once: ``planner.link_delays``)."""
+    latency paid once: ``planner.plan_link_warmup``)."""
     cp = plan.stages[0].cp
     concrete = replace(spec, training=plan.training,
                        parallelism=replace(spec.parallelism, cp=cp),
@@ -138,13 +138,12 @@ def _layout(spec: JobSpec, inv: ClusterInventory, plan: Plan):
     # the fullest replica's microbatches (group 0's, as the search costed them)
     m = -(-spec.training.global_batch // (plan.dp * plan.micro_batch))
     # a schedule that hides the datacenter links' latency: ordinary hops, the delay once
-    delays = link_delays(stage_units, inv, plan.schedule)
-    warm = tuple(s.link_warmup for s in plan.stages) if any(delays) else ()
+    warm, delay = plan_link_warmup(plan, stage_units, inv)
     stages, _ = _stage_costs(stage_units, tps, dpcp, plan.micro_batch, m, plan.schedule, inv,
                              concrete, v=plan.virtual_stages, warm=warm)
     bounds = pipeline_hops(stage_units, tps, dpcp, plan.micro_batch, inv, concrete,
                            plan.virtual_stages, bool(warm))
-    return concrete, stage_units, stages, bounds, dpcp, m, sum(delays)
+    return concrete, stage_units, stages, bounds, dpcp, m, delay
 
 
 def breakdown(spec: JobSpec, inv: ClusterInventory, plan: Plan) -> dict[str, float]:

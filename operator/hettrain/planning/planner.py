@@ -2411,7 +2411,19 @@ def plan_link_delay_s(spec: JobSpec, inventory: ClusterInventory, plan: Plan) ->
     :func:`cost.pipeline_time_s` takes as ``link_delay_s`` beside :func:`split_costs`'
     boundaries."""
     _, units = _plan_spec_units(spec, inventory, plan)
-    return sum(link_delays(units, inventory, plan.schedule))
+    return plan_link_warmup(plan, units, inventory)[1]
+
+
+def plan_link_warmup(plan: Plan, units: Sequence[Unit], inventory: ClusterInventory
+                     ) -> tuple[tuple[int, ...], float]:
+    """``(each stage's link warm-up, the links' latency paid once)`` of ``plan``'s pipeline
+    (group 0's) on its stage ``units``, as the search priced it: the plan's
+    ``stages[].link_warmup`` where its schedule hides a crossing hop's latency
+    (:func:`link_delays`), else ``((), 0.0)`` (the hops then pay it themselves)."""
+    delays = link_delays(units, inventory, plan.schedule)
+    if not any(delays):
+        return (), 0.0
+    return tuple(s.link_warmup for s in plan.stages), sum(delays)
 
 
 def split_costs(spec: JobSpec, inventory: ClusterInventory, plan: Plan, split: Sequence[int],
@@ -2444,14 +2456,13 @@ def _split_costs_both(spec: JobSpec, inventory: ClusterInventory, plan: Plan,
     tps = [s.tp for s in plan.stages]
     m, v = plan.num_microbatches, plan.virtual_stages
     dp = plan.dp * plan.stages[0].cp  # the DP×CP group, as the search counts it
-    hidden = any(link_delays(stage_units, inventory, plan.schedule))
-    warm = tuple(s.link_warmup for s in plan.stages) if hidden else ()
+    warm, _ = plan_link_warmup(plan, stage_units, inventory)
     stages, _ = _stage_costs(stage_units, tps, dp, plan.micro_batch, m, plan.schedule,
                              inventory, spec, v=v, filo=plan.helix_filo, warm=warm)
     if any(n < 1 or n > s.max_layers for s, n in zip(stages, split, strict=True)):
         return None
     boundaries = pipeline_hops(stage_units, tps, dp, plan.micro_batch, inventory, spec,
-                               v if chunked_schedule(plan.schedule) else 1, hidden)
+                               v if chunked_schedule(plan.schedule) else 1, bool(warm))
     stage_s = [s.time(n) for s, n in zip(stages, split, strict=True)]
     tails = [_after_sum_dp_s(u, tp, dp, inventory, spec, i == 0, i == plan.pp - 1, n)
              for i, (u, tp, n) in enumerate(zip(stage_units, tps, split, strict=True))]
