@@ -246,8 +246,8 @@ def _slow_link(c: planner.Candidate, unit: Unit, inventory: ClusterInventory) ->
         if unit.key not in (a.key, z.key) or set(a.datacenters) & set(z.datacenters):
             continue
         if b >= slowest:
-            link = inventory.link(a.datacenters[0], z.datacenters[0])
-            return (f"its {link.bandwidth_gbps:g} Gb/s link {a.datacenters[0]}-"
-                    f"{z.datacenters[0]} is the slowest step ({b * 1e3:.1f} vs "
+            link = inventory.slowest_link(a.datacenters, z.datacenters)
+            return (f"its {link.bandwidth_gbps:g} Gb/s link {link.a}-{link.b} is the "
+                    f"slowest step ({b * 1e3:.1f} vs "
                     f"{slowest * 1e3:.1f} ms)")
     return ""

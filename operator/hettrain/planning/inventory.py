@@ -7,7 +7,7 @@ Two ways in, one frozen result (:class:`ClusterInventory`):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,16 @@ class ClusterInventory:
                 return link
         bw, lat = DEFAULT_INTER_DC
         return Link(dc_a, dc_b, bw, lat)
+
+    def slowest_link(self, dcs_a: Sequence[str], dcs_b: Sequence[str]) -> Link:
+        """The worst of the links between any datacenter of ``dcs_a`` and any of ``dcs_b``:
+        the least bandwidth and the most latency among them (a hop between two units that
+        span datacenters may take any of those links, depending on the replica)."""
+        links = [self.link(a, b) for a in dcs_a for b in dcs_b]
+        if len(links) == 1:
+            return links[0]
+        slow = min(links, key=lambda k: (k.bandwidth_gbps, -k.latency_ms))
+        return Link(slow.a, slow.b, slow.bandwidth_gbps, max(k.latency_ms for k in links))
 
     def without_nodes(self, names: Iterable[str]) -> ClusterInventory:
         """A copy without the given nodes (failed or drained); empty pools are dropped."""

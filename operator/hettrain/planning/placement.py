@@ -1,5 +1,13 @@
 """Rank → node placement: TP groups inside a node, a stage's replicas in its unit, ranks on a node
 consecutive. With a previous plan, surviving nodes keep their stage where possible (fewer moves).
+
+A unit that spans datacenters (the planner's ``merged`` grouping) holds each replica in one of
+them: :func:`replica_datacenters` gives every replica one datacenter per *run* of the pipeline
+(consecutive stages whose units share a datacenter, the hops the planner prices inside one),
+so no hop priced inside a datacenter crosses a link and no context-parallel group is split,
+with the replicas spread as evenly as the nodes allow (the planner prices such a unit's DP
+sync as ``dp/k`` replicas in each of its ``k`` datacenters). The planner only offers layouts
+it can place so (``planner._placeable``).
 """
 
 from __future__ import annotations
@@ -32,16 +40,139 @@ def _unit_nodes(unit: Unit, previous: Plan | None) -> list[tuple[str, str, str]]
     return sorted(nodes, key=lambda x: (prev_stage.get(x[0], (1 << 30, 0)), x[2], x[1], x[0]))
 
 
+def pipeline_runs(stage_units: Sequence[Unit]) -> list[list[int]]:
+    """Stage indices in runs: a hop between two stages whose units share a datacenter (the
+    planner prices it inside one) joins them in one run; every other hop starts a new run."""
+    runs: list[list[int]] = []
+    for s, unit in enumerate(stage_units):
+        if runs and set(stage_units[s - 1].datacenters) & set(unit.datacenters):
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return runs
+
+
+def _advance(cursor: tuple[int, int], n: int, tp: int, gpus_per_node: int) -> tuple[int, int]:
+    """The ``(node, gpu)`` cursor after placing ``n`` TP groups of ``tp`` GPUs from ``cursor``,
+    a group never split over two nodes (:func:`place_ranks`' loop, in closed form)."""
+    node, gpu = cursor
+    if n <= 0:
+        return cursor
+    per = gpus_per_node // tp
+    here = (gpus_per_node - gpu) // tp
+    if n <= here:
+        return node, gpu + n * tp
+    full, rem = divmod(n - here, per)
+    return (node + full, per * tp) if rem == 0 else (node + full + 1, rem * tp)
+
+
+def _nodes_used(cursor: tuple[int, int]) -> int:
+    return cursor[0] + (1 if cursor[1] else 0)
+
+
+def _unit_dc_nodes(unit: Unit, dc: str) -> int:
+    return sum(len(p.nodes) for p in unit.pools if p.datacenter == dc)
+
+
+def replica_datacenters(stage_units: Sequence[Unit], stage_tp: Sequence[int], dp: int,
+                        cp: int = 1) -> tuple[tuple[str, ...], ...] | None:
+    """Per stage, the datacenter of each of its ``dp`` replicas (``dp`` counts the ``dp·cp``
+    replicas; ``cp`` consecutive ones share a sequence and one datacenter), or None when the
+    nodes of some unit in the datacenters its run can use cannot hold them.
+
+    A run (:func:`pipeline_runs`) can use the datacenters all its units share; each of its
+    replicas stays in one of them on every stage of the run, so its hops stay inside that
+    datacenter, as priced. Runs are filled in order, each spreading its replicas as evenly as
+    the TP groups left in each datacenter allow (:func:`_spread`); a unit's nodes serve its
+    stages in pipeline order, as :func:`place_ranks` fills them."""
+    if cp < 1 or dp % cp:
+        return None
+    cursors: dict[tuple[str, str], tuple[int, int]] = {}
+    out: list[tuple[str, ...]] = [()] * len(stage_units)
+    for run in pipeline_runs(stage_units):
+        shared = set.intersection(*(set(stage_units[s].datacenters) for s in run))
+        dcs = sorted(shared)
+        room = {dc: _groups_that_fit(stage_units, stage_tp, run, dc, cp, dp // cp, cursors)
+                for dc in dcs}
+        counts = _spread(dp // cp, dcs, room)
+        if counts is None:
+            return None
+        where = tuple(dc for dc in dcs for _ in range(counts[dc] * cp))
+        for dc in dcs:
+            _take(stage_units, stage_tp, run, dc, counts[dc] * cp, cursors)
+        for s in run:
+            out[s] = where
+    return tuple(out)
+
+
+def _take(stage_units: Sequence[Unit], stage_tp: Sequence[int], run: Sequence[int], dc: str,
+          replicas: int, cursors: dict[tuple[str, str], tuple[int, int]]) -> bool:
+    """Advance the cursors of ``dc`` by ``replicas`` TP groups on each stage of ``run``;
+    False (cursors unchanged) when a unit runs out of nodes there."""
+    trial = dict(cursors)
+    for s in run:
+        unit = stage_units[s]
+        key = (unit.key, dc)
+        trial[key] = _advance(trial.get(key, (0, 0)), replicas, stage_tp[s],
+                              unit.gpus_per_node)
+        if _nodes_used(trial[key]) > _unit_dc_nodes(unit, dc):
+            return False
+    cursors.update(trial)
+    return True
+
+
+def _groups_that_fit(stage_units: Sequence[Unit], stage_tp: Sequence[int], run: Sequence[int],
+                     dc: str, cp: int, most: int,
+                     cursors: dict[tuple[str, str], tuple[int, int]]) -> int:
+    """The most sequence groups (``cp`` replicas each, at most ``most``) ``dc`` holds on
+    every stage of ``run`` after what the cursors already hold (feasibility is monotone in
+    the count: a binary search)."""
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _take(stage_units, stage_tp, run, dc, mid * cp, dict(cursors)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _spread(groups: int, dcs: Sequence[str], room: dict[str, int]) -> dict[str, int] | None:
+    """``groups`` over ``dcs`` as evenly as ``room`` (each one's most) allows, the remainder
+    to the first in order; None when they do not fit."""
+    if sum(room[dc] for dc in dcs) < groups:
+        return None
+    counts = dict.fromkeys(dcs, 0)
+    left = groups
+    while left:
+        open_ = [dc for dc in dcs if counts[dc] < room[dc]]
+        share = max(1, left // len(open_))
+        for dc in open_:
+            give = min(share, room[dc] - counts[dc], left)
+            counts[dc] += give
+            left -= give
+    return counts
+
+
 def place_ranks(stage_units: Sequence[Unit], stage_tp: Sequence[int], dp: int,
-                previous: Plan | None = None) -> tuple[RankPlan, ...]:
-    """Assign every (stage, dp, tp) coordinate to a GPU; returns ranks numbered node by node."""
+                previous: Plan | None = None, cp: int = 1) -> tuple[RankPlan, ...]:
+    """Assign every (stage, dp, tp) coordinate to a GPU; returns ranks numbered node by node.
+
+    Each replica's datacenter comes from :func:`replica_datacenters` (``dp`` counts the
+    ``dp·cp`` replicas); where that finds no room (a layout the planner does not offer), a
+    unit's nodes are filled stage by stage in datacenter order instead."""
+    where = replica_datacenters(stage_units, stage_tp, dp, cp)
     # coordinate -> (node, pool, dc, local_rank)
     slots: dict[tuple[int, int, int], tuple[str, str, str, int]] = {}
-    cursors: dict[str, tuple[list[tuple[str, str, str]], int, int]] = {}
+    cursors: dict[tuple[str, str], tuple[list[tuple[str, str, str]], int, int]] = {}
     node_order: list[str] = []
     for s, (unit, tp) in enumerate(zip(stage_units, stage_tp, strict=True)):
-        nodes, node_i, gpu_i = cursors.get(unit.key) or (_unit_nodes(unit, previous), 0, 0)
         for d in range(dp):
+            key = (unit.key, where[s][d] if where is not None else "")
+            if key not in cursors:
+                nodes = _unit_nodes(unit, previous)
+                cursors[key] = ([n for n in nodes if n[2] == key[1]] if key[1] else nodes, 0, 0)
+            nodes, node_i, gpu_i = cursors[key]
             if gpu_i + tp > unit.gpus_per_node:
                 node_i, gpu_i = node_i + 1, 0
             node, pool, dc = nodes[node_i]
@@ -49,8 +180,7 @@ def place_ranks(stage_units: Sequence[Unit], stage_tp: Sequence[int], dp: int,
                 node_order.append(node)
             for t in range(tp):
                 slots[(s, d, t)] = (node, pool, dc, gpu_i + t)
-            gpu_i += tp
-        cursors[unit.key] = (nodes, node_i, gpu_i)
+            cursors[key] = (nodes, node_i, gpu_i + tp)
     by_node: dict[str, list[tuple[int, tuple[int, int, int], str, str]]] = {}
     for coord, (node, pool, dc, local) in slots.items():
         by_node.setdefault(node, []).append((local, coord, pool, dc))

@@ -69,7 +69,7 @@ from hettrain.planning.layers import (
     split_layers,
     split_layers_brute_force,
 )
-from hettrain.planning.placement import moved_ranks, place_ranks
+from hettrain.planning.placement import moved_ranks, place_ranks, replica_datacenters
 from hettrain.planning.plan import Plan, Prediction, RankPlan, StagePlan
 from hettrain.planning.replica_groups import (
     plan_devices,
@@ -158,6 +158,7 @@ class _Search:
         self.over_max_gpus = 0  # layouts skipped for using more GPUs than that
         self.stage_memo: dict[tuple, tuple[StageCost, tuple[cost.StageMemory, float]]] = {}
         self.boundary_memo: dict[tuple, float] = {}
+        self.placeable_memo: dict[tuple, bool] = {}  # _placeable, by layout and cp
         self.pp_fits: dict[tuple[int, int], bool] = {}  # (pp, m): some schedule runs it
         self.caps_rows: dict[tuple[int, int], CapsRows] = {}  # (dp, mb): block layer caps
         self.leaf_bounds: dict[tuple[Choice, ...], LeafBound] = {}  # leaves of one pair
@@ -523,7 +524,7 @@ def _boundary_s(src: Unit, dst: Unit, tp_src: int, tp_dst: int, dp: int, micro_b
     lat = cost.COLLECTIVE_LATENCY_S
     shared_dcs = set(src.datacenters) & set(dst.datacenters)
     if not shared_dcs:
-        link = inv.link(src.datacenters[0], dst.datacenters[0])
+        link = inv.slowest_link(src.datacenters, dst.datacenters)
         nic = min(nic, link.gbytes / (dp * tp))
         if not hidden:
             lat = link.latency_ms / 1e3
@@ -541,7 +542,7 @@ def _link_delay_s(src: Unit, dst: Unit, inv: ClusterInventory) -> float:
     the two stages share no datacenter, else 0."""
     if set(src.datacenters) & set(dst.datacenters):
         return 0.0
-    link = inv.link(src.datacenters[0], dst.datacenters[0])
+    link = inv.slowest_link(src.datacenters, dst.datacenters)
     return 2 * max(0.0, link.latency_ms / 1e3 - cost.COLLECTIVE_LATENCY_S)
 
 
@@ -975,6 +976,21 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
         _evaluate_one(search, units, tps, dp, mb, schedule, inv, grouping, v, filo)
 
 
+def _placeable(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: int) -> bool:
+    """Whether :func:`placement.replica_datacenters` can hold each replica of the layout in
+    one datacenter along every run of hops priced inside one (memoised per search): else some
+    hop the search prices inside a datacenter would cross a link once placed. Always true
+    where no unit spans datacenters (the search's ``tp_groups`` count is then the limit)."""
+    if all(len(u.datacenters) == 1 for u in units):
+        return True
+    cp = _cp(search.spec)
+    key = (tuple(u.key for u in units), tuple(tps), dp, cp)
+    ok = search.placeable_memo.get(key)
+    if ok is None:
+        ok = search.placeable_memo[key] = replica_datacenters(units, tps, dp, cp) is not None
+    return ok
+
+
 def _evaluate_one(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: int,
                   mb: int, schedule: str, inv: ClusterInventory, grouping: str, v: int,
                   filo: bool) -> None:
@@ -985,6 +1001,8 @@ def _evaluate_one(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp
     if search.max_gpus is not None and dp * sum(tps) > search.max_gpus:
         search.over_max_gpus += 1  # exact: only removes layouts, every bound stays valid
         return
+    if grouping == "merged" and not _placeable(search, units, tps, dp):
+        return  # exact as well: only removes layouts
     if not chunked_schedule(schedule):
         v = 1
     if not _schedule_fits(schedule, v, pp, m, model.layers):
@@ -2286,7 +2304,7 @@ def _place(c: Candidate, previous: Plan | None) -> tuple[RankPlan, ...]:
     ``(stage, dp)``'s ``cp`` ranks get consecutive ``tp``-GPU blocks, one node where the group
     fits, ``context.cp_link``), then renumbered back to ``(dp, cp)`` coordinates: the inverse of
     the runtime's ``context_parallel.comm_view``."""
-    return _cp_coordinates(c, place_ranks(c.units, c.tps, c.dp, previous))
+    return _cp_coordinates(c, place_ranks(c.units, c.tps, c.dp, previous, c.cp))
 
 
 def _cp_coordinates(c: Candidate, ranks: tuple[RankPlan, ...]) -> tuple[RankPlan, ...]:
@@ -2362,7 +2380,7 @@ def _fewest_moves(best: Candidate, near: Sequence[Candidate], previous: Plan
     scored = []
     for c in list(by_layout.values())[:REPLAN_OPTIONS]:
         # (moved ranks count stages per GPU: the CP renumbering waits for the chosen one)
-        r = place_ranks(c.units, c.tps, c.dp, previous)
+        r = place_ranks(c.units, c.tps, c.dp, previous, c.cp)
         scored.append((moved_ranks(previous, r), c.sort_key(), c, r))
     if not scored:  # best itself is always within the tolerance; defensive
         return best, _place(best, previous)
