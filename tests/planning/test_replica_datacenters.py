@@ -96,12 +96,18 @@ def _fits(stage_units, tps, dp, cp, where) -> bool:
 
 
 def _brute_force_feasible(stage_units, tps, dp, cp) -> bool:
-    """Any assignment of sequence groups to datacenters, per run, that fits."""
+    """Any assignment of sequence groups to datacenters, per run, that the planner's prices
+    hold for (each run's units span the same datacenters, every one of them holds the same
+    number of groups) and that fits."""
     runs = pipeline_runs(stage_units)
     options = []
     for run in runs:
-        shared = sorted(set.intersection(*(set(stage_units[s].datacenters) for s in run)))
-        options.append(list(itertools.combinations_with_replacement(shared, dp // cp)))
+        spans = {stage_units[s].datacenters for s in run}
+        if len(spans) > 1:
+            return False
+        (dcs,) = spans
+        options.append([pick for pick in itertools.combinations_with_replacement(dcs, dp // cp)
+                        if len({pick.count(dc) for dc in dcs}) == 1])
     for pick in itertools.product(*options):
         where = [()] * len(stage_units)
         for run, groups in zip(runs, pick, strict=True):
@@ -121,9 +127,10 @@ def test_replica_datacenters_vs_brute_force(seed: int) -> None:
         return
     assert _fits(stage_units, tps, dp, cp, got)
     for run in pipeline_runs(stage_units):
-        shared = set.intersection(*(set(stage_units[s].datacenters) for s in run))
+        dcs = stage_units[run[0]].datacenters
         for s in run:
-            assert got[s] == got[run[0]] and set(got[s]) <= shared
+            assert got[s] == got[run[0]] and set(got[s]) == set(dcs)
+        assert len({got[run[0]].count(dc) for dc in dcs}) == 1  # the priced dp/k in each
         # each sequence's cp replicas in one datacenter
         assert all(len(set(got[run[0]][g:g + cp])) == 1 for g in range(0, dp, cp))
     # placed: every GPU once, each replica where replica_datacenters put it
@@ -133,24 +140,32 @@ def test_replica_datacenters_vs_brute_force(seed: int) -> None:
         assert r.datacenter == got[r.stage][r.dp]
 
 
-def test_replicas_spread_evenly_where_the_nodes_allow() -> None:
+def test_replicas_split_equally_over_the_datacenters() -> None:
     """One merged unit of tp-8 TP groups, four nodes in a and two in b: one stage's four
-    replicas split 2/2 (the planner's dp/k); two stages hold three replicas (two in a, one in
-    b), not four; a two-replica sequence group fits only in a."""
+    replicas split 2/2 (the planner's dp/k); two stages hold two replicas (one in each), not
+    three (no equal split) nor four (b holds one replica of both stages); next to a unit of
+    one datacenter the run cannot split (its hop would cross or its DP sync not as priced)."""
     inv = load_cluster(_cluster([
         {"name": "ha", "datacenter": "a", "device": "H100-SXM", "nodes": 4, "gpusPerNode": 8,
          "nicGbps": 400},
         {"name": "hb", "datacenter": "b", "device": "H100-SXM", "nodes": 2, "gpusPerNode": 8,
+         "nicGbps": 400},
+        {"name": "ma", "datacenter": "a", "device": "MI300X", "nodes": 2, "gpusPerNode": 8,
          "nicGbps": 400}]))
-    (unit,) = build_units(inv.pools, merged=True)
-    assert replica_datacenters([unit], [8], 4) == (("a", "a", "b", "b"),)
-    assert replica_datacenters([unit, unit], [8, 8], 3) == (("a", "a", "b"),) * 2
-    assert replica_datacenters([unit, unit], [8, 8], 4) is None
-    assert replica_datacenters([unit, unit], [8, 8], 2, cp=2) == (("a", "a"),) * 2
-    # the stage-by-stage fill put replica 0's stages in a and replica 1's stage 1 in b
-    ranks = place_ranks([unit, unit], [8, 8], 3)
-    for d in range(3):
+    h100, mi300 = sorted(build_units(inv.pools, merged=True), key=lambda u: u.key)
+    assert h100.datacenters == ("a", "b") and mi300.datacenters == ("a",)
+    assert replica_datacenters([h100], [8], 4) == (("a", "a", "b", "b"),)
+    assert replica_datacenters([h100, h100], [8, 8], 2) == (("a", "b"),) * 2
+    assert replica_datacenters([h100, h100], [8, 8], 3) is None
+    assert replica_datacenters([h100, h100], [8, 8], 4) is None
+    assert replica_datacenters([h100], [8], 4, cp=2) == (("a", "a", "b", "b"),)
+    assert replica_datacenters([h100, mi300], [8, 8], 2) is None
+    # the stage-by-stage fill put stage 0's two replicas on a's first nodes and stage 1's
+    # on a's last nodes: now each stage has one replica in each datacenter
+    ranks = place_ranks([h100, h100], [8, 8], 2)
+    for d in range(2):
         assert len({r.datacenter for r in ranks if r.dp == d}) == 1
+    assert {r.datacenter for r in ranks if r.stage == 0} == {"a", "b"}
 
 
 def _random_cluster(rng: random.Random) -> dict:

@@ -5,9 +5,9 @@ A unit that spans datacenters (the planner's ``merged`` grouping) holds each rep
 them: :func:`replica_datacenters` gives every replica one datacenter per *run* of the pipeline
 (consecutive stages whose units share a datacenter, the hops the planner prices inside one),
 so no hop priced inside a datacenter crosses a link and no context-parallel group is split,
-with the replicas spread as evenly as the nodes allow (the planner prices such a unit's DP
-sync as ``dp/k`` replicas in each of its ``k`` datacenters). The planner only offers layouts
-it can place so (``planner._placeable``).
+and splits the replicas equally over the datacenters (the planner prices such a unit's DP
+sync as ``dp/k`` replicas in each of its ``k``). The planner only offers layouts it can place
+so (``planner._placeable``).
 """
 
 from __future__ import annotations
@@ -78,28 +78,29 @@ def replica_datacenters(stage_units: Sequence[Unit], stage_tp: Sequence[int], dp
                         cp: int = 1) -> tuple[tuple[str, ...], ...] | None:
     """Per stage, the datacenter of each of its ``dp`` replicas (``dp`` counts the ``dp·cp``
     replicas; ``cp`` consecutive ones share a sequence and one datacenter), or None when the
-    nodes of some unit in the datacenters its run can use cannot hold them.
+    layout cannot be placed as the planner prices it.
 
-    A run (:func:`pipeline_runs`) can use the datacenters all its units share; each of its
-    replicas stays in one of them on every stage of the run, so its hops stay inside that
-    datacenter, as priced. Runs are filled in order, each spreading its replicas as evenly as
-    the TP groups left in each datacenter allow (:func:`_spread`); a unit's nodes serve its
-    stages in pipeline order, as :func:`place_ranks` fills them."""
+    The planner prices a hop between units that share a datacenter as a transfer inside one,
+    and a unit spanning ``k`` datacenters' DP sync as ``dp/k`` replicas in each (the runtime's
+    two-level all-reduce over equal blocks). So within a run (:func:`pipeline_runs`) every unit
+    must span the same datacenters, the run's sequence groups split equally over them, each
+    replica in one datacenter on every stage of the run, and each unit's nodes there must hold
+    its share (its nodes in one datacenter serve its stages in pipeline order, TP groups
+    whole, as :func:`place_ranks` fills them)."""
     if cp < 1 or dp % cp:
         return None
+    groups = dp // cp
     cursors: dict[tuple[str, str], tuple[int, int]] = {}
     out: list[tuple[str, ...]] = [()] * len(stage_units)
     for run in pipeline_runs(stage_units):
-        shared = set.intersection(*(set(stage_units[s].datacenters) for s in run))
-        dcs = sorted(shared)
-        room = {dc: _groups_that_fit(stage_units, stage_tp, run, dc, cp, dp // cp, cursors)
-                for dc in dcs}
-        counts = _spread(dp // cp, dcs, room)
-        if counts is None:
+        dcs = stage_units[run[0]].datacenters
+        if any(stage_units[s].datacenters != dcs for s in run) or groups % len(dcs):
             return None
-        where = tuple(dc for dc in dcs for _ in range(counts[dc] * cp))
+        share = groups // len(dcs) * cp
         for dc in dcs:
-            _take(stage_units, stage_tp, run, dc, counts[dc] * cp, cursors)
+            if not _take(stage_units, stage_tp, run, dc, share, cursors):
+                return None
+        where = tuple(dc for dc in dcs for _ in range(share))
         for s in run:
             out[s] = where
     return tuple(out)
@@ -108,50 +109,15 @@ def replica_datacenters(stage_units: Sequence[Unit], stage_tp: Sequence[int], dp
 def _take(stage_units: Sequence[Unit], stage_tp: Sequence[int], run: Sequence[int], dc: str,
           replicas: int, cursors: dict[tuple[str, str], tuple[int, int]]) -> bool:
     """Advance the cursors of ``dc`` by ``replicas`` TP groups on each stage of ``run``;
-    False (cursors unchanged) when a unit runs out of nodes there."""
-    trial = dict(cursors)
+    False when a unit runs out of nodes there."""
     for s in run:
         unit = stage_units[s]
         key = (unit.key, dc)
-        trial[key] = _advance(trial.get(key, (0, 0)), replicas, stage_tp[s],
-                              unit.gpus_per_node)
-        if _nodes_used(trial[key]) > _unit_dc_nodes(unit, dc):
+        cursors[key] = _advance(cursors.get(key, (0, 0)), replicas, stage_tp[s],
+                                unit.gpus_per_node)
+        if _nodes_used(cursors[key]) > _unit_dc_nodes(unit, dc):
             return False
-    cursors.update(trial)
     return True
-
-
-def _groups_that_fit(stage_units: Sequence[Unit], stage_tp: Sequence[int], run: Sequence[int],
-                     dc: str, cp: int, most: int,
-                     cursors: dict[tuple[str, str], tuple[int, int]]) -> int:
-    """The most sequence groups (``cp`` replicas each, at most ``most``) ``dc`` holds on
-    every stage of ``run`` after what the cursors already hold (feasibility is monotone in
-    the count: a binary search)."""
-    lo, hi = 0, most
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _take(stage_units, stage_tp, run, dc, mid * cp, dict(cursors)):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _spread(groups: int, dcs: Sequence[str], room: dict[str, int]) -> dict[str, int] | None:
-    """``groups`` over ``dcs`` as evenly as ``room`` (each one's most) allows, the remainder
-    to the first in order; None when they do not fit."""
-    if sum(room[dc] for dc in dcs) < groups:
-        return None
-    counts = dict.fromkeys(dcs, 0)
-    left = groups
-    while left:
-        open_ = [dc for dc in dcs if counts[dc] < room[dc]]
-        share = max(1, left // len(open_))
-        for dc in open_:
-            give = min(share, room[dc] - counts[dc], left)
-            counts[dc] += give
-            left -= give
-    return counts
 
 
 def place_ranks(stage_units: Sequence[Unit], stage_tp: Sequence[int], dp: int,
