@@ -208,3 +208,20 @@ def test_plans_keep_intra_datacenter_hops_inside_one(seed: int) -> None:
         full = plan_job("j", spec, inv, exhaustive=True)
         assert full.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s,
                                                            rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_stage_slots_is_the_most_stages_the_placement_holds(seed: int) -> None:
+    """``Unit.stage_slots`` (the search's stage-count limit) is the largest ``k`` for which
+    ``replica_datacenters`` places ``k`` stages of the unit (0 when none)."""
+    rng = random.Random(seed)
+    pools = [{"name": f"h{dc}", "datacenter": dc, "device": "H100-SXM",
+              "nodes": rng.randint(1, 4), "gpusPerNode": 8, "nicGbps": 400}
+             for dc in rng.sample("abc", rng.randint(1, 3))]
+    (unit,) = build_units(load_cluster(_cluster(pools)).pools, merged=True)
+    tp, cp = rng.choice([1, 2, 4, 8]), rng.choice([1, 2])
+    dp = cp * rng.randint(1, 8)
+    most = 0
+    while replica_datacenters([unit] * (most + 1), [tp] * (most + 1), dp, cp) is not None:
+        most += 1
+    assert unit.stage_slots(tp, dp, cp) == most

@@ -129,6 +129,10 @@ def _reason(unit: Unit, units: Sequence[Unit], chosen: planner.Candidate, spec: 
         gpus = f"{unit.gpus} GPU{'s' if unit.gpus > 1 else ''}"
         return (f"its {gpus} cannot host a stage of the chosen {planner._dp_words(spec, dp)} "
                 "replicas (a stage's replicas share one device group)")
+    if all(unit.stage_slots(tp, dp, planner._cp(spec)) < 1 for tp in tps):
+        return (f"it spans {len(unit.datacenters)} datacenters; a stage's "
+                f"{planner._dp_words(spec, dp)} replicas split equally over them do not fit "
+                "its nodes in each (as the DP sync across them is priced)")
     search, best, tried = trial or _trial(unit, chosen, spec, inventory)
     if best is not None:
         return _compare(best, tried, unit, chosen, inventory, replan, units, spec)
@@ -176,7 +180,7 @@ def _try_additions(search: planner._Search, unit: Unit, chosen: planner.Candidat
         schedules.append(("1f1b", 1))  # holds less memory than ZB-H1 and interleaved
     for tp in planner._tp_options(unit, spec):
         most = planner._max_stages(unit, tp, chosen.dp, spec)
-        if most < min(unit.tp_groups(tp) // chosen.dp, spec.model.layers):
+        if most < planner._stage_room(unit, tp, chosen.dp, spec):
             search.over_max_gpus += 1  # maxGPUs removed some stage counts
         for k in sorted({*range(1, min(most, MAX_TRIED_STAGES) + 1), most} - {0}):
             for at in blocks:

@@ -932,8 +932,7 @@ def _candidates_outer(units: Sequence[Unit], spec: JobSpec, dp_values: Sequence[
         for tps in itertools.product(*tp_opts):
             if 0 in tps:
                 continue
-            maxk = [min(u.tp_groups(tp) // dp, model.layers) for u, tp in zip(units, tps,
-                                                                                strict=True)]
+            maxk = [_stage_room(u, tp, dp, spec) for u, tp in zip(units, tps, strict=True)]
             for ks in itertools.product(*(_k_options(k, exhaustive) for k in maxk)):
                 pp = sum(ks)
                 if pp < 1 or pp > model.layers or (pinned_pp is not None and pp != pinned_pp):
@@ -979,8 +978,10 @@ def _evaluate(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: in
 def _placeable(search: _Search, units: Sequence[Unit], tps: Sequence[int], dp: int) -> bool:
     """Whether :func:`placement.replica_datacenters` can hold each replica of the layout in
     one datacenter along every run of hops priced inside one (memoised per search): else some
-    hop the search prices inside a datacenter would cross a link once placed. Always true
-    where no unit spans datacenters (the search's ``tp_groups`` count is then the limit)."""
+    hop the search prices inside a datacenter would cross a link once placed. The search's
+    stage counts already respect each unit's room (:meth:`Unit.stage_slots`); what this adds
+    is that a run's units span the same datacenters. Always true where no unit spans
+    datacenters."""
     if all(len(u.datacenters) == 1 for u in units):
         return True
     cp = _cp(search.spec)
@@ -1149,11 +1150,17 @@ def _unit_stats(unit: Unit, tp: int, dp: int, mb: int, inv: ClusterInventory,
                      act, usable, _microbatches(spec, dp, mb))
 
 
+def _stage_room(unit: Unit, tp: int, dp: int, spec: JobSpec) -> int:
+    """Most stages of ``tp`` GPUs ``unit`` can host at ``dp`` as placed
+    (:meth:`Unit.stage_slots`), at most the layers."""
+    return min(unit.stage_slots(tp, dp, _cp(spec)), spec.model.layers)
+
+
 def _max_stages(unit: Unit, tp: int, dp: int, spec: JobSpec) -> int:
-    """Most stages of ``tp`` GPUs ``unit`` can host at ``dp``: its node-local TP groups, the
-    layers, and ``spec.placement.maxGPUs`` (a unit alone using more than the cap has no layout;
+    """Most stages of ``tp`` GPUs ``unit`` can host at ``dp``: :func:`_stage_room` and
+    ``spec.placement.maxGPUs`` (a unit alone using more than the cap has no layout;
     exact)."""
-    k = min(unit.tp_groups(tp) // dp, spec.model.layers)
+    k = _stage_room(unit, tp, dp, spec)
     cap = spec.placement.max_gpus
     return k if cap is None else min(k, cap // (dp * tp))
 
@@ -1162,7 +1169,11 @@ def _windowed(units: Sequence[Unit], spec: JobSpec, tp_opts: Sequence[Sequence[i
     """True when enumerating every stage count (at dp = 1) would exceed ``EXACT_LEAF_BUDGET``."""
     count = 1
     for u, tps in zip(units, tp_opts, strict=True):
-        count *= 1 + sum(_max_stages(u, tp, 1, spec) for tp in tps)
+        # (every TP group a stage of its own, wherever its datacenter: the placement's
+        # equal split does not apply at one replica)
+        cap = spec.placement.max_gpus
+        count *= 1 + sum(min(u.tp_groups(tp), spec.model.layers,
+                             *(() if cap is None else (cap // tp,))) for tp in tps)
         if count > EXACT_LEAF_BUDGET:
             return True
     return False
@@ -1196,7 +1207,7 @@ def _unit_choices(units: Sequence[Unit], tp_opts: Sequence[Sequence[int]], dp: i
         opts = []
         for tp in tps:
             maxk = _max_stages(u, tp, dp, spec)
-            if maxk < min(u.tp_groups(tp) // dp, spec.model.layers):
+            if maxk < _stage_room(u, tp, dp, spec):
                 search.over_max_gpus += 1
             if maxk < 1:
                 continue
@@ -1282,7 +1293,7 @@ def _cheap_root(search: _Search, units: Sequence[Unit], tp_opts: Sequence[Sequen
         best = 0.0
         for tp in tps:
             maxk = _max_stages(u, tp, dp, spec)
-            if maxk < min(u.tp_groups(tp) // dp, spec.model.layers):
+            if maxk < _stage_room(u, tp, dp, spec):
                 search.over_max_gpus += 1  # as _unit_choices counts it (refusal message)
             if maxk < 1:
                 continue

@@ -42,6 +42,23 @@ class Unit:
         """How many node-local groups of ``tp`` GPUs the unit holds."""
         return self.nodes * (self.gpus_per_node // tp)
 
+    def stage_slots(self, tp: int, dp: int, cp: int = 1) -> int:
+        """Stages of ``dp`` replicas of ``tp`` GPUs each the unit can hold (``dp`` counts the
+        ``dp·cp`` replicas, ``cp`` consecutive ones sharing a sequence): its node-local TP
+        groups over ``dp`` inside one datacenter. Spanning ``k`` datacenters, the sequence
+        groups split equally over them (``placement.replica_datacenters``, as the planner
+        prices the DP sync): none unless ``k`` divides them, else the fewest that any of its
+        datacenters holds of its share."""
+        dcs = self.datacenters
+        if len(dcs) == 1:
+            return self.tp_groups(tp) // dp
+        if dp % cp or (dp // cp) % len(dcs):
+            return 0
+        share = dp // len(dcs)
+        per_node = self.gpus_per_node // tp
+        return min(sum(len(p.nodes) for p in self.pools if p.datacenter == dc) * per_node
+                   // share for dc in dcs)
+
     @property
     def nic_gbytes_per_gpu(self) -> float:
         """Slowest per-GPU scale-out bandwidth among the unit's pools (GB/s)."""
