@@ -8,11 +8,12 @@ functions the planner uses (``planning/cost.py``): a GPU's best tokens per secon
 it can be), the job's recompute mode (a user choice; ``auto``: none) and a device's measured
 profile where it matches; the ideal is the sum over every GPU of the cluster. A plan's
 ``ratio`` is ``plan.predicted.tokens_per_s / ideal``: at most 1 (checked on every case; more
-would be a cost model inconsistency), lower for the bubble, exposed TP/PP/DP communication,
-smaller microbatches, TP's per-GPU overheads and GPUs the plan leaves idle: what a better
-layout can recover. ``peak`` is the same throughput against the efficiency asymptote
-(``min_seconds_per_flop`` × the MFU FLOPs per token), which also charges the attention and
-elementwise terms the cost model puts on every plan.
+would be a cost model inconsistency, as would a pipeline hop priced inside a datacenter that
+the plan's placement puts across a link: :func:`unpriced_crossings`, also checked), lower for
+the bubble, exposed TP/PP/DP communication, smaller microbatches, TP's per-GPU overheads and
+GPUs the plan leaves idle: what a better layout can recover. ``peak`` is the same throughput
+against the efficiency asymptote (``min_seconds_per_flop`` × the MFU FLOPs per token), which
+also charges the attention and elementwise terms the cost model puts on every plan.
 
 Cases: a FIXED seeded set of generated heterogeneous clusters (48–1016 GPUs, 2–4 device types
 from the catalog, 1–3 datacenters; :func:`clusters`) × models (llama3-8b, llama3-70b, and
@@ -62,6 +63,7 @@ from hettrain.planning.cost import (
 from hettrain.planning.errors import PlanningError
 from hettrain.planning.inventory import ClusterInventory, load_cluster
 from hettrain.planning.plan import Plan
+from hettrain.planning.units import build_units
 from plan_losses import PARTS, breakdown, device_rate
 
 SEED = 17
@@ -216,6 +218,7 @@ class Case:
     layout: str = ""
     detail: str = ""
     losses: dict[str, float] = field(default_factory=dict)  # plan_losses.breakdown
+    unpriced_hops: int = 0  # unpriced_crossings: 0 for a plan placed as priced
 
 
 def run_case(workers: PlanWorkers, doc: dict, model: str, replica_groups: bool = False,
@@ -243,6 +246,7 @@ def run_case(workers: PlanWorkers, doc: dict, model: str, replica_groups: bool =
     case.peak = plan.predicted.tokens_per_s / peak_tokens_per_s(spec, inv)
     case.used = plan.world_size
     case.losses = breakdown(spec, inv, plan)
+    case.unpriced_hops = unpriced_crossings(plan, inv)
     per_pool: dict[str, int] = {}
     for r in plan.ranks:
         per_pool[r.pool] = per_pool.get(r.pool, 0) + 1
@@ -261,6 +265,30 @@ def run_case(workers: PlanWorkers, doc: dict, model: str, replica_groups: bool =
         case.layout += (f" + group {g.index}: dp={g.dp} pp={g.pp} tp={g.stages[0].tp} "
                         + (f"cp={gcp} " if gcp > 1 else "") + f"m={g.num_microbatches}")
     return case
+
+
+def unpriced_crossings(plan: Plan, inv: ClusterInventory) -> int:
+    """Replica hops of ``plan``'s pipelines that the planner prices inside a datacenter (the
+    two stages' units share one: ``planner._boundary_s``) but whose placed ranks sit in two
+    datacenters: 0 for a plan placed as priced (checked on every case). Group 0's units are
+    its grouping's (``merged``: a device's pools of every datacenter as one); an extra
+    replica group's stages each sit on one pool."""
+    merged = plan.cross_dc.get("grouping") == "merged"
+    span = {p.name: u.datacenters for u in build_units(inv.pools, merged) for p in u.pools}
+    where: dict[tuple[int, int, int, int], str] = {}
+    for r in plan.ranks:
+        where[(r.group, r.stage, r.dp, r.cp)] = r.datacenter
+    count = 0
+    for g, stages in enumerate([plan.stages] + [grp.stages for grp in plan.groups[1:]]):
+        for s in range(len(stages) - 1):
+            a, b = stages[s].pools[0], stages[s + 1].pools[0]
+            dcs_a = span[a] if g == 0 else (inv.pool(a).datacenter,)
+            dcs_b = span[b] if g == 0 else (inv.pool(b).datacenter,)
+            if not set(dcs_a) & set(dcs_b):
+                continue  # priced across the link
+            count += sum(1 for (gg, st, d, c), dc in where.items()
+                         if gg == g and st == s and where.get((g, s + 1, d, c), dc) != dc)
+    return count
 
 
 def explained(pool: str, notes: tuple[str, ...]) -> bool:
@@ -521,6 +549,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {len(off)} breakdowns do not add up to the gap: "
               + ", ".join(f"{c.cluster}/{c.model} rest {c.losses['rest']:.2e} step "
                           f"{c.losses['step_err']:.2e}" for c in off), file=sys.stderr)
+        return 1
+    crossing = [c for c in cases if c.unpriced_hops]
+    if crossing:
+        print(f"error: {len(crossing)} plans place a hop priced inside a datacenter across a "
+              "link: " + ", ".join(f"{c.cluster}/{c.model} ({c.unpriced_hops} replica hops)"
+                                   for c in crossing), file=sys.stderr)
         return 1
     if over:
         print(f"error: {len(over)} plans exceed the ideal bound (cost model inconsistency): "

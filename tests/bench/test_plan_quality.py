@@ -238,3 +238,28 @@ def test_loss_breakdown_rebuilds_a_helix_plan() -> None:
     assert parts["step_err"] == pytest.approx(0.0, abs=1e-9)
     assert parts["bubble"] > 0
     assert sum(parts[k] for k in PARTS) == pytest.approx(parts["gap"], abs=1e-9)
+
+
+def test_unpriced_crossings_counts_hops_placed_across_a_link():
+    """0 on the planner's plan (three stages over two datacenters: one hop across the link,
+    priced so, and one inside a datacenter); moving one replica of the stage after the
+    inside hop to the other datacenter counts that replica's hop."""
+    from dataclasses import replace as dc_replace
+
+    doc = {"apiVersion": "hettrain.dev/v1alpha1", "kind": "Cluster", "metadata": {"name": "m"},
+           "datacenters": [{"name": "a"}, {"name": "b"}],
+           "links": [{"between": ["a", "b"], "bandwidthGbps": 800, "latencyMs": 5}],
+           "pools": [{"name": f"h{dc}", "datacenter": dc, "device": "H100-SXM", "nodes": 4,
+                      "gpusPerNode": 8, "nicGbps": 3200} for dc in "ab"]}
+    inv = load_cluster(doc)
+    spec = parse_job_spec({"model": {"preset": "llama3-8b", "seqLen": 4096},
+                           "training": {"globalBatch": 64, "steps": 1},
+                           "parallelism": {"tp": 8, "pp": 3}})
+    plan = plan_job("q", spec, inv)
+    assert pq.unpriced_crossings(plan, inv) == 0
+    pools = [st.pools[0] for st in plan.stages]
+    (hop,) = [i for i in range(2) if pools[i] == pools[i + 1]]  # the hop priced inside
+    other = "b" if inv.pool(pools[hop]).datacenter == "a" else "a"
+    moved = tuple(dc_replace(r, datacenter=other) if (r.stage, r.dp) == (hop + 1, 0) else r
+                  for r in plan.ranks)
+    assert pq.unpriced_crossings(dc_replace(plan, ranks=moved), inv) == 1
