@@ -146,3 +146,31 @@ def test_1f1b_keeps_at_most_p_minus_s_microbatches_in_flight() -> None:
 def test_bad_arguments_name_the_argument(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
         build_timeline(**kwargs)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize(("p", "m", "warm"), [(3, 8, (2, 1, 0)), (4, 6, (3, 3, 1, 0)),
+                                               (2, 3, (5, 0)), (5, 12, (1, 1, 1, 1, 0))])
+def test_link_warmup_order_is_the_runtimes(schedule: str, p: int, m: int,
+                                           warm: tuple[int, ...]) -> None:
+    """The Gantt panel of a pipeline across a datacenter link runs the plan's extra warm-up
+    forwards (``stages[].link_warmup``) in the runtime's order (``runtime/schedules``), and
+    every stage still runs each microbatch's F, B (and W) once."""
+    from hettrain.runtime.schedules import stage_actions
+
+    t = build_timeline([T] * p, m, schedule, link_warmup=warm)
+    for s in range(p):
+        drawn = [(o.kind, o.microbatch) for o in sorted(t.on_stage(s), key=lambda o: o.start_ms)]
+        want = stage_actions(schedule, s, p, m, link_warmup=warm[s])
+        if schedule == "1f1b":  # the runtime's W runs inside its B
+            want = [a for a in want if a[0] != "W"]
+        assert drawn == want, s
+    more = build_timeline([T] * p, m, schedule, link_warmup=warm)
+    assert len(more.ops) == len(build_timeline([T] * p, m, schedule).ops)
+
+
+def test_link_warmup_is_refused_where_no_schedule_runs_it() -> None:
+    with pytest.raises(ValueError, match="link_warmup"):
+        build_timeline([T] * 2, 4, "interleaved", chunks=2, link_warmup=(1, 0))
+    with pytest.raises(ValueError, match="link_warmup"):
+        build_timeline([T] * 2, 4, "1f1b", link_warmup=(1,))

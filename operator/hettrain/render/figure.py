@@ -66,7 +66,9 @@ def plan_timeline(plan: Plan) -> Timeline:
     chunks = plan.virtual_stages if chunked_schedule(plan.schedule) else 1
     schedule = plan.schedule if plan.schedule in SCHEDULE_NAMES else "1f1b"
     return build_timeline(
-        [s.time_ms for s in plan.stages], plan.num_microbatches, schedule, chunks=chunks
+        [s.time_ms for s in plan.stages], plan.num_microbatches, schedule, chunks=chunks,
+        link_warmup=[s.link_warmup for s in plan.stages] if schedule in ("1f1b", "zb-h1")
+        else (),
     )
 
 

@@ -4,7 +4,9 @@ This is what the Gantt panel draws. Each stage runs a fixed order of operations 
 pipeline engines use), and an operation starts when its stage is free and its inputs have arrived:
 
 - ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021): stage ``s`` runs ``min(p-s-1, m)`` warm-up
-  forwards, then alternates one forward / one backward, then drains the remaining backwards.
+  forwards (plus the plan's ``link_warmup`` of the stage in a pipeline across a datacenter
+  link, as the runtime does), then alternates one forward / one backward, then drains the
+  remaining backwards.
 - ``interleaved`` (Megatron-LM virtual pipeline): each rank holds ``v`` model chunks; microbatches
   go through the chunks in groups of ``p``; warm-up is ``(p-s-1)*2 + (v-1)*p`` chunk-forwards.
 - ``zb-h1`` (Zero Bubble, Qi et al. 2024): the backward splits into B (input gradient, on the
@@ -89,9 +91,12 @@ class Timeline:
 _Key = tuple[str, int, int, int]
 
 
-def one_f_one_b_order(stage: int, stages: int, microbatches: int) -> list[_Key]:
-    """The 1F1B operation order of one stage (no timing)."""
-    warmup = min(stages - stage - 1, microbatches)
+def one_f_one_b_order(stage: int, stages: int, microbatches: int, link_warmup: int = 0
+                      ) -> list[_Key]:
+    """The 1F1B operation order of one stage (no timing); ``link_warmup``: the plan's extra
+    warm-up forwards over a datacenter link (``stages[].link_warmup``), as the runtime runs
+    them (``runtime/schedules.warmup_count``)."""
+    warmup = min(stages - stage - 1 + link_warmup, microbatches)
     order: list[_Key] = [(FORWARD, stage, mb, 0) for mb in range(warmup)]
     next_f, next_b = warmup, 0
     while next_f < microbatches:
@@ -103,12 +108,14 @@ def one_f_one_b_order(stage: int, stages: int, microbatches: int) -> list[_Key]:
     return order
 
 
-def zero_bubble_order(stage: int, stages: int, microbatches: int) -> list[_Key]:
-    """The ZB-H1 operation order of one stage (no timing): 1F1B with split backwards, the
-    first ``stage`` weight-gradient passes deferred to the end."""
+def zero_bubble_order(stage: int, stages: int, microbatches: int, link_warmup: int = 0
+                      ) -> list[_Key]:
+    """The ZB-H1 operation order of one stage (no timing): 1F1B with split backwards (and
+    ``link_warmup`` extra warm-up forwards), the first ``stage`` weight-gradient passes
+    deferred to the end."""
     order: list[_Key] = []
     weights = 0
-    for key in one_f_one_b_order(stage, stages, microbatches):
+    for key in one_f_one_b_order(stage, stages, microbatches, link_warmup):
         order.append(key)
         if key[0] == BACKWARD and key[2] >= stage:
             order.append((WEIGHT, stage, weights, 0))
@@ -177,14 +184,22 @@ def _durations(stage_times_ms: Sequence[float], schedule: str, chunks: int
 
 
 def build_timeline(stage_times_ms: Sequence[float], microbatches: int, schedule: str = "1f1b",
-                   chunks: int = 1, p2p_ms: float = 0.0) -> Timeline:
+                   chunks: int = 1, p2p_ms: float = 0.0,
+                   link_warmup: Sequence[int] = ()) -> Timeline:
     """Time one replica's pipeline schedule.
 
     ``stage_times_ms[s]`` is forward+backward of one microbatch on stage ``s`` (all its chunks);
-    ``p2p_ms`` is the activation/gradient hop between neighbouring stages.
+    ``p2p_ms`` is the activation/gradient hop between neighbouring stages; ``link_warmup[s]``
+    the extra warm-up forwards of stage ``s`` of a 1F1B or ZB-H1 pipeline across a datacenter
+    link (the plan's ``stages[].link_warmup``; empty: none).
     Raises ``ValueError`` naming the bad argument.
     """
     stages = len(stage_times_ms)
+    extra = list(link_warmup) or [0] * stages
+    if len(extra) != stages or any(w < 0 for w in extra):
+        raise ValueError(f"link_warmup: one count >= 0 per stage (got {list(link_warmup)})")
+    if any(extra) and schedule not in ("1f1b", "zb-h1"):
+        raise ValueError(f"link_warmup: only 1f1b and zb-h1 run it (got {schedule!r})")
     if stages < 1:
         raise ValueError("stage_times_ms: need at least one stage")
     if any(t < 0 for t in stage_times_ms):
@@ -204,12 +219,12 @@ def build_timeline(stage_times_ms: Sequence[float], microbatches: int, schedule:
     if schedule == "interleaved":
         orders = [interleaved_order(s, stages, microbatches, chunks) for s in range(stages)]
     elif schedule == "zb-h1":
-        orders = [zero_bubble_order(s, stages, microbatches) for s in range(stages)]
+        orders = [zero_bubble_order(s, stages, microbatches, extra[s]) for s in range(stages)]
     elif schedule == "interleaved-zb":
         orders = [[(kind, s, mb, c) for kind, mb, c in actions] for s, actions in
                   enumerate(interleaved_zb_orders(stages, microbatches, chunks))]
     else:
-        orders = [one_f_one_b_order(s, stages, microbatches) for s in range(stages)]
+        orders = [one_f_one_b_order(s, stages, microbatches, extra[s]) for s in range(stages)]
     durations = _durations(stage_times_ms, schedule, chunks)
     ops = _simulate(orders, durations, stages, chunks, p2p_ms)
     return Timeline(schedule, stages, microbatches, chunks, tuple(ops))
