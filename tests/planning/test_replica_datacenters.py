@@ -65,7 +65,7 @@ def _random_layout(rng: random.Random):
         gpn = rng.choice([2, 4, 8])
         for dc in rng.sample(dcs, rng.randint(1, len(dcs))):
             pools.append({"name": f"p{d}{dc}", "datacenter": dc, "device": dev,
-                          "nodes": rng.randint(1, 4), "gpusPerNode": gpn, "nicGbps": 400})
+                          "nodes": rng.randint(1, 6), "gpusPerNode": gpn, "nicGbps": 400})
     inv = load_cluster(_cluster(pools))
     units = list(build_units(inv.pools, merged=True))
     rng.shuffle(units)
