@@ -10,7 +10,7 @@ import pytest
 from hettrain.api.spec import parse_job_spec
 from hettrain.planning import planner as P
 from hettrain.planning.inventory import load_cluster
-from hettrain.planning.placement import moved_ranks, place_ranks
+from hettrain.planning.placement import moved_at_least, moved_ranks, place_ranks
 from hettrain.planning.planner import plan_job, step_time_for_split
 from hettrain.planning.units import build_units, filter_pools, spans_datacenters
 
@@ -173,3 +173,27 @@ def test_replan_searching_the_previous_pair_first_changes_only_the_work(
     monkeypatch.setattr(P, "_previous_pair", lambda previous, cp: None)
     plain = plan_job("j", spec, smaller, previous=first)
     assert _without_search_count(ordered) == _without_search_count(plain)
+
+
+@pytest.mark.parametrize("seed", range(0, 40, 4))
+def test_moved_at_least_never_exceeds_a_placements_moves(seed: int) -> None:
+    # the bound that lets the re-plan skip placing a near layout: for every layout within the
+    # tolerance of the best (exhaustive search, both groupings), on the whole cluster and on
+    # the survivors of a node loss, at most the moves of its placement
+    pools, spec, pick = _random_case(seed)
+    inv = load_cluster(_cluster(pools))
+    first = plan_job("j", spec, inv)
+    smaller = inv.without_nodes([first.ranks[pick % first.world_size].node])
+    tight = zero = 0
+    for cluster in (inv, smaller):
+        for merged in (False, True):
+            search = P._Search(spec, True, P.REPLAN_TOLERANCE)
+            units = build_units(filter_pools(cluster, spec.placement), merged=merged)
+            P._search_exhaustive(search, units, cluster, "merged" if merged else "split")
+            for c in search.near:
+                bound = moved_at_least(first, c.units, c.tps, c.dp)
+                moved = moved_ranks(first, place_ranks(c.units, c.tps, c.dp, first, c.cp))
+                assert 0 <= bound <= moved
+                tight += bound == moved
+                zero += moved == 0
+    assert tight and zero  # not vacuous: some layouts reach it, the first plan's moves none

@@ -159,6 +159,35 @@ def place_ranks(stage_units: Sequence[Unit], stage_tp: Sequence[int], dp: int,
     return tuple(ranks)
 
 
+def moved_at_least(previous: Plan, stage_units: Sequence[Unit], stage_tp: Sequence[int],
+                   dp: int) -> int:
+    """A lower bound on :func:`moved_ranks` of any placement of ``dp`` replicas of the stages
+    ``stage_units``/``stage_tp`` (``dp`` counts the ``dp·cp`` replicas): stage ``s`` keeps at
+    most as many GPUs as its unit's nodes had serving stage ``s`` in ``previous``; every other
+    of its ``dp·tp`` GPUs moves (or is new)."""
+    per_node = _stage_counts(previous)
+    moved = 0
+    for s, (unit, tp) in enumerate(zip(stage_units, stage_tp, strict=True)):
+        had = sum(per_node.get(n, {}).get(s, 0) for p in unit.pools for n in p.nodes)
+        moved += max(0, dp * tp - had)
+    return moved
+
+
+_COUNTS: list = []  # [(plan, node -> {stage: GPUs})] for the last plan
+
+
+def _stage_counts(previous: Plan) -> dict[str, dict[int, int]]:
+    """Per node of ``previous``, its GPUs per stage (the last plan's, kept like :func:`_index`)."""
+    if _COUNTS and _COUNTS[0][0] is previous:
+        return _COUNTS[0][1]
+    counts: dict[str, dict[int, int]] = {}
+    for r in previous.ranks:
+        node = counts.setdefault(r.node, {})
+        node[r.stage] = node.get(r.stage, 0) + 1
+    _COUNTS[:] = [(previous, counts)]
+    return counts
+
+
 def moved_ranks(previous: Plan, ranks: Sequence[RankPlan]) -> int:
     """Ranks whose GPU now serves a different stage than before (or is new)."""
     before = _index(previous)[1]

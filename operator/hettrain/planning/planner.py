@@ -69,7 +69,12 @@ from hettrain.planning.layers import (
     split_layers,
     split_layers_brute_force,
 )
-from hettrain.planning.placement import moved_ranks, place_ranks, replica_datacenters
+from hettrain.planning.placement import (
+    moved_at_least,
+    moved_ranks,
+    place_ranks,
+    replica_datacenters,
+)
 from hettrain.planning.plan import Plan, Prediction, RankPlan, StagePlan
 from hettrain.planning.replica_groups import (
     plan_devices,
@@ -2383,16 +2388,24 @@ def _plan_auto(name: str, inventory: ClusterInventory, exhaustive: bool,
 def _fewest_moves(best: Candidate, near: Sequence[Candidate], previous: Plan
                   ) -> tuple[Candidate, tuple]:
     """Among layouts within ``REPLAN_TOLERANCE`` of ``best`` (the fastest of each distinct
-    placement, at most ``REPLAN_OPTIONS``), the one moving the fewest ranks; ties: faster."""
+    placement, at most ``REPLAN_OPTIONS``), the one moving the fewest ranks; ties: faster. One
+    whose lower bound on moves (:func:`placement.moved_at_least`) is no better than a faster
+    one's moves is not placed."""
     limit = best.step_time_s * REPLAN_TOLERANCE
     by_layout: dict[tuple, Candidate] = {}
     for c in sorted((c for c in near if c.step_time_s <= limit), key=Candidate.sort_key):
         by_layout.setdefault((tuple(u.key for u in c.units), c.tps, c.dp, c.cp), c)
     scored = []
+    fewest = math.inf
     for c in list(by_layout.values())[:REPLAN_OPTIONS]:
+        # in sort-key order: one that cannot move fewer ranks than an earlier one loses to it
+        if moved_at_least(previous, c.units, c.tps, c.dp) >= fewest:
+            continue
         # (moved ranks count stages per GPU: the CP renumbering waits for the chosen one)
         r = place_ranks(c.units, c.tps, c.dp, previous, c.cp)
-        scored.append((moved_ranks(previous, r), c.sort_key(), c, r))
+        moved = moved_ranks(previous, r)
+        fewest = min(fewest, moved)
+        scored.append((moved, c.sort_key(), c, r))
     if not scored:  # best itself is always within the tolerance; defensive
         return best, _place(best, previous)
     _, _, chosen, ranks = min(scored, key=lambda x: (x[0], x[1]))
