@@ -43,8 +43,9 @@ def _spec(gb: int = 8, hidden: int = 4096, layers: int = 4) -> object:
                            "training": {"globalBatch": gb, "steps": 1}})
 
 
-def _brute_force_min_moved(spec, inv, previous) -> tuple[int, float]:
-    """Every layout within the re-plan tolerance (exhaustive search), each placed: min moves."""
+def _near_layouts(spec, inv) -> list:
+    """The exhaustive search's layouts near the best (within the re-plan tolerance of the
+    incumbent as found), over the groupings ``plan_job`` searches."""
     pools = filter_pools(inv, spec.placement)
     groupings = [("split", build_units(pools, merged=False))]
     if spans_datacenters(pools):
@@ -54,6 +55,12 @@ def _brute_force_min_moved(spec, inv, previous) -> tuple[int, float]:
         search = P._Search(spec, True, P.REPLAN_TOLERANCE)
         P._search_exhaustive(search, units, inv, grouping)
         near.extend(search.near)
+    return near
+
+
+def _brute_force_min_moved(spec, inv, previous) -> tuple[int, float]:
+    """Every layout within the re-plan tolerance (exhaustive search), each placed: min moves."""
+    near = _near_layouts(spec, inv)
     best = min(c.step_time_s for c in near)
     within = [c for c in near if c.step_time_s <= best * P.REPLAN_TOLERANCE]
     return min(moved_ranks(previous, place_ranks(c.units, c.tps, c.dp, previous))
@@ -178,22 +185,18 @@ def test_replan_searching_the_previous_pair_first_changes_only_the_work(
 @pytest.mark.parametrize("seed", range(0, 40, 4))
 def test_moved_at_least_never_exceeds_a_placements_moves(seed: int) -> None:
     # the bound that lets the re-plan skip placing a near layout: for every layout within the
-    # tolerance of the best (exhaustive search, both groupings), on the whole cluster and on
-    # the survivors of a node loss, at most the moves of its placement
+    # tolerance of the best (exhaustive search, the groupings plan_job searches), on the whole
+    # cluster and on the survivors of a node loss, at most the moves of its placement
     pools, spec, pick = _random_case(seed)
     inv = load_cluster(_cluster(pools))
     first = plan_job("j", spec, inv)
     smaller = inv.without_nodes([first.ranks[pick % first.world_size].node])
     tight = zero = 0
     for cluster in (inv, smaller):
-        for merged in (False, True):
-            search = P._Search(spec, True, P.REPLAN_TOLERANCE)
-            units = build_units(filter_pools(cluster, spec.placement), merged=merged)
-            P._search_exhaustive(search, units, cluster, "merged" if merged else "split")
-            for c in search.near:
-                bound = moved_at_least(first, c.units, c.tps, c.dp)
-                moved = moved_ranks(first, place_ranks(c.units, c.tps, c.dp, first, c.cp))
-                assert 0 <= bound <= moved
-                tight += bound == moved
-                zero += moved == 0
+        for c in _near_layouts(spec, cluster):
+            bound = moved_at_least(first, c.units, c.tps, c.dp)
+            moved = moved_ranks(first, place_ranks(c.units, c.tps, c.dp, first, c.cp))
+            assert 0 <= bound <= moved
+            tight += bound == moved
+            zero += moved == 0
     assert tight and zero  # not vacuous: some layouts reach it, the first plan's moves none

@@ -17,20 +17,25 @@ from collections.abc import Sequence
 from hettrain.planning.plan import Plan, RankPlan
 from hettrain.planning.units import Unit
 
-_INDEX: list = []  # [(plan, node -> (stage, rank), (node, gpu) -> stage)] for the last plan
+# [(plan, node -> (stage, rank), (node, gpu) -> stage, node -> {stage: GPUs})] for the last plan
+_INDEX: list = []
 
 
-def _index(previous: Plan) -> tuple[dict[str, tuple[int, int]], dict[tuple[str, int], int]]:
-    """Per-node first (stage, rank) and per-GPU stage of ``previous``; a re-plan compares many
-    placements against one previous plan, so the last one is kept."""
+def _index(previous: Plan) -> tuple[dict[str, tuple[int, int]], dict[tuple[str, int], int],
+                                    dict[str, dict[int, int]]]:
+    """Per-node first (stage, rank), per-GPU stage and per-node GPUs by stage of ``previous``;
+    a re-plan compares many placements against one previous plan, so the last one is kept."""
     if _INDEX and _INDEX[0][0] is previous:
-        return _INDEX[0][1], _INDEX[0][2]
+        return _INDEX[0][1:]
     first: dict[str, tuple[int, int]] = {}
+    counts: dict[str, dict[int, int]] = {}
     for r in previous.ranks:
         first.setdefault(r.node, (r.stage, r.rank))
+        node = counts.setdefault(r.node, {})
+        node[r.stage] = node.get(r.stage, 0) + 1
     stage = {(r.node, r.local_rank): r.stage for r in previous.ranks}
-    _INDEX[:] = [(previous, first, stage)]
-    return first, stage
+    _INDEX[:] = [(previous, first, stage, counts)]
+    return first, stage, counts
 
 
 def _unit_nodes(unit: Unit, previous: Plan | None) -> list[tuple[str, str, str]]:
@@ -68,10 +73,6 @@ def _advance(cursor: tuple[int, int], n: int, tp: int, gpus_per_node: int) -> tu
 
 def _nodes_used(cursor: tuple[int, int]) -> int:
     return cursor[0] + (1 if cursor[1] else 0)
-
-
-def _unit_dc_nodes(unit: Unit, dc: str) -> int:
-    return sum(len(p.nodes) for p in unit.pools if p.datacenter == dc)
 
 
 def replica_datacenters(stage_units: Sequence[Unit], stage_tp: Sequence[int], dp: int,
@@ -115,7 +116,7 @@ def _take(stage_units: Sequence[Unit], stage_tp: Sequence[int], run: Sequence[in
         key = (unit.key, dc)
         cursors[key] = _advance(cursors.get(key, (0, 0)), replicas, stage_tp[s],
                                 unit.gpus_per_node)
-        if _nodes_used(cursors[key]) > _unit_dc_nodes(unit, dc):
+        if _nodes_used(cursors[key]) > unit.nodes_in(dc):
             return False
     return True
 
@@ -165,27 +166,12 @@ def moved_at_least(previous: Plan, stage_units: Sequence[Unit], stage_tp: Sequen
     ``stage_units``/``stage_tp`` (``dp`` counts the ``dp·cp`` replicas): stage ``s`` keeps at
     most as many GPUs as its unit's nodes had serving stage ``s`` in ``previous``; every other
     of its ``dp·tp`` GPUs moves (or is new)."""
-    per_node = _stage_counts(previous)
+    per_node = _index(previous)[2]
     moved = 0
     for s, (unit, tp) in enumerate(zip(stage_units, stage_tp, strict=True)):
         had = sum(per_node.get(n, {}).get(s, 0) for p in unit.pools for n in p.nodes)
         moved += max(0, dp * tp - had)
     return moved
-
-
-_COUNTS: list = []  # [(plan, node -> {stage: GPUs})] for the last plan
-
-
-def _stage_counts(previous: Plan) -> dict[str, dict[int, int]]:
-    """Per node of ``previous``, its GPUs per stage (the last plan's, kept like :func:`_index`)."""
-    if _COUNTS and _COUNTS[0][0] is previous:
-        return _COUNTS[0][1]
-    counts: dict[str, dict[int, int]] = {}
-    for r in previous.ranks:
-        node = counts.setdefault(r.node, {})
-        node[r.stage] = node.get(r.stage, 0) + 1
-    _COUNTS[:] = [(previous, counts)]
-    return counts
 
 
 def moved_ranks(previous: Plan, ranks: Sequence[RankPlan]) -> int:

@@ -56,8 +56,11 @@ class Unit:
             return 0
         share = dp // len(dcs)
         per_node = self.gpus_per_node // tp
-        return min(sum(len(p.nodes) for p in self.pools if p.datacenter == dc) * per_node
-                   // share for dc in dcs)
+        return min(self.nodes_in(dc) * per_node // share for dc in dcs)
+
+    def nodes_in(self, datacenter: str) -> int:
+        """Nodes of the unit in ``datacenter``."""
+        return sum(len(p.nodes) for p in self.pools if p.datacenter == datacenter)
 
     @property
     def nic_gbytes_per_gpu(self) -> float:
